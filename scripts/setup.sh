@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv and install Mula into it. Idempotent: a second run only checks.
+#   bash scripts/setup.sh          # runtime + hf extra
+#   bash scripts/setup.sh dev      # + test tools (pytest, ruff, transformers, triton)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="hf"
+[ "${1:-}" = "dev" ] && extras="hf,dev"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# Install torch first so that nothing below resolves it to another (e.g. CUDA) build.
+# TORCH_SPEC lets a GPU/XPU cluster pick its own build, e.g. TORCH_SPEC="torch --index-url ...".
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q ${TORCH_SPEC:-torch==2.13.0}
+fi
+# Pin the installed torch: otherwise the newest torchvision (pulled in by litdata) upgrades it.
+constraints=$(mktemp)
+python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
+python -m pip install -q -c "$constraints" -e ".[${extras}]"
+rm -f "$constraints"
+# litdata depends on torchvision, but the torchvision wheel is not built for this torch build and
+# breaks `import lightning` (torchmetrics imports it when present). Mula never uses it: remove it.
+python -m pip uninstall -q -y torchvision 2>/dev/null || true
+python -c "import lightning, litdata, torch; print(f'mula env ready: torch {torch.__version__}, lightning {lightning.__version__}')"
