@@ -1,0 +1,274 @@
+"""`MulaLightningModule`: the training loop's view of a Mula model.
+
+Loss = cross-entropy + `router_aux_loss_coef` * load-balancing loss + `router_z_loss_coef` * z-loss
+(both coefficients live in `MulaConfig`, so a recipe changes them with `overrides`). AdamW with a
+linear warmup from `min_lr` to `lr`, then a cosine decay back to `min_lr`. Gradient clipping is the
+Trainer's (`gradient_clip_val` in the recipe) so that strategies can clip sharded gradients.
+
+Weight decay follows OLMo-core (the OLMo 2 / OLMoE training code): every parameter is decayed
+except the token embedding (`no_decay=["embed.weight"]`). Norm weights are decayed too; the paper's
+recipes use the same single weight decay of 0.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics.aggregation import MeanMetric
+
+from mula.config import MulaConfig
+from mula.model import Mula
+
+
+def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
+    """Learning rate after `step` optimizer steps.
+
+    Linear warmup from `min_lr` (step 0) to `lr` (step `warmup_steps`), then a half cosine from `lr`
+    down to `min_lr` at step `decay_steps`, and `min_lr` after that.
+    """
+    if step < warmup_steps:
+        return min_lr + (lr - min_lr) * step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _lr_factor(step: int, **kwargs: Any) -> float:
+    """`warmup_cosine` as a multiple of the base lr (what `LambdaLR` wants)."""
+    return warmup_cosine(step, **kwargs) / kwargs["lr"]
+
+
+def resolve_config(config: str | MulaConfig | dict[str, Any], overrides: dict[str, Any] | None = None) -> MulaConfig:
+    """A `MulaConfig` from a preset name, a config or a dict of its fields, with `overrides` applied."""
+    overrides = dict(overrides or {})
+    if isinstance(config, str):
+        return MulaConfig.from_name(config, **overrides)
+    if isinstance(config, dict):
+        config = MulaConfig.from_dict(config)
+    if not isinstance(config, MulaConfig):
+        raise ValueError(f"model config must be a preset name or a MulaConfig, got {type(config).__name__}.")
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(MulaConfig)})
+    if unknown:
+        raise ValueError(f"Unknown MulaConfig field(s) {unknown} in overrides.")
+    return dataclasses.replace(config, **overrides)
+
+
+def check_data_fits_model(config: MulaConfig, *, seq_len: int | None = None, vocab_size: int | None = None) -> None:
+    """Raise `ValueError` when the data cannot be fed to the model.
+
+    `seq_len` must not exceed the model's `max_position_embeddings`; `vocab_size` (the tokenizer's)
+    must not exceed the model's embedding rows, or some token ids would index past the table.
+    """
+    if seq_len is not None and seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings} "
+            f"({config.name}); lower data.seq_len or raise model.overrides.max_position_embeddings."
+        )
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {config.vocab_size} "
+            f"({config.name}); use a smaller tokenizer or raise model.overrides.vocab_size."
+        )
+
+
+class MulaLightningModule(L.LightningModule):
+    """Trains a `Mula` language model (dense or MoE) on batches of token ids [B, seq_len + 1].
+
+    Args:
+        config: A preset name (`mula-tiny-moe`, `mula-7b-a1b`, ...) or a `MulaConfig`.
+        overrides: `MulaConfig` fields replacing the preset's, e.g. `{num_layers: 2}`.
+        lr: Peak learning rate, reached after `warmup_steps`.
+        min_lr: Learning rate at step 0 and at the end of the cosine decay.
+        warmup_steps: Optimizer steps of linear warmup from `min_lr` to `lr`.
+        decay_steps: Step at which the cosine reaches `min_lr`; default: the Trainer's `max_steps`
+            (or its estimated number of optimizer steps when `max_steps` is unset).
+        weight_decay: AdamW weight decay (decoupled) of every parameter not matched by `no_decay`.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        no_decay: Glob patterns of `Mula` parameter names trained without weight decay.
+        init_weights: A Mula weights file (`mula import-hf` output, `.pt`) or a Lightning `.ckpt` of
+            this module to start from instead of a random initialisation.
+    """
+
+    def __init__(
+        self,
+        config: str | MulaConfig = "mula-tiny-moe",
+        overrides: dict[str, Any] | None = None,
+        lr: float = 4e-4,
+        min_lr: float = 4e-5,
+        warmup_steps: int = 2500,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        no_decay: Sequence[str] = ("embed.weight",),
+        init_weights: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = resolve_config(config, overrides)
+        if isinstance(config, MulaConfig):
+            # hyperparameters must be plain data: checkpoints are read with torch.load(weights_only=True)
+            config = dataclasses.asdict(config)
+        if not 0.0 <= min_lr <= lr:
+            raise ValueError(f"min_lr must be in [0, lr={lr}], got {min_lr}.")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        if init_weights is not None and not Path(init_weights).is_file():
+            raise FileNotFoundError(f"init_weights file {init_weights} does not exist.")
+        self.lr, self.min_lr, self.warmup_steps, self.decay_steps = lr, min_lr, warmup_steps, decay_steps
+        self.weight_decay, self.betas, self.eps = weight_decay, tuple(betas), eps
+        self.no_decay = list(no_decay)
+        self.init_weights = init_weights
+        self.save_hyperparameters()
+        self.model: Mula | None = None  # built in configure_model (possibly on meta / sharded)
+        self.val_loss = MeanMetric()
+        self._batch_shape: tuple[int, int] | None = None
+
+    # ----- model ---------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Build the model (once); strategies may call this under a meta-device or sharding context."""
+        if self.model is not None:
+            return
+        self.model = Mula(self.config)
+        if self.init_weights is not None:
+            self._load_init_weights(self.init_weights)
+
+    def _load_init_weights(self, path: str) -> None:
+        """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
+        from mula.weights import load_weights  # imported lazily: only needed with init_weights
+
+        source = load_weights(path)
+        ours = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("name", "expert_backend")}
+        theirs = {k: v for k, v in dataclasses.asdict(source.config).items() if k not in ("name", "expert_backend")}
+        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        if diff:
+            details = ", ".join(f"{k}: {theirs.get(k)} vs {ours[k]}" for k in diff)
+            raise ValueError(f"init_weights {path} has a different architecture than the model ({details}).")
+        on_meta = any(p.is_meta for p in self.model.parameters())
+        self.model.load_state_dict(source.state_dict(), assign=on_meta)
+
+    def forward(self, input_ids: Tensor):
+        """Logits and router statistics for `input_ids` [B, T] (a `MulaOutput`)."""
+        return self.model(input_ids)
+
+    # ----- steps ---------------------------------------------------------------------------------
+    def _losses(self, batch: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """(total loss, cross-entropy, model output) for a batch of token ids [B, T + 1]."""
+        if batch.dim() != 2 or batch.shape[1] < 2:
+            raise ValueError(f"expected a batch of token ids [batch, seq_len + 1], got shape {tuple(batch.shape)}.")
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        self._batch_shape = (inputs.shape[0], inputs.shape[1])
+        out = self.model(inputs)
+        # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        loss = ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+        return loss, ce, out
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """One micro-batch: loss, and the train/* (and moe/*) metrics of this step."""
+        loss, ce, out = self._losses(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ce_loss", ce)
+        if self.config.is_moe:
+            self.log("train/aux_loss", out.aux_loss)
+            self.log("train/z_loss", out.z_loss)
+            if out.tokens_per_expert is not None:
+                self.log("moe/load_imbalance", load_imbalance(out.tokens_per_expert))
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        """Accumulate the token-weighted cross-entropy; `val/loss` and `val/ppl` are logged per epoch."""
+        _, ce, _ = self._losses(batch)
+        self.val_loss.update(ce, weight=batch[:, 1:].numel())
+
+    def on_validation_epoch_end(self) -> None:
+        """Log `val/loss` (cross-entropy, synced over ranks by torchmetrics) and `val/ppl` = exp(val/loss)."""
+        if self.val_loss.update_count == 0:
+            return
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        """Same as validation, logged as test/loss and test/ppl."""
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        """Log `test/loss` and `test/ppl`."""
+        if self.val_loss.update_count == 0:
+            return
+        loss = self.val_loss.compute()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    # ----- optimizer -----------------------------------------------------------------------------
+    def param_groups(self) -> list[dict[str, Any]]:
+        """AdamW parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0)."""
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            skip = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.no_decay)
+            (no_decay if skip else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+
+    def _decay_steps(self) -> int:
+        """Step where the cosine ends: `decay_steps`, else the Trainer's max_steps / estimated total."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        if self.trainer.max_steps and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        return int(self.trainer.estimated_stepping_batches)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW + per-step LambdaLR implementing `warmup_cosine`."""
+        optimizer = torch.optim.AdamW(
+            self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+        )
+        # a partial of a module-level function: LambdaLR checkpoints no state for it, so a resumed run
+        # follows the schedule of its (possibly edited) recipe
+        factor = functools.partial(
+            _lr_factor, lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps, decay_steps=self._decay_steps()
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ----- throughput / checkpoint ---------------------------------------------------------------
+    def flops(self, batch_size: int, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) of one micro-batch of `batch_size` sequences of `seq_len`."""
+        return self.config.flops_per_token(seq_len) * batch_size * seq_len
+
+    @property
+    def tokens_per_batch(self) -> int | None:
+        """Input tokens in the last micro-batch seen (None before the first)."""
+        return None if self._batch_shape is None else self._batch_shape[0] * self._batch_shape[1]
+
+    @property
+    def flops_per_batch(self) -> int | None:
+        """Training FLOPs of the last micro-batch seen, from `MulaConfig.flops_per_token` (None before the first)."""
+        return None if self._batch_shape is None else self.flops(*self._batch_shape)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the resolved model config so `mula export-hf` / `load_weights` can rebuild the model."""
+        checkpoint["mula_config"] = dataclasses.asdict(self.config)
+
+
+def load_imbalance(tokens_per_expert: Tensor) -> Tensor:
+    """max / mean tokens per expert, averaged over MoE layers (1.0 = perfectly balanced)."""
+    counts = tokens_per_expert.float()
+    return (counts.max(dim=-1).values / counts.mean(dim=-1).clamp_min(1e-9)).mean()
