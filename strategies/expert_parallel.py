@@ -1,0 +1,74 @@
+"""Apply expert parallelism to a plain (single-device) Mula model from the outside.
+
+Every MoE layer (a module with `.router`, `.experts` and `.dispatcher`) gets its stacked expert
+weights sliced to this rank's block of global experts and its dispatcher replaced by an
+`AllToAllDispatcher` over the EP group. The model code itself never changes, and the kept slices are
+exactly the single-process model's experts p*E_local ... (p+1)*E_local - 1 (build full, then slice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from strategies.all_to_all import AllToAllDispatcher
+from strategies.topology import ExpertParallelTopology, validate_layout
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every MoE layer: modules with a router, grouped experts and a dispatcher."""
+    for name, module in model.named_modules():
+        if all(hasattr(module, a) for a in ("router", "experts", "dispatcher")):
+            yield name, module
+
+
+def num_global_experts(model: nn.Module) -> int | None:
+    """Experts per MoE layer in the full model (None for a dense model)."""
+    counts = {int(layer.router.num_experts) for _, layer in moe_layers(model)}
+    if len(counts) > 1:
+        raise ValueError(f"MoE layers disagree on the number of experts: {sorted(counts)}.")
+    return counts.pop() if counts else None
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    """Names of the stacked expert parameters ([E_local, ...], '.experts.' in the name)."""
+    return [n for n, _ in model.named_parameters() if ".experts." in f".{n}"]
+
+
+@torch.no_grad()
+def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) -> int | None:
+    """Slice experts to this rank's global block and install all-to-all dispatchers. Returns E_total.
+
+    Idempotent: a layer already holding E_total / ep_size experts with an `AllToAllDispatcher` is
+    left alone (Lightning may call setup again for validate/test after fit).
+    """
+    total = num_global_experts(model)
+    if total is None:
+        return None
+    validate_layout(topology.world_size, topology.ep_size, total)
+    local = topology.local_expert_range(total)
+    for _, layer in moe_layers(model):
+        if isinstance(layer.dispatcher, AllToAllDispatcher):
+            continue
+        experts = layer.experts
+        for pname, param in list(experts.named_parameters(recurse=False)):
+            if param.shape[0] != total:
+                raise ValueError(
+                    f"Expert parameter {pname} has leading dimension {param.shape[0]}, expected {total} experts."
+                )
+            if topology.ep_size > 1:
+                # clone() so the full stack's storage is freed instead of kept alive by a view
+                sliced = param.data[local.start : local.stop].clone()
+                setattr(experts, pname, nn.Parameter(sliced, requires_grad=param.requires_grad))
+        if hasattr(experts, "num_experts"):
+            experts.num_experts = len(local)
+        if topology.ep_size > 1:
+            layer.dispatcher = AllToAllDispatcher(total, topology.ep_size, topology.ep_rank, topology.ep_group)
+    return total
+
+
+def global_expert_shape(local: torch.Tensor, topology: ExpertParallelTopology) -> torch.Size:
+    """Shape of the full stacked expert tensor whose EP-rank slice is `local`."""
+    return torch.Size((local.shape[0] * topology.ep_size, *local.shape[1:]))
