@@ -1,0 +1,206 @@
+"""Model configuration: one dataclass for dense and MoE Mula models, plus the named presets.
+
+The parameter and FLOP counts are computed from the config alone (no module is built), so
+MFU and memory planning work for the 220B model on a laptop; `tests/test_config.py` checks them
+against the real module's `numel` on the meta device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+NORMS = ("rmsnorm", "layernorm")
+
+
+@dataclass
+class MulaConfig:
+    """Architecture of a Mula model (decoder-only transformer, dense or MoE).
+
+    Defaults describe Mula-7B-A1B (= OLMoE-1B-7B-0924). `num_experts == 0` means a dense model whose
+    MLP is a SwiGLU of width `intermediate_size`; otherwise every layer's MLP is a dropless MoE of
+    `num_experts` SwiGLU experts of width `expert_intermediate_size`, `top_k` of them per token.
+
+    `norm="layernorm"` is OLMo-1B's non-parametric LayerNorm (no weight, no bias); `"rmsnorm"` has a
+    weight. With `qk_norm`, q and k are normalised (same norm kind) over the whole projection
+    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 50304
+    hidden_size: int = 2048
+    num_layers: int = 16
+    num_heads: int = 16
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    qk_norm: bool = True
+    intermediate_size: int = 8192
+    num_experts: int = 64
+    top_k: int = 8
+    expert_intermediate_size: int = 1024
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+    expert_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
+        for field in positive:
+            if int(getattr(self, field)) <= 0:
+                raise ValueError(f"MulaConfig.{field} must be positive, got {getattr(self, field)}.")
+        if self.norm not in NORMS:
+            raise ValueError(f"MulaConfig.norm must be one of {NORMS}, got {self.norm!r}.")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                "set head_dim explicitly."
+            )
+        if self.head_size % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_size}.")
+        if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}.")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
+        if self.is_moe:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}.")
+            if self.expert_intermediate_size <= 0:
+                raise ValueError(f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}.")
+        elif self.intermediate_size <= 0:
+            raise ValueError(f"intermediate_size must be positive for a dense model, got {self.intermediate_size}.")
+
+    # ----- resolved values ------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        """True when the MLPs are mixtures of experts."""
+        return self.num_experts > 0
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (`num_kv_heads`, or `num_heads` when unset)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        """Per-head dimension (`head_dim`, or `hidden_size // num_heads` when unset)."""
+        return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+    # ----- presets -----------------------------------------------------------------------------
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> MulaConfig:
+        """The preset called `name` (see `PRESETS`), with any field replaced by `overrides`."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown Mula preset {name!r}; valid names: {', '.join(PRESETS)}.")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"Unknown MulaConfig field(s) {unknown} in overrides for {name!r}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MulaConfig:
+        """Rebuild a config from `dataclasses.asdict(config)` (e.g. read from a checkpoint)."""
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"Unknown MulaConfig field(s) {unknown}; was this written by a newer Mula?")
+        return cls(**d)
+
+    # ----- counting ----------------------------------------------------------------------------
+    def _norm_params(self, dim: int) -> int:
+        return dim if self.norm == "rmsnorm" else 0  # layernorm is non-parametric (OLMo-1B)
+
+    def _attn_matmul_params(self) -> int:
+        q = self.num_heads * self.head_size
+        kv = self.kv_heads * self.head_size
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+
+    def _expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def _layer_params(self, experts: int) -> int:
+        """Parameters of one block counting `experts` experts (ignored for dense models)."""
+        h = self.hidden_size
+        n = self._attn_matmul_params() + 2 * self._norm_params(h)
+        if self.qk_norm:
+            n += self._norm_params(self.num_heads * self.head_size) + self._norm_params(self.kv_heads * self.head_size)
+        if self.is_moe:
+            n += self.num_experts * h + experts * self._expert_params()  # router + experts
+        else:
+            n += 3 * h * self.intermediate_size
+        return n
+
+    def _outer_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        return emb * (1 if self.tie_embeddings else 2) + self._norm_params(self.hidden_size)
+
+    def num_params(self) -> int:
+        """Total number of parameters (tied embeddings counted once)."""
+        return self.num_layers * self._layer_params(self.num_experts) + self._outer_params()
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: all but the `num_experts - top_k` unrouted experts per layer."""
+        return self.num_layers * self._layer_params(self.top_k) + self._outer_params()
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) at context length `seq_len`.
+
+        `6 * N + 12 * num_layers * (num_heads * head_dim) * seq_len` (Kaplan et al. / PaLM appendix B),
+        where N counts the matmul parameters a token goes through: attention projections, the dense
+        MLP or the router plus `top_k` experts, and the LM head (even when tied). Embedding lookups and
+        norms are not matmuls and are left out. The second term is the attention score and value
+        matmuls (QK^T and AV, forward + backward, no causal discount); `num_heads * head_dim` equals
+        `hidden_size` for every preset.
+        """
+        h = self.hidden_size
+        per_layer = self._attn_matmul_params()
+        if self.is_moe:
+            per_layer += self.num_experts * h + self.top_k * self._expert_params()
+        else:
+            per_layer += 3 * h * self.intermediate_size
+        matmul = self.num_layers * per_layer + self.vocab_size * h
+        attn = 12 * self.num_layers * self.num_heads * self.head_size * seq_len
+        return 6 * matmul + attn
+
+
+_OLMOE = dict(
+    vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, max_position_embeddings=4096,
+    rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5, qk_norm=True, num_experts=64, top_k=8,
+    expert_intermediate_size=1024, norm_topk_prob=False, router_aux_loss_coef=0.01,
+    router_z_loss_coef=0.001, init_std=0.02, tie_embeddings=False,
+)  # fmt: skip
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # a few million parameters; vocab 4096 = the demo tokenizer's size; trains on 2 CPU cores
+    "mula-tiny-moe": {
+        **_OLMOE, "name": "mula-tiny-moe", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "max_position_embeddings": 1024, "num_experts": 16, "top_k": 4,
+        "expert_intermediate_size": 128,
+    },
+    "mula-tiny-dense": {
+        **_OLMOE, "name": "mula-tiny-dense", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "max_position_embeddings": 1024, "norm": "layernorm", "qk_norm": False,
+        "num_experts": 0, "intermediate_size": 512,
+    },
+    # = OLMo-1B-hf (untied, non-parametric LayerNorm, no QK-norm)
+    "mula-1b": {
+        **_OLMOE, "name": "mula-1b", "norm": "layernorm", "qk_norm": False, "num_experts": 0,
+        "intermediate_size": 8192,
+    },
+    # = OLMoE-1B-7B-0924
+    "mula-7b-a1b": {**_OLMOE, "name": "mula-7b-a1b"},
+    "mula-20b-a2b": {**_OLMOE, "name": "mula-20b-a2b", "num_experts": 96, "num_layers": 32},
+    "mula-100b-a7b": {
+        **_OLMOE, "name": "mula-100b-a7b", "hidden_size": 3072, "num_heads": 24, "num_experts": 144,
+        "expert_intermediate_size": 1536, "num_layers": 48,
+    },
+    "mula-220b-a10b": {
+        **_OLMOE, "name": "mula-220b-a10b", "hidden_size": 3072, "num_heads": 24, "num_experts": 240,
+        "expert_intermediate_size": 1536, "num_layers": 64,
+    },
+}  # fmt: skip

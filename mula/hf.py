@@ -1,0 +1,391 @@
+"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense).
+
+- `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
+- `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
+  `mula export-hf`. They read and write config.json + safetensors directly and do not need
+  `transformers` at all.
+
+On disk the experts use the per-expert layout `model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight`
+(and the 4.x-style `rope_theta` in config.json): transformers 4.x loads it natively and 5.x fuses it
+into `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` on load (its "qwen2_moe" conversion
+mapping), as do vLLM and the original OLMoE checkpoints. Both layouts are accepted when reading.
+
+Mula's router z-loss weight has no transformers field: export drops it, import uses the default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mula.config import MulaConfig
+from mula.model import Mula
+from mula.weights import model_from_state_dict, read_checkpoint, save_weights
+
+SUPPORTED = {"olmoe": "OlmoeForCausalLM", "olmo": "OlmoForCausalLM"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SHARD_BYTES = 5 * 1024**3
+
+
+# ----- configs ---------------------------------------------------------------------------------
+def _unsupported(what: Any) -> ValueError:
+    return ValueError(
+        f"Unsupported Hugging Face architecture {what!r}; Mula converts only {', '.join(SUPPORTED.values())}."
+    )
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"RoPE scaling type {rope_type!r} is not supported by Mula (only plain RoPE).")
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
+    """MulaConfig from a transformers OLMoE/OLMo config dict (config.json or `config.to_dict()`).
+
+    Missing keys take transformers' defaults for that model type, i.e. what transformers would load.
+    """
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED:
+        raise _unsupported((d.get("architectures") or [model_type])[0])
+    if d.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None).")
+    if d.get("attention_bias", False):
+        raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported by Mula (SwiGLU uses silu).")
+    moe = model_type == "olmoe"
+    hidden = d.get("hidden_size", 2048 if moe else 4096)
+    heads = d.get("num_attention_heads", 16 if moe else 32)
+    if d.get("head_dim") not in (None, hidden // heads):
+        raise ValueError(f"head_dim={d['head_dim']} != hidden_size/num_attention_heads is not supported.")
+    kv = d.get("num_key_value_heads") or heads
+    common = dict(
+        name=name,
+        vocab_size=d.get("vocab_size", 50304),
+        hidden_size=hidden,
+        num_layers=d.get("num_hidden_layers", 16 if moe else 32),
+        num_heads=heads,
+        num_kv_heads=None if kv == heads else kv,
+        max_position_embeddings=d.get("max_position_embeddings", 4096 if moe else 2048),
+        rope_theta=_rope_theta(d),
+        init_std=d.get("initializer_range", 0.02),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
+    if moe:
+        return MulaConfig(
+            **common,
+            norm="rmsnorm",
+            norm_eps=d.get("rms_norm_eps", 1e-5),
+            qk_norm=True,
+            num_experts=d.get("num_experts", d.get("num_local_experts", 64)),
+            top_k=d.get("num_experts_per_tok", 8),
+            expert_intermediate_size=d.get("intermediate_size", 2048),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            router_aux_loss_coef=d.get("router_aux_loss_coef", 0.01),
+        )
+    return MulaConfig(
+        **common,
+        norm="layernorm",
+        norm_eps=1e-5,  # OlmoLayerNorm hard-codes it
+        qk_norm=False,
+        num_experts=0,
+        intermediate_size=d.get("intermediate_size", 11008),
+    )
+
+
+def _check_expressible(config: MulaConfig) -> None:
+    if config.head_size * config.num_heads != config.hidden_size:
+        raise ValueError("transformers' OLMo/OLMoE need head_dim == hidden_size / num_heads.")
+    if config.is_moe and (config.norm != "rmsnorm" or not config.qk_norm):
+        raise ValueError("Only MoE configs with norm='rmsnorm' and qk_norm=True map to transformers' OLMoE.")
+    if not config.is_moe and (config.norm != "layernorm" or config.qk_norm or config.norm_eps != 1e-5):
+        raise ValueError(
+            "Only dense configs with norm='layernorm', norm_eps=1e-5 and qk_norm=False map to transformers' OLMo."
+        )
+
+
+def config_to_hf(config: MulaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json contents for `config`, loadable by transformers 4.x and 5.x; every field explicit.
+
+    (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
+    """
+    _check_expressible(config)
+    moe = config.is_moe
+    d: dict[str, Any] = {
+        "architectures": [SUPPORTED["olmoe" if moe else "olmo"]],
+        "model_type": "olmoe" if moe else "olmo",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.expert_intermediate_size if moe else config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.init_std,
+        "use_cache": True,
+        # token ids belong to the tokenizer, which Mula's config does not know
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "clip_qkv": None,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if moe:
+        d.update(
+            rms_norm_eps=config.norm_eps,
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.top_k,
+            norm_topk_prob=config.norm_topk_prob,
+            router_aux_loss_coef=config.router_aux_loss_coef,
+            output_router_logits=False,
+        )
+    return d
+
+
+# ----- state dicts -----------------------------------------------------------------------------
+_RENAMES = (  # Mula name piece -> transformers name piece, inside model.layers.{i}
+    (".attn_norm.", ".input_layernorm."),
+    (".mlp_norm.", ".post_attention_layernorm."),
+    (".attn.", ".self_attn."),
+    (".mlp.router.", ".mlp.gate."),
+)
+
+
+def _to_hf_key(key: str) -> str:
+    if key == "embed.weight":
+        return "model.embed_tokens.weight"
+    if key == "lm_head.weight":
+        return key
+    key = "model." + key
+    for ours, theirs in _RENAMES:
+        key = key.replace(ours, theirs)
+    return key
+
+
+def _from_hf_key(key: str) -> str:
+    if key == "model.embed_tokens.weight":
+        return "embed.weight"
+    if key == "lm_head.weight":
+        return key
+    key = key.removeprefix("model.")
+    for ours, theirs in _RENAMES:
+        key = key.replace(theirs, ours)
+    return key
+
+
+def iter_hf_tensors(
+    config: MulaConfig, state_dict: dict[str, Tensor], fused_experts: bool = False
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield (transformers name, tensor) for a Mula state dict, one tensor at a time.
+
+    Experts come out per expert (4.x / on-disk layout) or fused like transformers 5.x modules.
+    A tied LM head is left out (transformers re-ties it).
+    """
+    for key, value in state_dict.items():
+        if key == "lm_head.weight" and config.tie_embeddings:
+            continue
+        if ".mlp.experts." not in key:
+            yield _to_hf_key(key), value
+            continue
+        prefix, kind = _to_hf_key(key).rsplit(".", 1)  # model.layers.{i}.mlp.experts, gate_up|down
+        if fused_experts:
+            yield f"{prefix}.{kind}_proj", value
+            continue
+        for j in range(value.shape[0]):
+            if kind == "gate_up":
+                gate, up = value[j].chunk(2, dim=0)
+                yield f"{prefix}.{j}.gate_proj.weight", gate
+                yield f"{prefix}.{j}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{j}.down_proj.weight", value[j]
+
+
+def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Mula state dict from transformers OLMoE/OLMo weights, per-expert (4.x, files) or fused (5.x)."""
+    out: dict[str, Tensor] = {}
+    per_expert: dict[str, Tensor] = {}
+    for key, value in hf_state.items():
+        if ".rotary_emb." in key:
+            continue  # non-persistent buffers some versions saved; Mula recomputes RoPE
+        if ".mlp.experts." in key and key.endswith(".weight"):
+            per_expert[key] = value
+        elif key.endswith(".mlp.experts.gate_up_proj") or key.endswith(".mlp.experts.down_proj"):
+            name = _from_hf_key(key).removesuffix("_proj")
+            out[name] = value
+        elif key == "lm_head.weight" and config.tie_embeddings:
+            continue
+        else:
+            out[_from_hf_key(key)] = value
+    for i in range(config.num_layers if config.is_moe and per_expert else 0):
+        p = f"model.layers.{i}.mlp.experts"
+        try:
+            out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
+                [
+                    torch.cat([per_expert.pop(f"{p}.{j}.gate_proj.weight"), per_expert.pop(f"{p}.{j}.up_proj.weight")])
+                    for j in range(config.num_experts)
+                ]
+            )
+            out[f"layers.{i}.mlp.experts.down"] = torch.stack(
+                [per_expert.pop(f"{p}.{j}.down_proj.weight") for j in range(config.num_experts)]
+            )
+        except KeyError as e:
+            raise ValueError(f"Hugging Face weights are missing {e.args[0]}.") from None
+    if per_expert:
+        raise ValueError(f"Unexpected Hugging Face expert weights, e.g. {next(iter(per_expert))}.")
+    return out
+
+
+# ----- in memory -------------------------------------------------------------------------------
+def from_hf(hf_model: Any) -> Mula:
+    """A `Mula` with the weights of a transformers `OlmoeForCausalLM` or `OlmoForCausalLM`."""
+    cls_name = type(hf_model).__name__
+    if cls_name not in SUPPORTED.values():
+        raise _unsupported(cls_name)
+    d = hf_model.config.to_dict()
+    name = Path(str(d.get("_name_or_path") or "custom")).name or "custom"
+    config = config_from_hf(d, name=name)
+    # clone: the Mula model must not share storage with the transformers model
+    hf_state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    return model_from_state_dict(config, state_dict_from_hf(config, hf_state), source=f"{cls_name} weights")
+
+
+def to_hf(model: Mula) -> Any:
+    """A transformers `OlmoeForCausalLM` (MoE) or `OlmoForCausalLM` (dense) with `model`'s weights."""
+    import transformers  # optional dependency: only needed here
+
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    d = config_to_hf(config, dtype)
+    arch = d["architectures"][0]
+    hf_config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    hf_config = hf_config_cls.from_dict({k: v for k, v in d.items() if k != "torch_dtype"})
+    hf_model = getattr(transformers, arch)(hf_config).to(dtype)
+    fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in hf_model.state_dict())  # 5.x modules
+    hf_state = dict(iter_hf_tensors(config, model.state_dict(), fused_experts=fused))
+    if config.tie_embeddings:
+        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
+    hf_model.load_state_dict(hf_state, strict=True)
+    return hf_model.eval()
+
+
+# ----- on disk ---------------------------------------------------------------------------------
+def _check_new_output(output: Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"Output {output} already exists; choose a new path (Mula never overwrites checkpoints).")
+
+
+def _read_hf_state(hf_dir: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    for index_name, loader in (
+        ("model.safetensors.index.json", load_file),
+        ("pytorch_model.bin.index.json", lambda p: torch.load(p, map_location="cpu", weights_only=True)),
+    ):
+        index = hf_dir / index_name
+        if index.exists():
+            state: dict[str, Tensor] = {}
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                state.update(loader(hf_dir / shard))
+            return state
+    if (hf_dir / "model.safetensors").exists():
+        return load_file(hf_dir / "model.safetensors")
+    if (hf_dir / "pytorch_model.bin").exists():
+        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"No model.safetensors or pytorch_model.bin (or their index) in {hf_dir}.")
+
+
+def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike) -> Mula:
+    """Convert a transformers OLMoE/OLMo directory (config.json + weights) into a Mula weights file."""
+    hf_dir, output = Path(hf_dir), Path(output)
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"Hugging Face model directory {hf_dir} does not exist.")
+    if not (hf_dir / "config.json").exists():
+        raise FileNotFoundError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
+    _check_new_output(output)
+    config = config_from_hf(json.loads((hf_dir / "config.json").read_text()), name=hf_dir.resolve().name)
+    state = state_dict_from_hf(config, _read_hf_state(hf_dir))
+    model = model_from_state_dict(config, state, source=f"weights in {hf_dir}")
+    save_weights(model, output)
+    return model
+
+
+def export_hf(
+    ckpt: str | os.PathLike,
+    output: str | os.PathLike,
+    dtype: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Write a Mula checkpoint (weights file or Lightning .ckpt) as a transformers directory.
+
+    `dtype`: "float32", "bfloat16" or "float16" (default: as stored). Writes config.json and
+    safetensors shards of at most `max_shard_bytes` (with an index when there are several) into a
+    temporary sibling directory that is renamed to `output` only when complete.
+    """
+    from safetensors.torch import save_file
+
+    ckpt, output = Path(ckpt), Path(output)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}.")
+    if not ckpt.exists():
+        raise FileNotFoundError(f"Checkpoint {ckpt} does not exist.")
+    _check_new_output(output)
+    config, state = read_checkpoint(ckpt)
+    model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
+    target = _DTYPES[dtype] if dtype else next(iter(state.values())).dtype
+    hf_config = config_to_hf(config, target)
+
+    tmp = output.with_name(output.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[tuple[Path, list[str]]] = []
+    shard: dict[str, Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        path = tmp / f"shard-{len(shards)}.safetensors"
+        save_file(shard, path, metadata={"format": "pt"})  # transformers requires the "pt" tag
+        shards.append((path, list(shard)))
+        shard, size = {}, 0
+
+    for name, tensor in iter_hf_tensors(config, state):
+        # an owned contiguous copy: safetensors refuses views that share storage (expert slices)
+        tensor = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    flush()
+
+    if len(shards) == 1:
+        shards[0][0].rename(tmp / "model.safetensors")
+    else:
+        weight_map = {}
+        for n, (path, names) in enumerate(shards, start=1):
+            final = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            path.rename(tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if output.exists():
+        output.rmdir()  # an empty directory, checked above
+    tmp.rename(output)

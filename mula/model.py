@@ -1,0 +1,206 @@
+"""The Mula transformer, top to bottom: norms, RoPE, attention, MLP, block, model.
+
+Pre-norm decoder (OLMoE / OLMo-1B): x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
+SwiGLU (dense) or a `mula.moe.MoELayer`. Numerically identical to transformers' OLMoE / OLMo on
+the same weights (`tests/test_hf.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mula.config import MulaConfig
+from mula.moe import GroupedExperts, MoELayer, Router
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a weight; normalises in fp32 (as OLMoE) and multiplies after casting back."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        """Weight back to ones."""
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dimension."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """OLMo-1B's non-parametric LayerNorm (no weight, no bias), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dimension."""
+        return F.layer_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype)
+
+
+def make_norm(config: MulaConfig, dim: int) -> nn.Module:
+    """The norm `config.norm` names, over `dim` features."""
+    return RMSNorm(dim, config.norm_eps) if config.norm == "rmsnorm" else LayerNorm(dim, config.norm_eps)
+
+
+def rope_cos_sin(config: MulaConfig, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """fp32 RoPE tables [T, head_dim] for positions 0..T-1 (halves layout, as transformers' Llama/OLMo).
+
+    Recomputed each forward (cheap, [T, head_dim]) instead of stored as a buffer, so a model built
+    on the meta device needs no buffer re-initialisation.
+    """
+    d = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, heads, T, head_dim] by position; in fp32 (bf16 rotations lose position detail)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE, grouped-query heads and optional QK-norm, via SDPA."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.kv_heads, self.head_dim = config.num_heads, config.kv_heads, config.head_size
+        h, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_size, config.kv_heads * config.head_size
+        self.q_proj = nn.Linear(h, q_dim, bias=False)
+        self.k_proj = nn.Linear(h, kv_dim, bias=False)
+        self.v_proj = nn.Linear(h, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, h, bias=False)
+        # OLMoE normalises the whole projected q and k (not per head)
+        self.q_norm = make_norm(config, q_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, kv_dim) if config.qk_norm else nn.Identity()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B,T,H] -> [B,T,H]."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x)).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_heads != self.num_heads:
+            # repeat kv heads explicitly: portable to every SDPA backend (XPU, CUDA, CPU)
+            rep = self.num_heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B,T,H] -> [B,T,H]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `mlp` is an `MLP` or a `MoELayer`."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config, config.hidden_size)
+        self.attn = Attention(config)
+        self.mlp_norm = make_norm(config, config.hidden_size)
+        self.mlp = MoELayer(config) if config.is_moe else MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor):
+        """x [B,T,H] -> (x [B,T,H], MoEStats or None)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoELayer):
+            h, stats = self.mlp(h)
+        else:
+            h, stats = self.mlp(h), None
+        return x + h, stats
+
+
+@dataclass
+class MulaOutput:
+    """Output of `Mula.forward`. Router losses are unweighted means over MoE layers (0 if dense)."""
+
+    logits: Tensor  # [B, T, V]
+    aux_loss: Tensor  # scalar
+    z_loss: Tensor  # scalar
+    tokens_per_expert: Tensor | None  # [num_moe_layers, E] long, None for dense models
+
+
+class Mula(nn.Module):
+    """Decoder-only LM: embed -> blocks -> norm -> lm_head. Dense or MoE from `MulaConfig`."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when `tie_embeddings` (re-run after `to_empty`)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Init every weight ~ truncated normal(0, init_std, ±3 std); norm weights = 1.
+
+        Works on a model materialised from the meta device (`model.to_empty(device=...)`).
+        """
+        std = self.config.init_std
+        self.tie_weights()
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, (Router, GroupedExperts)):
+                module.reset_parameters(std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def forward(self, input_ids: Tensor) -> MulaOutput:
+        """input_ids [B,T] long -> MulaOutput."""
+        t = input_ids.shape[1]
+        if t > self.config.max_position_embeddings:
+            raise ValueError(
+                f"Sequence length {t} exceeds max_position_embeddings {self.config.max_position_embeddings}."
+            )
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.config, t, x.device)
+        stats = []
+        for block in self.layers:
+            x, s = block(x, cos, sin)
+            if s is not None:
+                stats.append(s)
+        logits = self.lm_head(self.norm(x))
+        if stats:
+            aux = torch.stack([s.aux_loss for s in stats]).mean()
+            z = torch.stack([s.z_loss for s in stats]).mean()
+            counts = torch.stack([s.tokens_per_expert for s in stats])
+        else:
+            aux = z = logits.new_zeros((), dtype=torch.float32)
+            counts = None
+        return MulaOutput(logits, aux, z, counts)

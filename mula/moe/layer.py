@@ -1,0 +1,49 @@
+"""The MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from mula.config import MulaConfig
+from mula.moe.dispatcher import LocalDispatcher
+from mula.moe.experts import GroupedExperts
+from mula.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss
+
+
+@dataclass
+class MoEStats:
+    """Per-layer router losses (unweighted) and load, returned alongside the layer output."""
+
+    aux_loss: Tensor  # scalar, E * sum_i f_i P_i
+    z_loss: Tensor  # scalar, mean logsumexp(logits)^2
+    tokens_per_expert: Tensor  # [E] long, assignments per expert in this batch (sums to N*K)
+
+
+class MoELayer(nn.Module):
+    """Dropless top-k mixture of SwiGLU experts (OLMoE).
+
+    `dispatcher` is a plain attribute: the expert-parallel strategy replaces it (and slices
+    `experts`) without touching this code.
+    """
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.router = Router(config.hidden_size, config.num_experts, config.top_k, config.norm_topk_prob)
+        self.experts = GroupedExperts(
+            config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_backend
+        )
+        self.dispatcher = LocalDispatcher(config.num_experts)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
+        """x [B,T,H] -> (y [B,T,H], MoEStats)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        route = self.router(x)
+        x_sorted, local_counts, state = self.dispatcher.dispatch(x, route.topk_idx, route.topk_weight)
+        y = self.dispatcher.combine(self.experts(x_sorted, local_counts), state)
+        counts = expert_counts(route.topk_idx, self.num_experts)
+        stats = MoEStats(load_balancing_loss(route.probs, counts), router_z_loss(route.logits), counts)
+        return y.view(shape), stats

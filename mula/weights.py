@@ -1,0 +1,99 @@
+"""Mula weights files: a config plus a state dict in one `.pt`, and reading Lightning checkpoints.
+
+Format: `torch.save({"format": "mula", "config": asdict(config), "state_dict": model.state_dict()})`.
+`load_weights` also reads a Lightning `.ckpt` written by `MulaLightningModule` (config under
+"mula_config", parameters under "state_dict" with a "model." prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mula.config import MulaConfig
+from mula.model import Mula
+
+FORMAT = "mula"
+
+
+def save_weights(model: Mula, path: str | os.PathLike) -> None:
+    """Write `model`'s config and weights to `path` (a Mula weights file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": FORMAT, "config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)  # atomic: a crash mid-write never leaves a truncated file under `path`
+
+
+def _read(path: Path) -> Any:
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a Mula checkpoint file (.pt weights or Lightning .ckpt).")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not a Mula checkpoint (torch.load failed: {first_line}).") from None
+
+
+def _strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Lightning keys `model.<name>` (and `model._orig_mod.<name>` after torch.compile) -> `<name>`."""
+    out = {}
+    for key, value in state_dict.items():
+        if not key.startswith("model."):
+            continue  # other module state (e.g. metrics) is not part of the model
+        key = key[len("model.") :]
+        out[key.removeprefix("_orig_mod.")] = value
+    return out
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[MulaConfig, dict[str, torch.Tensor]]:
+    """(config, model state dict) from a Mula weights file or a MulaLightningModule checkpoint."""
+    path = Path(path)
+    obj = _read(path)
+    if isinstance(obj, dict) and obj.get("format") == FORMAT and "config" in obj and "state_dict" in obj:
+        return MulaConfig.from_dict(obj["config"]), obj["state_dict"]
+    if isinstance(obj, dict) and "mula_config" in obj and "state_dict" in obj:
+        return MulaConfig.from_dict(obj["mula_config"]), _strip_prefixes(obj["state_dict"])
+    raise ValueError(
+        f"{path} is not a Mula checkpoint (expected a Mula weights file or a Lightning checkpoint "
+        "with a 'mula_config' entry)."
+    )
+
+
+def model_from_state_dict(config: MulaConfig, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> Mula:
+    """Build a `Mula` for `config` holding exactly `state_dict` (no random init, no extra copy)."""
+    with torch.device("meta"):
+        model = Mula(config)
+    expected = set(model.state_dict())
+    got = set(state_dict)
+    if config.tie_embeddings:
+        got.add("lm_head.weight")  # a tied head may be saved once, under embed.weight
+    if expected != got:
+        missing, extra = sorted(expected - got), sorted(got - expected)
+        raise ValueError(
+            f"{source} does not match its config ({config.name}): missing {missing[:4]}, "
+            f"unexpected {extra[:4]} (an expert-parallel shard or another architecture?)."
+        )
+    sd = dict(state_dict)
+    if config.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{source} does not match its config ({config.name}): {str(e).splitlines()[-1].strip()}") from None
+    model.tie_weights()
+    return model
+
+
+def load_weights(path: str | os.PathLike) -> Mula:
+    """Read a Mula weights file (or a MulaLightningModule `.ckpt`) into a `Mula` on the CPU."""
+    config, state_dict = read_checkpoint(path)
+    return model_from_state_dict(config, state_dict, source=str(path))

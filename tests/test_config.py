@@ -1,0 +1,106 @@
+"""Presets, parameter counts (vs the real module on the meta device) and the FLOP formula."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mula import Mula, MulaConfig
+from mula.config import PRESETS
+
+# name -> (total, active) from the issue, in billions, to the printed precision
+EXPECTED = {
+    "mula-1b": (1.28, 1.28),
+    "mula-7b-a1b": (6.92, 1.28),
+    "mula-20b-a2b": (20.08, 2.36),
+    "mula-100b-a7b": (99.99, 7.58),
+    "mula-220b-a10b": (220.2, 10.02),
+}
+EXACT = {  # hand-computed, see the arithmetic in test_exact_counts_by_hand
+    "mula-7b-a1b": (6_919_161_856, 1_282_017_280),
+    "mula-1b": (1_279_787_008, 1_279_787_008),
+}
+
+
+def meta_counts(cfg: MulaConfig) -> tuple[int, int]:
+    """(total, active) counted on the real module: active drops the (E - k)/E unrouted expert share."""
+    with torch.device("meta"):
+        model = Mula(cfg)
+    total = active = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        active += p.numel() * cfg.top_k // cfg.num_experts if ".experts." in name else p.numel()
+    return total, active
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_counts_match_meta_module(name):
+    cfg = MulaConfig.from_name(name)
+    total, active = meta_counts(cfg)
+    assert cfg.num_params() == total
+    assert cfg.num_active_params() == active
+    if name in EXPECTED:
+        t, a = EXPECTED[name]
+        digits = 1 if t > 200 else 2
+        assert round(total / 1e9, digits) == t and round(active / 1e9, 2) == a
+    if name.startswith("mula-tiny"):
+        assert 1e6 < total < 1e7 and cfg.vocab_size >= 4096
+
+
+def test_exact_counts_by_hand():
+    h, v, i, e, k, layers = 2048, 50304, 1024, 64, 8, 16
+    attn = 4 * h * h + 2 * h  # q,k,v,o + q_norm + k_norm
+    layer = attn + 2 * h + e * h  # + two block norms + router
+    outer = 2 * v * h + h
+    assert layers * (layer + e * 3 * h * i) + outer == EXACT["mula-7b-a1b"][0]
+    assert layers * (layer + k * 3 * h * i) + outer == EXACT["mula-7b-a1b"][1]
+    for name, (total, active) in EXACT.items():
+        cfg = MulaConfig.from_name(name)
+        assert (cfg.num_params(), cfg.num_active_params()) == (total, active)
+
+
+@pytest.mark.parametrize("kw", [{"num_kv_heads": 4}, {"head_dim": 64}, {"tie_embeddings": True},
+                                {"norm": "layernorm", "num_experts": 0, "qk_norm": True}])  # fmt: skip
+def test_counts_for_variants(kw):
+    cfg = MulaConfig.from_name("mula-7b-a1b", num_layers=2, **kw)
+    assert (cfg.num_params(), cfg.num_active_params()) == meta_counts(cfg)
+
+
+@pytest.mark.parametrize("name", ["mula-7b-a1b", "mula-1b", "mula-tiny-moe"])
+def test_flops_formula(name):
+    cfg = MulaConfig.from_name(name)
+    with torch.device("meta"):
+        model = Mula(cfg)
+    # matmul params a token touches: every 2-D+ weight except the embedding, experts scaled to top_k
+    matmul = 0
+    for pname, p in model.named_parameters():
+        if p.dim() < 2 or pname == "embed.weight":
+            continue
+        matmul += p.numel() * cfg.top_k // cfg.num_experts if ".experts." in pname else p.numel()
+    seq = 4096
+    assert cfg.flops_per_token(seq) == 6 * matmul + 12 * cfg.num_layers * cfg.hidden_size * seq
+    if name == "mula-7b-a1b":
+        # = 6 * (active - embedding - norms) + attention term
+        norms = 16 * 4 * 2048 + 2048
+        assert cfg.flops_per_token(seq) == 6 * (1_282_017_280 - 50304 * 2048 - norms) + 12 * 16 * 2048 * seq
+
+
+def test_from_name_and_validation():
+    assert MulaConfig.from_name("mula-7b-a1b") == MulaConfig(name="mula-7b-a1b")  # defaults = OLMoE
+    cfg = MulaConfig.from_name("mula-tiny-moe", num_layers=2)
+    assert cfg.num_layers == 2 and cfg.name == "mula-tiny-moe"
+    assert MulaConfig.from_dict(dataclasses.asdict(cfg)) == cfg
+    with pytest.raises(ValueError, match="Unknown Mula preset 'mula-3b'; valid names: mula-tiny-moe"):
+        MulaConfig.from_name("mula-3b")
+    with pytest.raises(ValueError, match="Unknown MulaConfig field"):
+        MulaConfig.from_name("mula-1b", hidden=3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MulaConfig(num_kv_heads=3)
+    with pytest.raises(ValueError, match="top_k"):
+        MulaConfig(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="norm"):
+        MulaConfig(norm="batchnorm")
+    with pytest.raises(ValueError, match="divisible"):
+        MulaConfig(hidden_size=100, num_heads=16)
+    assert MulaConfig(num_kv_heads=4).kv_heads == 4 and MulaConfig().head_size == 128
+    assert MulaConfig.from_name("mula-1b").is_moe is False
