@@ -65,16 +65,22 @@ class MulaConfig:
         if self.head_size % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_size}.")
         if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}.")
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
+            )
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
         if self.is_moe:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}.")
             if self.expert_intermediate_size <= 0:
-                raise ValueError(f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}.")
+                raise ValueError(
+                    f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}."
+                )
         elif self.intermediate_size <= 0:
-            raise ValueError(f"intermediate_size must be positive for a dense model, got {self.intermediate_size}.")
+            raise ValueError(
+                f"intermediate_size must be positive for a dense model, got {self.intermediate_size}."
+            )
 
     # ----- resolved values ------------------------------------------------------------------
     @property
@@ -128,7 +134,9 @@ class MulaConfig:
         h = self.hidden_size
         n = self._attn_matmul_params() + 2 * self._norm_params(h)
         if self.qk_norm:
-            n += self._norm_params(self.num_heads * self.head_size) + self._norm_params(self.kv_heads * self.head_size)
+            n += self._norm_params(self.num_heads * self.head_size) + self._norm_params(
+                self.kv_heads * self.head_size
+            )
         if self.is_moe:
             n += self.num_experts * h + experts * self._expert_params()  # router + experts
         else:
@@ -168,12 +176,13 @@ class MulaConfig:
         return 6 * matmul + attn
 
 
-_OLMOE = dict(
-    vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, max_position_embeddings=4096,
-    rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5, qk_norm=True, num_experts=64, top_k=8,
-    expert_intermediate_size=1024, norm_topk_prob=False, router_aux_loss_coef=0.01,
-    router_z_loss_coef=0.001, init_std=0.02, tie_embeddings=False,
-)  # fmt: skip
+_OLMOE: dict[str, Any] = {
+    "vocab_size": 50304, "hidden_size": 2048, "num_layers": 16, "num_heads": 16,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "norm": "rmsnorm", "norm_eps": 1e-5,
+    "qk_norm": True, "num_experts": 64, "top_k": 8, "expert_intermediate_size": 1024,
+    "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001, "init_std": 0.02,
+    "tie_embeddings": False,
+}  # fmt: skip
 
 PRESETS: dict[str, dict[str, Any]] = {
     # a few million parameters; vocab 4096 = the demo tokenizer's size; trains on 2 CPU cores

@@ -58,7 +58,9 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     if model_type not in SUPPORTED:
         raise _unsupported((d.get("architectures") or [model_type])[0])
     if d.get("clip_qkv") is not None:
-        raise ValueError(f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None).")
+        raise ValueError(
+            f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None)."
+        )
     if d.get("attention_bias", False):
         raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
     if d.get("hidden_act", "silu") != "silu":
@@ -69,18 +71,18 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     if d.get("head_dim") not in (None, hidden // heads):
         raise ValueError(f"head_dim={d['head_dim']} != hidden_size/num_attention_heads is not supported.")
     kv = d.get("num_key_value_heads") or heads
-    common = dict(
-        name=name,
-        vocab_size=d.get("vocab_size", 50304),
-        hidden_size=hidden,
-        num_layers=d.get("num_hidden_layers", 16 if moe else 32),
-        num_heads=heads,
-        num_kv_heads=None if kv == heads else kv,
-        max_position_embeddings=d.get("max_position_embeddings", 4096 if moe else 2048),
-        rope_theta=_rope_theta(d),
-        init_std=d.get("initializer_range", 0.02),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-    )
+    common: dict[str, Any] = {
+        "name": name,
+        "vocab_size": d.get("vocab_size", 50304),
+        "hidden_size": hidden,
+        "num_layers": d.get("num_hidden_layers", 16 if moe else 32),
+        "num_heads": heads,
+        "num_kv_heads": None if kv == heads else kv,
+        "max_position_embeddings": d.get("max_position_embeddings", 4096 if moe else 2048),
+        "rope_theta": _rope_theta(d),
+        "init_std": d.get("initializer_range", 0.02),
+        "tie_embeddings": bool(d.get("tie_word_embeddings", False)),
+    }
     if moe:
         return MulaConfig(
             **common,
@@ -225,7 +227,7 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
             continue  # non-persistent buffers some versions saved; Mula recomputes RoPE
         if ".mlp.experts." in key and key.endswith(".weight"):
             per_expert[key] = value
-        elif key.endswith(".mlp.experts.gate_up_proj") or key.endswith(".mlp.experts.down_proj"):
+        elif key.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
             name = _from_hf_key(key).removesuffix("_proj")
             out[name] = value
         elif key == "lm_head.weight" and config.tie_embeddings:
@@ -237,7 +239,12 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
         try:
             out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
                 [
-                    torch.cat([per_expert.pop(f"{p}.{j}.gate_proj.weight"), per_expert.pop(f"{p}.{j}.up_proj.weight")])
+                    torch.cat(
+                        [
+                            per_expert.pop(f"{p}.{j}.gate_proj.weight"),
+                            per_expert.pop(f"{p}.{j}.up_proj.weight"),
+                        ]
+                    )
                     for j in range(config.num_experts)
                 ]
             )
@@ -287,7 +294,9 @@ def to_hf(model: Mula) -> Any:
 # ----- on disk ---------------------------------------------------------------------------------
 def _check_new_output(output: Path) -> None:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"Output {output} already exists; choose a new path (Mula never overwrites checkpoints).")
+        raise ValueError(
+            f"Output {output} already exists; choose a new path (Mula never overwrites checkpoints)."
+        )
 
 
 def _read_hf_state(hf_dir: Path) -> dict[str, Tensor]:

@@ -79,7 +79,11 @@ class Attention(nn.Module):
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
         self.num_heads, self.kv_heads, self.head_dim = config.num_heads, config.kv_heads, config.head_size
-        h, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_size, config.kv_heads * config.head_size
+        h, q_dim, kv_dim = (
+            config.hidden_size,
+            config.num_heads * config.head_size,
+            config.kv_heads * config.head_size,
+        )
         self.q_proj = nn.Linear(h, q_dim, bias=False)
         self.k_proj = nn.Linear(h, kv_dim, bias=False)
         self.v_proj = nn.Linear(h, kv_dim, bias=False)

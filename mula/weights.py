@@ -35,7 +35,9 @@ def _read(path: Path) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if path.is_dir():
-        raise ValueError(f"{path} is a directory, not a Mula checkpoint file (.pt weights or Lightning .ckpt).")
+        raise ValueError(
+            f"{path} is a directory, not a Mula checkpoint file (.pt weights or Lightning .ckpt)."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as e:
@@ -68,7 +70,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[MulaConfig, dict[str, torc
     )
 
 
-def model_from_state_dict(config: MulaConfig, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> Mula:
+def model_from_state_dict(
+    config: MulaConfig, state_dict: dict[str, torch.Tensor], source: str = "state dict"
+) -> Mula:
     """Build a `Mula` for `config` holding exactly `state_dict` (no random init, no extra copy)."""
     with torch.device("meta"):
         model = Mula(config)
@@ -88,7 +92,9 @@ def model_from_state_dict(config: MulaConfig, state_dict: dict[str, torch.Tensor
     try:
         model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e:
-        raise ValueError(f"{source} does not match its config ({config.name}): {str(e).splitlines()[-1].strip()}") from None
+        raise ValueError(
+            f"{source} does not match its config ({config.name}): {str(e).splitlines()[-1].strip()}"
+        ) from None
     model.tie_weights()
     return model
 

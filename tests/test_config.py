@@ -59,8 +59,15 @@ def test_exact_counts_by_hand():
         assert (cfg.num_params(), cfg.num_active_params()) == (total, active)
 
 
-@pytest.mark.parametrize("kw", [{"num_kv_heads": 4}, {"head_dim": 64}, {"tie_embeddings": True},
-                                {"norm": "layernorm", "num_experts": 0, "qk_norm": True}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_kv_heads": 4},
+        {"head_dim": 64},
+        {"tie_embeddings": True},
+        {"norm": "layernorm", "num_experts": 0, "qk_norm": True},
+    ],
+)
 def test_counts_for_variants(kw):
     cfg = MulaConfig.from_name("mula-7b-a1b", num_layers=2, **kw)
     assert (cfg.num_params(), cfg.num_active_params()) == meta_counts(cfg)

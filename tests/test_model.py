@@ -12,12 +12,21 @@ from mula.weights import load_weights, save_weights
 
 
 def tiny(**kw) -> MulaConfig:
-    base = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_experts=6, top_k=2,
-                expert_intermediate_size=16, intermediate_size=48, max_position_embeddings=32)  # fmt: skip
+    base = {
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_experts": 6,
+        "top_k": 2,
+        "expert_intermediate_size": 16,
+        "intermediate_size": 48,
+        "max_position_embeddings": 32,
+    }
     return MulaConfig(**{**base, **kw})
 
 
-DENSE = dict(num_experts=0, norm="layernorm", qk_norm=False)
+DENSE = {"num_experts": 0, "norm": "layernorm", "qk_norm": False}
 
 
 @pytest.mark.parametrize("kw", [{}, DENSE, {"num_kv_heads": 2}, {"head_dim": 16}, {"tie_embeddings": True}])
@@ -144,7 +153,9 @@ def test_load_lightning_checkpoint(tmp_path):
     ckpt = {"state_dict": sd, "mula_config": dataclasses.asdict(model.config), "epoch": 0, "global_step": 3}
     torch.save(ckpt, tmp_path / "last.ckpt")
     x = torch.randint(0, 96, (2, 8))
-    torch.testing.assert_close(load_weights(tmp_path / "last.ckpt")(x).logits, model(x).logits, atol=0, rtol=0)
+    torch.testing.assert_close(
+        load_weights(tmp_path / "last.ckpt")(x).logits, model(x).logits, atol=0, rtol=0
+    )
 
 
 def test_load_bad_inputs(tmp_path):
@@ -159,6 +170,8 @@ def test_load_bad_inputs(tmp_path):
     model = Mula(tiny())
     sd = model.state_dict()
     sd.pop("lm_head.weight")
-    torch.save({"format": "mula", "config": dataclasses.asdict(model.config), "state_dict": sd}, tmp_path / "bad.pt")
+    torch.save(
+        {"format": "mula", "config": dataclasses.asdict(model.config), "state_dict": sd}, tmp_path / "bad.pt"
+    )
     with pytest.raises(ValueError, match="does not match its config"):
         load_weights(tmp_path / "bad.pt")

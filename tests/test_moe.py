@@ -9,8 +9,16 @@ from mula.moe import GroupedExperts, LocalDispatcher, MoELayer, Router, load_bal
 
 
 def tiny(**kw) -> MulaConfig:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_experts=6, top_k=2,
-                expert_intermediate_size=24, max_position_embeddings=64)  # fmt: skip
+    base = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_layers": 1,
+        "num_heads": 4,
+        "num_experts": 6,
+        "top_k": 2,
+        "expert_intermediate_size": 24,
+        "max_position_embeddings": 64,
+    }
     return MulaConfig(**{**base, **kw})
 
 
@@ -34,7 +42,9 @@ def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("top_k,num_experts,norm_topk", [(1, 4, False), (2, 6, False), (3, 6, True), (6, 6, False)])
+@pytest.mark.parametrize(
+    "top_k,num_experts,norm_topk", [(1, 4, False), (2, 6, False), (3, 6, True), (6, 6, False)]
+)
 def test_layer_matches_naive_loop_forward_and_backward(top_k, num_experts, norm_topk):
     torch.manual_seed(0)
     layer = MoELayer(tiny(top_k=top_k, num_experts=num_experts, norm_topk_prob=norm_topk))

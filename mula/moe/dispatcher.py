@@ -32,7 +32,9 @@ class LocalDispatcher:
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
 
-    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> tuple[Tensor, Tensor, LocalDispatchState]:
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, Tensor, LocalDispatchState]:
         """x [N,H], topk_idx [N,K], topk_weight [N,K] -> (x_sorted [N*K,H], tokens per expert [E], state).
 
         Rows of `x_sorted` are grouped by expert in increasing expert id; within an expert they keep

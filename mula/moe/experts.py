@@ -16,7 +16,9 @@ class GroupedExperts(nn.Module):
     The compute is two `mula.kernels.grouped_mm` calls, so faster kernels swap in behind `backend`.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str = "auto") -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str = "auto"
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size

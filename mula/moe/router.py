@@ -52,7 +52,9 @@ class Router(nn.Module):
 def expert_counts(topk_idx: Tensor, num_experts: int) -> Tensor:
     """Number of (token, slot) assignments per expert, [E] long, without a host sync."""
     flat = topk_idx.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
 
 
 def load_balancing_loss(probs: Tensor, counts: Tensor) -> Tensor:
