@@ -1,5 +1,23 @@
-"""Lightning callbacks for Mula runs; recipes name them by `class_path` (e.g. `callbacks.Throughput`)."""
+"""Lightning callbacks that observe and protect Mula training runs.
 
-from callbacks.throughput import Throughput
+Fault tolerance (see docs/resilience.md): ``FaultTolerantCheckpoint`` (crash-safe checkpoints,
+auto-resume, RNG states), ``PreemptionHandler`` (signals -> checkpoint -> exit 75),
+``AnomalyGuard`` (skip non-finite/spiking steps, roll back), ``HangWatchdog`` (stacks + exit 124),
+``StragglerDetector`` (slowest/median step-time ratio). Recipes enable them by ``class_path``.
+"""
 
-__all__ = ["Throughput"]
+from callbacks.anomaly import AnomalyGuard
+from callbacks.checkpointing import FaultTolerantCheckpoint
+from callbacks.exit_codes import ExitCode
+from callbacks.preemption import PreemptionHandler
+from callbacks.stragglers import StragglerDetector
+from callbacks.watchdog import HangWatchdog
+
+__all__ = [
+    "AnomalyGuard",
+    "ExitCode",
+    "FaultTolerantCheckpoint",
+    "HangWatchdog",
+    "PreemptionHandler",
+    "StragglerDetector",
+]
