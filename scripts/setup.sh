@@ -23,4 +23,9 @@ rm -f "$constraints"
 # litdata depends on torchvision, but the torchvision wheel is not built for this torch build and
 # breaks `import lightning` (torchmetrics imports it when present). Mula never uses it: remove it.
 python -m pip uninstall -q -y torchvision 2>/dev/null || true
+# The test suite checks that exported checkpoints load in transformers 4.x too; that version lives in
+# its own directory (put on PYTHONPATH by that test only) so the main environment keeps 5.x.
+if [ "${1:-}" = "dev" ] && [ ! -d .venv/transformers4/transformers ]; then
+  python -m pip install -q --target .venv/transformers4 "transformers>=4.45,<5"
+fi
 python -c "import lightning, litdata, torch; print(f'mula env ready: torch {torch.__version__}, lightning {lightning.__version__}')"
