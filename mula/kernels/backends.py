@@ -1,0 +1,150 @@
+"""Backend registry for the expert kernels: which implementations exist and which one `auto` picks.
+
+Every backend computes the same three grouped products over rows sorted by expert
+(`GroupedOps`); autograd and the fused SwiGLU MLP are written once on top of them
+(`mula.kernels.autograd`). Only the loop reference keeps plain autograd, so it stays an
+independent check of the hand-written backward passes.
+
+`auto` chooses per device type and dtype:
+  cuda / xpu -> `triton` when Triton is importable (on XPU: when Triton has its XPU backend),
+                else `torch` when its probe passes, else `loop`;
+  cpu and others -> `torch` when `torch._grouped_mm` passes a one-off probe for that device
+                and dtype (fwd + both backward products against the loop), else `loop`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("auto", "triton", "torch", "loop")
+
+
+@dataclass(frozen=True)
+class GroupedOps:
+    """The raw (autograd-free) grouped products of one backend; `counts` is [E] long on x's device.
+
+    fwd(x [T,K], w [E,N,K], counts) -> [T,N]: rows of expert e times w[e].T (the forward and dX=dY@W
+        with w viewed as [E,K,N] through `transpose_w=True`).
+    wgrad(dy [T,N], x [T,K], counts) -> [E,N,K]: dW[e] = dy_e.T @ x_e (zeros for experts with no rows).
+    """
+
+    name: str
+    fwd: Callable[[Tensor, Tensor, Tensor, bool], Tensor]
+    wgrad: Callable[[Tensor, Tensor, Tensor], Tensor]
+    # Optional fused SwiGLU epilogues (None -> GEMM + separate elementwise ops):
+    # swiglu_fwd(x, gate_up, counts) -> (h [T,2I], a [T,I]);
+    # swiglu_bwd(dy, down, h, counts) -> (dh [T,2I], a [T,I]).
+    swiglu_fwd: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+    swiglu_bwd: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+
+
+def check_backend_name(backend: str) -> None:
+    """Raise ValueError unless `backend` is one of BACKENDS."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown expert backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+
+
+def triton_available(device: torch.device) -> bool:
+    """True when Triton can run kernels on `device` (CPU only through TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type == "xpu":
+        return _triton_has_xpu()
+    return False
+
+
+@functools.cache
+def _triton_has_xpu() -> bool:
+    """Triton ships its Intel XPU backend as `triton.backends.intel` (intel-xpu-backend-for-triton)."""
+    try:
+        from triton.backends import backends as triton_backends
+    except ImportError:
+        return False
+    return "intel" in triton_backends and hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def torch_grouped_mm_fn() -> Callable[..., Tensor] | None:
+    """`torch.nn.functional.grouped_mm` (torch >= 2.10) or `torch._grouped_mm` (2.8-2.9), or None."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+@functools.cache
+def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """One-off probe: does torch's grouped GEMM run here, for the forward and both backward products?
+
+    Builds differ (no CPU kernel before 2.8, Hopper-only CUDA kernels in 2.8, dtype gaps), so we ask the
+    build itself on a tiny problem with aligned shapes (misaligned ones are padded by the backend) and a
+    zero-row expert, and compare with the loop; any error or mismatch means "use another backend".
+    """
+    if torch_grouped_mm_fn() is None:
+        return False
+    from mula.kernels import torch_gmm  # local: avoids an import cycle
+
+    try:
+        device = torch.device(device_type)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 16, generator=gen).to(device, dtype)
+        w = torch.randn(3, 32, 16, generator=gen).to(device, dtype)
+        dy = torch.randn(24, 32, generator=gen).to(device, dtype)
+        counts = torch.tensor([10, 0, 14], device=device)
+        y = torch_gmm.fwd(x, w, counts, False)
+        dx = torch_gmm.fwd(dy, w, counts, True)
+        dw = torch_gmm.wgrad(dy, x, counts)
+        xs, dys = x.float().split([10, 0, 14]), dy.float().split([10, 0, 14])
+        y_ref = torch.cat([a @ w[e].float().t() for e, a in enumerate(xs)])
+        dx_ref = torch.cat([g @ w[e].float() for e, g in enumerate(dys)])
+        dw_ref = torch.stack([g.t() @ a for g, a in zip(dys, xs)])
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        return all(
+            torch.allclose(a.float(), b, atol=tol * 16, rtol=tol) for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref))
+        )
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Turn `auto` into a concrete backend for this device and dtype; check explicit names are usable."""
+    check_backend_name(backend)
+    if backend == "auto":
+        if device.type in ("cuda", "xpu") and triton_available(device):
+            return "triton"
+        if torch_grouped_mm_supported(device.type, dtype):
+            return "torch"
+        return "loop"
+    if backend == "triton" and not triton_available(device):
+        raise ValueError(
+            f"Expert backend 'triton' cannot run on {device.type} here (needs CUDA, XPU with Triton's XPU "
+            "backend, or TRITON_INTERPRET=1 for CPU tensors); use backend='auto'."
+        )
+    if backend == "torch" and not torch_grouped_mm_supported(device.type, dtype):
+        raise ValueError(
+            f"Expert backend 'torch' is not supported by this torch build for {device.type}/{dtype}; "
+            "use backend='auto'."
+        )
+    return backend
+
+
+def grouped_ops(backend: str) -> GroupedOps:
+    """The raw grouped products of a concrete (non-auto, non-loop) backend."""
+    if backend == "torch":
+        from mula.kernels import torch_gmm
+
+        return GroupedOps("torch", torch_gmm.fwd, torch_gmm.wgrad)
+    if backend == "triton":
+        from mula.kernels import triton_gmm
+
+        return GroupedOps("triton", triton_gmm.fwd, triton_gmm.wgrad, triton_gmm.swiglu_fwd, triton_gmm.swiglu_bwd)
+    raise ValueError(f"Backend {backend!r} has no raw grouped ops (expected 'torch' or 'triton').")

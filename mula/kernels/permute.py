@@ -1,0 +1,142 @@
+"""Token permutation for MoE: gather tokens into expert order and combine weighted expert outputs back.
+
+`plan_routing` sorts the N*K (token, slot) assignments by expert once (stable argsort, counts by
+scatter-add: no loop over experts, no host sync). `permute` and `unpermute` are autograd functions
+whose forward and backward are both gathers (never scatter-adds, so no atomics and deterministic
+results): the backward of the permutation is a gather-sum over each token's K rows, and the backward
+of the weighted combine is a row gather plus one dot product per assignment for the weight gradient.
+
+Implementations: Triton kernels on CUDA/XPU (one program per row block, fp32 accumulation), and
+vectorised torch ops (index_select, a [N,K,H] view, bmm) everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from mula.kernels.backends import check_backend_name, triton_available
+
+
+@dataclass
+class RoutingPlan:
+    """Where every (token, slot) assignment goes in expert order; produced by `plan_routing`."""
+
+    order: Tensor  # [M] long: sorted row -> flat assignment index n*K + k
+    unsort: Tensor  # [M] long: flat assignment index -> sorted row
+    token: Tensor  # [M] long: sorted row -> token n
+    counts: Tensor  # [E] long: rows per expert (sums to M = N*K)
+    top_k: int
+
+
+def plan_routing(topk_idx: Tensor, num_experts: int) -> RoutingPlan:
+    """Sort the assignments of topk_idx [N,K] (expert ids) by expert, keeping token order within an expert."""
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [tokens, top_k], got shape {tuple(topk_idx.shape)}.")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_idx must hold integer expert ids, got {topk_idx.dtype}.")
+    top_k = topk_idx.shape[1]
+    flat = topk_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return RoutingPlan(order, unsort, order // max(top_k, 1), counts, top_k)
+
+
+def _use_triton(t: Tensor, backend: str) -> bool:
+    check_backend_name(backend)
+    if backend == "triton":
+        if not triton_available(t.device):
+            raise ValueError(f"Permutation backend 'triton' cannot run on {t.device.type} here; use 'auto'.")
+        return True
+    return backend == "auto" and t.device.type in ("cuda", "xpu") and triton_available(t.device)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: RoutingPlan, use_triton: bool) -> Tensor:
+        ctx.plan, ctx.use_triton = plan, use_triton
+        if use_triton:
+            from mula.kernels import triton_permute
+
+            return triton_permute.gather_rows(x, plan.token)
+        return x.index_select(0, plan.token)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, dxs: Tensor) -> tuple[Tensor | None, ...]:
+        plan: RoutingPlan = ctx.plan
+        return _gather_sum(dxs.contiguous(), plan, None, ctx.use_triton), None, None
+
+
+def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton: bool) -> Tensor:
+    """out[n] = sum_k weight[n,k] * ys[unsort[n*K+k]] (weight None -> plain sum)."""
+    if use_triton:
+        from mula.kernels import triton_permute
+
+        return triton_permute.gather_sum(ys, plan.unsort, weight, plan.top_k)
+    n = plan.unsort.numel() // max(plan.top_k, 1)
+    gathered = ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
+    if weight is None:
+        return gathered.sum(1)
+    return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, ys: Tensor, weight: Tensor | None, plan: RoutingPlan, use_triton: bool) -> Tensor:
+        ctx.plan, ctx.use_triton = plan, use_triton
+        ctx.save_for_backward(ys, weight)
+        return _gather_sum(ys.contiguous(), plan, weight, use_triton)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        plan: RoutingPlan = ctx.plan
+        ys, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        need_ys, need_w = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
+        d_ys = d_w = None
+        if ctx.use_triton:
+            from mula.kernels import triton_permute
+
+            if need_ys:
+                scale = weight.reshape(-1)[plan.order] if weight is not None else None
+                d_ys = triton_permute.gather_rows(dy, plan.token, scale)
+            if need_w:
+                d_w = triton_permute.gather_dot(dy, ys, plan.unsort, plan.top_k).view_as(weight)
+        else:
+            if need_ys:
+                d_ys = dy.index_select(0, plan.token)
+                if weight is not None:
+                    d_ys.mul_(weight.reshape(-1)[plan.order].to(dy.dtype).unsqueeze(1))
+            if need_w:
+                n = weight.shape[0]
+                gathered = ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
+                d_w = torch.bmm(gathered, dy.unsqueeze(2)).view(n, plan.top_k)
+        if d_w is not None:
+            d_w = d_w.to(weight.dtype)
+        return d_ys, d_w, None, None
+
+
+def permute(x: Tensor, plan: RoutingPlan, backend: str = "auto") -> Tensor:
+    """x [N,H] -> x_sorted [N*K,H]: row r is token plan.token[r] (grouped by expert, ascending ids)."""
+    if x.dim() != 2 or x.shape[0] * plan.top_k != plan.order.numel():
+        raise ValueError(
+            f"permute expects x [tokens, hidden] with tokens * top_k = {plan.order.numel()}, got {tuple(x.shape)}."
+        )
+    return _Permute.apply(x, plan, _use_triton(x, backend))
+
+
+def unpermute(y_sorted: Tensor, plan: RoutingPlan, weight: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """y_sorted [N*K,H] -> y [N,H] = sum_k weight[n,k] * y_sorted[row of (n,k)]; weight [N,K] or None (sum)."""
+    if y_sorted.dim() != 2 or y_sorted.shape[0] != plan.order.numel():
+        raise ValueError(f"unpermute expects y_sorted [{plan.order.numel()}, hidden], got {tuple(y_sorted.shape)}.")
+    if weight is not None and tuple(weight.shape) != (plan.order.numel() // max(plan.top_k, 1), plan.top_k):
+        raise ValueError(f"unpermute weight must be [tokens, top_k], got {tuple(weight.shape)}.")
+    return _Unpermute.apply(y_sorted, weight, plan, _use_triton(y_sorted, backend))
