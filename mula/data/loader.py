@@ -9,7 +9,9 @@ global batch is therefore the same for every W.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +51,20 @@ class WindowReader:
         return self._datasets
 
     def num_windows(self) -> list[int]:
-        """Number of windows of each source."""
-        return [len(ds) for ds in self._open()]
+        """Number of windows of each source, over the whole dataset.
+
+        Counted from litdata's index with TokensLoader's rule (``tokens_in_chunk // block`` per chunk):
+        ``len(StreamingDataset)`` would be this rank's share once torch.distributed is initialised, while
+        indexing stays global.
+        """
+        counts = []
+        for d in self.source_dirs:
+            with open(os.path.join(d, "index.json")) as fh:
+                index = json.load(fh)
+            if index["config"].get("item_loader") != "TokensLoader":
+                raise ValueError(f"{d} does not hold token chunks written by `mula prepare`.")
+            counts.append(sum(chunk["dim"] // self.block for chunk in index["chunks"]))
+        return counts
 
     def get(self, sources: np.ndarray, windows: np.ndarray) -> torch.Tensor:
         """A LongTensor [len(windows), block] of the given (source, window) pairs."""
