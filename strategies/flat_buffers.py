@@ -1,0 +1,145 @@
+"""Flat-buffer layout for the sharded optimizer: which element of which parameter lives where.
+
+Parameters are packed into buckets (one flat buffer each). A bucket belongs to one *domain*: "dense"
+(reduced and sharded over a group of ``n`` ranks, normally the world) or "expert" (over the EDP
+group). Each parameter starts at a multiple of ``align`` elements and every bucket is padded to a
+multiple of ``n * align`` so that rank ``r`` of the domain owns the contiguous slice
+``[r * S, (r + 1) * S)`` of every bucket, ``S = numel / n`` — the layout that reduce-scatter and
+all-gather produce and consume without copies. Padding elements carry zero gradients, so they stay
+zero and never count towards norms.
+
+Everything here is pure bookkeeping (no tensors, no communication) so it can be tested and reused
+for checkpoint metadata: every rank can compute every other rank's shard ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter as the layout planner sees it.
+
+    ``global_offset``/``global_numel`` place this rank's (local) tensor inside the flattened *global*
+    parameter: 0/numel for dense parameters; for stacked expert parameters ``[E_local, ...]`` on EP rank
+    ``p`` they are ``p * numel`` and ``ep_size * numel`` (global expert ``p * E_local + j``).
+    """
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    dtype_key: str
+    group: int
+    domain: str
+    global_offset: int
+    global_numel: int
+    global_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a parameter sits in its bucket's full (unsharded) flat buffer."""
+
+    entry: ParamEntry
+    bucket: int
+    start: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of a parameter held by one rank: ``length`` elements starting at ``param_start`` in the
+    flattened local parameter, stored at ``shard_start`` in that rank's shard of the bucket."""
+
+    slot: Slot
+    param_start: int
+    shard_start: int
+    length: int
+
+    @property
+    def global_start(self) -> int:
+        """Offset of this segment in the flattened global parameter (what checkpoints address)."""
+        return self.slot.entry.global_offset + self.param_start
+
+
+@dataclass
+class Bucket:
+    """A flat buffer of parameters of one domain and dtype, padded to ``group_size * align``."""
+
+    index: int
+    domain: str
+    dtype_key: str
+    group_size: int
+    slots: list[Slot] = field(default_factory=list)
+    numel: int = 0  # padded size of the full buffer
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of this bucket held by each rank of the domain (padding included)."""
+        return self.numel // self.group_size
+
+    @property
+    def real_numel(self) -> int:
+        """Parameter elements in the bucket (padding excluded)."""
+        return sum(s.entry.numel for s in self.slots)
+
+    def segments(self, rank: int) -> list[Segment]:
+        """The pieces of parameters that ``rank`` (rank within the domain group) owns, in buffer order."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        out = []
+        for slot in self.slots:
+            a, b = max(lo, slot.start), min(hi, slot.start + slot.entry.numel)
+            if a < b:
+                out.append(Segment(slot, a - slot.start, a - lo, b - a))
+        return out
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def plan_buckets(
+    entries: list[ParamEntry], group_sizes: dict[str, int], bucket_numel: int, align: int
+) -> list[Bucket]:
+    """Pack parameters into buckets, domain by domain, in reverse registration order.
+
+    Reverse order because backward produces gradients roughly from the last layer to the first, so
+    the first buckets fill first and their reduce-scatter can start while backward continues.
+    A bucket closes when the next parameter would push it past ``bucket_numel`` elements (a larger
+    parameter gets a bucket of its own) or has another dtype. Dense buckets come first, then expert
+    buckets, so each domain's shards are contiguous in the per-rank state buffers.
+    """
+    if bucket_numel < 1 or align < 1:
+        raise ValueError(f"bucket_numel and align must be positive, got {bucket_numel} and {align}.")
+    buckets: list[Bucket] = []
+    for domain in ("dense", "expert"):
+        n = group_sizes[domain]
+        current: Bucket | None = None
+        for entry in reversed([e for e in entries if e.domain == domain]):
+            needed = _round_up(current.numel, align) + entry.numel if current else 0
+            if current is None or current.dtype_key != entry.dtype_key or (
+                current.slots and needed > bucket_numel
+            ):
+                current = Bucket(len(buckets), domain, entry.dtype_key, n)
+                buckets.append(current)
+            start = _round_up(current.numel, align)
+            current.slots.append(Slot(entry, current.index, start))
+            current.numel = start + entry.numel
+        for bucket in buckets:
+            if bucket.domain == domain:
+                bucket.numel = _round_up(max(bucket.numel, 1), n * align)
+    return buckets
+
+
+def padding_bound(buckets: list[Bucket], align: int) -> int:
+    """Upper bound on the padding (in elements) in one rank's shards.
+
+    Every rank holds ``numel / n`` elements of each bucket, and a bucket's padding is at most
+    ``align - 1`` before each parameter after the first plus ``n * align - 1`` at the tail, so each rank
+    holds at most ``ceil(((params - 1) * (align - 1) + n * align - 1) / n)`` padding elements per bucket
+    above its exact share ``real / n``.
+    """
+    return sum(
+        -(-((len(b.slots) - 1) * (align - 1) + b.group_size * align - 1) // b.group_size) for b in buckets
+    )

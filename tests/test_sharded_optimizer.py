@@ -1,0 +1,442 @@
+"""EPShardedAdamW on 4 (and 2) gloo CPU processes vs single-process torch.optim.AdamW (fp32).
+
+Stand-in model: dense parameters plus stacked expert parameters [E, ...] (names contain ".experts.").
+Every rank keeps a full replica only to compute its gradients; the optimizer sees what expert
+parallelism would give it: dense parameters whole, experts sliced to the rank's global block, and
+per-rank gradients as expert parallelism produces them (dense: the gradient of the rank's own loss;
+experts: summed over the EP group, as the all-to-all backward does). The reference is one process
+running AdamW on the whole global batch with the same LambdaLR schedule and clipping.
+
+Checked: parameters after several steps (relative error <= 1e-6) for E in {1, 2, 4} with and without
+clipping, ZeRO-2 with accumulation, offload, overlapped all-gather, no-hook reduction, the EP-unaware
+layout; state bytes = 12 * P / W + stated padding; checkpoint saved at (W=4, E=2) and loaded at
+(4, 4), (4, 1), (2, 1), (2, 2) gives the same next step; a wrong layout (experts reduced over the
+world) fails; and one run of the tiny Mula MoE with the real all-to-all dispatcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from dist_helpers import run_distributed
+from torch import nn
+
+from strategies.flat_buffers import ParamEntry, plan_buckets
+from strategies.sharded_optimizer import EPShardedAdamW, is_expert_param
+from strategies.topology import build_topology
+
+E_TOTAL, HIDDEN, INTER, LAYERS = 4, 8, 12, 2
+ROWS, STEPS, LR, CLIP = 16, 4, 1e-2, 0.05
+
+
+class Experts(nn.Module):
+    """Stacked SwiGLU-free experts: w_in [E, I, H], w_out [E, H, I]."""
+
+    def __init__(self, num: int) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(num, INTER, HIDDEN) * 0.3)
+        self.w_out = nn.Parameter(torch.randn(num, HIDDEN, INTER) * 0.3)
+
+    def forward(self, x: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        h = F.silu(torch.einsum("nh,eih->nei", x, self.w_in))
+        return (gates.unsqueeze(-1) * torch.einsum("nei,ehi->neh", h, self.w_out)).sum(1)
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, E_TOTAL, bias=False)
+        self.experts = Experts(E_TOTAL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x).softmax(-1))
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.mlp = MoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + torch.tanh(self.proj(self.norm(x)))
+        return x + self.mlp(x)
+
+
+class StandIn(nn.Module):
+    """Dense input/output projections around LAYERS dense+MoE layers (the full, unsliced model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(HIDDEN, HIDDEN)
+        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.head = nn.Linear(HIDDEN, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Node(nn.Module):
+    """A parameter container mirroring the full model's module tree (so names and submodules match);
+    its forward touches every parameter, which fires the optimizer's forward pre-hooks."""
+
+    def forward(self) -> torch.Tensor:
+        total = sum((p.sum() for p in self._parameters.values()), torch.zeros(()))
+        return total + sum((child() for child in self.children()), torch.zeros(()))
+
+
+def _local_params(full: nn.Module, ep_rank: int, ep_size: int) -> Node:
+    """This rank's parameters: dense ones whole, experts sliced to global block ep_rank."""
+    root = Node()
+    for name, p in full.named_parameters():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, Node())
+            node = getattr(node, part)
+        value = _slice(name, p.detach(), ep_rank, ep_size).clone()
+        node.register_parameter(leaf, nn.Parameter(value))
+    return root
+
+
+def _slice(name: str, full: torch.Tensor, ep_rank: int, ep_size: int) -> torch.Tensor:
+    if not is_expert_param(name):
+        return full
+    per = full.shape[0] // ep_size
+    return full[ep_rank * per: (ep_rank + 1) * per]
+
+
+def _groups(named: list[tuple[str, nn.Parameter]]) -> list[dict]:
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _schedule(step: int) -> float:
+    return min(1.0, (step + 1) / 3)  # linear warmup over 3 steps, then constant
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, HIDDEN, generator=g), torch.randn(ROWS, 4, generator=g)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def _reference(steps: int, clip: float | None, clip_after: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Single-process AdamW on the whole global batch; parameters after each step."""
+    model = StandIn()
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(_groups(named), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, *_batch(step)).backward()
+        if clip is not None and step >= clip_after:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        out.append({n: p.detach().clone() for n, p in named})
+    return out
+
+
+@dataclasses.dataclass
+class Run:
+    """One distributed training run of the stand-in."""
+
+    ep_size: int
+    clip: float | None = None
+    accum: int = 1
+    options: dict = dataclasses.field(default_factory=dict)
+    wrong_layout: bool = False  # reduce experts over the whole world: must NOT match
+
+
+class Trainer:
+    """Drives the optimizer the way the strategy does, with gradients from a full replica."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.topo = build_topology(run.ep_size)
+        topo_for_opt = self.topo
+        if run.wrong_layout:
+            topo_for_opt = dataclasses.replace(self.topo, ep_size=1, ep_rank=0, edp_size=self.topo.world_size,
+                                               edp_rank=self.topo.rank, edp_group=dist.group.WORLD)
+        self.replica = StandIn()
+        self.local = _local_params(self.replica, self.topo.ep_rank, self.topo.ep_size)
+        self.named = list(self.local.named_parameters())
+        options = dict(run.options)
+        if options.pop("with_module", False):
+            options["module"] = self.local
+        self.opt = EPShardedAdamW(_groups(self.named), self.named, topo_for_opt, lr=LR, **options)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule)
+        self.steps = 0
+
+    def _sync_replica(self) -> None:
+        if self.opt.options.overlap_param_gather:
+            with torch.no_grad():
+                self.local()  # a forward: its pre-hooks wait for the all-gathers
+        with torch.no_grad():
+            for (name, p), (_, q) in zip(self.replica.named_parameters(), self.named):
+                if is_expert_param(name) and self.topo.ep_size > 1:
+                    parts = [torch.empty_like(q) for _ in range(self.topo.ep_size)]
+                    dist.all_gather(parts, q.detach().contiguous(), group=self.topo.ep_group)
+                    p.copy_(torch.cat(parts))
+                else:
+                    p.copy_(q)
+
+    def _grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        self.replica.zero_grad()
+        (_loss(self.replica, x, y) / self.run.accum).backward()
+        grads = []
+        for name, p in self.replica.named_parameters():
+            g = p.grad
+            if is_expert_param(name) and self.topo.ep_size > 1:
+                dist.all_reduce(g, group=self.topo.ep_group)  # what the all-to-all backward delivers
+            grads.append(_slice(name, g, self.topo.ep_rank, self.topo.ep_size).contiguous())
+        return grads
+
+    def train_step(self) -> None:
+        self._sync_replica()
+        x, y = _batch(self.steps)
+        w, r = self.topo.world_size, self.topo.rank
+        xs, ys = x.chunk(w)[r].chunk(self.run.accum), y.chunk(w)[r].chunk(self.run.accum)
+        self.opt.zero_grad()
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            grads = self._grads(xm, ym)
+            params = [p for _, p in self.named]
+            if i < self.run.accum - 1:
+                with self.opt.no_sync():
+                    torch.autograd.backward(params, grads)
+            else:
+                torch.autograd.backward(params, grads)
+        if self.run.clip is not None:
+            self.opt.clip_grad_norm_(self.run.clip)
+        self.opt.step()
+        self.sched.step()
+        self.steps += 1
+
+    def params(self) -> dict[str, torch.Tensor]:
+        self.opt.wait_for_params()
+        return {n: p.detach().clone() for n, p in self.named}
+
+
+def _max_rel_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], topo) -> float:
+    worst = 0.0
+    for name, value in params.items():
+        expected = _slice(name, ref[name], topo.ep_rank, topo.ep_size)
+        worst = max(worst, ((value - expected).norm() / expected.norm()).item())
+    return worst
+
+
+def _expected_state(trainer: Trainer) -> dict:
+    """Exact per-rank shares of the parameter elements: dense / W + local experts / EDP."""
+    topo = trainer.topo
+    dense = sum(p.numel() for n, p in trainer.named if not is_expert_param(n))
+    expert_local = sum(p.numel() for n, p in trainer.named if is_expert_param(n))
+    return {"dense": dense, "expert_total": expert_local * topo.ep_size, "share": dense / topo.world_size
+            + expert_local / topo.edp_size}
+
+
+RUNS = {
+    "e1": Run(1),
+    "e1_clip": Run(1, clip=CLIP),
+    "e2": Run(2),
+    "e2_clip": Run(2, clip=CLIP),
+    "e4": Run(4),
+    "e4_clip": Run(4, clip=CLIP),
+    "e2_zero2_accum_clipwarmup": Run(2, clip=CLIP, accum=2, options={"zero_stage": 2, "clip_after_step": 2}),
+    "e2_offload_overlap_smallbuckets": Run(2, clip=CLIP, options={
+        "offload": True, "overlap_param_gather": True, "with_module": True, "bucket_numel": 100, "align": 8}),
+    "e4_nohooks_accum": Run(4, accum=2, options={"overlap_grad_reduce": False}),
+    "e2_ep_unaware": Run(2, clip=CLIP, options={"ep_aware": False}),
+    "e2_wrong_layout": Run(2, wrong_layout=True),
+}
+
+
+def _train_worker(rank: int, world: int, ckpt_dir: str) -> dict:
+    out: dict = {}
+    for key, run in RUNS.items():
+        t = Trainer(run)
+        for _ in range(STEPS):
+            t.train_step()
+        exp = _expected_state(t)
+        out[key] = {
+            "params": t.params(), "ep_rank": t.topo.ep_rank, "owned": t.opt.owned_numel(),
+            "state_bytes": t.opt.state_bytes(), "padding_bytes": t.opt.padding_bytes(),
+            "bound": t.opt.padding_bound_bytes(), "metrics": t.opt.metrics(), **exp,
+        }
+        t.opt.close()
+    out["ckpt"] = _checkpoint_save_and_reload(rank, ckpt_dir)
+    return out
+
+
+def _checkpoint_save_and_reload(rank: int, ckpt_dir: str) -> dict:
+    """Save at (4, 2) after STEPS - 1 steps; one more step there; reload at (4, 4) and (4, 1) and step."""
+    t = Trainer(Run(2, clip=CLIP))
+    for _ in range(STEPS - 1):
+        t.train_step()
+    dcp.save(t.opt.sharded_state_dict(), checkpoint_id=ckpt_dir)
+    if rank == 0:
+        torch.save(t.sched.state_dict(), Path(ckpt_dir) / "sched.pt")
+    saved = t.params()
+    t.train_step()
+    result = {"continued": t.params(), "saved_ep_rank": t.topo.ep_rank}
+    for ep in (4, 1):
+        result[ep] = _resume(ckpt_dir, ep)
+        result[ep]["saved"] = saved
+    return result
+
+
+def _resume(ckpt_dir: str, ep_size: int) -> dict:
+    """Fresh model (zeros) and optimizer at another layout, load the checkpoint, take one step."""
+    t = Trainer(Run(ep_size, clip=CLIP))
+    with torch.no_grad():
+        for _, p in t.named:
+            p.zero_()
+    sd = t.opt.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    t.opt.load_sharded_state_dict(sd)
+    t.sched.load_state_dict(torch.load(Path(ckpt_dir) / "sched.pt", weights_only=True))
+    t.steps = t.opt.steps_done
+    loaded = t.params()
+    t.train_step()
+    return {"loaded": loaded, "next": t.params(), "ep_rank": t.topo.ep_rank, "ep_size": ep_size}
+
+
+def _resume_worker(rank: int, world: int, ckpt_dir: str) -> dict:
+    return {ep: _resume(ckpt_dir, ep) for ep in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    refs = {None: _reference(STEPS, None), CLIP: _reference(STEPS, CLIP), "warm": _reference(STEPS, CLIP, 2)}
+    with tempfile.TemporaryDirectory() as d:
+        four = run_distributed(_train_worker, 4, d)
+        two = run_distributed(_resume_worker, 2, d)
+    return {"refs": refs, "four": four, "two": two}
+
+
+def _ref_for(key: str, refs: dict) -> dict[str, torch.Tensor]:
+    run = RUNS[key]
+    if run.options.get("clip_after_step"):
+        return refs["warm"][-1]
+    return refs[run.clip][-1]
+
+
+def _topo(ep_rank: int, ep_size: int):
+    return dataclasses.make_dataclass("T", ["ep_rank", "ep_size"])(ep_rank, ep_size)
+
+
+@pytest.mark.parametrize("key", [k for k in RUNS if k != "e2_wrong_layout"])
+def test_matches_single_process_adamw(results: dict, key: str) -> None:
+    ref = _ref_for(key, results["refs"])
+    for rank_out in results["four"]:
+        r = rank_out[key]
+        err = _max_rel_error(r["params"], ref, _topo(r["ep_rank"], RUNS[key].ep_size))
+        assert err <= 1e-6, f"{key}: relative error {err:.3g}"
+
+
+def test_reducing_experts_over_the_world_is_caught(results: dict) -> None:
+    ref = results["refs"][None][-1]
+    errs = [_max_rel_error(o["e2_wrong_layout"]["params"], ref, _topo(o["e2_wrong_layout"]["ep_rank"], 2))
+            for o in results["four"]]
+    assert max(errs) > 1e-3
+
+
+@pytest.mark.parametrize("key", ["e1", "e2", "e4", "e2_ep_unaware"])
+def test_state_bytes_is_12_P_over_W_plus_padding(results: dict, key: str) -> None:
+    outs = [o[key] for o in results["four"]]
+    first = outs[0]
+    world, ep = 4, RUNS[key].ep_size
+    # every parameter element is owned by exactly one rank (EP-unaware: dense ones by E ranks)
+    dense_copies = 1 if RUNS[key].options.get("ep_aware", True) else ep
+    assert sum(o["owned"] for o in outs) == first["dense"] * dense_copies + first["expert_total"]
+    for o in outs:
+        assert o["state_bytes"] == 12 * o["owned"] + o["padding_bytes"]
+        assert 0 <= o["padding_bytes"] <= o["bound"]
+        assert o["metrics"]["optim/state_bytes"] == o["state_bytes"]
+        assert o["metrics"]["optim/step_ms"] > 0
+        if dense_copies == 1:
+            p_total = first["dense"] + first["expert_total"]
+            assert abs(o["state_bytes"] - 12 * p_total / world) <= o["bound"]
+        else:  # the EP-unaware formula 12 * (P_dense / EDP + P_expert / W)
+            expect = 12 * (first["dense"] / (world // ep) + first["expert_total"] / world)
+            assert abs(o["state_bytes"] - expect) <= o["bound"]
+
+
+def test_checkpoint_reshards_across_layouts(results: dict) -> None:
+    ref = results["refs"][CLIP]
+    for o in results["four"]:
+        ck = o["ckpt"]
+        assert _max_rel_error(ck["continued"], ref[STEPS - 1], _topo(ck["saved_ep_rank"], 2)) <= 1e-6
+        for ep in (4, 1):
+            res = ck[ep]
+            topo = _topo(res["ep_rank"], ep)
+            # the master weights alone restore the model, at the new layout's slices
+            assert _max_rel_error(res["loaded"], ref[STEPS - 2], topo) <= 1e-6
+            assert _max_rel_error(res["next"], ref[STEPS - 1], topo) <= 1e-6
+    for o in results["two"]:
+        for ep, res in o.items():
+            topo = _topo(res["ep_rank"], ep)
+            assert _max_rel_error(res["loaded"], ref[STEPS - 2], topo) <= 1e-6
+            assert _max_rel_error(res["next"], ref[STEPS - 1], topo) <= 1e-6
+
+
+def test_bucket_plan_alignment_and_padding() -> None:
+    entries = [ParamEntry(i, f"p{i}", (n,), n, "float32", 0, "dense", 0, n, (n,)) for i, n in enumerate([5, 37, 3, 64])]
+    buckets = plan_buckets(entries, {"dense": 4, "expert": 2}, bucket_numel=80, align=8)
+    seen = {}
+    for b in buckets:
+        assert b.numel % (4 * 8) == 0
+        for s in b.slots:
+            assert s.start % 8 == 0
+        for rank in range(4):
+            for seg in b.segments(rank):
+                seen.setdefault(seg.slot.entry.name, 0)
+                seen[seg.slot.entry.name] += seg.length
+    assert seen == {e.name: e.numel for e in entries}
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets(entries, {"dense": 4, "expert": 2}, bucket_numel=0, align=8)
+
+
+def test_bad_inputs_raise_one_sentence() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Unknown EPShardedAdamW option"):
+        EPShardedAdamW(model.parameters(), model.named_parameters(), zero_stage_typo=2)
+    with pytest.raises(ValueError, match="zero_stage"):
+        EPShardedAdamW(model.parameters(), model.named_parameters(), zero_stage=3)
+    with pytest.raises(ValueError, match="needs a name"):
+        EPShardedAdamW(model.parameters(), [])
+    with pytest.raises(ValueError, match="amsgrad"):
+        EPShardedAdamW.from_adamw(torch.optim.AdamW(model.parameters(), amsgrad=True), model.named_parameters(), None)
+    with pytest.raises(ValueError, match="torch.optim.AdamW"):
+        EPShardedAdamW.from_adamw(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), None)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_from_adamw_keeps_groups_for_schedulers() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    adamw = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 0.1 * (s + 1))
+    opt = EPShardedAdamW.from_adamw(adamw, model.named_parameters(), None)
+    assert opt.param_groups[0] is adamw.param_groups[0] and opt.param_groups[0]["initial_lr"] == 0.5
+    sched.optimizer = opt
+    sched.step()
+    assert math.isclose(opt.param_groups[1]["lr"], 0.5 * 0.2)
