@@ -164,9 +164,9 @@ class HangWatchdog(Callback):
 
     def _fire(self, idle: float) -> None:
         assert self._dump_path is not None
-        what = "step completed" if self._steps_done else "first step completed"
+        phase = "" if self._steps_done else ", waiting for the first step"
         header = (
-            f"Mula hang watchdog: no training progress for {idle:.1f}s (limit {self._limit():.1f}s, no {what});"
+            f"Mula hang watchdog: no training progress for {idle:.1f}s (limit {self._limit():.1f}s{phase});"
             f" rank {self._rank}/{self._world}, host {socket.gethostname()}, pid {os.getpid()},"
             f" last step {self._last_step}, {time.strftime('%Y-%m-%d %H:%M:%S')}.\n\n"
         )

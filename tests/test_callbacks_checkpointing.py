@@ -1,0 +1,272 @@
+"""Crash-safe checkpoints: manifests, verification, discovery, RNG capture, directory (sharded)
+checkpoints through a strategy's save_checkpoint, and the mula-resilient wrapper."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from callbacks import AnomalyGuard, FaultTolerantCheckpoint, HangWatchdog, PreemptionHandler, StragglerDetector
+from callbacks.anomaly import robust_zscore
+from callbacks.rng_state import capture_rng_state, restore_rng_state
+from mula.checkpointing import (
+    CheckpointManifest,
+    auto_resume_ckpt_path,
+    build_manifest,
+    checkpoint_name,
+    find_resume_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ft_app import StepRecorder, TinyData, TinyLM  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _file_ckpt(dirpath: Path, step: int, payload: bytes = b"x" * 1000, manifest: bool = True) -> Path:
+    path = dirpath / checkpoint_name(step)
+    path.write_bytes(payload)
+    if manifest:
+        write_manifest(path, build_manifest(path, step))
+    return path
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------------------------------ manifests
+
+
+def test_file_checkpoint_verification_detects_truncation_corruption_and_missing_manifest(tmp_path):
+    path = _file_ckpt(tmp_path, 5, bytes(range(256)) * 40)
+    manifest = read_manifest(path)
+    assert manifest.step == 5 and manifest.kind == "file" and manifest.files[0].size == 10240
+    assert verify_checkpoint(path, "checksum") is None and verify_checkpoint(path, "size") is None
+
+    _flip_byte(path, 5000)  # same size, different content: only the checksum sees it
+    assert verify_checkpoint(path, "size") is None
+    assert "checksum" in verify_checkpoint(path, "checksum")
+
+    path.write_bytes(bytes(range(256)) * 20)  # truncated
+    assert "truncated" in verify_checkpoint(path, "size")
+
+    path.with_name(path.name + ".manifest.json").write_text("{not json")
+    assert "invalid" in verify_checkpoint(path)
+    path.with_name(path.name + ".manifest.json").unlink()
+    assert "did not complete" in verify_checkpoint(path)
+    with pytest.raises(ValueError, match="Unknown verify mode"):
+        verify_checkpoint(path, "bogus")
+
+
+def test_directory_checkpoint_verification(tmp_path):
+    ckpt = tmp_path / checkpoint_name(3)
+    (ckpt / "sub").mkdir(parents=True)
+    for name, size in [("a.distcp", 3000), ("sub/b.distcp", 10), (".metadata", 77)]:
+        (ckpt / name).write_bytes(b"\1" * size)
+    write_manifest(ckpt, build_manifest(ckpt, 3, checksum="crc32"))
+    manifest = read_manifest(ckpt)
+    assert manifest.kind == "dir" and manifest.checksum == "crc32"
+    assert sorted(f.path for f in manifest.files) == [".metadata", "a.distcp", "sub/b.distcp"]
+    assert verify_checkpoint(ckpt) is None
+    _flip_byte(ckpt / "sub/b.distcp", 3)
+    assert "sub/b.distcp" in verify_checkpoint(ckpt)
+    (ckpt / "a.distcp").unlink()
+    assert "missing" in verify_checkpoint(ckpt, "size")
+    assert CheckpointManifest.from_json(manifest.to_json()) == manifest
+
+
+def test_find_resume_checkpoint_skips_invalid_newer_ones_with_a_warning(tmp_path, caplog):
+    assert find_resume_checkpoint(tmp_path / "nothing-here") is None
+    _file_ckpt(tmp_path, 2)
+    good = _file_ckpt(tmp_path, 4)
+    _file_ckpt(tmp_path, 6, manifest=False)  # crashed between rename and manifest
+    bad = _file_ckpt(tmp_path, 8)
+    _flip_byte(bad, 10)  # damaged after the fact
+    (tmp_path / ".tmp-step=000000010.ckpt").write_bytes(b"partial")  # crashed mid-write
+    assert [e.step for e in list_checkpoints(tmp_path)] == [8, 6, 4, 2]
+    with caplog.at_level(logging.WARNING, logger="mula.checkpointing"):
+        assert find_resume_checkpoint(tmp_path) == good
+    text = caplog.text
+    assert "step=000000008.ckpt" in text and "corrupted" in text and "did not complete" in text
+    assert "Resuming from" in text
+
+
+def test_auto_resume_asks_callbacks_duck_typed(tmp_path):
+    class NoResume:
+        pass
+
+    class Resume:
+        def resume_checkpoint_path(self, trainer):
+            return tmp_path / "x.ckpt"
+
+    class FakeTrainer:
+        callbacks = [NoResume(), Resume()]
+
+    assert auto_resume_ckpt_path(FakeTrainer()) == str(tmp_path / "x.ckpt")
+    FakeTrainer.callbacks = [NoResume()]
+    assert auto_resume_ckpt_path(FakeTrainer()) is None
+
+
+# ------------------------------------------------------------------------------------------ RNG, z-score
+
+
+def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save({"rng": capture_rng_state(torch.device("cpu"))}, tmp_path / "rng.pt")
+
+    def draw():
+        return random.random(), float(np.random.rand()), float(np.random.randn()), torch.rand(3).tolist()
+
+    first = draw()
+    restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"], torch.device("cpu"))
+    assert draw() == first
+
+
+def test_robust_zscore():
+    history = [3.0, 3.1, 2.9, 3.05, 2.95, 3.0, 3.02]
+    assert abs(robust_zscore(3.0, history)) < 1
+    assert robust_zscore(6.0, history) > 20
+    assert robust_zscore(3.0 * 1.0005, [3.0] * 10) < 1  # flat history: the floor keeps tiny noise small
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: FaultTolerantCheckpoint(every_n_steps=0),
+        lambda: FaultTolerantCheckpoint(keep_last=0),
+        lambda: FaultTolerantCheckpoint(checksum="md5"),
+        lambda: PreemptionHandler(signals=["SIGNOPE"]),
+        lambda: AnomalyGuard(on_max_consecutive="panic"),
+        lambda: AnomalyGuard(window=10, min_history=20),
+        lambda: HangWatchdog(timeout_s=0),
+        lambda: StragglerDetector(threshold=0.9),
+    ],
+)
+def test_bad_settings_are_rejected_with_a_clear_error(factory):
+    with pytest.raises(ValueError):
+        factory()
+
+
+# ------------------------------------------------------------------------------------------ sharded directories
+
+
+class DirectoryCheckpointStrategy(SingleDeviceStrategy):
+    """Saves like sharded strategies do: a DCP directory plus Lightning's metadata file."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        path = Path(filepath)
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=path)
+        torch.save(checkpoint, path / "meta.pt")
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        path = Path(checkpoint_path)
+        meta = torch.load(path / "meta.pt", weights_only=False)
+        state = {"state_dict": self.lightning_module.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        meta["state_dict"] = state["state_dict"]
+        return meta
+
+
+def _fit(root: Path, max_steps: int, ckpt_cb: FaultTolerantCheckpoint, ckpt_path=None) -> None:
+    pl.seed_everything(1234, verbose=False)
+    trainer = pl.Trainer(
+        strategy=DirectoryCheckpointStrategy(device=torch.device("cpu")),
+        max_steps=max_steps,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[ckpt_cb, StepRecorder()],
+    )
+    if ckpt_path == "auto":
+        ckpt_path = auto_resume_ckpt_path(trainer)
+    trainer.fit(TinyLM(), TinyData(), ckpt_path=ckpt_path)
+
+
+def test_directory_checkpoints_are_atomic_verified_pruned_and_resume_exactly(tmp_path, caplog):
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    _fit(run, 6, FaultTolerantCheckpoint(every_n_steps=2, keep_last=2))
+    reference = {r["step"]: r for r in map(json.loads, (run / "record-rank0.jsonl").read_text().splitlines())}
+    ckpts = run / "checkpoints"
+    assert [e.step for e in list_checkpoints(ckpts)] == [6, 4]  # step 2 pruned
+    newest = ckpts / checkpoint_name(6)
+    assert newest.is_dir() and read_manifest(newest).kind == "dir" and verify_checkpoint(newest) is None
+    assert not list(ckpts.glob(".tmp-*"))
+
+    shard = next(newest.glob("*.distcp"))
+    _flip_byte(shard, shard.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="mula.checkpointing"):
+        _fit(run, 6, FaultTolerantCheckpoint(every_n_steps=2, keep_last=2), ckpt_path="auto")
+    assert "step=000000006.ckpt" in caplog.text and "corrupted" in caplog.text
+    rows = [json.loads(line) for line in (run / "record-rank0.jsonl").read_text().splitlines()]
+    resumed = rows[6:]  # the same file holds the reference run's six rows, then the resumed run's
+    assert [r["step"] for r in resumed] == [5, 6]
+    for row in resumed:
+        ref = reference[row["step"]]
+        assert (row["loss"], row["params"], row["batch"]) == (ref["loss"], ref["params"], ref["batch"])
+    assert verify_checkpoint(newest) is None  # re-saved at step 6, replacing the damaged one
+
+
+def test_time_based_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    _fit(run, 3, FaultTolerantCheckpoint(every_n_steps=None, every_n_minutes=1e-9, keep_last=5))
+    manifests = [read_manifest(e.path) for e in list_checkpoints(run / "checkpoints")]
+    assert [(m.step, m.reason) for m in manifests] == [(3, "timer"), (2, "timer"), (1, "timer")]
+
+
+# ------------------------------------------------------------------------------------------ mula-resilient
+
+SCRIPT = str(REPO / "scripts" / "mula-resilient")
+
+
+def test_resilient_wrapper_restarts_until_success_or_gives_up():
+    ok = subprocess.run(
+        [SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", "echo $MULA_RESTART_COUNT; [ $MULA_RESTART_COUNT -ge 2 ]"],
+        capture_output=True, text=True,
+    )
+    assert ok.returncode == 0 and ok.stdout.split() == ["0", "1", "2"]
+    fail = subprocess.run([SCRIPT, "-n", "2", "-d", "0", "--", "bash", "-c", "exit 3"], capture_output=True, text=True)
+    assert fail.returncode == 3 and "giving up after 2 restart(s)" in fail.stderr
+    final = subprocess.run([SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", "exit 65"], capture_output=True, text=True)
+    assert final.returncode == 65 and final.stderr.count("\n") == 1 and "not restarting" in final.stderr
+    bad = subprocess.run([SCRIPT, "-n", "x", "--", "true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "-n must be" in bad.stderr
+
+
+def test_resilient_wrapper_forwards_sigterm_and_does_not_restart(tmp_path):
+    ready = tmp_path / "ready"
+    child = f'trap "kill %1; exit 75" TERM; sleep 30 >/dev/null 2>&1 & touch {ready}; wait'
+    proc = subprocess.Popen([SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", child], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 75
+    assert "not restarting" in proc.stderr.read()
