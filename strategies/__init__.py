@@ -1,0 +1,34 @@
+"""Parallelism for Mula: expert parallelism and EP-aware optimizer sharding as a Lightning strategy.
+
+Importing this package registers `XPUMoEStrategy` as `strategy: xpu_moe` and `XPUAccelerator` as
+`accelerator: xpu` with Lightning, so recipes can name them.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from strategies.accelerator import XPUAccelerator, process_group_backend, register as _register_accelerator
+from strategies.all_to_all import AllToAllDispatcher
+from strategies.checkpoint import consolidate_checkpoint
+from strategies.environments import PALSEnvironment
+from strategies.expert_parallel import apply_expert_parallel
+from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.topology import ExpertParallelTopology, build_topology, validate_layout
+from strategies.xpu_moe import XPUMoEStrategy
+
+_register_accelerator()
+XPUMoEStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "AllToAllDispatcher",
+    "ExpertParallelTopology",
+    "GradientSynchronizer",
+    "PALSEnvironment",
+    "XPUAccelerator",
+    "XPUMoEStrategy",
+    "apply_expert_parallel",
+    "build_topology",
+    "clip_grad_norm_",
+    "consolidate_checkpoint",
+    "process_group_backend",
+    "validate_layout",
+]

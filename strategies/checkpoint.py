@@ -1,0 +1,239 @@
+"""Sharded checkpoints for expert parallelism with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is a directory: DCP shards (`*.distcp` + `.metadata`) plus Lightning's `meta.pt` (loops,
+schedulers, callbacks, hyperparameters, `mula_config`; written by rank 0). Inside DCP:
+
+* "state_dict": the LightningModule's state dict under its usual keys. Dense tensors are saved once
+  (DCP de-duplicates replicas). Each stacked expert tensor is saved as one *global* [E_total, ...]
+  tensor: a DTensor sharded on dim 0 over the EP mesh dimension and replicated over EDP, so expert g
+  is stored at row g whatever the layout it was saved from, and DCP reads any other layout's rows.
+* "optimizer_0": the optimizer state in a layout that reshards the same way -- the sharded
+  optimizer's own `sharded_state_dict()`, or for a plain torch optimizer its per-parameter state keyed
+  by parameter name with expert moments wrapped like the weights.
+
+So a run saved at (W=4, E=4) resumes at (W=2, E=2), at W=1, or the reverse. `consolidate_checkpoint`
+turns the directory into a single-file checkpoint that `mula.weights.load_weights` and export read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+
+from strategies.grad_sync import is_expert_param
+from strategies.topology import ExpertParallelTopology
+
+METADATA_FILENAME = "meta.pt"  # the name Lightning's own sharded checkpoints use
+MODEL_KEY = "state_dict"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a directory written by `save_sharded` (DCP metadata + Lightning meta file)."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / METADATA_FILENAME).is_file()
+
+
+def expert_mesh(topology: ExpertParallelTopology, device_type: str) -> Any:
+    """The 2-D (edp, ep) device mesh describing where expert rows live (None when E = 1: experts are whole).
+
+    Collective: every rank must call it. Rank r sits at (r // E, r % E), matching `build_topology`.
+    """
+    if topology.ep_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (topology.edp_size, topology.ep_size), mesh_dim_names=("edp", "ep"))
+
+
+def _as_global(tensor: Tensor, mesh: Any) -> Any:
+    """Wrap a local expert slice [E_local, ...] as the global [E_total, ...] tensor it is a part of."""
+    if mesh is None:
+        return tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(tensor, mesh, [Replicate(), Shard(0)], run_check=False)
+
+
+def model_state(module: nn.Module, mesh: Any) -> dict[str, Any]:
+    """The module's state dict with expert tensors as global DTensors; values alias the live tensors
+    (detached), so `dcp.load` into it loads the model in place."""
+    out: dict[str, Any] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        tensor = value.detach()
+        out[name] = _as_global(tensor, mesh) if is_expert_param(name) else tensor
+    return out
+
+
+def plain_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any) -> dict[str, Any]:
+    """A torch optimizer's per-parameter state keyed by parameter name, expert moments as global tensors."""
+    state: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            entry = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and is_expert_param(name):
+                    value = _as_global(value, mesh)
+                entry[key] = value
+            if entry:
+                state[name] = entry
+    # A tuple is a leaf for DCP: the hyperparameters are stored as one small pickled object.
+    groups = tuple(
+        {**{k: v for k, v in g.items() if k != "params"}, "param_names": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    )
+    return {"state": state, "param_groups": groups}
+
+
+def _plain_optimizer_template(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any, saved_keys: set[str]
+) -> dict[str, Any]:
+    """Tensors to load a plain optimizer's saved state into (allocated where the state is still empty)."""
+    state: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            kinds = sorted(k.rsplit(".", 1)[1] for k in saved_keys if k.startswith(f"optimizer_0.state.{name}."))
+            if not kinds:
+                continue
+            current = optimizer.state.setdefault(p, {})
+            for kind in kinds:
+                if kind not in current:
+                    # AdamW-style state: scalar `step`, moments shaped like the parameter
+                    current[kind] = torch.zeros((), dtype=torch.float32) if kind == "step" else torch.zeros_like(p)
+            state[name] = {
+                k: (_as_global(v, mesh) if v.dim() > 0 and is_expert_param(name) else v)
+                for k, v in current.items()
+                if k in kinds
+            }
+    return {"state": state, "param_groups": None}  # None: filled with the saved tuple by dcp.load
+
+
+def save_sharded(path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool) -> None:
+    """Write a sharded checkpoint directory (collective). `checkpoint["state_dict"]` comes from
+    `model_state`; the rest of `checkpoint` (Lightning's loops, schedulers, ...) goes to meta.pt."""
+    if path.is_file():
+        raise ValueError(f"Checkpoint path {path} is an existing file; sharded checkpoints are directories.")
+    path.mkdir(parents=True, exist_ok=True)
+    state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
+    dcp.save(state, checkpoint_id=path)
+    if is_global_zero:
+        tmp = path / (METADATA_FILENAME + ".tmp")
+        torch.save(checkpoint, tmp)
+        tmp.replace(path / METADATA_FILENAME)  # meta.pt appears last: its presence marks a complete checkpoint
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _saved_keys(path: Path) -> set[str]:
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def load_sharded(
+    path: Path,
+    module: nn.Module,
+    mesh: Any,
+    optimizers: list[torch.optim.Optimizer],
+    names: dict[int, str],
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint into the (already parallelised) module and optimizers, in place.
+
+    Works whatever (W, E) the checkpoint was saved at. Returns the Lightning metadata dict.
+    """
+    if not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"{path} is not a sharded XPUMoEStrategy checkpoint directory (no .metadata and {METADATA_FILENAME}); "
+            "to start from a weights file use the module's init_weights instead."
+        )
+    saved = _saved_keys(path)
+    model = model_state(module, mesh)
+    missing = sorted(k for k in model if f"{MODEL_KEY}.{k}" not in saved)
+    if missing:
+        raise ValueError(f"Checkpoint {path} has no entry for {len(missing)} model tensor(s), e.g. {missing[0]}.")
+    state: dict[str, Any] = {MODEL_KEY: model}
+    sharded_opts: dict[str, Any] = {}
+    for i, opt in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        if not any(k.startswith(key + ".") for k in saved):
+            raise ValueError(f"Checkpoint {path} holds no optimizer state; resume it with fit from weights instead.")
+        if hasattr(opt, "sharded_state_dict"):
+            if not any(k.startswith(f"{key}.step") for k in saved):
+                raise ValueError(f"Checkpoint {path} was saved without shard_optimizer; resume with shard_optimizer=False.")
+            sharded_opts[key] = state[key] = opt.sharded_state_dict()
+        else:
+            if any(k.startswith(f"{key}.step") for k in saved):
+                raise ValueError(f"Checkpoint {path} was saved with shard_optimizer; resume with shard_optimizer=True.")
+            state[key] = _plain_optimizer_template(opt, names, mesh, saved)
+    dcp.load(state, checkpoint_id=path)
+    for i, opt in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        if key in sharded_opts:
+            opt.load_sharded_state_dict(sharded_opts[key])
+        else:
+            _apply_param_groups(opt, state[key]["param_groups"], path, names)
+    return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only is not False)
+
+
+def _apply_param_groups(optimizer: torch.optim.Optimizer, groups: Any, path: Path, names: dict[int, str]) -> None:
+    """Restore a plain optimizer's hyperparameters (lr, betas, ...) saved next to its state."""
+    if groups is None or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"Checkpoint {path} has a different number of optimizer param groups.")
+    for mine, theirs in zip(optimizer.param_groups, groups):
+        if list(theirs["param_names"]) != [names[id(p)] for p in mine["params"]]:
+            raise ValueError(f"Checkpoint {path} optimizer param groups name other parameters than this model's.")
+        mine.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+
+
+def rescale_loop_progress(meta: dict[str, Any], accumulate_grad_batches: int) -> None:
+    """Make Lightning's restored micro-batch counters agree with this run's gradient accumulation.
+
+    Lightning decides where an optimizer step ends from the number of micro-batches it has seen in
+    the epoch. Resuming at another world size changes micro-batches per step (accumulate_grad_batches
+    = global / (W * micro)), so the counters saved at the old layout are converted: k steps of A_old
+    micro-batches become k steps of A_new. Counters that are not whole steps are left alone.
+    """
+    layout = meta.get("xpu_moe_layout") or {}
+    old = layout.get("accumulate_grad_batches")
+    progress = meta.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not old or old == accumulate_grad_batches or progress is None:
+        return
+    counters = [progress[part] for part in ("total", "current") if part in progress]
+    if any(v % old for c in counters for v in c.values()):
+        return  # saved mid-accumulation: nothing consistent to convert to
+    for c in counters:
+        for key, value in c.items():
+            c[key] = value // old * accumulate_grad_batches
+
+
+def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
+    """Write the model weights of a sharded checkpoint as one Lightning-style `.ckpt` file (one process).
+
+    The result has the full stacked experts and the `mula_config` entry, so `mula.weights.load_weights`
+    and `mula export-hf` read it. Optimizer state is left out.
+    """
+    path, output = Path(path), Path(output)
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a sharded XPUMoEStrategy checkpoint directory.")
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = MODEL_KEY + "."
+    weights = {
+        key[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size")
+    }
+    dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
+    meta = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=True)
+    keep = {k: v for k, v in meta.items() if k not in ("optimizer_states", "lr_schedulers", "loops", "callbacks")}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    torch.save({**keep, MODEL_KEY: weights}, tmp)
+    tmp.replace(output)
+    return output

@@ -1,0 +1,480 @@
+"""XPUMoEStrategy: expert parallelism (+ EP-aware optimizer sharding) as a Lightning strategy.
+
+Structure follows Lightning's ModelParallelStrategy: `setup_environment` (process group, EP/EDP
+groups) -> `setup` (parallelise the LightningModule's model from the outside, build the optimizer)
+-> checkpoint hooks (sharded DCP directories that reshard across layouts).
+
+Per step (automatic optimisation): forward with all-to-all dispatchers -> backward, where gradient
+buckets start reducing as soon as they are complete -> `post_backward` finishes the reduction (dense
+over all W ranks, experts over their EDP group) -> Lightning's clipping (re-pointed to a global norm
+that counts each element once) -> optimizer step. Gradient-accumulation micro-batches do not
+communicate (`block_backward_sync`).
+
+YAML: `trainer.strategy: {class_path: strategies.XPUMoEStrategy, init_args: {expert_parallel_size: 4}}`
+or `trainer.strategy: xpu_moe` (E = 1).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from weakref import ref
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+
+from strategies.accelerator import fix_mixed_precision_device, process_group_backend
+from strategies.checkpoint import (
+    expert_mesh,
+    load_sharded,
+    model_state,
+    plain_optimizer_state,
+    rescale_loop_progress,
+    save_sharded,
+)
+from strategies.environments import PALSEnvironment
+from strategies.expert_parallel import apply_expert_parallel
+from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, is_expert_param
+from strategies.topology import ExpertParallelTopology, build_topology
+
+
+class XPUMoEStrategy(ParallelStrategy):
+    """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
+
+    W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
+    all-to-all inside a group, so E = devices per node keeps that traffic on the node) and EDP groups
+    across them. Every rank is a data-parallel rank (its own micro-batch); dense parameters are
+    replicated on all ranks, each rank keeps num_experts / E experts.
+
+    Args:
+        expert_parallel_size: E; must divide the world size and the model's number of experts.
+        shard_optimizer: replace the module's `torch.optim.AdamW` by `EPShardedAdamW` (state split
+            once across all ranks). False keeps the module's optimizer and all-reduces gradients.
+        optimizer_options: keyword options of `EPShardedAdamW` (e.g. `zero_stage`, `bucket_numel`,
+            `overlap_param_gather`, `offload`, `reduce_dtype: bfloat16`).
+        bucket_size_mb: gradient bucket size for the unsharded path.
+        overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
+        moe_metrics: add the `callbacks.moe_metrics.MoEMetrics` callback (moe/a2a_bytes, ...).
+        meta_init: let `configure_model` build on the meta device; each rank then materialises only its
+            own experts and initialises them with the model's `reset_parameters` (dense weights are
+            broadcast from rank 0). Use for models too large to build whole on one device.
+        process_group_backend: override the backend (default: xccl on XPU, nccl on CUDA, gloo on CPU).
+        timeout: collective timeout.
+    """
+
+    strategy_name = "xpu_moe"
+
+    def __init__(
+        self,
+        expert_parallel_size: int = 1,
+        shard_optimizer: bool = True,
+        optimizer_options: dict[str, Any] | None = None,
+        bucket_size_mb: float = 25.0,
+        overlap_grad_reduce: bool = True,
+        moe_metrics: bool = True,
+        meta_init: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if cluster_environment is None and _launched_by_mpiexec():
+            cluster_environment = PALSEnvironment()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if int(expert_parallel_size) < 1:
+            raise ValueError(f"expert_parallel_size must be at least 1, got {expert_parallel_size}.")
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
+        self.expert_parallel_size = int(expert_parallel_size)
+        self.shard_optimizer = shard_optimizer
+        self.optimizer_options = _parse_optimizer_options(optimizer_options or {})
+        self.bucket_size_mb = bucket_size_mb
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.moe_metrics = moe_metrics
+        self.meta_init = meta_init
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.topology: ExpertParallelTopology | None = None
+        self._mesh: Any = None
+        self._grad_sync: GradientSynchronizer | None = None
+        self._sync_blocked = False
+        self.last_grad_norm: Tensor | None = None
+
+    # ----- layout ----------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the job (set by the Trainer)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank is a data-parallel rank: experts are split, tokens are not."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The collective backend in use (after setup_environment)."""
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the parallelised model and the final optimizer."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """The strategy restores optimizer state itself (sharded, reshardable)."""
+        return False
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's rank (as DDP does)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ----- environment -----------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Start the process group and build the EP/EDP groups (fails fast on an invalid layout)."""
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self.topology = build_topology(self.expert_parallel_size)
+        self._mesh = expert_mesh(self.topology, self.root_device.type)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Build the model on the meta device when `meta_init`, else directly on this rank's device."""
+        if self.meta_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    # ----- setup -----------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        """Parallelise the model, move it to the device, build optimizer and gradient sync."""
+        assert self.accelerator is not None and self.model is not None and self.topology is not None
+        self.accelerator.setup(trainer)
+        fix_mixed_precision_device(self.precision_plugin, self.root_device.type)
+        module = self.lightning_module
+        apply_expert_parallel(module, self.topology)
+        self._materialize(module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._sync_replicas(module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Lightning's norm clipping sees only this rank's tensors: route it to the global norm.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            if self.moe_metrics:
+                _add_moe_metrics(trainer)
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Meta-built model: allocate on the device and initialise with the model's own init."""
+        for child in module.children():
+            if not any(p.is_meta for p in child.parameters()):
+                continue
+            if not hasattr(child, "reset_parameters"):
+                raise ValueError(f"{type(child).__name__} was built on the meta device but has no reset_parameters().")
+            child.to_empty(device=self.root_device)
+            child.reset_parameters()
+
+    @torch.no_grad()
+    def _sync_replicas(self, module: nn.Module) -> None:
+        """Make replicas identical, as DDP does: dense from rank 0, experts from EDP rank 0."""
+        topo = self.topology
+        assert topo is not None
+        if topo.world_size == 1:
+            return
+        edp_src = topo.edp_group_ranks()[0]
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if is_expert_param(name):
+                if topo.edp_size > 1:
+                    dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
+            else:
+                dist.broadcast(tensor.data, src=0)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """The module's optimizer, made EP-aware: sharded, or with EP-aware gradient averaging."""
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        assert self.topology is not None
+        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
+            self._grad_sync = None
+        if not self.shard_optimizer:
+            self._grad_sync = GradientSynchronizer(named, self.topology, self.bucket_size_mb, self.overlap_grad_reduce)
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"shard_optimizer=True needs exactly one optimizer, the module returned {len(self.optimizers)}.")
+        from strategies.sharded_optimizer import EPShardedAdamW
+
+        adamw = self.optimizers[0]
+        if not isinstance(adamw, torch.optim.AdamW):
+            raise ValueError(
+                f"shard_optimizer=True replaces a torch.optim.AdamW, but configure_optimizers returned "
+                f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
+            )
+        sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **self.optimizer_options)
+        _scale_expert_grads_by_world(sharded, self.topology)
+        for config in self.lr_scheduler_configs:
+            if config.scheduler.optimizer is adamw:
+                config.scheduler.optimizer = sharded
+                _track_step_calls(sharded)
+        self.optimizers = [sharded]
+
+    # ----- gradients -------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient-accumulation micro-batch: accumulate locally, communicate nothing."""
+        sharded = self._sharded_optimizer()
+        self._sync_blocked = True
+        if self._grad_sync is not None:
+            self._grad_sync.enabled = False
+        try:
+            if sharded is not None:
+                with sharded.no_sync():
+                    yield
+            else:
+                yield
+        finally:
+            self._sync_blocked = False
+            if self._grad_sync is not None:
+                self._grad_sync.enabled = True
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Finish the gradient reduction started by the backward hooks (unless accumulating)."""
+        if self._sync_blocked:
+            return
+        sharded = self._sharded_optimizer()
+        if sharded is not None:
+            sharded.reduce_gradients()
+        elif self._grad_sync is not None:
+            self._grad_sync.finish()
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the global norm over dense and all experts, each element counted once."""
+        sharded = self._sharded_optimizer()
+        if sharded is not None:
+            self.last_grad_norm = sharded.clip_grad_norm_(float(clip_val))
+        else:
+            assert self.topology is not None
+            named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+            self.last_grad_norm = clip_grad_norm_(named, float(clip_val), self.topology)
+
+    def _sharded_optimizer(self) -> Any:
+        if not self.shard_optimizer or not self.optimizers:
+            return None
+        opt = self.optimizers[0]
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+        return opt if hasattr(opt, "reduce_gradients") else None
+
+    # ----- collectives -----------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        """Synchronise all ranks."""
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """Send a picklable object from `src` to every rank."""
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Reduce a tensor over all ranks (mean by default), as DDP does."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        """Move the (already sliced) model to this rank's device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ----- checkpoints -----------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Model state with experts as global tensors (for DCP); aliases the live parameters."""
+        return model_state(self.lightning_module, self._mesh)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Optimizer state in a layout DCP can reshard (addressed by parameter name)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if hasattr(optimizer, "sharded_state_dict"):
+            return optimizer.sharded_state_dict()
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        return plain_optimizer_state(optimizer, names, self._mesh)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a sharded checkpoint directory at `filepath` (collective)."""
+        if storage_options is not None:
+            raise TypeError("XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards).")
+        path = Path(self.broadcast(str(filepath)))
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        checkpoint["xpu_moe_layout"] = {
+            "world_size": self.world_size,
+            "expert_parallel_size": self.expert_parallel_size,
+            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+        }
+        save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        meta = load_sharded(path, self.lightning_module, self._mesh, optimizers, names, weights_only)
+        trainer = self.lightning_module.trainer
+        rescale_loop_progress(meta, trainer.accumulate_grad_batches)
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing to do: `load_checkpoint` already loaded the weights in place."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing to do: `load_checkpoint` already loaded the optimizer state."""
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint directory (rank 0)."""
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    # ----- teardown / registry -----------------------------------------------------------------
+    def teardown(self) -> None:
+        """Detach hooks and release the device."""
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
+        sharded = self._sharded_optimizer()
+        if sharded is not None and hasattr(sharded, "close"):
+            sharded.close()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """`strategy: xpu_moe` (E = 1) in a Trainer or recipe."""
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True)
+
+
+def _launched_by_mpiexec() -> bool:
+    """mpiexec/PALS/PMI launch that no Lightning environment claims (torchrun and SLURM come first)."""
+    return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()
+
+
+def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
+    """YAML gives dtypes as strings ("bfloat16"): turn them into torch dtypes."""
+    out = dict(options)
+    if isinstance(out.get("reduce_dtype"), str):
+        name = out["reduce_dtype"].removeprefix("torch.")
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype.")
+        out["reduce_dtype"] = dtype
+    return out
+
+
+def _scale_expert_grads_by_world(optimizer: Any, topology: ExpertParallelTopology) -> None:
+    """Expert gradients must be summed over EDP and divided by W (not averaged over EDP).
+
+    Each rank's loss is the mean over its own micro-batch, and the all-to-all backward already sums
+    the E ranks of the EP group into an expert's owner; so the global-batch gradient of an expert is
+    (1/W) * sum over its EDP group -- averaging over EDP would make it E times too large.
+    """
+    domains = getattr(optimizer, "_domains", None)
+    if domains and "expert" in domains:
+        domains["expert"].scale = 1.0 / topology.world_size
+
+
+def _track_step_calls(optimizer: Any) -> None:
+    """Mark `optimizer.step` the way torch's LR schedulers do, so a re-pointed scheduler does not warn."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = ref(optimizer)
+    step = optimizer.step.__func__
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper
+
+
+def _add_moe_metrics(trainer: Any) -> None:
+    from callbacks.moe_metrics import MoEMetrics
+
+    if not any(isinstance(cb, MoEMetrics) for cb in trainer.callbacks):
+        trainer.callbacks.append(MoEMetrics())
