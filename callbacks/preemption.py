@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from callbacks import _dist
@@ -121,6 +122,11 @@ class PreemptionHandler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Re-install: Lightning registers its own SIGTERM/SLURM handlers after ``setup``."""
         self._install(trainer)
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None and getattr(connector, "received_sigterm", False) and self.received is not None:
+            # A SIGTERM during start-up also reached Lightning's handler (composed with ours); we handle it
+            # at the first step boundary with a checkpoint, so Lightning must not abort the loop first.
+            connector.received_sigterm = False
         self._last_step_seen = trainer.global_step
 
     def on_train_batch_end(
@@ -146,8 +152,15 @@ class PreemptionHandler(Callback):
         self._uninstall()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Restore the previous handlers."""
+        """Restore the previous handlers; give Lightning's SIGTERM exit a non-zero code.
+
+        Outside the training steps (e.g. a sanity check), Lightning itself ends the run on SIGTERM
+        with ``SIGTERMException``, i.e. exit status 0, which launchers would read as "finished".
+        It becomes 143 (128 + SIGTERM): terminated, no new checkpoint, restartable.
+        """
         self._uninstall()
+        if isinstance(exception, SIGTERMException) and exception.code in (None, 0):
+            exception.code = 128 + int(signal.SIGTERM)
 
     def _should_requeue(self, trainer: pl.Trainer) -> bool:
         env = trainer._accelerator_connector.cluster_environment

@@ -17,11 +17,13 @@ import torch
 def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """This process's RNG states; ``device`` selects the accelerator generator (None or CPU: none)."""
     np_state = np.random.get_state(legacy=False)
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),
+        # Mersenne-Twister words are uint32: stored as int32 tensors (compact, and weights_only-safe).
+        "python": {"version": version, "internal": _words_to_tensor(internal), "gauss": gauss},
         "numpy": {
             "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "key": _words_to_tensor(np_state["state"]["key"]),
             "pos": int(np_state["state"]["pos"]),
             "has_gauss": int(np_state["has_gauss"]),
             "gauss": float(np_state["gauss"]),
@@ -36,12 +38,13 @@ def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     """Set this process's RNG states from :func:`capture_rng_state` output."""
-    random.setstate(_as_python_state(state["python"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(w) for w in _tensor_to_words(py["internal"])), py["gauss"]))
     np_state = state["numpy"]
     np.random.set_state(
         {
             "bit_generator": np_state["bit_generator"],
-            "state": {"key": np_state["key"].numpy().astype(np.uint32), "pos": np_state["pos"]},
+            "state": {"key": _tensor_to_words(np_state["key"]), "pos": np_state["pos"]},
             "has_gauss": np_state["has_gauss"],
             "gauss": np_state["gauss"],
         }
@@ -52,7 +55,9 @@ def restore_rng_state(state: dict[str, Any], device: torch.device | None = None)
         torch.get_device_module(device.type).set_rng_state(accel["state"], device)
 
 
-def _as_python_state(state: Any) -> tuple:
-    # A round trip through some serialisers turns the inner tuple into a list; random.setstate needs tuples.
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
+def _words_to_tensor(words: Any) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(words, dtype=np.uint32).view(np.int32).copy())
+
+
+def _tensor_to_words(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.numpy().view(np.uint32).copy()
