@@ -282,7 +282,6 @@ class XPUMoEStrategy(ParallelStrategy):
                 f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
             )
         sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **self.optimizer_options)
-        _scale_expert_grads_by_world(sharded, self.topology)
         for config in self.lr_scheduler_configs:
             if config.scheduler.optimizer is adamw:
                 config.scheduler.optimizer = sharded
@@ -442,18 +441,6 @@ def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype.")
         out["reduce_dtype"] = dtype
     return out
-
-
-def _scale_expert_grads_by_world(optimizer: Any, topology: ExpertParallelTopology) -> None:
-    """Expert gradients must be summed over EDP and divided by W (not averaged over EDP).
-
-    Each rank's loss is the mean over its own micro-batch, and the all-to-all backward already sums
-    the E ranks of the EP group into an expert's owner; so the global-batch gradient of an expert is
-    (1/W) * sum over its EDP group -- averaging over EDP would make it E times too large.
-    """
-    domains = getattr(optimizer, "_domains", None)
-    if domains and "expert" in domains:
-        domains["expert"].scale = 1.0 / topology.world_size
 
 
 def _track_step_calls(optimizer: Any) -> None:

@@ -72,14 +72,25 @@ class _StepBatches:
 
 
 class _StepLosses(L.Callback):
-    """Per optimizer step: the global-batch loss (mean over micro-batches and ranks)."""
+    """Per optimizer step: the global-batch loss (mean over micro-batches and ranks) and the global
+    gradient norm before clipping (Adam hides a wrong gradient scale from the losses; the norm not)."""
 
     def __init__(self, loader: _StepBatches) -> None:
         self.losses: list[float] = []
+        self.norms: list[float] = []
         self.loader = loader
         self._acc = 0.0
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not isinstance(trainer.strategy, XPUMoEStrategy):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if isinstance(trainer.strategy, XPUMoEStrategy) and len(self.norms) < len(self.losses) + 1:
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                self.norms.append(float(trainer.strategy.last_grad_norm))
+
         self.loader.consumed += 1
         self._acc += float(outputs["loss"])  # Lightning divides by accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
@@ -110,7 +121,7 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
         callbacks=callbacks,
     )
     trainer.fit(_module(), loader, ckpt_path=ckpt_path)
-    return losses.losses, trainer
+    return losses, trainer
 
 
 def _lightning_env(rank: int, world: int) -> None:
@@ -125,22 +136,25 @@ def _run_w4(rank: int, world: int, root: str) -> dict:
     assert float(trainer.callback_metrics["moe/a2a_bytes"]) > 0
     plain, trainer = _fit(world, XPUMoEStrategy(expert_parallel_size=2, shard_optimizer=False))
     assert isinstance(trainer.optimizers[0], torch.optim.AdamW)
-    return {"sharded": sharded, "plain": plain}
+    return {"sharded": sharded.losses, "plain": plain.losses, "sharded_norms": sharded.norms, "plain_norms": plain.norms}
 
 
 def _resume(rank: int, world: int, ep_size: int, ckpt: str, max_steps: int, save_dir: str | None) -> dict:
     _lightning_env(rank, world)
     strategy = XPUMoEStrategy(expert_parallel_size=ep_size)
     losses, _ = _fit(world, strategy, max_steps=max_steps, ckpt_path=ckpt, save_dir=save_dir)
-    return {"losses": losses}
+    return {"losses": losses.losses}
 
 
 def test_strategy_matches_single_process_and_reshards_checkpoints() -> None:
-    reference, _ = _fit(1, None, max_steps=STEPS + 2)
+    ref, _ = _fit(1, None, max_steps=STEPS + 2)
+    reference = ref.losses
     with tempfile.TemporaryDirectory() as root:
         w4 = run_distributed(_run_w4, 4, root)[0]
         for key in ("sharded", "plain"):
             torch.testing.assert_close(torch.tensor(w4[key]), torch.tensor(reference[:STEPS]), rtol=1e-5, atol=0)
+            norms = torch.tensor(w4[f"{key}_norms"])
+            torch.testing.assert_close(norms, torch.tensor(ref.norms[:STEPS]), rtol=1e-5, atol=0)
         saved = f"{root}/w4e4/epoch=0-step=2.ckpt"
         # (W=4, E=4) -> (W=2, E=2), which saves again at step 4 ...
         w2 = run_distributed(_resume, 2, 2, saved, STEPS, f"{root}/w2e2")[0]
