@@ -29,17 +29,22 @@ class StragglerDetector(Callback):
 
     Args:
         every_n_steps: time one optimizer step in this many and compare ranks.
-        threshold: warn (naming the slowest rank and host) when slowest / median exceeds this.
+        threshold: warn (naming the slowest rank and host) when slowest / median exceeds this...
+        min_excess_s: ...and the slowest rank is at least this many seconds slower than the median
+            (ratios of millisecond timings are noise).
         synchronize: synchronise the accelerator around the timed regions (needed for GPU timings).
     """
 
-    def __init__(self, every_n_steps: int = 100, threshold: float = 1.5, synchronize: bool = True) -> None:
+    def __init__(
+        self, every_n_steps: int = 100, threshold: float = 1.5, min_excess_s: float = 0.05, synchronize: bool = True
+    ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}.")
         if threshold <= 1.0:
             raise ValueError(f"threshold must be > 1 (a ratio to the median), got {threshold}.")
         self.every_n_steps = every_n_steps
         self.threshold = threshold
+        self.min_excess_s = min_excess_s
         self.synchronize = synchronize
         self.hosts: list[str] = []
         self.last_report: dict[str, Any] | None = None
@@ -110,7 +115,7 @@ class StragglerDetector(Callback):
         self.last_report = {"step": step, "times": times, "ratio": ratio, "slowest_rank": slowest, "host": host}
         pl_module.log("ft/straggler_ratio", ratio, on_step=True, on_epoch=False, sync_dist=False)
         pl_module.log("ft/slowest_rank", float(slowest), on_step=True, on_epoch=False, sync_dist=False)
-        if ratio > self.threshold:
+        if ratio > self.threshold and times[slowest] - median >= self.min_excess_s:
             rank_zero_warn(
                 f"Straggler at step {step}: rank {slowest} on host {host} took {times[slowest]:.3f}s for its"
                 f" rank-local work (data + forward), {ratio:.2f}x the median {median:.3f}s."

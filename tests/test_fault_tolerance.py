@@ -27,8 +27,13 @@ APP = REPO / "tests" / "ft_app.py"
 MAX_STEPS = 14
 
 
+# Sharded: the EP strategy (expert_parallel_size 1 for this expert-less model) with its sharded optimizer
+# writes torch.distributed.checkpoint directories, loads them in place, and wraps its own optimizer.
+SHARDED = {"class_path": "strategies.XPUMoEStrategy", "init_args": {"expert_parallel_size": 1, "moe_metrics": False}}
+
+
 def _config(run_dir: Path, devices: int = 1, injector: dict | None = None, watchdog: dict | None = None,
-            anomaly: dict | None = None) -> Path:
+            anomaly: dict | None = None, strategy: dict | str = "ddp") -> Path:
     """The one training configuration every run here shares (injector and watchdog aside)."""
     callbacks = [
         {"class_path": "callbacks.PreemptionHandler"},
@@ -57,7 +62,7 @@ def _config(run_dir: Path, devices: int = 1, injector: dict | None = None, watch
         "callbacks": callbacks,
     }
     if devices > 1:
-        trainer["strategy"] = "ddp"
+        trainer["strategy"] = strategy
     path = run_dir.with_suffix(".yaml")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"trainer": trainer}))  # JSON is YAML
@@ -140,8 +145,8 @@ def _metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-# Injections of the two-rank reference run: a NaN at step 3 and a spike at step 7, both on rank 1 only;
-# rank 1 is also made slow so that the straggler detector has something to find.
+# Injections of the two-rank reference run (sharded strategy): a NaN at step 3 and a spike at step 7, both
+# on rank 1 only; rank 1 is also made slow so that the straggler detector has something to find.
 ANOMALIES = {"nan_steps": [3], "spike_steps": [7], "ranks": [1], "slow_rank": 1, "slow_s": 0.15}
 
 
@@ -158,8 +163,9 @@ def single_reference(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_rank_reference(tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("ref2") / "run"
-    rc, log = _run(_config(run_dir, devices=2, injector=ANOMALIES))
+    rc, log = _run(_config(run_dir, devices=2, injector=ANOMALIES, strategy=SHARDED))
     assert rc == 0, log[-3000:]
+    assert read_manifest(list_checkpoints(run_dir / "checkpoints")[0].path).kind == "dir"
     return run_dir, log
 
 
@@ -217,9 +223,10 @@ def test_nan_and_spike_are_skipped_on_every_rank_and_counted(two_rank_reference)
 
 
 def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly(two_rank_reference, tmp_path):
+    """Sharded strategy: the preemption checkpoint is a DCP directory; resume reloads it in place."""
     reference_dir, _ = two_rank_reference
     run_dir = tmp_path / "run"
-    config = _config(run_dir, devices=2, injector={**ANOMALIES, "step_sleep_s": 0.1})
+    config = _config(run_dir, devices=2, injector={**ANOMALIES, "step_sleep_s": 0.1}, strategy=SHARDED)
     proc = _start(config)
     row = _wait_for_step(run_dir, 8, proc, rank=1)
     os.kill(row["pid"], signal.SIGTERM)  # only rank 1 (a child process) is told
@@ -227,7 +234,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     assert rc == 75, log[-3000:]
     newest = list_checkpoints(run_dir / "checkpoints")[0]
     manifest = read_manifest(newest.path)
-    assert manifest.reason == "preemption" and verify_checkpoint(newest.path) is None
+    assert manifest.reason == "preemption" and manifest.kind == "dir" and verify_checkpoint(newest.path) is None
     assert "(on another rank): checkpointing step" in log  # rank 0 learnt it through the agreement
     for rank in (0, 1):
         assert _rows(run_dir, rank)[-1]["step"] == manifest.step - 1  # both stopped at the same boundary
