@@ -9,7 +9,7 @@ Protocol for one save after optimizer step N (every rank takes part):
 3. rank 0 renames the temporary name to ``step=N.ckpt`` (atomic on POSIX) and fsyncs the directory;
 4. the files are hashed (spread over the ranks for a directory) and rank 0 writes
    ``step=N.ckpt.manifest.json`` atomically -- the commit record, written last;
-5. rank 0 prunes to the newest ``keep_last`` valid checkpoints.
+5. rank 0 points the symlink ``last.ckpt`` at it and prunes to the newest ``keep_last`` valid checkpoints.
 
 A crash at any point leaves either no new checkpoint, or one without a manifest, which discovery
 (``mula.checkpointing.find_resume_checkpoint``) skips with a warning, falling back to the previous.
@@ -57,6 +57,7 @@ from mula.checkpointing import (
 log = logging.getLogger(__name__)
 
 RNG_KEY = "mula_rng_states"
+LAST_LINK = "last.ckpt"  # symlink to the newest checkpoint, for humans and `mula export-hf`
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -275,6 +276,7 @@ class FaultTolerantCheckpoint(Checkpoint):
                 world_size=trainer.world_size,
             )
             write_manifest(final, manifest)
+            _point_last_at(dirpath, final)
             self._prune(dirpath, step)
             rank_zero_info(
                 f"Saved checkpoint {final} ({manifest.total_bytes / 2**20:.1f} MiB, {reason},"
@@ -305,6 +307,18 @@ class FaultTolerantCheckpoint(Checkpoint):
             remove_path(entry.manifest)
             fsync_dir(dirpath)
             remove_path(entry.path)
+
+
+def _point_last_at(dirpath: Path, final: Path) -> None:
+    """Atomically (re)point the convenience symlink ``last.ckpt`` at the newest checkpoint."""
+    link, tmp = dirpath / LAST_LINK, dirpath / f"{TMP_PREFIX}{LAST_LINK}"
+    try:
+        remove_path(tmp)
+        os.symlink(final.name, tmp)
+        os.replace(tmp, link)
+        fsync_dir(dirpath)
+    except OSError as err:  # a filesystem without symlinks: the manifests are what matter
+        log.debug("Could not update %s: %s", link, err)
 
 
 def _gather_to_zero(obj: Any) -> list[Any] | None:

@@ -219,6 +219,7 @@ def test_directory_checkpoints_are_atomic_verified_pruned_and_resume_exactly(tmp
     newest = ckpts / checkpoint_name(6)
     assert newest.is_dir() and read_manifest(newest).kind == "dir" and verify_checkpoint(newest) is None
     assert not list(ckpts.glob(".tmp-*"))
+    assert (ckpts / "last.ckpt").resolve() == newest.resolve()
 
     shard = next(newest.glob("*.distcp"))
     _flip_byte(shard, shard.stat().st_size // 2)
