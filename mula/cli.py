@@ -1,1 +1,161 @@
-def main(): pass
+"""The `mula` command: LightningCLI for fit / validate / test, plus the data and weights tools.
+
+    mula fit -c recipes/mula-tiny-moe.yaml [-c recipes/strategies/ddp.yaml] [--trainer.max_steps=10]
+    mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
+
+Every subcommand is parsed by the same jsonargparse parser (so `-c file.yaml`, `--print_config` and
+`--help` work alike everywhere). A `ValueError` or `FileNotFoundError` raised by Mula (bad preset,
+missing data, tokenizer larger than the model, ...) is printed as one line `mula: error: ...` with
+exit status 2; set `MULA_TRACEBACK=1` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as L
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from mula.data import MulaDataModule
+from mula.module import MulaLightningModule
+
+
+def import_hf(hf_dir: str, output: str) -> None:
+    """Convert a Hugging Face OLMoE / OLMo model directory into a Mula weights file.
+
+    Args:
+        hf_dir: Directory with config.json and the weights (*.safetensors or pytorch_model*.bin).
+        output: Mula weights file to write (.pt); it must not exist yet. Train from it with
+            `--model.init_weights=<output>`.
+    """
+    from mula.hf import import_hf as _import_hf
+
+    model = _import_hf(hf_dir, output)
+    print(f"mula: wrote {output} ({model.config.name}, {model.config.num_params() / 1e9:.2f}B parameters)")
+
+
+def export_hf(ckpt: str, output: str, dtype: str | None = None) -> None:
+    """Write a Mula checkpoint (Lightning .ckpt or Mula weights file) as a Hugging Face model directory.
+
+    Args:
+        ckpt: A checkpoint written by `mula fit` (runs/<name>/.../checkpoints/*.ckpt) or by `mula import-hf`.
+        output: Directory to create (must not exist); loadable with transformers' AutoModelForCausalLM.
+        dtype: float32, bfloat16 or float16 (default: the checkpoint's dtype).
+    """
+    from mula.hf import export_hf as _export_hf
+
+    _export_hf(ckpt, output, dtype=dtype)
+    print(f"mula: wrote {output}")
+
+
+def _tools() -> dict[str, Callable[..., Any]]:
+    """Non-training subcommands: name -> function whose signature and docstring define the arguments."""
+    from mula.data.prepare import prepare
+    from mula.data.tokenizer import train_tokenizer
+
+    return {"prepare": prepare, "train-tokenizer": train_tokenizer, "import-hf": import_hf, "export-hf": export_hf}
+
+
+def _summary(fn: Callable[..., Any]) -> str:
+    """The docstring up to its Args section (the per-argument text becomes each option's help)."""
+    doc = inspect.cleandoc(fn.__doc__ or "")
+    return doc.split("\nArgs:")[0].strip()
+
+
+class MulaSaveConfig(SaveConfigCallback):
+    """Saves the resolved config as config.yaml in the run directory (next to metrics.csv), as
+    LightningCLI does, and adds it to the files of the W&B run."""
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Upload (or, offline, stage for `wandb sync`) the saved config.yaml with each W&B run."""
+        from lightning.pytorch.loggers import WandbLogger
+
+        path = os.path.join(trainer.log_dir, self.config_filename)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and os.path.isfile(path):
+                logger.experiment.save(path, base_path=os.path.dirname(path), policy="now")
+
+
+class MulaCLI(LightningCLI):
+    """LightningCLI over `MulaLightningModule` + `MulaDataModule` with Mula's extra subcommands."""
+
+    def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("auto_configure_optimizers", False)  # the module owns AdamW + schedule
+        kwargs.setdefault("parser_kwargs", {"prog": "mula"})
+        kwargs.setdefault("save_config_callback", MulaSaveConfig)
+        super().__init__(MulaLightningModule, MulaDataModule, args=args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Trainer subcommands (predict is not offered: Mula is for pretraining)."""
+        return {
+            "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+            "validate": {"model", "dataloaders", "datamodule"},
+            "test": {"model", "dataloaders", "datamodule"},
+        }
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """The trainer subcommands, then one subcommand per tool function, in the same parser."""
+        super()._add_subcommands(parser, **kwargs)
+        self._tool_fns = _tools()
+        for name, fn in self._tool_fns.items():
+            sub = self.init_parser(description=_summary(fn))
+            sub.add_function_arguments(fn, as_group=False)
+            self._subcommand_parsers[name] = sub
+            parser._subcommands_action.add_subcommand(name, sub, help=_summary(fn).splitlines()[0])
+
+    def _is_tool(self) -> bool:
+        return getattr(self, "subcommand", None) in getattr(self, "_tool_fns", {})
+
+    def _set_seed(self) -> None:
+        """Seeding only matters to the trainer subcommands."""
+        if not self._is_tool():
+            super()._set_seed()
+
+    def instantiate_classes(self) -> None:
+        """Tools build no trainer, model or data module."""
+        if not self._is_tool():
+            super().instantiate_classes()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run a tool with its parsed arguments, or a trainer subcommand as LightningCLI does."""
+        if not self._is_tool():
+            super()._run_subcommand(subcommand)
+            return
+        args = self.config[subcommand].as_dict()
+        args.pop("config", None)  # the -c option itself
+        self._tool_fns[subcommand](**args)
+
+    # model-vs-data checks (missing data, tokenizer vocab, seq_len) before the trainer starts any work
+    def before_fit(self) -> None:
+        """Check that the data fits the model before training starts."""
+        self.datamodule.validate_against(self.model.config)
+
+    def before_validate(self) -> None:
+        """Check that the data fits the model before validating."""
+        self.datamodule.validate_against(self.model.config)
+
+    def before_test(self) -> None:
+        """Check that the data fits the model before testing."""
+        self.datamodule.validate_against(self.model.config)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the `mula` console script."""
+    # W&B offline unless the user asks otherwise (WANDB_MODE=online, or `mode: online` in the recipe)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    try:
+        MulaCLI(args=args)
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("MULA_TRACEBACK"):
+            raise
+        print(f"mula: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

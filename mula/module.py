@@ -62,24 +62,6 @@ def resolve_config(config: str | MulaConfig | dict[str, Any], overrides: dict[st
     return dataclasses.replace(config, **overrides)
 
 
-def check_data_fits_model(config: MulaConfig, *, seq_len: int | None = None, vocab_size: int | None = None) -> None:
-    """Raise `ValueError` when the data cannot be fed to the model.
-
-    `seq_len` must not exceed the model's `max_position_embeddings`; `vocab_size` (the tokenizer's)
-    must not exceed the model's embedding rows, or some token ids would index past the table.
-    """
-    if seq_len is not None and seq_len > config.max_position_embeddings:
-        raise ValueError(
-            f"seq_len {seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings} "
-            f"({config.name}); lower data.seq_len or raise model.overrides.max_position_embeddings."
-        )
-    if vocab_size is not None and vocab_size > config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {config.vocab_size} "
-            f"({config.name}); use a smaller tokenizer or raise model.overrides.vocab_size."
-        )
-
-
 class MulaLightningModule(L.LightningModule):
     """Trains a `Mula` language model (dense or MoE) on batches of token ids [B, seq_len + 1].
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.throughput import PEAK_BF16_FLOPS, Throughput, peak_bf16_flops
 from mula import Mula, MulaConfig
-from mula.module import MulaLightningModule, check_data_fits_model, load_imbalance, warmup_cosine
+from mula.module import MulaLightningModule, load_imbalance, warmup_cosine
 
 TINY = {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "vocab_size": 64, "num_experts": 4, "top_k": 2,
         "expert_intermediate_size": 32, "max_position_embeddings": 64}  # fmt: skip
@@ -113,15 +113,6 @@ def test_optimizer_matches_reference_adamw_with_embedding_excluded_from_decay():
 def test_load_imbalance():
     counts = torch.tensor([[4, 4, 4, 4], [8, 0, 0, 8]])
     torch.testing.assert_close(load_imbalance(counts), torch.tensor((1.0 + 2.0) / 2))
-
-
-def test_check_data_fits_model():
-    cfg = MulaConfig.from_name("mula-tiny-moe")
-    check_data_fits_model(cfg, seq_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
-    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        check_data_fits_model(cfg, seq_len=cfg.max_position_embeddings + 1)
-    with pytest.raises(ValueError, match="tokenizer has 50280 tokens"):
-        check_data_fits_model(cfg, vocab_size=50280)
 
 
 def test_init_weights_loads_and_checks_architecture(tmp_path):

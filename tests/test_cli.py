@@ -1,0 +1,167 @@
+"""The `mula` command: an end-to-end tiny-MoE run, the tool subcommands, and one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mula.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
+MULA = [sys.executable, "-m", "mula.cli"]
+LOGGED = ["train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss", "train/tokens_per_sec", "train/lr",
+          "moe/load_imbalance", "val/loss", "val/ppl"]  # fmt: skip
+# A smaller, faster version of the demo: fewer stdlib files, shorter sequences, fewer steps.
+FAST = [
+    "--trainer.max_steps=40", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=2",
+    "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false", "--data.seq_len=128",
+    "--data.global_batch_size=8", "--data.micro_batch_size=8", "--data.val_samples=16",
+    '--data.prepare.sources=[{name: stdlib, paths: ["{stdlib}/[a-h]*.py"], format: text}]',
+    "--data.prepare.train_tokenizer.max_documents=200",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _cli_env(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["mula"])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MULA_TRACEBACK", raising=False)
+
+
+def run_mula(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("MULA_TRACEBACK", None)
+    return subprocess.run(MULA + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fit_tiny_moe_end_to_end(tmp_path):
+    """`mula fit` of the demo recipe: data + tokenizer prepared on first use, loss falls, every logger writes."""
+    proc = run_mula(["fit", "-c", str(TINY_MOE), *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "data" / "stdlib-tokenizer.json").is_file()
+    assert (tmp_path / "data" / "stdlib" / "summary.json").is_file()
+
+    run = tmp_path / "runs" / "mula-tiny-moe" / "version_0"
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    logged = {k for r in rows for k, v in r.items() if v}
+    assert set(LOGGED) <= logged
+    losses = [float(r["train/ce_loss"]) for r in rows if r.get("train/ce_loss")]
+    assert losses[0] > 7.5  # ~ln(4096) = 8.3 at the start
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
+
+    config = (run / "config.yaml").read_text()  # the full resolved config of the run
+    assert "mula-tiny-moe" in config and "max_steps: 40" in config
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+    wandb_runs = list((tmp_path / "runs" / "mula-tiny-moe" / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1
+    records = b"".join(p.read_bytes() for p in wandb_runs[0].glob("*.wandb"))
+    missing = [k for k in LOGGED if k.encode() not in records]
+    assert not missing, f"keys missing from the W&B offline run: {missing}"
+    assert (wandb_runs[0] / "files" / "config.yaml").exists()
+
+    # the checkpoint leaves through the same entry point
+    ckpt = run / "checkpoints" / "last.ckpt"
+    main(["export-hf", "--ckpt", str(ckpt), "--output", str(tmp_path / "hf")])
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["model_type"] == "olmoe" and hf_config["num_experts"] == 16
+    assert torch.load(ckpt, weights_only=True)["mula_config"]["name"] == "mula-tiny-moe"
+
+
+def expect_error(capsys, args: list[str], pattern: str) -> str:
+    """`mula <args>` exits non-zero with exactly one stderr line `mula: error: ...` matching `pattern`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mula: error:")]
+    assert len(err_lines) == 1, err_lines
+    import re
+
+    assert re.search(pattern, err_lines[0]), err_lines[0]
+    return err_lines[0]
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_unknown_preset(capsys, sandbox):
+    expect_error(capsys, ["fit", "-c", str(TINY_MOE), "--model.config=mula-3b"], r"Unknown Mula preset 'mula-3b'")
+
+
+def test_missing_data_dir(capsys, sandbox):
+    recipe = ROOT / "recipes" / "mula-1b.yaml"  # points at data/olmoe-mix-0924, not prepared here
+    expect_error(capsys, ["fit", "-c", str(recipe)], r"data directory .*olmoe-mix-0924 does not exist")
+    assert not (sandbox / "runs").exists()  # failed before any run directory was created
+
+
+def test_tokenizer_larger_than_model_vocab(capsys, sandbox):
+    expect_error(
+        capsys, ["fit", "-c", str(TINY_MOE), "--model.overrides.vocab_size=1024"],
+        r"tokenizer has 4096 tokens but the model's vocab_size is 1024",
+    )  # fmt: skip
+    assert not (sandbox / "data").exists()  # checked before preparing the data or training a tokenizer
+
+
+def test_seq_len_beyond_model_positions(capsys, sandbox):
+    expect_error(
+        capsys, ["fit", "-c", str(TINY_MOE), "--data.seq_len=4096"], r"seq_len 4096 exceeds .*max_position_embeddings 1024"
+    )
+
+
+def test_export_hf_rejects_a_file_that_is_not_a_checkpoint(capsys, sandbox):
+    bad = sandbox / "notes.ckpt"
+    bad.write_text("not a checkpoint")
+    expect_error(capsys, ["export-hf", "--ckpt", str(bad), "--output", "hf"], r"is not a Mula checkpoint")
+    expect_error(capsys, ["export-hf", "--ckpt", "missing.ckpt", "--output", "hf"], r"missing.ckpt does not exist")
+    assert not (sandbox / "hf").exists()
+
+
+def test_import_hf_rejects_an_unsupported_architecture(capsys, sandbox):
+    hf_dir = sandbox / "llama"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    expect_error(capsys, ["import-hf", "--hf_dir", str(hf_dir), "--output", "w.pt"], r"Unsupported .*LlamaForCausalLM")
+    assert not (sandbox / "w.pt").exists()
+
+
+def test_prepare_missing_inputs(capsys, sandbox):
+    expect_error(
+        capsys,
+        ["prepare", "--sources=[{name: web, paths: [nowhere/*.jsonl]}]", "--tokenizer_path=t.json", "--output_dir=out"],
+        r"does not exist|no files match",
+    )
+
+
+def test_console_script_exit_code_and_single_line(tmp_path):
+    """The installed entry point itself: one `mula: error:` line on stderr, exit status 2."""
+    proc = run_mula(["fit", "-c", str(TINY_MOE), "--model.config=mula-3b"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("mula: error: Unknown Mula preset 'mula-3b'")
+
+
+def test_tools_share_the_entry_point_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for sub in ("fit", "validate", "test", "prepare", "train-tokenizer", "import-hf", "export-hf"):
+        assert f"    {sub}" in out, sub
+
+
+def test_train_tokenizer_subcommand(sandbox):
+    (sandbox / "a.txt").write_text("def hello():\n    return 'world'\n" * 50)
+    main(["train-tokenizer", "--inputs=[a.txt]", "--output_path=tok.json", "--vocab_size=300", "--show_progress=false"])
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file("tok.json").get_vocab_size() <= 300
