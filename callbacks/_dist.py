@@ -29,7 +29,9 @@ def world_size() -> int:
 
 def all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:
     """All-reduce a few numbers (op "sum" or "max") in one collective; returns the reduced values."""
-    tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    tensor = torch.tensor(
+        values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device
+    )
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()

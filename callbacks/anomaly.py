@@ -81,7 +81,9 @@ class AnomalyGuard(Callback):
         if zscore_threshold is not None and zscore_threshold <= 0:
             raise ValueError(f"zscore_threshold must be > 0 or None, got {zscore_threshold}.")
         if window < 3 or not 1 <= min_history <= window:
-            raise ValueError(f"Need window >= 3 and 1 <= min_history <= window, got {window=} {min_history=}.")
+            raise ValueError(
+                f"Need window >= 3 and 1 <= min_history <= window, got {window=} {min_history=}."
+            )
         if max_consecutive < 1:
             raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}.")
         if on_max_consecutive not in ("rollback", "stop"):
@@ -153,7 +155,9 @@ class AnomalyGuard(Callback):
             guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return guarded_step
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         """Accumulate the micro-batch losses of this optimizer step (already divided by the accumulation)."""
         value = loss.detach().float()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -167,7 +171,9 @@ class AnomalyGuard(Callback):
         self._loss_sum = None
         bad = ~torch.isfinite(loss_sum)
         if self.check_grads:
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            grads = [
+                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+            ]
             if grads:
                 norms = torch._foreach_norm(grads)
                 bad = bad | ~torch.isfinite(torch.stack([n.float() for n in norms]).sum().to(device))
@@ -200,7 +206,9 @@ class AnomalyGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Log the skip counter; roll back or stop after too many consecutive anomalies."""
-        pl_module.log("ft/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, sync_dist=False)
+        pl_module.log(
+            "ft/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, sync_dist=False
+        )
         if not self._escalate:
             return
         self._escalate = False
@@ -208,7 +216,9 @@ class AnomalyGuard(Callback):
         if self.on_max_consecutive == "stop":
             self._stop(f"Training stopped: {reason}.")
         if self.rollbacks >= self.max_rollbacks:
-            self._stop(f"Training stopped: {reason}, and the {self.max_rollbacks} allowed rollbacks are used up.")
+            self._stop(
+                f"Training stopped: {reason}, and the {self.max_rollbacks} allowed rollbacks are used up."
+            )
         checkpointer = next((cb for cb in trainer.callbacks if hasattr(cb, "latest_valid_checkpoint")), None)
         path = checkpointer.latest_valid_checkpoint(trainer) if checkpointer is not None else None
         if path is None:

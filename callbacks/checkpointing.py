@@ -154,13 +154,16 @@ class FaultTolerantCheckpoint(Checkpoint):
         paths = _dist.all_gather_object(str(trainer.ckpt_path) if trainer.ckpt_path else None)
         if len(set(paths)) > 1:
             raise RuntimeError(
-                "Ranks resumed from different checkpoints (" + ", ".join(f"rank {i}: {p}" for i, p in enumerate(paths))
+                "Ranks resumed from different checkpoints ("
+                + ", ".join(f"rank {i}: {p}" for i, p in enumerate(paths))
                 + "); is the checkpoint directory on a filesystem shared by all nodes?"
             )
         self._last_step_seen = trainer.global_step
         self._last_save_time = time.monotonic()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """RNG fence: re-apply the RNG states recorded at the last save/load before the next step."""
         if self._pending_rng is not None:
             restore_rng_state(self._pending_rng, trainer.strategy.root_device)
@@ -185,10 +188,16 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Final checkpoint."""
-        if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
+        if (
+            self.save_on_train_end
+            and trainer.global_step != self._last_saved_step
+            and trainer.global_step > 0
+        ):
             self.save(trainer, reason="end")
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
+    ) -> None:
         """Add every rank's RNG states (gathered to rank 0, which writes the metadata) and arm the fence."""
         local = capture_rng_state(trainer.strategy.root_device)
         self._pending_rng = local
@@ -196,7 +205,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         if states is not None:
             checkpoint[RNG_KEY] = states
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
+    ) -> None:
         """Arm the fence with this rank's saved RNG states."""
         self.apply_rng_from(checkpoint, trainer)
 
@@ -215,7 +226,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         states = checkpoint.get(RNG_KEY)
         rank = trainer.global_rank
         if not states:
-            log.warning("Checkpoint has no RNG states; the resumed run will not reproduce the original exactly.")
+            log.warning(
+                "Checkpoint has no RNG states; the resumed run will not reproduce the original exactly."
+            )
         elif rank >= len(states):
             log.warning(
                 "Checkpoint holds RNG states for %d ranks, this is rank %d: its RNG keeps the seeded state.",
@@ -241,7 +254,9 @@ class FaultTolerantCheckpoint(Checkpoint):
             remove_path(tmp)
         trainer.strategy.barrier("FaultTolerantCheckpoint.pre_save")
 
-        trainer.save_checkpoint(tmp, weights_only=False)  # every rank; the strategy decides file vs. sharded directory
+        trainer.save_checkpoint(
+            tmp, weights_only=False
+        )  # every rank; the strategy decides file vs. sharded directory
 
         # Durability before the rename: a renamed checkpoint must never point at unflushed data.
         is_dir = _dist.broadcast_object(tmp.is_dir() if zero else None)
@@ -340,4 +355,4 @@ def _heartbeat(trainer: pl.Trainer) -> None:
             beat()
 
 
-__all__ = ["FaultTolerantCheckpoint", "RNG_KEY"]
+__all__ = ["RNG_KEY", "FaultTolerantCheckpoint"]

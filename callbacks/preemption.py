@@ -111,7 +111,11 @@ class PreemptionHandler(Callback):
         """Find the checkpoint callback; install handlers early (a SIGUSR1 would otherwise kill the process)."""
         if stage != "fit":
             return
-        found = [cb for cb in trainer.callbacks if callable(getattr(cb, "save", None)) and hasattr(cb, "resolve_dirpath")]
+        found = [
+            cb
+            for cb in trainer.callbacks
+            if callable(getattr(cb, "save", None)) and hasattr(cb, "resolve_dirpath")
+        ]
         if not found:
             raise ValueError(
                 "PreemptionHandler needs a callbacks.FaultTolerantCheckpoint in trainer.callbacks to save with."
@@ -123,7 +127,11 @@ class PreemptionHandler(Callback):
         """Re-install: Lightning registers its own SIGTERM/SLURM handlers after ``setup``."""
         self._install(trainer)
         connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None and getattr(connector, "received_sigterm", False) and self.received is not None:
+        if (
+            connector is not None
+            and getattr(connector, "received_sigterm", False)
+            and self.received is not None
+        ):
             # A SIGTERM during start-up also reached Lightning's handler (composed with ours); we handle it
             # at the first step boundary with a checkpoint, so Lightning must not abort the loop first.
             connector.received_sigterm = False
@@ -140,7 +148,9 @@ class PreemptionHandler(Callback):
         if not _dist.any_rank(self.received is not None, trainer.strategy.root_device):
             return
         name = self.received.name if self.received is not None else "a preemption signal (on another rank)"
-        rank_zero_info(f"Received {name}: checkpointing step {step}, then exiting with code {self.exit_code}.")
+        rank_zero_info(
+            f"Received {name}: checkpointing step {step}, then exiting with code {self.exit_code}."
+        )
         path = self._checkpoint.save(trainer, reason="preemption")
         if trainer.is_global_zero and self._should_requeue(trainer):
             _requeue_slurm_job()
@@ -151,7 +161,9 @@ class PreemptionHandler(Callback):
         """Restore the previous handlers."""
         self._uninstall()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         """Restore the previous handlers; give Lightning's SIGTERM exit a non-zero code.
 
         Outside the training steps (e.g. a sanity check), Lightning itself ends the run on SIGTERM

@@ -36,7 +36,11 @@ class StragglerDetector(Callback):
     """
 
     def __init__(
-        self, every_n_steps: int = 100, threshold: float = 1.5, min_excess_s: float = 0.05, synchronize: bool = True
+        self,
+        every_n_steps: int = 100,
+        threshold: float = 1.5,
+        min_excess_s: float = 0.05,
+        synchronize: bool = True,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}.")
@@ -72,14 +76,18 @@ class StragglerDetector(Callback):
             torch.get_device_module(device.type).synchronize(device)
         return time.perf_counter()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """Data wait of this micro-batch ends here; its forward starts."""
         if self._measuring:
             now = self._now(trainer)
             self._elapsed += now - self._t_prev_end
             self._t_start = now
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         """Forward of this micro-batch ends here."""
         if self._measuring:
             self._elapsed += self._now(trainer) - self._t_start
@@ -112,7 +120,13 @@ class StragglerDetector(Callback):
         slowest = max(range(len(times)), key=times.__getitem__)
         ratio = times[slowest] / median if median > 0 else 1.0
         host = self.hosts[slowest] if slowest < len(self.hosts) else "?"
-        self.last_report = {"step": step, "times": times, "ratio": ratio, "slowest_rank": slowest, "host": host}
+        self.last_report = {
+            "step": step,
+            "times": times,
+            "ratio": ratio,
+            "slowest_rank": slowest,
+            "host": host,
+        }
         pl_module.log("ft/straggler_ratio", ratio, on_step=True, on_epoch=False, sync_dist=False)
         pl_module.log("ft/slowest_rank", float(slowest), on_step=True, on_epoch=False, sync_dist=False)
         if ratio > self.threshold and times[slowest] - median >= self.min_excess_s:

@@ -67,7 +67,9 @@ class HangWatchdog(Callback):
         if not 1 <= exit_code <= 255:
             raise ValueError(f"exit_code must be in 1..255, got {exit_code}.")
         self.timeout_s = float(timeout_s)
-        self.first_step_timeout_s = float(first_step_timeout_s) if first_step_timeout_s else 3.0 * self.timeout_s
+        self.first_step_timeout_s = (
+            float(first_step_timeout_s) if first_step_timeout_s else 3.0 * self.timeout_s
+        )
         self.dump_dir = dump_dir
         self.exit_code = exit_code
         self.poll_interval_s = poll_interval_s or min(30.0, max(0.1, self.timeout_s / 20))
@@ -89,7 +91,9 @@ class HangWatchdog(Callback):
         self._last_beat = time.monotonic()
         if self._thread is not None and self._backstop:
             try:
-                faulthandler.dump_traceback_later(self._limit() + self.backstop_grace_s, exit=True, file=sys.stderr)
+                faulthandler.dump_traceback_later(
+                    self._limit() + self.backstop_grace_s, exit=True, file=sys.stderr
+                )
             except (AttributeError, ValueError, OSError, RuntimeError):  # stderr without a file descriptor
                 self._backstop = False
 
@@ -143,7 +147,9 @@ class HangWatchdog(Callback):
         """Stop watching."""
         self._shutdown()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         """Stop watching (the process is ending through an exception)."""
         self._shutdown()
 

@@ -246,7 +246,9 @@ def build_manifest(
     checkpoint = Path(checkpoint)
     entries = digest_entries(checkpoint, list_checkpoint_files(checkpoint), checksum)
     kind = "dir" if checkpoint.is_dir() else "file"
-    return CheckpointManifest(step=step, kind=kind, checksum=checksum, files=entries, created=time.time(), **meta)
+    return CheckpointManifest(
+        step=step, kind=kind, checksum=checksum, files=entries, created=time.time(), **meta
+    )
 
 
 def write_manifest(checkpoint: str | os.PathLike, manifest: CheckpointManifest) -> Path:
@@ -332,8 +334,7 @@ def list_checkpoints(dirpath: str | os.PathLike) -> list[CheckpointEntry]:
     found: dict[int, CheckpointEntry] = {}
     for child in dirpath.iterdir():
         name = child.name
-        if name.endswith(MANIFEST_SUFFIX):
-            name = name[: -len(MANIFEST_SUFFIX)]
+        name = name.removesuffix(MANIFEST_SUFFIX)
         match = _NAME_RE.match(name)
         if match:
             step = int(match.group(1))
@@ -365,7 +366,9 @@ def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksu
             )
         return entry.path
     if entries:
-        log.warning("No valid checkpoint in %s (%d invalid ones found); starting from scratch.", dirpath, len(entries))
+        log.warning(
+            "No valid checkpoint in %s (%d invalid ones found); starting from scratch.", dirpath, len(entries)
+        )
     return None
 
 

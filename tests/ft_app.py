@@ -26,14 +26,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mula.checkpointing import auto_resume_ckpt_path  # noqa: E402
+from mula.checkpointing import auto_resume_ckpt_path
 
 
 class TinyLM(pl.LightningModule):
     """Embedding -> dropout -> MLP -> head. Dropout and a tiny loss jitter from python/numpy RNGs make
     every RNG matter for exact resume."""
 
-    def __init__(self, vocab_size: int = 64, hidden: int = 32, lr: float = 1e-2, warmup_steps: int = 3) -> None:
+    def __init__(
+        self, vocab_size: int = 64, hidden: int = 32, lr: float = 1e-2, warmup_steps: int = 3
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, hidden)
@@ -96,7 +98,9 @@ class ResumableSampler(Sampler[int]):
         return self.n // self.world
 
     def __iter__(self):
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        perm = torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        ).tolist()
         mine = perm[self.rank :: self.world][: len(self)]
         skip, self._skip = self._skip, 0
         self.yielded = skip
@@ -108,8 +112,14 @@ class ResumableSampler(Sampler[int]):
 class TinyData(pl.LightningDataModule):
     """Resumable data module: ``state_dict`` holds the epoch and the samples consumed in it."""
 
-    def __init__(self, num_samples: int = 48, seq_len: int = 16, vocab_size: int = 64, micro_batch_size: int = 4,
-                 seed: int = 7) -> None:
+    def __init__(
+        self,
+        num_samples: int = 48,
+        seq_len: int = 16,
+        vocab_size: int = 64,
+        micro_batch_size: int = 4,
+        seed: int = 7,
+    ) -> None:
         super().__init__()
         self.num_samples, self.seq_len, self.vocab_size = num_samples, seq_len, vocab_size
         self.micro_batch_size, self.seed = micro_batch_size, seed
@@ -156,7 +166,7 @@ class StepRecorder(pl.Callback):
         self._last = trainer.global_step
         path = Path(trainer.default_root_dir) / f"record-rank{trainer.global_rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self._last:
@@ -187,10 +197,19 @@ class StepRecorder(pl.Callback):
 class FaultInjector(pl.Callback):
     """Inject faults at given (1-based) optimizer steps on given ranks. Test-only."""
 
-    def __init__(self, nan_steps: list[int] | None = None, spike_steps: list[int] | None = None,
-                 spike_factor: float = 30.0, ranks: list[int] | None = None, stall_step: int | None = None,
-                 stall_rank: int = 0, slow_rank: int | None = None, slow_s: float = 0.0,
-                 step_sleep_s: float = 0.0, module_path: str = "lm_head") -> None:
+    def __init__(
+        self,
+        nan_steps: list[int] | None = None,
+        spike_steps: list[int] | None = None,
+        spike_factor: float = 30.0,
+        ranks: list[int] | None = None,
+        stall_step: int | None = None,
+        stall_rank: int = 0,
+        slow_rank: int | None = None,
+        slow_s: float = 0.0,
+        step_sleep_s: float = 0.0,
+        module_path: str = "lm_head",
+    ) -> None:
         self.nan_steps = set(nan_steps or [])
         self.spike_steps = set(spike_steps or [])
         self.spike_factor = spike_factor
@@ -214,7 +233,9 @@ class FaultInjector(pl.Callback):
 
         target.register_forward_hook(hook)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step + 1
         rank = trainer.global_rank
         if self.step_sleep_s:

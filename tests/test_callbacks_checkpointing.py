@@ -19,7 +19,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from callbacks import AnomalyGuard, FaultTolerantCheckpoint, HangWatchdog, PreemptionHandler, StragglerDetector
+from callbacks import (
+    AnomalyGuard,
+    FaultTolerantCheckpoint,
+    HangWatchdog,
+    PreemptionHandler,
+    StragglerDetector,
+)
 from callbacks.anomaly import robust_zscore
 from callbacks.rng_state import capture_rng_state, restore_rng_state
 from mula.checkpointing import (
@@ -35,7 +41,7 @@ from mula.checkpointing import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ft_app import StepRecorder, TinyData, TinyLM  # noqa: E402
+from ft_app import StepRecorder, TinyData, TinyLM
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +126,7 @@ def test_auto_resume_asks_callbacks_duck_typed(tmp_path):
             return tmp_path / "x.ckpt"
 
     class FakeTrainer:
-        callbacks = [NoResume(), Resume()]
+        callbacks = [NoResume(), Resume()]  # noqa: RUF012
 
     assert auto_resume_ckpt_path(FakeTrainer()) == str(tmp_path / "x.ckpt")
     FakeTrainer.callbacks = [NoResume()]
@@ -249,22 +255,46 @@ SCRIPT = str(REPO / "scripts" / "mula-resilient")
 
 def test_resilient_wrapper_restarts_until_success_or_gives_up():
     ok = subprocess.run(
-        [SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", "echo $MULA_RESTART_COUNT; [ $MULA_RESTART_COUNT -ge 2 ]"],
-        capture_output=True, text=True,
+        [
+            SCRIPT,
+            "-n",
+            "5",
+            "-d",
+            "0",
+            "--",
+            "bash",
+            "-c",
+            "echo $MULA_RESTART_COUNT; [ $MULA_RESTART_COUNT -ge 2 ]",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
     )
     assert ok.returncode == 0 and ok.stdout.split() == ["0", "1", "2"]
-    fail = subprocess.run([SCRIPT, "-n", "2", "-d", "0", "--", "bash", "-c", "exit 3"], capture_output=True, text=True)
+    fail = subprocess.run(
+        [SCRIPT, "-n", "2", "-d", "0", "--", "bash", "-c", "exit 3"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert fail.returncode == 3 and "giving up after 2 restart(s)" in fail.stderr
-    final = subprocess.run([SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", "exit 65"], capture_output=True, text=True)
+    final = subprocess.run(
+        [SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", "exit 65"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert final.returncode == 65 and final.stderr.count("\n") == 1 and "not restarting" in final.stderr
-    bad = subprocess.run([SCRIPT, "-n", "x", "--", "true"], capture_output=True, text=True)
+    bad = subprocess.run([SCRIPT, "-n", "x", "--", "true"], check=False, capture_output=True, text=True)
     assert bad.returncode == 2 and "-n must be" in bad.stderr
 
 
 def test_resilient_wrapper_forwards_sigterm_and_does_not_restart(tmp_path):
     ready = tmp_path / "ready"
     child = f'trap "kill %1; exit 75" TERM; sleep 30 >/dev/null 2>&1 & touch {ready}; wait'
-    proc = subprocess.Popen([SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", child], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [SCRIPT, "-n", "5", "-d", "0", "--", "bash", "-c", child], stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

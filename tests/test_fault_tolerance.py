@@ -29,19 +29,39 @@ MAX_STEPS = 14
 
 # Sharded: the EP strategy (expert_parallel_size 1 for this expert-less model) with its sharded optimizer
 # writes torch.distributed.checkpoint directories, loads them in place, and wraps its own optimizer.
-SHARDED = {"class_path": "strategies.XPUMoEStrategy", "init_args": {"expert_parallel_size": 1, "moe_metrics": False}}
+SHARDED = {
+    "class_path": "strategies.XPUMoEStrategy",
+    "init_args": {"expert_parallel_size": 1, "moe_metrics": False},
+}
 
 
-def _config(run_dir: Path, devices: int = 1, injector: dict | None = None, watchdog: dict | None = None,
-            anomaly: dict | None = None, strategy: dict | str = "ddp") -> Path:
+def _config(
+    run_dir: Path,
+    devices: int = 1,
+    injector: dict | None = None,
+    watchdog: dict | None = None,
+    anomaly: dict | None = None,
+    strategy: dict | str = "ddp",
+) -> Path:
     """The one training configuration every run here shares (injector and watchdog aside)."""
     callbacks = [
         {"class_path": "callbacks.PreemptionHandler"},
-        {"class_path": "callbacks.AnomalyGuard",
-         "init_args": {"min_history": 3, "window": 20, "max_consecutive": 3, "max_rollbacks": 1, **(anomaly or {})}},
+        {
+            "class_path": "callbacks.AnomalyGuard",
+            "init_args": {
+                "min_history": 3,
+                "window": 20,
+                "max_consecutive": 3,
+                "max_rollbacks": 1,
+                **(anomaly or {}),
+            },
+        },
         {"class_path": "callbacks.HangWatchdog", "init_args": watchdog or {"timeout_s": 300}},
         {"class_path": "callbacks.StragglerDetector", "init_args": {"every_n_steps": 5, "threshold": 1.5}},
-        {"class_path": "callbacks.FaultTolerantCheckpoint", "init_args": {"every_n_steps": 4, "keep_last": 3}},
+        {
+            "class_path": "callbacks.FaultTolerantCheckpoint",
+            "init_args": {"every_n_steps": 4, "keep_last": 3},
+        },
         {"class_path": "ft_app.StepRecorder"},
     ]
     if injector:
@@ -51,7 +71,10 @@ def _config(run_dir: Path, devices: int = 1, injector: dict | None = None, watch
         "devices": devices,
         "max_steps": MAX_STEPS,
         "default_root_dir": str(run_dir),
-        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir)}},
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir)},
+        },
         "log_every_n_steps": 1,
         "enable_progress_bar": False,
         "enable_model_summary": False,
@@ -78,8 +101,13 @@ def _env() -> dict:
 def _start(config: Path) -> subprocess.Popen:
     log_path = config.with_suffix(f".{time.monotonic_ns()}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(APP), "fit", "--config", str(config)], cwd=REPO, env=_env(),
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(APP), "fit", "--config", str(config)],
+            cwd=REPO,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     proc.log_path = log_path  # type: ignore[attr-defined]
     return proc
 
@@ -112,7 +140,9 @@ def _runs(run_dir: Path, rank: int = 0) -> list[list[dict]]:
     return groups
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, rank: int = 0, timeout: float = 180) -> dict:
+def _wait_for_step(
+    run_dir: Path, step: int, proc: subprocess.Popen, rank: int = 0, timeout: float = 180
+) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = _rows(run_dir, rank)
@@ -169,7 +199,9 @@ def two_rank_reference(tmp_path_factory) -> tuple[Path, str]:
     return run_dir, log
 
 
-def test_sigkill_then_same_command_resumes_exactly_also_past_a_corrupted_checkpoint(single_reference, tmp_path):
+def test_sigkill_then_same_command_resumes_exactly_also_past_a_corrupted_checkpoint(
+    single_reference, tmp_path
+):
     run_dir = tmp_path / "run"
     config = _config(run_dir, injector={"step_sleep_s": 0.1})
     proc = _start(config)
@@ -222,7 +254,9 @@ def test_nan_and_spike_are_skipped_on_every_rank_and_counted(two_rank_reference)
     assert any(r.get("ft/straggler_ratio") for r in _metrics(run_dir))
 
 
-def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly(two_rank_reference, tmp_path):
+def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly(
+    two_rank_reference, tmp_path
+):
     """Sharded strategy: the preemption checkpoint is a DCP directory; resume reloads it in place."""
     reference_dir, _ = two_rank_reference
     run_dir = tmp_path / "run"
@@ -234,7 +268,9 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     assert rc == 75, log[-3000:]
     newest = list_checkpoints(run_dir / "checkpoints")[0]
     manifest = read_manifest(newest.path)
-    assert manifest.reason == "preemption" and manifest.kind == "dir" and verify_checkpoint(newest.path) is None
+    assert (
+        manifest.reason == "preemption" and manifest.kind == "dir" and verify_checkpoint(newest.path) is None
+    )
     assert "(on another rank): checkpointing step" in log  # rank 0 learnt it through the agreement
     for rank in (0, 1):
         assert _rows(run_dir, rank)[-1]["step"] == manifest.step - 1  # both stopped at the same boundary
@@ -266,8 +302,12 @@ def test_consecutive_anomalies_roll_back_then_stop_with_exit_65(tmp_path):
 def test_a_stalled_rank_triggers_the_watchdog(tmp_path):
     run_dir = tmp_path / "run"
     timeout = 4.0
-    config = _config(run_dir, devices=2, injector={"stall_step": 3, "stall_rank": 1},
-                     watchdog={"timeout_s": timeout, "first_step_timeout_s": 120})
+    config = _config(
+        run_dir,
+        devices=2,
+        injector={"stall_step": 3, "stall_rank": 1},
+        watchdog={"timeout_s": timeout, "first_step_timeout_s": 120},
+    )
     proc = _start(config)
     rc, log = _finish(proc)
     exited = time.time()
