@@ -222,6 +222,22 @@ def test_sigkill_then_same_command_resumes_exactly_also_past_a_corrupted_checkpo
     assert resumed[0]["step"] == newest.step + 1 and resumed[-1]["step"] == MAX_STEPS
     _assert_same_as(resumed, single_reference)
 
+    # An explicit --ckpt_path (step 8 here) wins over the newest checkpoint (now step 14).
+    proc = subprocess.run(
+        [sys.executable, str(APP), "fit", "--config", str(config), f"--ckpt_path={newest.path}"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Auto-resuming" not in proc.stdout + proc.stderr
+    resumed = _runs(run_dir)[-1]
+    assert resumed[0]["step"] == newest.step + 1 and resumed[-1]["step"] == MAX_STEPS
+    _assert_same_as(resumed, single_reference)
+
     # The newest checkpoint damaged after the fact: detected through its manifest, the previous one is used.
     twin_config = _config(twin, injector={"step_sleep_s": 0.1})
     _flip_byte(twin / "checkpoints" / newest.path.name)
