@@ -118,8 +118,10 @@ def plan_buckets(
         current: Bucket | None = None
         for entry in reversed([e for e in entries if e.domain == domain]):
             needed = _round_up(current.numel, align) + entry.numel if current else 0
-            if current is None or current.dtype_key != entry.dtype_key or (
-                current.slots and needed > bucket_numel
+            if (
+                current is None
+                or current.dtype_key != entry.dtype_key
+                or (current.slots and needed > bucket_numel)
             ):
                 current = Bucket(len(buckets), domain, entry.dtype_key, n)
                 buckets.append(current)

@@ -76,6 +76,10 @@ class ShardingOptions:
     reduce_dtype: dtype gradients are accumulated and reduced in.
     ep_aware: False shards dense state over EDP only (the EP-unaware comparison layout of the
         benchmark); dense gradients are then all-reduced over the world.
+    collectives: "native" uses reduce-scatter and all-gather (NCCL/XCCL implement them optimally);
+        "rooted" runs one reduce / broadcast per shard, rooted at the shard's owner (same traffic;
+        gloo's reduce_scatter and all_gather are 2-6x slower than that on CPU); "auto" picks rooted
+        for gloo, native otherwise.
     """
 
     bucket_numel: int = 2**24
@@ -88,16 +92,21 @@ class ShardingOptions:
     clip_after_step: int = 0
     reduce_dtype: torch.dtype = torch.float32
     ep_aware: bool = True
+    collectives: str = "auto"
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}.")
         if self.bucket_numel < 1 or self.align < 1:
-            raise ValueError(f"bucket_numel and align must be positive, got {self.bucket_numel}, {self.align}.")
+            raise ValueError(
+                f"bucket_numel and align must be positive, got {self.bucket_numel}, {self.align}."
+            )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}.")
         if self.clip_after_step < 0:
             raise ValueError(f"clip_after_step must be >= 0, got {self.clip_after_step}.")
+        if self.collectives not in ("auto", "native", "rooted"):
+            raise ValueError(f"collectives must be 'auto', 'native' or 'rooted', got {self.collectives!r}.")
         if not self.reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating-point dtype, got {self.reduce_dtype}.")
 
@@ -107,7 +116,9 @@ class ShardingOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"Unknown EPShardedAdamW option(s) {unknown}; known options are {sorted(known)}.")
+            raise ValueError(
+                f"Unknown EPShardedAdamW option(s) {unknown}; known options are {sorted(known)}."
+            )
         return cls(**kwargs)
 
 
@@ -120,6 +131,8 @@ class _Domain:
     size: int
     rank: int
     scale: float  # gradients are pre-multiplied by this so the reduction sums to a mean
+    global_ranks: list[int] = field(default_factory=list)  # group rank -> global rank
+    rooted: bool = False  # reduce/broadcast per shard instead of reduce-scatter/all-gather
     all_reduce: bool = False  # EP-unaware dense: all-reduce over the world, keep the EDP slice
     reduce_group: Any = None
     buckets: list[Bucket] = field(default_factory=list)
@@ -139,10 +152,10 @@ class _Run:
 class _Work:
     """An in-flight gradient reduction of one bucket."""
 
-    handle: Any  # None when the group has one rank (nothing to wait for)
+    handles: list[Any]  # collective work handles (empty when the group has one rank)
     full: Tensor  # the full bucket buffer being reduced (kept alive until the reduction finishes)
-    temp: Tensor | None  # reduce-scatter output to add into the shard (ZeRO-2 accumulation)
-    accumulate: bool  # EP-unaware all-reduce: add (rather than copy) this rank's slice into the shard
+    source: Tensor | None  # where this rank's reduced shard lands, if not straight in shard_grad
+    add: bool  # add into the shard (it already holds gradients since zero_grad) rather than copy
 
 
 @dataclass
@@ -156,9 +169,11 @@ class _BucketState:
     runs: list[_Run] = field(default_factory=list)
     arrived: int = 0
     launched: bool = False
-    shard_fresh: bool = True  # shard_grad slice is zero: a reduce-scatter may write straight into it
+    shard_fresh: bool = True  # shard_grad slice holds nothing since zero_grad: copy, don't add
+    written: set[int] = field(default_factory=set)  # slots of grad_full written since its last reduction
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # padding ranges of the full bucket
     reduce_work: list[_Work] = field(default_factory=list)
-    gather_work: Any = None
+    gather_work: list[Any] = field(default_factory=list)
     send: Tensor | None = None  # all-gather input (param dtype) when it cannot be the master shard
     host_send: Tensor | None = None  # offload: cast of the master shard in host memory
     copied_event: Any = None  # offload: device-to-host copy of the gradient shard done
@@ -206,7 +221,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
     ) -> None:
         self.options = ShardingOptions.from_kwargs(**options)
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}, wd={weight_decay}.")
+            raise ValueError(
+                f"Invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}, wd={weight_decay}."
+            )
         self._initialising = True
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self._initialising = False
@@ -217,16 +234,22 @@ class EPShardedAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if id(p) not in names:
-                    raise ValueError("Every optimizer parameter needs a name: pass named_params covering all groups.")
+                    raise ValueError(
+                        "Every optimizer parameter needs a name: pass named_params covering all groups."
+                    )
                 if not p.requires_grad:
-                    raise ValueError(f"Parameter {names[id(p)]} does not require grad; leave it out of the optimizer.")
+                    raise ValueError(
+                        f"Parameter {names[id(p)]} does not require grad; leave it out of the optimizer."
+                    )
                 entries.append(self._entry(len(self._params), names[id(p)], p, gi))
                 self._params.append(p)
         if not self._params:
             raise ValueError("EPShardedAdamW got no parameters.")
         devices = {p.device for p in self._params}
         if len(devices) != 1 or next(iter(devices)).type == "meta":
-            raise ValueError(f"All parameters must be materialised on one device, found {sorted(map(str, devices))}.")
+            raise ValueError(
+                f"All parameters must be materialised on one device, found {sorted(map(str, devices))}."
+            )
         self.device = next(iter(devices))
         self.state_device = torch.device("cpu") if self.options.offload else self.device
         self._domains = self._make_domains()
@@ -249,7 +272,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(entry.index)))
         if self.options.overlap_param_gather:
             if module is None:
-                raise ValueError("overlap_param_gather=True needs module= (the module the parameter names refer to).")
+                raise ValueError(
+                    "overlap_param_gather=True needs module= (the module the parameter names refer to)."
+                )
             self._register_forward_waits(module)
         self._gather_params()  # replicas become bit-identical to the master shards
 
@@ -278,8 +303,14 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 raise ValueError("EPShardedAdamW does not implement amsgrad or maximize.")
         d = adamw.defaults
         return cls(
-            adamw.param_groups, named_params, topology,
-            lr=float(d["lr"]), betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"], **options,
+            adamw.param_groups,
+            named_params,
+            topology,
+            lr=float(d["lr"]),
+            betas=tuple(d["betas"]),
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            **options,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -295,23 +326,43 @@ class EPShardedAdamW(torch.optim.Optimizer):
         if expert:
             if p.dim() < 1:
                 raise ValueError(f"Expert parameter {name} must be stacked [E_local, ...], got a scalar.")
-            return ParamEntry(index, name, shape, p.numel(), str(p.dtype), group, "expert",
-                              topo.ep_rank * p.numel(), topo.ep_size * p.numel(),
-                              (shape[0] * topo.ep_size, *shape[1:]))
+            return ParamEntry(
+                index,
+                name,
+                shape,
+                p.numel(),
+                str(p.dtype),
+                group,
+                "expert",
+                topo.ep_rank * p.numel(),
+                topo.ep_size * p.numel(),
+                (shape[0] * topo.ep_size, *shape[1:]),
+            )
         return ParamEntry(index, name, shape, p.numel(), str(p.dtype), group, "dense", 0, p.numel(), shape)
 
     def _make_domains(self) -> dict[str, _Domain]:
         t = self.topology
         world = t.world_group if t.world_size > 1 else None
+        edp_ranks = t.edp_group_ranks()
         # Expert gradients that come back through the all-to-all are already sums over the EP group's
         # ranks' losses, so summing over EDP covers every rank once: scale by 1/W, like dense ones.
-        edp = _Domain("expert", t.edp_group, t.edp_size, t.edp_rank, 1.0 / t.world_size)
+        edp = _Domain("expert", t.edp_group, t.edp_size, t.edp_rank, 1.0 / t.world_size, edp_ranks)
         if self.options.ep_aware:
-            dense = _Domain("dense", world, t.world_size, t.rank, 1.0 / t.world_size)
+            dense = _Domain("dense", world, t.world_size, t.rank, 1.0 / t.world_size, list(range(t.world_size)))
         else:
-            dense = _Domain("dense", t.edp_group, t.edp_size, t.edp_rank, 1.0 / t.world_size,
-                            all_reduce=t.world_size > 1, reduce_group=world)
+            dense = _Domain(
+                "dense", t.edp_group, t.edp_size, t.edp_rank, 1.0 / t.world_size, edp_ranks,
+                all_reduce=t.world_size > 1, reduce_group=world,
+            )  # fmt: skip
+        for dom in (dense, edp):
+            dom.rooted = self._use_rooted(dom.group, dom.size)
         return {"dense": dense, "expert": edp}
+
+    def _use_rooted(self, group: Any, size: int) -> bool:
+        choice = self.options.collectives
+        if choice != "auto" or size == 1:
+            return choice == "rooted" and size > 1
+        return dist.get_backend(group) == "gloo" and self.device.type == "cpu"
 
     def _allocate(self) -> None:
         """Flat buffers: per bucket the full parameter buffer (params become views) and, for ZeRO-1,
@@ -329,13 +380,16 @@ class EPShardedAdamW(torch.optim.Optimizer):
             offset += b.shard_numel
             for slot in b.slots:
                 p = self._params[slot.entry.index]
-                view = param_full[slot.start: slot.start + slot.entry.numel]
+                view = param_full[slot.start : slot.start + slot.entry.numel]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
             if opt.zero_stage == 1:
                 st.grad_full = torch.zeros(b.numel, dtype=opt.reduce_dtype, device=self.device)
+            ends = [0] + [s.start + s.entry.numel for s in b.slots]
+            starts = [s.start for s in b.slots] + [b.numel]
+            st.gaps = [(e, s) for e, s in zip(ends, starts) if s > e]
             st.runs = _runs(b.segments(dom.rank))
-            if dtype != torch.float32 or opt.offload:
+            if not dom.rooted and dom.size > 1 and (dtype != torch.float32 or opt.offload):
                 st.send = torch.empty(b.shard_numel, dtype=dtype, device=self.device)
             if opt.offload:
                 st.host_send = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin)
@@ -351,8 +405,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
             for seg in b.segments(st.domain.rank):
                 p = self._params[seg.slot.entry.index]
                 lo = st.shard_offset + seg.shard_start
-                src = p.detach().reshape(-1)[seg.param_start: seg.param_start + seg.length]
-                self.master[lo: lo + seg.length].copy_(src)
+                src = p.detach().reshape(-1)[seg.param_start : seg.param_start + seg.length]
+                self.master[lo : lo + seg.length].copy_(src)
         self._domain_ranges = {}
         for name in ("dense", "expert"):
             idx = [i for i, b in enumerate(self.buckets) if b.domain == name]
@@ -367,6 +421,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def _make_grad_hook(self, index: int):
         def hook(p: Tensor) -> None:
             self._on_grad(index, p)
+
         return hook
 
     def _on_grad(self, index: int, p: Tensor) -> None:
@@ -392,12 +447,17 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def _accumulate(self, slot, st: _BucketState, grad: Tensor) -> None:
         if st.reduce_work and self.options.zero_stage == 1:
-            self._wait_reduce(st)  # the in-flight reduce-scatter still reads grad_full
+            self._wait_reduce(st)  # the in-flight reduction still uses grad_full
         if st.grad_full is None:
-            st.grad_full = torch.zeros(self.buckets[slot.bucket].numel, dtype=self.options.reduce_dtype,
-                                       device=self.device)
-        view = st.grad_full[slot.start: slot.start + slot.entry.numel]
-        view.add_(grad.reshape(-1), alpha=st.domain.scale)
+            st.grad_full = torch.empty(
+                self.buckets[slot.bucket].numel, dtype=self.options.reduce_dtype, device=self.device
+            )
+        view = st.grad_full[slot.start : slot.start + slot.entry.numel]
+        if slot.entry.index in st.written:
+            view.add_(grad.reshape(-1), alpha=st.domain.scale)
+        else:  # first gradient since the last reduction: overwrite (no zeroing pass needed)
+            torch.mul(grad.reshape(-1), st.domain.scale, out=view)
+            st.written.add(slot.entry.index)
 
     def _launch_ready(self, dom: _Domain) -> None:
         while dom.next_launch < len(dom.buckets):
@@ -418,42 +478,56 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self._round_open = False
 
     def _launch_reduce(self, b: Bucket) -> None:
+        """Start reducing one bucket; this rank's averaged shard lands in shard_grad when waited for.
+
+        Every reduction after the first since zero_grad adds into the shard (accumulation over
+        ZeRO-2 micro-batches, or several backward passes), so the buffer it came from can be reused."""
         st = self._bstate[b.index]
         dom = st.domain
-        if st.grad_full is None:  # no gradient on this rank (unused parameters): still take part
-            st.grad_full = torch.zeros(b.numel, dtype=self.options.reduce_dtype, device=self.device)
         if st.reduce_work:
             self._wait_reduce(st)
-        shard = self.shard_grad[st.shard_offset: st.shard_offset + b.shard_numel]
-        zero2 = self.options.zero_stage == 2
-        accumulate = zero2 and not st.shard_fresh
-        out = torch.empty_like(shard) if accumulate else shard
-        if dom.all_reduce:
-            handle = dist.all_reduce(st.grad_full, group=dom.reduce_group, async_op=True)
-        elif dom.size > 1:
-            handle = _reduce_scatter(out, st.grad_full, group=dom.group, async_op=True)
+        if st.grad_full is None:  # no gradient on this rank (unused parameters): still take part
+            st.grad_full = torch.empty(b.numel, dtype=self.options.reduce_dtype, device=self.device)
+        # Zero what holds no gradient of this round: padding (a rooted reduce may have used it as
+        # scratch) and parameters that got no gradient since the last reduction.
+        for lo, hi in st.gaps:
+            st.grad_full[lo:hi].zero_()
+        for slot in b.slots:
+            if slot.entry.index not in st.written:
+                st.grad_full[slot.start : slot.start + slot.entry.numel].zero_()
+        st.written.clear()
+        full, n, r = st.grad_full, dom.size, dom.rank
+        mine = full[r * b.shard_numel : (r + 1) * b.shard_numel]
+        add = not st.shard_fresh
+        st.shard_fresh = False
+        if dom.all_reduce:  # EP-unaware dense: world sum, then keep this rank's EDP slice
+            handles, source = [dist.all_reduce(full, group=dom.reduce_group, async_op=True)], mine
+        elif n == 1:
+            handles, source = [], mine
+        elif dom.rooted:  # shard i is reduced onto its owner, in place
+            chunks = full.chunk(n)
+            handles = [
+                dist.reduce(chunks[i], dst=dom.global_ranks[i], group=dom.group, async_op=True) for i in range(n)
+            ]
+            source = mine
         else:
-            handle = None
-            out.copy_(st.grad_full)
-        st.reduce_work.append(_Work(handle, st.grad_full, out if accumulate else None, accumulate))
-        if zero2:
+            shard = self.shard_grad[st.shard_offset : st.shard_offset + b.shard_numel]
+            source = torch.empty_like(shard) if add else None
+            handles = [_reduce_scatter(shard if source is None else source, full, group=dom.group, async_op=True)]
+        st.reduce_work.append(_Work(handles, full, source, add))
+        if self.options.zero_stage == 2:
             st.grad_full = None  # ZeRO-2: the full buffer lives only while in flight
-            st.shard_fresh = False
         st.launched, st.arrived = True, 0
         dom.next_launch += 1
 
     def _wait_reduce(self, st: _BucketState) -> None:
-        n = st.domain.size
         for work in st.reduce_work:
-            if work.handle is not None:
-                work.handle.wait()
-            shard_len = work.full.numel() // n
-            shard = self.shard_grad[st.shard_offset: st.shard_offset + shard_len]
-            if st.domain.all_reduce:  # EP-unaware dense: keep this rank's EDP slice of the world sum
-                piece = work.full[st.domain.rank * shard_len: (st.domain.rank + 1) * shard_len]
-                shard.add_(piece) if work.accumulate else shard.copy_(piece)
-            elif work.temp is not None:
-                shard.add_(work.temp)
+            for handle in work.handles:
+                handle.wait()
+            if work.source is not None:
+                n = work.source.numel()
+                shard = self.shard_grad[st.shard_offset : st.shard_offset + n]
+                shard.add_(work.source) if work.add else shard.copy_(work.source)
         st.reduce_work = []
 
     def reduce_gradients(self) -> None:
@@ -493,10 +567,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
         """Clear accumulated gradients (flat buffers are zeroed, never freed, whatever set_to_none)."""
         for st in self._bstate:
             self._wait_reduce(st)
-            if self.options.zero_stage == 1:
-                st.grad_full.zero_()
-            else:
+            if self.options.zero_stage == 2:
                 st.grad_full = None
+            st.written.clear()  # the next gradient overwrites; the rest is zeroed at launch
             st.shard_fresh = True
         self._close_round()
         self.shard_grad.zero_()
@@ -591,24 +664,41 @@ class EPShardedAdamW(torch.optim.Optimizer):
         for gi, (p, g, m, v) in by_group.items():
             group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
-            _adamw(p, g, m, v, self._step_t, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]))
+            _adamw(
+                p,
+                g,
+                m,
+                v,
+                self._step_t,
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                eps=float(group["eps"]),
+            )
 
     def _launch_gather(self, b: Bucket, st: _BucketState) -> None:
+        """Start the all-gather of this rank's updated shard of ``b`` into the model parameters."""
         dom = st.domain
         lo, hi = st.shard_offset, st.shard_offset + b.shard_numel
+        n, r = dom.size, dom.rank
         if self.options.offload:
-            st.host_send.copy_(self.master[lo:hi])
-            st.send.copy_(st.host_send, non_blocking=True)
-            src = st.send
-        elif st.send is not None:
-            src = st.send.copy_(self.master[lo:hi])
+            st.host_send.copy_(self.master[lo:hi])  # cast on the host, then one transfer
+            src = st.host_send
         else:
             src = self.master[lo:hi]
-        if dom.size > 1:
-            st.gather_work = _all_gather(st.param_full, src, group=dom.group, async_op=True)
-        else:
-            st.param_full.copy_(src)
+        if dom.rooted or n == 1:  # write the own shard in place, then its owner broadcasts each
+            chunks = st.param_full.chunk(n)
+            chunks[r].copy_(src, non_blocking=self.options.offload)
+            st.gather_work = [
+                dist.broadcast(chunks[i], src=dom.global_ranks[i], group=dom.group, async_op=True)
+                for i in range(n)
+                if n > 1
+            ]
+            return
+        if st.send is not None:
+            src = st.send.copy_(src, non_blocking=self.options.offload)
+        st.gather_work = [_all_gather(st.param_full, src, group=dom.group, async_op=True)]
 
     def wait_for_params(self) -> None:
         """Block until every all-gather launched by ``step()`` has landed in the model parameters
@@ -617,9 +707,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
             self._wait_gather(st)
 
     def _wait_gather(self, st: _BucketState) -> None:
-        if st.gather_work is not None:
-            st.gather_work.wait()
-            st.gather_work = None
+        for handle in st.gather_work:
+            handle.wait()
+        st.gather_work = []
 
     def _gather_params(self) -> None:
         for b, st in zip(self.buckets, self._bstate):
@@ -635,7 +725,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
             try:
                 sub = module.get_submodule(owner)
             except AttributeError as err:
-                raise ValueError(f"Parameter owner {owner!r} is not a submodule of the given module.") from err
+                raise ValueError(
+                    f"Parameter owner {owner!r} is not a submodule of the given module."
+                ) from err
             states = [self._bstate[i] for i in sorted(bucket_ids)]
 
             def wait(_mod, _args, states=states) -> None:
@@ -666,8 +758,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of persistent gradient buffers (full buckets for ZeRO-1, shards only for ZeRO-2)."""
-        full = sum(st.grad_full.numel() * st.grad_full.element_size()
-                   for st in self._bstate if st.grad_full is not None and self.options.zero_stage == 1)
+        full = sum(
+            st.grad_full.numel() * st.grad_full.element_size()
+            for st in self._bstate
+            if st.grad_full is not None and self.options.zero_stage == 1
+        )
         return full + self.shard_grad.numel() * self.shard_grad.element_size()
 
     def metrics(self) -> dict[str, float]:
@@ -698,7 +793,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
         for entry in self._entries:
             state[entry.name] = {
                 kind: _sharded_tensor(buf, self._global_shards(entry), entry, self)
-                for kind, buf in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq))
+                for kind, buf in (
+                    ("master", self.master),
+                    ("exp_avg", self.exp_avg),
+                    ("exp_avg_sq", self.exp_avg_sq),
+                )
             }
         # Param groups keyed by index (strings), not a list of dicts: if DCP ever falls back to its
         # pre-2.4 key format (it does when a saved key is missing here), the keys stay the same.
@@ -722,7 +821,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, groups):
             names = [self._name_of(p) for p in mine["params"]]
             if list(saved["param_names"]) != names:
-                raise ValueError("The optimizer checkpoint's param groups name other parameters than this model's.")
+                raise ValueError(
+                    "The optimizer checkpoint's param groups name other parameters than this model's."
+                )
             for k, v in saved.items():
                 if k not in ("params", "param_names"):
                     mine[k] = tuple(v) if k == "betas" else v
@@ -733,7 +834,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
             saved = state_dict["state"].get(entry.name)
             if saved is None:
                 raise ValueError(f"The optimizer checkpoint has no state for parameter {entry.name}.")
-            for kind, buf in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            for kind, buf in (
+                ("master", self.master),
+                ("exp_avg", self.exp_avg),
+                ("exp_avg_sq", self.exp_avg_sq),
+            ):
                 self._copy_in(entry, saved[kind], buf)
         self._gather_params()
 
@@ -742,13 +847,15 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def _copy_in(self, entry: ParamEntry, saved: Any, buf: Tensor) -> None:
         shards = saved.local_shards() if hasattr(saved, "local_shards") else None
         if shards is None:
-            raise ValueError(f"Optimizer state for {entry.name} is not a ShardedTensor from sharded_state_dict().")
+            raise ValueError(
+                f"Optimizer state for {entry.name} is not a ShardedTensor from sharded_state_dict()."
+            )
         by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in shards}
         for st, seg in self._local_segments(entry):
             t = by_offset.get(seg.global_start)
             if t is None or t.numel() != seg.length:
                 raise ValueError(f"Optimizer state for {entry.name} does not match this layout's shards.")
-            dst = buf[st.shard_offset + seg.shard_start: st.shard_offset + seg.shard_start + seg.length]
+            dst = buf[st.shard_offset + seg.shard_start : st.shard_offset + seg.shard_start + seg.length]
             if dst.data_ptr() != t.data_ptr():
                 dst.copy_(t)
 
@@ -758,7 +865,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def _local_segments(self, entry: ParamEntry) -> list[tuple[_BucketState, Segment]]:
         slot = self._slots[entry.index]
         st = self._bstate[slot.bucket]
-        return [(st, s) for s in self.buckets[slot.bucket].segments(st.domain.rank) if s.slot.entry.index == entry.index]
+        return [
+            (st, s)
+            for s in self.buckets[slot.bucket].segments(st.domain.rank)
+            if s.slot.entry.index == entry.index
+        ]
 
     def _global_shards(self, entry: ParamEntry) -> list[tuple[int, int, int]]:
         """(world rank, global offset, length) of every piece of ``entry`` over the whole world. The
@@ -825,8 +936,19 @@ def _record_event(device: torch.device) -> Any:
 _FUSED_DEVICES: set[str] | None = None
 
 
-def _adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-           step: Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float) -> None:
+def _adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+) -> None:
     """Decoupled-weight-decay Adam on lists of flat fp32 tensors; ``step`` is already incremented.
 
     Uses torch's fused kernel (one pass over memory) where the device has one, else the same math as
@@ -838,8 +960,21 @@ def _adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
         _FUSED_DEVICES = set(_get_fused_kernels_supported_devices())
     device = params[0].device
     if device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr, beta1=beta1,
-                            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [step] * len(params),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
         return
     n = float(step)
     torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -853,8 +988,9 @@ def _adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
 
 
-def _sharded_tensor(buf: Tensor, shards: list[tuple[int, int, int]], entry: ParamEntry,
-                    opt: EPShardedAdamW) -> Any:
+def _sharded_tensor(
+    buf: Tensor, shards: list[tuple[int, int, int]], entry: ParamEntry, opt: EPShardedAdamW
+) -> Any:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -865,8 +1001,10 @@ def _sharded_tensor(buf: Tensor, shards: list[tuple[int, int, int]], entry: Para
     segments = opt._local_segments(entry)
     for st, seg in segments:
         lo = st.shard_offset + seg.shard_start
-        meta = next(m for (r, off, _), m in zip(shards, metas) if r == opt.topology.rank and off == seg.global_start)
-        local.append(Shard(buf[lo: lo + seg.length], meta))
+        meta = next(
+            m for (r, off, _), m in zip(shards, metas) if r == opt.topology.rank and off == seg.global_start
+        )
+        local.append(Shard(buf[lo : lo + seg.length], meta))
     if not segments:
         meta = next(m for (r, _, _), m in zip(shards, metas) if r == opt.topology.rank)
         local.append(Shard(buf[:0], meta))

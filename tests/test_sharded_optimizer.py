@@ -117,7 +117,7 @@ def _slice(name: str, full: torch.Tensor, ep_rank: int, ep_size: int) -> torch.T
     if not is_expert_param(name):
         return full
     per = full.shape[0] // ep_size
-    return full[ep_rank * per: (ep_rank + 1) * per]
+    return full[ep_rank * per : (ep_rank + 1) * per]
 
 
 def _groups(named: list[tuple[str, nn.Parameter]]) -> list[dict]:
@@ -176,8 +176,14 @@ class Trainer:
         self.topo = build_topology(run.ep_size)
         topo_for_opt = self.topo
         if run.wrong_layout:
-            topo_for_opt = dataclasses.replace(self.topo, ep_size=1, ep_rank=0, edp_size=self.topo.world_size,
-                                               edp_rank=self.topo.rank, edp_group=dist.group.WORLD)
+            topo_for_opt = dataclasses.replace(
+                self.topo,
+                ep_size=1,
+                ep_rank=0,
+                edp_size=self.topo.world_size,
+                edp_rank=self.topo.rank,
+                edp_group=dist.group.WORLD,
+            )
         self.replica = StandIn()
         self.local = _local_params(self.replica, self.topo.ep_rank, self.topo.ep_size)
         self.named = list(self.local.named_parameters())
@@ -250,8 +256,11 @@ def _expected_state(trainer: Trainer) -> dict:
     topo = trainer.topo
     dense = sum(p.numel() for n, p in trainer.named if not is_expert_param(n))
     expert_local = sum(p.numel() for n, p in trainer.named if is_expert_param(n))
-    return {"dense": dense, "expert_total": expert_local * topo.ep_size, "share": dense / topo.world_size
-            + expert_local / topo.edp_size}
+    return {
+        "dense": dense,
+        "expert_total": expert_local * topo.ep_size,
+        "share": dense / topo.world_size + expert_local / topo.edp_size,
+    }
 
 
 RUNS = {
@@ -262,10 +271,21 @@ RUNS = {
     "e4": Run(4),
     "e4_clip": Run(4, clip=CLIP),
     "e2_zero2_accum_clipwarmup": Run(2, clip=CLIP, accum=2, options={"zero_stage": 2, "clip_after_step": 2}),
-    "e2_offload_overlap_smallbuckets": Run(2, clip=CLIP, options={
-        "offload": True, "overlap_param_gather": True, "with_module": True, "bucket_numel": 100, "align": 8}),
+    "e2_offload_overlap_smallbuckets": Run(
+        2,
+        clip=CLIP,
+        options={
+            "offload": True,
+            "overlap_param_gather": True,
+            "with_module": True,
+            "bucket_numel": 100,
+            "align": 8,
+        },
+    ),
     "e4_nohooks_accum": Run(4, accum=2, options={"overlap_grad_reduce": False}),
     "e2_ep_unaware": Run(2, clip=CLIP, options={"ep_aware": False}),
+    "e2_native_collectives_clip": Run(2, clip=CLIP, options={"collectives": "native"}),
+    "e2_native_zero2_accum": Run(2, accum=2, options={"collectives": "native", "zero_stage": 2}),
     "e2_wrong_layout": Run(2, wrong_layout=True),
 }
 
@@ -278,9 +298,14 @@ def _train_worker(rank: int, world: int, ckpt_dir: str) -> dict:
             t.train_step()
         exp = _expected_state(t)
         out[key] = {
-            "params": t.params(), "ep_rank": t.topo.ep_rank, "owned": t.opt.owned_numel(),
-            "state_bytes": t.opt.state_bytes(), "padding_bytes": t.opt.padding_bytes(),
-            "bound": t.opt.padding_bound_bytes(), "metrics": t.opt.metrics(), **exp,
+            "params": t.params(),
+            "ep_rank": t.topo.ep_rank,
+            "owned": t.opt.owned_numel(),
+            "state_bytes": t.opt.state_bytes(),
+            "padding_bytes": t.opt.padding_bytes(),
+            "bound": t.opt.padding_bound_bytes(),
+            "metrics": t.opt.metrics(),
+            **exp,
         }
         t.opt.close()
     out["ckpt"] = _checkpoint_save_and_reload(rank, ckpt_dir)
@@ -355,8 +380,10 @@ def test_matches_single_process_adamw(results: dict, key: str) -> None:
 
 def test_reducing_experts_over_the_world_is_caught(results: dict) -> None:
     ref = results["refs"][None][-1]
-    errs = [_max_rel_error(o["e2_wrong_layout"]["params"], ref, _topo(o["e2_wrong_layout"]["ep_rank"], 2))
-            for o in results["four"]]
+    errs = [
+        _max_rel_error(o["e2_wrong_layout"]["params"], ref, _topo(o["e2_wrong_layout"]["ep_rank"], 2))
+        for o in results["four"]
+    ]
     assert max(errs) > 1e-3
 
 
@@ -400,7 +427,10 @@ def test_checkpoint_reshards_across_layouts(results: dict) -> None:
 
 
 def test_bucket_plan_alignment_and_padding() -> None:
-    entries = [ParamEntry(i, f"p{i}", (n,), n, "float32", 0, "dense", 0, n, (n,)) for i, n in enumerate([5, 37, 3, 64])]
+    entries = [
+        ParamEntry(i, f"p{i}", (n,), n, "float32", 0, "dense", 0, n, (n,))
+        for i, n in enumerate([5, 37, 3, 64])
+    ]
     buckets = plan_buckets(entries, {"dense": 4, "expert": 2}, bucket_numel=80, align=8)
     seen = {}
     for b in buckets:
@@ -425,7 +455,9 @@ def test_bad_inputs_raise_one_sentence() -> None:
     with pytest.raises(ValueError, match="needs a name"):
         EPShardedAdamW(model.parameters(), [])
     with pytest.raises(ValueError, match="amsgrad"):
-        EPShardedAdamW.from_adamw(torch.optim.AdamW(model.parameters(), amsgrad=True), model.named_parameters(), None)
+        EPShardedAdamW.from_adamw(
+            torch.optim.AdamW(model.parameters(), amsgrad=True), model.named_parameters(), None
+        )
     with pytest.raises(ValueError, match="torch.optim.AdamW"):
         EPShardedAdamW.from_adamw(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), None)
 
@@ -440,3 +472,84 @@ def test_from_adamw_keeps_groups_for_schedulers() -> None:
     sched.optimizer = opt
     sched.step()
     assert math.isclose(opt.param_groups[1]["lr"], 0.5 * 0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny Mula MoE with the strategy's real expert parallelism (all-to-all dispatcher).
+
+MULA_STEPS, MULA_MICRO, MULA_SEQ = 3, 2, 16
+
+
+def _mula_config():
+    from mula import MulaConfig
+
+    return MulaConfig.from_name(
+        "mula-tiny-moe", vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2,
+        expert_intermediate_size=32, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+def _mula_batches(world: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    vocab = _mula_config().vocab_size
+    return [torch.randint(0, vocab, (world * MULA_MICRO, MULA_SEQ + 1), generator=g) for _ in range(MULA_STEPS)]
+
+
+def _mula_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    cfg = _mula_config()
+    out = model(batch[:, :-1])
+    ce = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    return ce + cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss
+
+
+def _mula_model() -> nn.Module:
+    from mula import Mula
+
+    torch.manual_seed(0)
+    return Mula(_mula_config())
+
+
+def _mula_groups(model: nn.Module) -> list[dict]:
+    return _groups(list(model.named_parameters()))
+
+
+def _mula_reference(world: int) -> dict[str, torch.Tensor]:
+    model = _mula_model()
+    opt = torch.optim.AdamW(_mula_groups(model), lr=LR)
+    for batch in _mula_batches(world):
+        opt.zero_grad()
+        for micro in batch.split(MULA_MICRO):
+            (_mula_loss(model, micro) / world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _mula_worker(rank: int, world: int) -> dict:
+    from strategies.expert_parallel import apply_expert_parallel
+
+    out = {}
+    for ep in (1, 4):
+        topo = build_topology(ep)
+        model = _mula_model()
+        apply_expert_parallel(model, topo)
+        opt = EPShardedAdamW.from_adamw(
+            torch.optim.AdamW(_mula_groups(model), lr=LR), list(model.named_parameters()), topo, bucket_numel=4096
+        )
+        for batch in _mula_batches(world):
+            opt.zero_grad()
+            _mula_loss(model, batch.split(MULA_MICRO)[rank]).backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+        out[ep] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "ep_rank": topo.ep_rank}
+        opt.close()
+    return out
+
+
+def test_tiny_mula_moe_with_expert_parallelism_matches_adamw() -> None:
+    pytest.importorskip("mula.model")
+    ref = _mula_reference(4)
+    for rank_out in run_distributed(_mula_worker, 4):
+        for ep, res in rank_out.items():
+            err = _max_rel_error(res["params"], ref, _topo(res["ep_rank"], ep))
+            assert err <= 1e-5, f"E={ep}: relative error {err:.3g}"

@@ -1,0 +1,338 @@
+"""Per-rank optimizer memory and optimizer-step time: EP-aware sharded AdamW vs the alternatives.
+
+For each layout (W ranks, expert-parallel size E) this runs, on gloo CPU processes and the parameter
+list of a real Mula MoE (shrunken Mula-7B-A1B shape by default; experts sliced as expert parallelism
+slices them), with fixed random gradients:
+
+  (a)       torch.optim.AdamW (defaults) after DDP-style bucketed all-reduce of the gradients
+            (dense over the world, experts over EDP);
+  (a,fused) the strongest unsharded baseline: AdamW(fused=True), gradients all-reduced with the same
+            per-shard reduce + broadcast collectives the sharded optimizer uses on gloo;
+  (b)       EP-unaware sharding: EPShardedAdamW(ep_aware=False), everything sharded over EDP only;
+  EP-aware  EPShardedAdamW: dense state over all W ranks, experts over EDP.
+
+"Step" is everything between gradients being ready and updated parameters being back in the model:
+gradient reduction + update + parameter all-gather. No backward runs, so nothing overlaps it (real
+training hides the reduce-scatter behind backward: these numbers are conservative for the sharded
+optimizer). Timing: per iteration the slowest rank (barrier, then max over ranks), median over
+iterations. State = fp32 master + exp_avg + exp_avg_sq per rank (for (a) the fp32 parameters are the
+master weights). Benchmarks print tables and never assert.
+
+    python benchmarks/optimizer.py --worlds [2,4] --iters 10 --doc docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mula import Mula, MulaConfig
+from strategies.sharded_optimizer import EPShardedAdamW, is_expert_param
+from strategies.topology import build_topology
+
+MiB = 2**20
+SECTION = "## optimizer"
+
+
+@dataclasses.dataclass
+class BenchSpec:
+    """What to measure (picklable: sent to the worker processes)."""
+
+    config: dict[str, Any]
+    iters: int
+    warmup: int
+    bucket_mb: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    with torch.device("meta"):
+        model = Mula(MulaConfig(**config))
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def _local_params(specs, ep_size: int, seed: int) -> list[tuple[str, torch.nn.Parameter]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, shape in specs:
+        if is_expert_param(name):
+            shape = (shape[0] // ep_size, *shape[1:])
+        out.append((name, torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)))
+    return out
+
+
+def _groups(named) -> list[dict[str, Any]]:
+    return [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+class _BucketedAllReduce:
+    """DDP-style gradient averaging for baseline (a): copy into flat buckets, all-reduce, copy back.
+
+    rooted=True builds the all-reduce from the same per-shard reduce + broadcast collectives the
+    sharded optimizer uses on gloo (faster there than gloo's all_reduce), so that comparison is
+    about the optimizer, not the collective implementation."""
+
+    def __init__(self, named, topo, bucket_numel: int, rooted: bool) -> None:
+        self.rooted = rooted
+        self.ranks = {id(topo.world_group): list(range(topo.world_size)), id(topo.edp_group): topo.edp_group_ranks()}
+        self.plan = []
+        for expert in (False, True):
+            params = [p for n, p in reversed(named) if is_expert_param(n) == expert]
+            group = topo.edp_group if expert else topo.world_group
+            size = topo.edp_size if expert else topo.world_size
+            current: list[torch.Tensor] = []
+            for p in params + [None]:
+                if p is None or (current and sum(q.numel() for q in current) + p.numel() > bucket_numel):
+                    if current:
+                        buf = torch.empty(sum(q.numel() for q in current))
+                        self.plan.append((current, buf, group, size))
+                    current = []
+                if p is not None:
+                    current.append(p)
+        self.scale = 1.0 / topo.world_size
+
+    def __call__(self) -> None:
+        for params, buf, group, size in self.plan:
+            torch.cat([p.grad.reshape(-1) for p in params], out=buf)
+            buf.mul_(self.scale)
+            if size > 1 and self.rooted:
+                ranks, chunks = self.ranks[id(group)], buf.chunk(size)
+                works = [dist.reduce(c, dst=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
+                for w in works:
+                    w.wait()
+                works = [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
+                for w in works:
+                    w.wait()
+            elif size > 1:
+                dist.all_reduce(buf, group=group)
+            offset = 0
+            for p in params:
+                p.grad.copy_(buf[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+VARIANTS = ("a", "a,fused", "b", "EP-aware")
+
+
+class _Variant:
+    """One optimizer under test with its own copy of this rank's parameters and gradients."""
+
+    def __init__(self, name: str, specs, topo, bucket_numel: int) -> None:
+        self.name = name
+        self.named = _local_params(specs, topo.ep_size, seed=topo.ep_rank)
+        g = torch.Generator().manual_seed(1000 + topo.rank)
+        self.grads = [torch.randn(p.shape, generator=g) * 1e-3 for _, p in self.named]
+        self.times: list[float] = []
+        if name.startswith("a"):
+            self.opt = torch.optim.AdamW(_groups(self.named), lr=1e-3, fused=name == "a,fused")
+            self.reduce = _BucketedAllReduce(self.named, topo, bucket_numel, rooted=name == "a,fused")
+        else:
+            self.opt = EPShardedAdamW(
+                _groups(self.named), self.named, topo, lr=1e-3, overlap_grad_reduce=False,
+                bucket_numel=bucket_numel, ep_aware=name == "EP-aware",
+            )  # fmt: skip
+
+    def set_grads(self) -> None:
+        """Gradients as backward would leave them (not timed)."""
+        for (_, p), g in zip(self.named, self.grads):
+            p.grad = g.clone()
+
+    def step(self) -> None:
+        """Gradient reduction + update + (sharded) parameter all-gather."""
+        if isinstance(self.opt, EPShardedAdamW):
+            self.opt.step()
+        else:
+            self.reduce()
+            self.opt.step()
+
+    def report(self) -> dict[str, Any]:
+        """Median step time and this rank's memory."""
+        if isinstance(self.opt, EPShardedAdamW):
+            state, grad_bytes = self.opt.state_bytes(), self.opt.grad_buffer_bytes()
+        else:
+            moments = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values() if t.dim())
+            state = moments + sum(p.numel() * 4 for _, p in self.named)  # fp32 params are the master weights
+            grad_bytes = sum(p.numel() * 4 for _, p in self.named)
+        return {"variant": self.name, "step_ms": statistics.median(self.times), "state_bytes": state,
+                "grad_bytes": grad_bytes}  # fmt: skip
+
+
+def _measure_layout(specs, topo, spec: BenchSpec) -> list[dict[str, Any]]:
+    """All variants of one (W, E) layout, interleaved step by step so background load hits them alike."""
+    bucket_numel = int(spec.bucket_mb * MiB) // 4
+    variants = [_Variant(name, specs, topo, bucket_numel) for name in VARIANTS]
+    for i in range(spec.warmup + spec.iters):
+        for v in variants:
+            v.set_grads()
+            dist.barrier()
+            t0 = time.perf_counter()
+            v.step()
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+            if i >= spec.warmup:
+                v.times.append(elapsed.item() * 1e3)
+    rows = [v.report() for v in variants]
+    for v in variants:
+        if isinstance(v.opt, EPShardedAdamW):
+            v.opt.close()
+    del variants
+    gc.collect()
+    return rows
+
+
+def _worker(rank: int, world: int, port: int, out: str, spec: BenchSpec) -> None:
+    torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, oversubscribed anyway
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        specs = _param_specs(spec.config)
+        rows = []
+        for ep in [e for e in (1, 2, 4, 8) if e <= world and world % e == 0]:
+            topo = build_topology(ep)
+            for r in _measure_layout(specs, topo, spec):
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, r)
+                rows.append({**r, "W": world, "E": ep, "state_bytes": max(x["state_bytes"] for x in per_rank),
+                             "grad_bytes": max(x["grad_bytes"] for x in per_rank)})  # fmt: skip
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _formula_bytes(variant: str, p_dense: int, p_expert: int, w: int, e: int) -> float:
+    edp = w // e
+    if variant.startswith("a"):
+        return 12 * (p_dense + p_expert / e)
+    if variant == "b":
+        return 12 * (p_dense / edp + p_expert / w)
+    return 12 * (p_dense + p_expert) / w
+
+
+def table(rows: list[dict[str, Any]], p_dense: int, p_expert: int) -> str:
+    """Markdown table of the measured rows, with the memory formula and speedups against (a)."""
+    lines = [
+        "| W | E | optimizer | state MiB/rank | formula MiB | state vs (a) | grad buffers MiB | step ms | speedup vs (a) "
+        "| vs (a,fused) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = next(x for x in rows if x["W"] == r["W"] and x["E"] == r["E"] and x["variant"] == "a")
+        fused = next(x for x in rows if x["W"] == r["W"] and x["E"] == r["E"] and x["variant"] == "a,fused")
+        f = _formula_bytes(r["variant"], p_dense, p_expert, r["W"], r["E"])
+        lines.append(
+            f"| {r['W']} | {r['E']} | {r['variant']} | {r['state_bytes'] / MiB:.1f} | {f / MiB:.1f} "
+            f"| {base['state_bytes'] / r['state_bytes']:.2f}x | {r['grad_bytes'] / MiB:.1f} | {r['step_ms']:.1f} "
+            f"| {base['step_ms'] / r['step_ms']:.2f}x | {fused['step_ms'] / r['step_ms']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def update_doc(doc: Path, section: str) -> None:
+    """Replace (or append) the '## optimizer' section of docs/benchmarks.md, leaving the rest alone."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    start = text.find(SECTION + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        tail = text[end + 1 :] if end >= 0 else ""
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
+    doc.write_text(text)
+
+
+def main(
+    worlds: list[int] = [2, 4],  # noqa: B006 (jsonargparse reads the default from the signature)
+    iters: int = 10,
+    warmup: int = 2,
+    bucket_mb: float = 16.0,
+    model: str = "mula-7b-a1b",
+    hidden_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    expert_intermediate_size: int = 256,
+    vocab_size: int = 4096,
+    doc: str | None = None,
+) -> str:
+    """Run the comparison for each world size, print the table, optionally write it into ``doc``.
+
+    The model defaults to Mula-7B-A1B's shape (64 experts, top-8) shrunk to fit a laptop-class CPU.
+    """
+    if any(w < 1 for w in worlds) or iters < 1:
+        raise ValueError(f"worlds must be positive and iters >= 1, got {worlds} and {iters}.")
+    cfg = MulaConfig.from_name(
+        model, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
+    )  # fmt: skip
+    spec = BenchSpec(dataclasses.asdict(cfg), iters, warmup, bucket_mb)
+    specs = _param_specs(spec.config)
+    p_expert = sum(int(torch.Size(s).numel()) for n, s in specs if is_expert_param(n))
+    p_dense = sum(int(torch.Size(s).numel()) for n, s in specs) - p_expert
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in worlds:
+            out = str(Path(tmp) / f"w{w}.json")
+            mp.start_processes(_worker, args=(w, _free_port(), out, spec), nprocs=w, start_method="spawn")
+            rows += json.loads(Path(out).read_text())
+    header = (
+        f"Model: {model} shape shrunk to hidden {hidden_size}, {num_layers} layers, {cfg.num_experts} experts "
+        f"(FFN {expert_intermediate_size}), vocab {vocab_size}: P_dense = {p_dense / 1e6:.2f}M, "
+        f"P_expert = {p_expert / 1e6:.2f}M. fp32, gloo, {os.cpu_count()} CPU cores, 1 torch thread per rank, "
+        f"median of {iters} steps (slowest rank), {bucket_mb:g} MiB buckets."
+    )
+    result = header + "\n\n" + table(rows, p_dense, p_expert)
+    print(result)
+    if doc is not None:
+        update_doc(Path(doc), _doc_section(result, worlds, iters))
+    return result
+
+
+def _doc_section(result: str, worlds: list[int], iters: int) -> str:
+    return f"""{SECTION}
+
+EP-aware sharded AdamW (`strategies/sharded_optimizer.py`) against unsharded AdamW with all-reduced
+gradients, (a), and an EP-unaware sharding, (b). Made with:
+
+    .venv/bin/python benchmarks/optimizer.py --worlds [{",".join(map(str, worlds))}] --iters {iters} \\
+        --doc docs/benchmarks.md
+
+{result}
+
+How to read it. "step" = gradient reduction + AdamW update + parameter all-gather, from gradients
+ready to parameters back in the model (no backward to hide the reduce-scatter behind, so the sharded
+optimizers get no overlap credit). "state" = fp32 master weights + both Adam moments on the worst
+rank, against the formulas 12*(P_d + P_e/E) for (a), 12*(P_d/EDP + P_e/W) for (b), 12*(P_d + P_e)/W
+for the EP-aware optimizer; the difference is the stated alignment padding (16 elements per
+parameter/shard boundary). The machine has 2 cores, so W=4 runs 4 single-threaded ranks on 2 cores:
+compute and gloo's loopback communication contend for the same cores, and absolute times are only
+comparable within one W. Where the speedup comes from: every rank updates 1/W of the dense state
+instead of all of it, over flat buffers with torch's fused AdamW kernel (one pass over memory)
+instead of the default per-parameter loop; (a,fused) isolates the kernel. At E = W = 4 (EDP = 1)
+expert state is not replicated in any variant, so the sharding gain is the dense part only.
+"""
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main)
