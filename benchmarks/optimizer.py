@@ -94,7 +94,10 @@ class _BucketedAllReduce:
 
     def __init__(self, named, topo, bucket_numel: int, rooted: bool) -> None:
         self.rooted = rooted
-        self.ranks = {id(topo.world_group): list(range(topo.world_size)), id(topo.edp_group): topo.edp_group_ranks()}
+        self.ranks = {
+            id(topo.world_group): list(range(topo.world_size)),
+            id(topo.edp_group): topo.edp_group_ranks(),
+        }
         self.plan = []
         for expert in (False, True):
             params = [p for n, p in reversed(named) if is_expert_param(n) == expert]
@@ -117,10 +120,14 @@ class _BucketedAllReduce:
             buf.mul_(self.scale)
             if size > 1 and self.rooted:
                 ranks, chunks = self.ranks[id(group)], buf.chunk(size)
-                works = [dist.reduce(c, dst=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
+                works = [
+                    dist.reduce(c, dst=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)
+                ]
                 for w in works:
                     w.wait()
-                works = [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
+                works = [
+                    dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)
+                ]
                 for w in works:
                     w.wait()
             elif size > 1:
@@ -170,7 +177,9 @@ class _Variant:
         if isinstance(self.opt, EPShardedAdamW):
             state, grad_bytes = self.opt.state_bytes(), self.opt.grad_buffer_bytes()
         else:
-            moments = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values() if t.dim())
+            moments = sum(
+                t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values() if t.dim()
+            )
             state = moments + sum(p.numel() * 4 for _, p in self.named)  # fp32 params are the master weights
             grad_bytes = sum(p.numel() * 4 for _, p in self.named)
         return {"variant": self.name, "step_ms": statistics.median(self.times), "state_bytes": state,
@@ -232,8 +241,8 @@ def _formula_bytes(variant: str, p_dense: int, p_expert: int, w: int, e: int) ->
 def table(rows: list[dict[str, Any]], p_dense: int, p_expert: int) -> str:
     """Markdown table of the measured rows, with the memory formula and speedups against (a)."""
     lines = [
-        "| W | E | optimizer | state MiB/rank | formula MiB | state vs (a) | grad buffers MiB | step ms | speedup vs (a) "
-        "| vs (a,fused) |",
+        "| W | E | optimizer | state MiB/rank | formula MiB | state vs (a) | grad buffers MiB | step ms "
+        + "| speedup vs (a) | vs (a,fused) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
