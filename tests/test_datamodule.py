@@ -203,6 +203,9 @@ def test_loader_state_round_trip_and_layout_change(data):
     other.load_state_dict(state)
     assert torch.equal(next(iter(other)), torch.cat(rank_batches(data, 0, 1, 2)[4:6]))
     assert torch.equal(torch.cat(seen[4:6]), torch.cat(rank_batches(data, 0, 1, 2)[4:6]))
+    # a reloaded dataloader (reload_dataloaders_every_n_epochs) continues where the previous one stopped
+    dm.train_dataloader()
+    assert torch.equal(next(iter(dm.train_dataloader())), next(it))
 
 
 class Recorder(L.LightningModule):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,9 @@ from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
 
 log = logging.getLogger(__name__)
+# Lightning warns about every IterableDataset with a length; ours split work between DataLoader workers
+# explicitly (micro-batch k goes to worker k % num_workers), so the length is exact.
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
 @dataclass
@@ -345,6 +349,8 @@ class MulaDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             loader.load_state_dict(self._pending_state)
             self._pending_state = None
+        elif self._train_loader is not None:  # reloaded dataloaders continue where the previous one stopped
+            loader.load_state_dict(self._train_loader.state_dict())
         self._train_loader = loader
         return loader
 

@@ -24,6 +24,8 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -258,6 +260,38 @@ def _run_task(task: _Task) -> dict[str, int]:
     return result
 
 
+def _run_pool(
+    todo: list[_Task],
+    workers: int,
+    tokenizer_path: str,
+    eos_token: str | int | None,
+    results: dict[int, dict[str, int]],
+    bar: Any,
+) -> None:
+    """Run tasks in spawned worker processes, recording each result as it completes."""
+    # spawn, not fork: the parent may hold threads (torch, tokenizers' Rust pool, a Lightning trainer).
+    # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies fails the run instead of hanging it.
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer_path, eos_token, True),
+    )
+    futures = {pool.submit(_run_task, task): task for task in todo}
+    try:
+        for future in as_completed(futures):
+            res = future.result()
+            results[futures[future].index] = res
+            bar.update(res["input_bytes"])
+    except BrokenProcessPool:
+        raise RuntimeError(
+            "a tokenizer worker process died; if prepare() is called from a script, put the call under "
+            "`if __name__ == '__main__':` (worker processes re-import the main module), or use num_workers=0."
+        ) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _fingerprint(
     spec: SourceSpec, files: list[str], tokenizer: LoadedTokenizer, chunk_bytes: str
 ) -> dict[str, Any]:
@@ -360,14 +394,7 @@ def _prepare_source(
                 results[task.index] = _run_task(task)
                 bar.update(results[task.index]["input_bytes"])
         elif todo:
-            # spawn, not fork: the parent may hold threads (torch, tokenizers' Rust pool, a Lightning trainer).
-            ctx = mp.get_context("spawn")
-            with ctx.Pool(
-                workers, initializer=_init_worker, initargs=(tokenizer.path, eos_token, True)
-            ) as pool:
-                for task, res in zip(todo, pool.imap(_run_task, todo)):
-                    results[task.index] = res
-                    bar.update(res["input_bytes"])
+            _run_pool(todo, workers, tokenizer.path, eos_token, results, bar)
     finally:
         bar.close()
 
