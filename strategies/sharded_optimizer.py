@@ -15,9 +15,11 @@ optimizer (everything sharded over EDP, the comparison in benchmarks/optimizer.p
 
 Per step (the order the strategy follows, see ``EPShardedAdamW``):
 
-1. backward: post-accumulate-grad hooks move each gradient into its bucket's flat buffer (scaled by
-   1 / group size, so the sum is a mean) and launch an async reduce-scatter as soon as a bucket is
-   complete — in bucket order, so every rank issues the same collectives in the same order;
+1. backward: post-accumulate-grad hooks move each gradient into its bucket's flat buffer, scaled by
+   1/W (dense gradients are the rank's own; expert gradients arrive from the all-to-all backward
+   already summed over the EP group, so their sum over EDP covers every rank once), and launch an
+   async reduce-scatter as soon as a bucket is complete — in bucket order, so every rank issues the
+   same collectives in the same order;
 2. ``reduce_gradients()``: launch what is left, wait, the rank now has its averaged gradient shard;
 3. ``clip_grad_norm_(max_norm)``: one all-reduce of the local sum of squares (every element is
    owned by exactly one rank, so it is counted once) gives the global norm;

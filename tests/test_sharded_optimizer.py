@@ -492,7 +492,9 @@ def _mula_config():
 def _mula_batches(world: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     vocab = _mula_config().vocab_size
-    return [torch.randint(0, vocab, (world * MULA_MICRO, MULA_SEQ + 1), generator=g) for _ in range(MULA_STEPS)]
+    return [
+        torch.randint(0, vocab, (world * MULA_MICRO, MULA_SEQ + 1), generator=g) for _ in range(MULA_STEPS)
+    ]
 
 
 def _mula_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -534,14 +536,20 @@ def _mula_worker(rank: int, world: int) -> dict:
         model = _mula_model()
         apply_expert_parallel(model, topo)
         opt = EPShardedAdamW.from_adamw(
-            torch.optim.AdamW(_mula_groups(model), lr=LR), list(model.named_parameters()), topo, bucket_numel=4096
+            torch.optim.AdamW(_mula_groups(model), lr=LR),
+            list(model.named_parameters()),
+            topo,
+            bucket_numel=4096,
         )
         for batch in _mula_batches(world):
             opt.zero_grad()
             _mula_loss(model, batch.split(MULA_MICRO)[rank]).backward()
             opt.clip_grad_norm_(0.5)
             opt.step()
-        out[ep] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "ep_rank": topo.ep_rank}
+        out[ep] = {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "ep_rank": topo.ep_rank,
+        }
         opt.close()
     return out
 
@@ -553,3 +561,33 @@ def test_tiny_mula_moe_with_expert_parallelism_matches_adamw() -> None:
         for ep, res in rank_out.items():
             err = _max_rel_error(res["params"], ref, _topo(res["ep_rank"], ep))
             assert err <= 1e-5, f"E={ep}: relative error {err:.3g}"
+
+
+def test_bf16_params_keep_fp32_master_weights() -> None:
+    """Mixed precision (one process): bf16 model parameters, fp32 master weights and moments.
+
+    The master weights follow fp32 AdamW fed the same (bf16) gradients; the model parameters are
+    their bf16 rounding after every step."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.copy_(p.float())  # same starting point, exactly representable in bf16
+    opt = EPShardedAdamW(_groups(list(model.named_parameters())), model.named_parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+                 for p in model.parameters()]  # fmt: skip
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.autograd.backward(list(model.parameters()), grads)
+        for q, g in zip(ref.parameters(), grads):
+            q.grad = g.float()
+        opt.step()
+        ref_opt.step()
+    master = torch.cat([q.detach().reshape(-1) for q in ref.parameters()])
+    ours = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, master.to(torch.bfloat16), rtol=0, atol=0)
+    assert opt.state_bytes() >= 12 * master.numel()
