@@ -151,6 +151,18 @@ class _Run:
 
 
 @dataclass
+class _Progress:
+    """The optimizer's mutable scalar state (see the note in ``EPShardedAdamW.__init__``)."""
+
+    steps_done: int = 0  # optimizer steps taken (drives clip_after_step)
+    round_open: bool = False  # gradients arrived that are not yet reduced
+    clipped: bool = False  # clip_grad_norm_ already ran for the coming step
+    sync: bool = True  # False inside no_sync()
+    last_norm: Tensor | None = None
+    last_step_ms: float = 0.0
+
+
+@dataclass
 class _Work:
     """An in-flight gradient reduction of one bucket."""
 
@@ -262,12 +274,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self._names = {id(p): e.name for e, p in zip(entries, self._params)}
         self._allocate()
         self._step_t = torch.zeros((), dtype=torch.float32, device=self.state_device)
-        self.steps_done = 0
-        self._round_open = False  # gradients arrived that are not yet reduced
-        self._clipped = False
-        self._sync = True
-        self._last_norm: Tensor | None = None
-        self._last_step_ms = 0.0
+        # Mutable scalars live in one shared object: Lightning's LightningOptimizer runs our methods
+        # with itself as ``self`` and forwards only *reads* to us, so attribute writes would split.
+        self._p = _Progress()
         self._hooks: list[Any] = []
         if self.options.overlap_grad_reduce:
             for entry, p in zip(entries, self._params):
@@ -315,6 +324,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
             **options,
         )
 
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken so far (restored from checkpoints)."""
+        return self._p.steps_done
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the flat layout is fixed once built."""
         if not getattr(self, "_initialising", False):
@@ -350,7 +364,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
         # ranks' losses, so summing over EDP covers every rank once: scale by 1/W, like dense ones.
         edp = _Domain("expert", t.edp_group, t.edp_size, t.edp_rank, 1.0 / t.world_size, edp_ranks)
         if self.options.ep_aware:
-            dense = _Domain("dense", world, t.world_size, t.rank, 1.0 / t.world_size, list(range(t.world_size)))
+            dense = _Domain(
+                "dense", world, t.world_size, t.rank, 1.0 / t.world_size, list(range(t.world_size))
+            )
         else:
             dense = _Domain(
                 "dense", t.edp_group, t.edp_size, t.edp_rank, 1.0 / t.world_size, edp_ranks,
@@ -432,7 +448,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             return
         slot = self._slots[index]
         st = self._bstate[slot.bucket]
-        syncing = self._sync or self.options.zero_stage == 2
+        syncing = self._p.sync or self.options.zero_stage == 2
         if syncing and st.launched:
             raise RuntimeError(
                 f"A gradient for {slot.entry.name} arrived after its bucket was already reduced in this round; "
@@ -441,7 +457,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             )
         self._accumulate(slot, st, p.grad)
         p.grad = None
-        self._round_open = True
+        self._p.round_open = True
         if syncing:
             st.arrived += 1
             if st.arrived == len(self.buckets[slot.bucket].slots):
@@ -477,7 +493,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             d.next_launch = 0
         for st in self._bstate:
             st.launched, st.arrived = False, 0
-        self._round_open = False
+        self._p.round_open = False
 
     def _launch_reduce(self, b: Bucket) -> None:
         """Start reducing one bucket; this rank's averaged shard lands in shard_grad when waited for.
@@ -509,13 +525,16 @@ class EPShardedAdamW(torch.optim.Optimizer):
         elif dom.rooted:  # shard i is reduced onto its owner, in place
             chunks = full.chunk(n)
             handles = [
-                dist.reduce(chunks[i], dst=dom.global_ranks[i], group=dom.group, async_op=True) for i in range(n)
+                dist.reduce(chunks[i], dst=dom.global_ranks[i], group=dom.group, async_op=True)
+                for i in range(n)
             ]
             source = mine
         else:
             shard = self.shard_grad[st.shard_offset : st.shard_offset + b.shard_numel]
             source = torch.empty_like(shard) if add else None
-            handles = [_reduce_scatter(shard if source is None else source, full, group=dom.group, async_op=True)]
+            handles = [
+                _reduce_scatter(shard if source is None else source, full, group=dom.group, async_op=True)
+            ]
         st.reduce_work.append(_Work(handles, full, source, add))
         if self.options.zero_stage == 2:
             st.grad_full = None  # ZeRO-2: the full buffer lives only while in flight
@@ -544,8 +563,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
                     slot = self._slots[entry.index]
                     self._accumulate(slot, self._bstate[slot.bucket], p.grad)
                     p.grad = None
-                    self._round_open = True
-        if self._round_open:
+                    self._p.round_open = True
+        if self._p.round_open:
             for dom in self._domains.values():
                 while dom.next_launch < len(dom.buckets):
                     self._launch_reduce(dom.buckets[dom.next_launch])
@@ -557,11 +576,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Gradient-accumulation micro-batch: ZeRO-1 only accumulates (no communication); ZeRO-2
         reduce-scatters as usual and folds the result into the shards on exit."""
-        prev, self._sync = self._sync, False
+        prev, self._p.sync = self._p.sync, False
         try:
             yield
         finally:
-            self._sync = prev
+            self._p.sync = prev
             if self.options.zero_stage == 2:
                 self.reduce_gradients()
 
@@ -577,7 +596,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self.shard_grad.zero_()
         for p in self._params:
             p.grad = None
-        self._clipped = False
+        self._p.clipped = False
 
     # ----------------------------------------------------------------------------------------
     # clipping
@@ -592,10 +611,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
             raise ValueError(f"clip_grad_norm_ supports norm_type 2 or inf, got {norm_type}.")
         self.reduce_gradients()
         norm = self._global_norm(float(norm_type))
-        if self.steps_done >= self.options.clip_after_step:
+        if self._p.steps_done >= self.options.clip_after_step:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             self.shard_grad.mul_(coef.to(self.shard_grad.dtype))
-        self._clipped = True
+        self._p.clipped = True
         return norm
 
     def _global_norm(self, norm_type: float) -> Tensor:
@@ -614,7 +633,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             dist.all_reduce(total, op=op, group=self.topology.world_group)
         norm = total if norm_type == float("inf") else total.sqrt()
-        self._last_norm = norm
+        self._p.last_norm = norm
         return norm
 
     # ----------------------------------------------------------------------------------------
@@ -630,9 +649,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         self.reduce_gradients()
-        if self.options.max_grad_norm is not None and not self._clipped:
+        if self.options.max_grad_norm is not None and not self._p.clipped:
             self.clip_grad_norm_(self.options.max_grad_norm)
-        self._step_t += 1
+        self._step_t.add_(1)
         grads = self.shard_grad
         if self.options.offload:
             grads = self.host_grad
@@ -648,9 +667,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
             self._launch_gather(b, st)
         if not self.options.overlap_param_gather:
             self.wait_for_params()
-        self.steps_done += 1
-        self._clipped = False
-        self._last_step_ms = (time.perf_counter() - t0) * 1e3
+        self._p.steps_done += 1
+        self._p.clipped = False
+        self._p.last_step_ms = (time.perf_counter() - t0) * 1e3
         return loss
 
     def _update_bucket(self, b: Bucket, st: _BucketState, grads: Tensor) -> None:
@@ -774,10 +793,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
             "optim/state_bytes": float(self.state_bytes()),
             "optim/padding_bytes": float(self.padding_bytes()),
             "optim/grad_buffer_bytes": float(self.grad_buffer_bytes()),
-            "optim/step_ms": self._last_step_ms,
+            "optim/step_ms": self._p.last_step_ms,
         }
-        if self._last_norm is not None:
-            out["optim/grad_norm"] = float(self._last_norm)
+        if self._p.last_norm is not None:
+            out["optim/grad_norm"] = float(self._p.last_norm)
         return out
 
     # ----------------------------------------------------------------------------------------
@@ -831,7 +850,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
                     mine[k] = tuple(v) if k == "betas" else v
         step = state_dict["step"]
         self._step_t.copy_(step if isinstance(step, Tensor) else torch.tensor(float(step)))
-        self.steps_done = int(self._step_t.item())
+        self._p.steps_done = int(self._step_t.item())
         for entry in self._entries:
             saved = state_dict["state"].get(entry.name)
             if saved is None:
@@ -899,7 +918,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
         """Remove the backward and forward hooks this optimizer registered."""
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        self._hooks.clear()
 
 
 # --------------------------------------------------------------------------------------------

@@ -591,3 +591,27 @@ def test_bf16_params_keep_fp32_master_weights() -> None:
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours, master.to(torch.bfloat16), rtol=0, atol=0)
     assert opt.state_bytes() >= 12 * master.numel()
+
+
+def test_state_is_shared_with_lightning_optimizer_wrapper() -> None:
+    """Lightning calls our methods on a LightningOptimizer wrapper (``self`` = the wrapper, reads
+    forwarded to us): a clip through the wrapper must count for the step on the real optimizer."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    opt = EPShardedAdamW(model.parameters(), model.named_parameters(), lr=LR, max_grad_norm=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    wrapper = LightningOptimizer(opt)
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        wrapper.zero_grad()
+        ref_opt.zero_grad()
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        wrapper.clip_grad_norm_(1e9)  # no-op clip: step() must not clip again to max_grad_norm
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-6, atol=1e-7)
+    assert opt.steps_done == 2 and wrapper.steps_done == 2
