@@ -412,7 +412,6 @@ class EPShardedAdamW(torch.optim.Optimizer):
             if opt.offload:
                 st.host_send = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin)
             self._bstate.append(st)
-        self._shard_numel = offset
         zeros = {"dtype": torch.float32, "device": self.state_device}
         self.master = torch.zeros(offset, **zeros)
         self.exp_avg = torch.zeros(offset, **zeros)
