@@ -80,25 +80,36 @@ def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton
         from mula.kernels import triton_permute
 
         return triton_permute.gather_sum(ys, plan.unsort, weight, plan.top_k)
-    n = plan.unsort.numel() // max(plan.top_k, 1)
-    gathered = ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
+    gathered = _gather_slots(ys, plan)
     if weight is None:
         return gathered.sum(1)
     return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
+
+
+def _gather_slots(ys: Tensor, plan: RoutingPlan) -> Tensor:
+    """[N, K, H]: the sorted rows of every token's K assignments, in (token, slot) order."""
+    n = plan.unsort.numel() // max(plan.top_k, 1)
+    return ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, ys: Tensor, weight: Tensor | None, plan: RoutingPlan, use_triton: bool) -> Tensor:
         ctx.plan, ctx.use_triton = plan, use_triton
-        ctx.save_for_backward(ys, weight)
-        return _gather_sum(ys.contiguous(), plan, weight, use_triton)
+        ys = ys.contiguous()
+        if use_triton or weight is None:
+            ctx.save_for_backward(ys, weight)
+            return _gather_sum(ys, plan, weight, use_triton)
+        # torch path: keep the gathered [N,K,H] rows for the weight gradient (no second gather)
+        gathered = _gather_slots(ys, plan)
+        ctx.save_for_backward(gathered, weight)
+        return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         plan: RoutingPlan = ctx.plan
-        ys, weight = ctx.saved_tensors
+        saved, weight = ctx.saved_tensors
         dy = dy.contiguous()
         need_ys, need_w = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
         d_ys = d_w = None
@@ -109,16 +120,14 @@ class _Unpermute(torch.autograd.Function):
                 scale = weight.reshape(-1)[plan.order] if weight is not None else None
                 d_ys = triton_permute.gather_rows(dy, plan.token, scale)
             if need_w:
-                d_w = triton_permute.gather_dot(dy, ys, plan.unsort, plan.top_k).view_as(weight)
+                d_w = triton_permute.gather_dot(dy, saved, plan.unsort, plan.top_k).view_as(weight)
         else:
             if need_ys:
                 d_ys = dy.index_select(0, plan.token)
                 if weight is not None:
                     d_ys.mul_(weight.reshape(-1)[plan.order].to(dy.dtype).unsqueeze(1))
             if need_w:
-                n = weight.shape[0]
-                gathered = ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
-                d_w = torch.bmm(gathered, dy.unsqueeze(2)).view(n, plan.top_k)
+                d_w = torch.linalg.vecdot(saved, dy.unsqueeze(1))
         if d_w is not None:
             d_w = d_w.to(weight.dtype)
         return d_ys, d_w, None, None

@@ -24,13 +24,19 @@ def _padded_size(size: int, dtype: torch.dtype) -> int:
     return -(-size // per) * per
 
 
+def _aligned(t: Tensor) -> bool:
+    """Unit last stride, every other stride and the base pointer on 16-byte boundaries (views are fine)."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % _ALIGN_BYTES:
+        return False
+    return all(s * size % _ALIGN_BYTES == 0 for s in t.stride()[:-1])
+
+
 def _prep(t: Tensor, pad: tuple[int, ...]) -> Tensor:
-    """Contiguous, 16-byte aligned copy of `t` (only if needed), zero-padded by `pad` (F.pad order)."""
+    """`t` itself when torch's kernel accepts it, else an aligned copy zero-padded by `pad` (F.pad order)."""
     if any(pad):
         return F.pad(t, pad)
-    if not t.is_contiguous() or t.data_ptr() % _ALIGN_BYTES:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
+    return t if _aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _offsets(counts: Tensor) -> Tensor:
