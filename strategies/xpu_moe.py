@@ -281,7 +281,10 @@ class XPUMoEStrategy(ParallelStrategy):
                 f"shard_optimizer=True replaces a torch.optim.AdamW, but configure_optimizers returned "
                 f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
             )
-        sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **self.optimizer_options)
+        options = dict(self.optimizer_options)
+        if options.get("overlap_param_gather"):
+            options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
+        sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **options)
         for config in self.lr_scheduler_configs:
             if config.scheduler.optimizer is adamw:
                 config.scheduler.optimizer = sharded
@@ -362,6 +365,9 @@ class XPUMoEStrategy(ParallelStrategy):
     # ----- checkpoints -----------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Model state with experts as global tensors (for DCP); aliases the live parameters."""
+        sharded = self._sharded_optimizer()
+        if sharded is not None:
+            sharded.wait_for_params()  # parameter all-gathers may still be in flight
         return model_state(self.lightning_module, self._mesh)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:

@@ -136,6 +136,14 @@ def _run_w4(rank: int, world: int, root: str) -> dict:
     assert float(trainer.callback_metrics["moe/a2a_bytes"]) > 0
     plain, trainer = _fit(world, XPUMoEStrategy(expert_parallel_size=2, shard_optimizer=False))
     assert isinstance(trainer.optimizers[0], torch.optim.AdamW)
+    # meta_init: built on the meta device, each rank materialises only its experts; replicas agree.
+    _, trainer = _fit(world, XPUMoEStrategy(expert_parallel_size=4, meta_init=True), max_steps=1)
+    model = trainer.lightning_module.model
+    assert model.layers[0].mlp.experts.gate_up.shape[0] == OVERRIDES["num_experts"] // 4
+    dense = model.layers[0].attn.q_proj.weight.detach().clone()
+    gathered = [torch.empty_like(dense) for _ in range(world)]
+    torch.distributed.all_gather(gathered, dense)
+    assert all(torch.equal(g, dense) for g in gathered)
     return {"sharded": sharded.losses, "plain": plain.losses, "sharded_norms": sharded.norms, "plain_norms": plain.norms}
 
 
