@@ -5,12 +5,17 @@ of fixed overhead and the calls parallelise poorly over cores, so with 64 small 
 batched call over experts padded to the largest count C is up to ~2x faster even after the
 wasted rows. The padding rows are zero, so they add nothing to any product or gradient.
 
-`plan_padding` decides per call from the real counts (free to read on CPU): the padded path is
-taken while the wasted rows cost less than the per-expert calls they save, i.e. while
-waste <= BREAK_EVEN[dtype] / (mean rows per expert * hidden * ffn), capped at MAX_WASTE. The
-constants were calibrated on a 2-core AVX-512-BF16 CPU (fp32's grouped GEMM has ~5x less fixed
-cost per call than bf16's, hence its smaller constant). Anything else (GPUs, skewed routing such
-as all tokens on one expert) keeps the grouped path, so there is no slow case.
+A second reason in 16-bit: oneDNN JIT-compiles a kernel per GEMM shape and keeps 1024 of them; a
+grouped GEMM has one shape per expert (its row count), so a model with a few MoE layers needs more
+than the cache holds and recompiles on every call (measured: a 4-layer, 64-expert model spent
+~45 ms per layer in expert GEMMs instead of ~7 ms). The padded path has a handful of shapes.
+
+`plan_padding` decides per call from the real counts (free to read on CPU). 16-bit: padded while the
+padding wastes at most MAX_WASTE_16BIT of the rows. fp32 (MKL, no per-shape JIT, ~5x less fixed
+cost per call): padded while the wasted rows cost less than the per-expert calls they save,
+waste <= BREAK_EVEN_FP32 / (mean rows per expert * hidden * ffn), calibrated on a 2-core
+AVX-512 CPU. Anything else (GPUs, skewed routing such as all tokens on one expert) keeps the
+grouped path, so there is no slow case.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MAX_WASTE = 0.6
-BREAK_EVEN = {2: 1.3e6, 4: 0.5e6}  # element size -> rows*hidden*ffn per expert at which 100% waste pays
+MAX_WASTE_16BIT = 1.0
+MAX_WASTE_FP32 = 0.6
+BREAK_EVEN_FP32 = 0.5e6  # rows*hidden*ffn per expert at which 100% padding waste pays off in fp32
 
 
 @dataclass
@@ -36,14 +42,16 @@ class PaddedLayout:
 
 def plan_padding(counts: Tensor, dtype: torch.dtype, hidden: int, ffn: int) -> PaddedLayout | None:
     """A padded layout when it pays on this CPU call, else None (use the grouped GEMM path)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if counts.device.type != "cpu" or counts.numel() == 0 or size not in BREAK_EVEN:
+    if counts.device.type != "cpu" or counts.numel() == 0 or not dtype.is_floating_point:
         return None
     host = counts.tolist()
     total, cap, num_experts = sum(host), max(host), len(host)
     if total == 0:
         return None
-    limit = min(MAX_WASTE, BREAK_EVEN[size] * num_experts / (total * hidden * ffn))
+    if torch.empty((), dtype=dtype).element_size() <= 2:
+        limit = MAX_WASTE_16BIT
+    else:
+        limit = min(MAX_WASTE_FP32, BREAK_EVEN_FP32 * num_experts / (total * hidden * ffn))
     if num_experts * cap > (1.0 + limit) * total:
         return None
     counts = counts.long()
