@@ -218,8 +218,17 @@ class XPUMoEStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None and self.topology is not None
         self.accelerator.setup(trainer)
         fix_mixed_precision_device(self.precision_plugin, self.root_device.type)
+        if self.shard_optimizer and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision='16-mixed' (loss scaling) is not supported with shard_optimizer=True; "
+                "use precision='bf16-mixed' or shard_optimizer=False."
+            )
         module = self.lightning_module
-        apply_expert_parallel(module, self.topology)
+        if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} needs an MoE model, but this model has no experts; "
+                "use expert_parallel_size=1 (or DDP) for dense models."
+            )
         self._materialize(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -229,6 +238,7 @@ class XPUMoEStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # Lightning's norm clipping sees only this rank's tensors: route it to the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.moe_metrics:
@@ -329,6 +339,16 @@ class XPUMoEStrategy(ParallelStrategy):
             assert self.topology is not None
             named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
             self.last_grad_norm = clip_grad_norm_(named, float(clip_val), self.topology)
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        """Element-wise clipping is local, but the sharded optimizer keeps gradients in its shards."""
+        if self._sharded_optimizer() is not None:
+            raise ValueError(
+                "gradient_clip_algorithm='value' is not supported with shard_optimizer=True; use 'norm' "
+                "(the global norm over all experts) or shard_optimizer=False."
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_value_(params, clip_val)
 
     def _sharded_optimizer(self) -> Any:
         if not self.shard_optimizer or not self.optimizers:
