@@ -196,7 +196,7 @@ class XPUMoEStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
+        if self.root_device.type == "cuda":  # NCCL: bind the communicator to this GPU eagerly
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.topology = build_topology(self.expert_parallel_size)
@@ -360,7 +360,11 @@ class XPUMoEStrategy(ParallelStrategy):
     # ----- collectives -----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
         """Synchronise all ranks."""
-        if _distributed_is_initialized():
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
             dist.barrier()
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
