@@ -113,7 +113,9 @@ def _hf_block(hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtyp
     from transformers import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
-    cfg = OlmoeConfig(hidden_size=hidden, intermediate_size=ffn, num_experts=experts, num_experts_per_tok=top_k)
+    cfg = OlmoeConfig(
+        hidden_size=hidden, intermediate_size=ffn, num_experts=experts, num_experts_per_tok=top_k
+    )
     block = OlmoeSparseMoeBlock(cfg)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -134,8 +136,16 @@ def _backends(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def bench_layer(
-    tokens: int, hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device,
-    rounds: int, warmup: int, max_batched_gib: float,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    max_batched_gib: float,
 ) -> list[Row]:
     """Time all layer candidates on one shape; returns rows (first the transformers ones)."""
     cfg, block = _hf_block(hidden, ffn, experts, top_k, dtype, device)
@@ -167,7 +177,9 @@ def bench_layer(
     batched_gib = tokens * top_k * 3 * hidden * ffn * torch.empty((), dtype=dtype).element_size() * 3 / 2**30
     for impl in HF_IMPLS:
         if impl == "batched_mm" and batched_gib > max_batched_gib:
-            notes[f"transformers {impl}"] = f"skipped: gathers per-token expert weights (~{batched_gib:.0f} GiB)"
+            notes[f"transformers {impl}"] = (
+                f"skipped: gathers per-token expert weights (~{batched_gib:.0f} GiB)"
+            )
             continue
         fwds[f"transformers {impl}"] = hf(impl)
     fwds["mula MoELayer (mula/moe)"] = lambda: layers["auto"](x)[0]
@@ -209,8 +221,14 @@ def bench_layer(
 
 # ----- part 2: whole model -----------------------------------------------------------------------------
 def bench_model(
-    config: MulaConfig, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-    rounds: int, warmup: int, max_batched_gib: float,
+    config: MulaConfig,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    max_batched_gib: float,
 ) -> list[Row]:
     """Whole-model fwd+bwd of the CE loss: Mula (as built, and with the fused path) vs OlmoeForCausalLM."""
     from mula.hf import to_hf
@@ -251,7 +269,9 @@ def bench_model(
     batched_gib = per_layer * torch.empty((), dtype=dtype).element_size() * 3 / 2**30
     for impl in HF_IMPLS:
         if impl == "batched_mm" and batched_gib > max_batched_gib:
-            notes[f"transformers {impl}"] = f"skipped: gathers per-token expert weights (~{batched_gib:.0f} GiB)"
+            notes[f"transformers {impl}"] = (
+                f"skipped: gathers per-token expert weights (~{batched_gib:.0f} GiB)"
+            )
             continue
         steps[f"transformers {impl}"] = hf_step(impl)
     steps["mula (mula/moe as built)"] = mula_step(model)
@@ -278,7 +298,9 @@ def _table(rows: list[Row], with_err: bool) -> str:
             lines.append(f"| {r.name} | - | - | - | {r.note} |" + (" - |" if with_err else ""))
             continue
         tflops = r.flops / (r.best_ms * 1e-3) / 1e12
-        line = f"| {r.name} | {r.best_ms:.2f} | {r.median_ms:.2f} | {tflops:.3f} | {hf_best / r.best_ms:.2f}x |"
+        line = (
+            f"| {r.name} | {r.best_ms:.2f} | {r.median_ms:.2f} | {tflops:.3f} | {hf_best / r.best_ms:.2f}x |"
+        )
         if with_err:
             line += " - |" if r.err is None else f" {r.err:.1e} |"
         lines.append(line)
@@ -332,8 +354,16 @@ def main(
         max_batched_gib: skip transformers' batched_mm when its per-token weight gather needs more.
         doc: markdown file whose "## moe_layer" section is replaced with the results.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu")
-                                  and torch.xpu.is_available() else "cpu"))
+    dev = torch.device(
+        device
+        or (
+            "cuda"
+            if torch.cuda.is_available()
+            else "xpu"
+            if hasattr(torch, "xpu") and torch.xpu.is_available()
+            else "cpu"
+        )
+    )
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}.")
     dt = getattr(torch, dtype)
@@ -342,28 +372,42 @@ def main(
     ffn = ffn or (64 if on_cpu else 1024)
     tokens = tokens or ([2048] if on_cpu else [4096, 8192, 16384])
     rounds = rounds or (15 if on_cpu else 20)
-    out = [f"{SECTION}\n", f"Command: `{' '.join(['python', *sys.argv])}`  ", f"Device: {_machine(dev)}; "
-           f"torch {torch.__version__}; dtype {dtype}; best of {rounds} interleaved rounds after {warmup} warm-up."]
+    out = [
+        f"{SECTION}\n",
+        f"Command: `{' '.join(['python', *sys.argv])}`  ",
+        (
+            f"Device: {_machine(dev)}; torch {torch.__version__}; dtype {dtype}; "
+            f"best of {rounds} interleaved rounds after {warmup} warm-up."
+        ),
+    ]
     if dev.type == "cpu":
-        out.append("No GPU was available for this run: GPU targets (1.3x grouped_mm, 70% of dense TFLOP/s) "
-                   "are unmeasured; Triton kernels were verified only through TRITON_INTERPRET=1 tests.")
+        out.append(
+            "No GPU was available for this run: GPU targets (1.3x grouped_mm, 70% of dense TFLOP/s) "
+            "are unmeasured; Triton kernels were verified only through TRITON_INTERPRET=1 tests."
+        )
     for t in tokens:
         rows = bench_layer(t, hidden, ffn, experts, top_k, dt, dev, rounds, warmup, max_batched_gib)
-        out += [f"\n### MoE layer fwd+bwd: {t} tokens, hidden {hidden}, expert FFN {ffn}, "
-                f"{experts} experts, top-{top_k}\n", _table(rows, with_err=True)]
+        title = f"\n### MoE layer fwd+bwd: {t} tokens, hidden {hidden}, expert FFN {ffn}, {experts} experts, top-{top_k}\n"
+        out += [title, _table(rows, with_err=True)]
         print("\n".join(out[-2:]), flush=True)
     if model:
         cfg = MulaConfig.from_name(
-            "mula-tiny-moe", vocab_size=1024, num_experts=experts, top_k=top_k,
-            expert_intermediate_size=ffn if on_cpu else 1024, hidden_size=hidden if on_cpu else 1024,
+            "mula-tiny-moe",
+            vocab_size=1024,
+            num_experts=experts,
+            top_k=top_k,
+            expert_intermediate_size=ffn if on_cpu else 1024,
+            hidden_size=hidden if on_cpu else 1024,
             num_heads=4 if on_cpu else 16,
         )
         batch, seq = (8, 256) if on_cpu else (8, 1024)
         rows = bench_model(cfg, batch, seq, dt, dev, max(rounds // 2, 3), warmup, max_batched_gib)
-        out += [f"\n### Whole model fwd+bwd (CE loss): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-                f"{cfg.num_experts} experts top-{cfg.top_k} FFN {cfg.expert_intermediate_size}, vocab "
-                f"{cfg.vocab_size}, batch {batch} x {seq} tokens (TFLOP/s from MulaConfig.flops_per_token)\n",
-                _table(rows, with_err=False)]
+        title = (
+            f"\n### Whole model fwd+bwd (CE loss): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.num_experts} experts top-{cfg.top_k} FFN {cfg.expert_intermediate_size}, vocab "
+            f"{cfg.vocab_size}, batch {batch} x {seq} tokens (TFLOP/s from MulaConfig.flops_per_token)\n"
+        )
+        out += [title, _table(rows, with_err=False)]
         print("\n".join(out[-2:]), flush=True)
     text = "\n".join(out) + "\n"
     if doc is not None:

@@ -39,15 +39,21 @@ def _check(x: Tensor, weights: tuple[Tensor, ...], counts: Tensor, what: str) ->
         raise ValueError(f"{what}: x must be [tokens, features], got shape {tuple(x.shape)}.")
     for w in weights:
         if w.dim() != 3:
-            raise ValueError(f"{what}: expert weights must be [experts, out, in], got shape {tuple(w.shape)}.")
+            raise ValueError(
+                f"{what}: expert weights must be [experts, out, in], got shape {tuple(w.shape)}."
+            )
         if w.shape[0] != counts.numel():
             raise ValueError(f"{what}: {w.shape[0]} experts in the weights but {counts.numel()} counts.")
         if w.device != x.device:
             raise ValueError(f"{what}: x is on {x.device} but the expert weights are on {w.device}.")
         if w.dtype != x.dtype:
-            raise ValueError(f"{what}: x is {x.dtype} but the expert weights are {w.dtype}; cast one of them.")
+            raise ValueError(
+                f"{what}: x is {x.dtype} but the expert weights are {w.dtype}; cast one of them."
+            )
     if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what}: counts must be a 1-D integer tensor, got {counts.dtype} {tuple(counts.shape)}.")
+        raise ValueError(
+            f"{what}: counts must be a 1-D integer tensor, got {counts.dtype} {tuple(counts.shape)}."
+        )
     if counts.device != x.device:
         raise ValueError(f"{what}: counts are on {counts.device} but x is on {x.device}.")
     if x.device.type == "cpu" and int(counts.sum()) != x.shape[0]:  # free on CPU; skipped on GPUs (sync)
@@ -66,7 +72,11 @@ def _autocast(x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:
 def _no_autocast(x: Tensor) -> contextlib.AbstractContextManager:
     """Run our ops with autocast off (inputs were cast already)."""
     dev = x.device.type
-    return torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else contextlib.nullcontext()
+    return (
+        torch.autocast(dev, enabled=False)
+        if torch.amp.is_autocast_available(dev)
+        else contextlib.nullcontext()
+    )
 
 
 def loop_grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:

@@ -109,7 +109,8 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         dw_ref = torch.stack([g.t() @ a for g, a in zip(dys, xs)])
         tol = 1e-4 if dtype == torch.float32 else 0.1
         return all(
-            torch.allclose(a.float(), b, atol=tol * 16, rtol=tol) for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref))
+            torch.allclose(a.float(), b, atol=tol * 16, rtol=tol)
+            for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref))
         )
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
@@ -146,5 +147,7 @@ def grouped_ops(backend: str) -> GroupedOps:
     if backend == "triton":
         from mula.kernels import triton_gmm
 
-        return GroupedOps("triton", triton_gmm.fwd, triton_gmm.wgrad, triton_gmm.swiglu_fwd, triton_gmm.swiglu_bwd)
+        return GroupedOps(
+            "triton", triton_gmm.fwd, triton_gmm.wgrad, triton_gmm.swiglu_fwd, triton_gmm.swiglu_bwd
+        )
     raise ValueError(f"Backend {backend!r} has no raw grouped ops (expected 'torch' or 'triton').")

@@ -86,8 +86,13 @@ def swiglu_forward(
 
 
 def swiglu_backward(
-    dy: Tensor, gate_up: Tensor, down: Tensor, saved: tuple[Tensor, Tensor, Tensor], layout: PaddedLayout,
-    needs: tuple[bool, bool, bool], swiglu_grad,
+    dy: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    saved: tuple[Tensor, Tensor, Tensor],
+    layout: PaddedLayout,
+    needs: tuple[bool, bool, bool],
+    swiglu_grad,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(dx, d_gate_up, d_down) for `swiglu_forward`; `swiglu_grad(da, gate, up) -> (dh, a)`."""
     xp, gate, up = saved

@@ -94,7 +94,9 @@ def _gather_slots(ys: Tensor, plan: RoutingPlan) -> Tensor:
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, ys: Tensor, weight: Tensor | None, plan: RoutingPlan, use_triton: bool) -> Tensor:
+    def forward(
+        ctx: FunctionCtx, ys: Tensor, weight: Tensor | None, plan: RoutingPlan, use_triton: bool
+    ) -> Tensor:
         ctx.plan, ctx.use_triton = plan, use_triton
         ys = ys.contiguous()
         if use_triton or weight is None:
@@ -142,10 +144,14 @@ def permute(x: Tensor, plan: RoutingPlan, backend: str = "auto") -> Tensor:
     return _Permute.apply(x, plan, _use_triton(x, backend))
 
 
-def unpermute(y_sorted: Tensor, plan: RoutingPlan, weight: Tensor | None = None, backend: str = "auto") -> Tensor:
+def unpermute(
+    y_sorted: Tensor, plan: RoutingPlan, weight: Tensor | None = None, backend: str = "auto"
+) -> Tensor:
     """y_sorted [N*K,H] -> y [N,H] = sum_k weight[n,k] * y_sorted[row of (n,k)]; weight [N,K] or None (sum)."""
     if y_sorted.dim() != 2 or y_sorted.shape[0] != plan.order.numel():
-        raise ValueError(f"unpermute expects y_sorted [{plan.order.numel()}, hidden], got {tuple(y_sorted.shape)}.")
+        raise ValueError(
+            f"unpermute expects y_sorted [{plan.order.numel()}, hidden], got {tuple(y_sorted.shape)}."
+        )
     if weight is not None and tuple(weight.shape) != (plan.order.numel() // max(plan.top_k, 1), plan.top_k):
         raise ValueError(f"unpermute weight must be [tokens, top_k], got {tuple(weight.shape)}.")
     return _Unpermute.apply(y_sorted, weight, plan, _use_triton(y_sorted, backend))

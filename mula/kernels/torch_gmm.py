@@ -46,7 +46,7 @@ def _offsets(counts: Tensor) -> Tensor:
 def fwd(x: Tensor, w: Tensor, counts: Tensor, transpose_w: bool) -> Tensor:
     """Rows of expert e times w[e].T (`transpose_w=False`, x [T,K] -> [T,N]) or times w[e] (x [T,N] -> [T,K])."""
     gmm = torch_grouped_mm_fn()
-    e, n, k = w.shape
+    n, k = w.shape[1], w.shape[2]
     if not transpose_w:
         kp = _padded_size(k, x.dtype)
         xp = _prep(x, (0, kp - k))

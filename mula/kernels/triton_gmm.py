@@ -25,6 +25,7 @@ from torch import Tensor
 MODE_PLAIN, MODE_SWIGLU_FWD, MODE_SWIGLU_BWD = 0, 1, 2
 
 
+# fmt: off
 @triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, y_ptr, h_ptr, a_ptr,
@@ -49,6 +50,7 @@ def _gemm_kernel(
     ks = tl.arange(0, BK)
     row_ok = rows < row_end
     col_ok = cols < N
+    # fmt: on
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -101,6 +103,7 @@ def _gemm_kernel(
         tl.store(a_ptrs, (silu * u).to(a_ptr.dtype.element_ty), mask=out_mask)
 
 
+# fmt: off
 @triton.jit
 def _wgrad_kernel(
     dy_ptr, x_ptr, dw_ptr, ends_ptr, counts_ptr,
@@ -109,6 +112,7 @@ def _wgrad_kernel(
     stride_we, stride_wn, stride_wk,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    # fmt: on
     expert = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -211,6 +215,7 @@ def _launch_gemm(
     grid = (tile_expert.numel(), triton.cdiv(n, bn))
     hh = h if h is not None else y
     aa = a if a is not None else y
+    # fmt: off
     _gemm_kernel[grid](
         x, w, y, hh, aa, tile_expert, tile_row, ends,
         n, k, inter,
@@ -221,6 +226,7 @@ def _launch_gemm(
         MODE=mode, PRECISION=_precision(x.dtype), DOT_F32=_dot_f32(x), BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )
+    # fmt: on
 
 
 def fwd(x: Tensor, w: Tensor, counts: Tensor, transpose_w: bool) -> Tensor:
@@ -266,6 +272,7 @@ def wgrad(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     counts64 = counts.to(torch.int64)
     ends = torch.cumsum(counts64, 0)
     grid = (num_experts, triton.cdiv(n, bn), triton.cdiv(k, bk))
+    # fmt: off
     _wgrad_kernel[grid](
         dy, x, dw, ends, counts64,
         n, k,
@@ -273,4 +280,5 @@ def wgrad(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
         dw.stride(0), dw.stride(1), dw.stride(2),
         PRECISION=_precision(x.dtype), DOT_F32=_dot_f32(x), BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )
+    # fmt: on
     return dw

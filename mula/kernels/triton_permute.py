@@ -72,7 +72,9 @@ def gather_rows(src: Tensor, idx: Tensor, scale: Tensor | None = None) -> Tensor
         return out
     bh = _block_h(h, src)
     grid = (idx.numel(), triton.cdiv(h, bh))
-    _gather_rows_kernel[grid](src, idx, scale if scale is not None else idx, out, h, HAS_SCALE=scale is not None, BH=bh)
+    _gather_rows_kernel[grid](
+        src, idx, scale if scale is not None else idx, out, h, HAS_SCALE=scale is not None, BH=bh
+    )
     return out
 
 
@@ -86,7 +88,9 @@ def gather_sum(src: Tensor, idx: Tensor, weight: Tensor | None, top_k: int) -> T
         return out.zero_()
     bh = _block_h(h, src)
     w = weight.contiguous() if weight is not None else idx
-    _gather_sum_kernel[(n, triton.cdiv(h, bh))](src, idx, w, out, h, K=top_k, HAS_WEIGHT=weight is not None, BH=bh)
+    _gather_sum_kernel[(n, triton.cdiv(h, bh))](
+        src, idx, w, out, h, K=top_k, HAS_WEIGHT=weight is not None, BH=bh
+    )
     return out
 
 

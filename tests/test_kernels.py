@@ -1,0 +1,295 @@
+"""Expert kernels against the loop reference: grouped GEMM, fused grouped SwiGLU, token permutation.
+
+Every backend's outputs and gradients (dX and dW) must match the loop reference (plain per-expert
+matmuls, gradients by autograd) on random routings and the edge cases: experts with no tokens, all
+tokens on one expert, counts that are not multiples of any block size, no tokens at all, and shapes
+whose rows are not 16-byte aligned (torch's grouped GEMM rejects those; the backend pads).
+
+Tolerances, as max |a - ref| / max |ref| per tensor, with the reference computed in fp32 from the
+same (rounded) inputs: fp32 1e-5, bf16 3e-2 (bf16 rounds inputs to 8 significant bits and our
+kernels also round the gate/up pre-activations to bf16, as the unfused computation does).
+
+Triton kernels run through Triton's interpreter on CPU: TRITON_INTERPRET=1 must be set before triton
+is imported, so `test_triton_interpreter` re-runs the `TestTritonInterpreted` class of this file in
+a subprocess with that variable; this process does not collect it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mula.kernels as mk
+from mula.kernels import padded
+from mula.kernels.backends import resolve_backend, torch_grouped_mm_supported
+
+IN_TRITON_SUBPROCESS = os.environ.get("MULA_TRITON_INTERPRET_TESTS") == "1"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+# (counts, hidden, ffn): random routing with an empty expert; all rows on one expert; counts that are
+# not multiples of 16/32/64; a single expert; no rows at all; odd widths (unaligned for torch's kernel).
+ROUTINGS = [
+    ([10, 0, 23, 7, 1], 24, 20),
+    ([0, 0, 37, 0], 16, 16),
+    ([17, 1, 33], 32, 48),
+    ([5], 8, 12),
+    ([0, 0, 0], 16, 8),
+    ([3, 9, 0, 2], 6, 10),
+]
+
+
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    return (a.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
+
+
+def _inputs(counts: list[int], hidden: int, ffn: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    e, t = len(counts), sum(counts)
+    x = torch.randn(t, hidden, generator=gen).to(dtype)
+    gate_up = (torch.randn(e, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(dtype)
+    down = (torch.randn(e, hidden, ffn, generator=gen) / ffn**0.5).to(dtype)
+    dy = torch.randn(t, hidden, generator=gen).to(dtype)
+    return x, gate_up, down, dy, torch.tensor(counts, dtype=torch.long)
+
+
+def _grads(fn, tensors: list[torch.Tensor], dy: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    y = fn(*leaves)
+    y.backward(dy.to(y.dtype))
+    return [y.detach()] + [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+
+
+def check_grouped_mm(backend: str, counts: list[int], hidden: int, ffn: int, dtype: torch.dtype) -> None:
+    """grouped_mm(x, w) and its dX, dW against the fp32 loop on the same inputs."""
+    x, w, _, _, c = _inputs(counts, hidden, ffn, dtype)
+    dy = torch.randn(x.shape[0], 2 * ffn, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = _grads(lambda a, b: mk.grouped_mm(a, b, c, backend=backend), [x, w], dy)
+    ref = _grads(lambda a, b: mk.grouped_mm(a, b, c, backend="loop"), [x.float(), w.float()], dy.float())
+    for name, a, r in zip(("y", "dx", "dw"), got, ref):
+        assert a.dtype == dtype and a.shape == r.shape
+        assert _rel_err(a, r) <= TOL[dtype], f"{backend} {dtype} {counts}: {name} off by {_rel_err(a, r):.2e}"
+
+
+def check_grouped_swiglu(backend: str, counts: list[int], hidden: int, ffn: int, dtype: torch.dtype) -> None:
+    """grouped_swiglu and its dX, d(gate_up), d(down) against the fp32 loop on the same inputs."""
+    x, gate_up, down, dy, c = _inputs(counts, hidden, ffn, dtype)
+    got = _grads(lambda a, b, d: mk.grouped_swiglu(a, b, d, c, backend=backend), [x, gate_up, down], dy)
+    ref = _grads(
+        lambda a, b, d: mk.grouped_swiglu(a, b, d, c, backend="loop"),
+        [x.float(), gate_up.float(), down.float()],
+        dy.float(),
+    )
+    for name, a, r in zip(("y", "dx", "d_gate_up", "d_down"), got, ref):
+        assert a.dtype == dtype and a.shape == r.shape
+        assert _rel_err(a, r) <= TOL[dtype], f"{backend} {dtype} {counts}: {name} off by {_rel_err(a, r):.2e}"
+
+
+def naive_moe_combine(x, topk_idx, topk_weight, f):
+    """y[n] = sum_k w[n,k] * f(x[n], e[n,k]), one (token, slot) at a time."""
+    rows = []
+    for n in range(x.shape[0]):
+        acc = torch.zeros_like(x[n])
+        for k in range(topk_idx.shape[1]):
+            acc = acc + topk_weight[n, k] * f(x[n], int(topk_idx[n, k]))
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def check_permutation(backend: str, weighted: bool) -> None:
+    """permute -> per-expert map -> unpermute equals the token-by-token reference, with gradients."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, e, h = 11, 3, 5, 20
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    idx[0] = torch.tensor([4, 2, 1])  # expert 0 and 3 may be empty for some tokens; keep order mixed
+    x0 = torch.randn(n, h, generator=gen)
+    w0 = torch.rand(n, k, generator=gen)
+    scale = torch.randn(e, h, generator=gen)
+    dy = torch.randn(n, h, generator=gen)
+
+    def mula_path(x, w):
+        plan = mk.plan_routing(idx, e)
+        xs = mk.permute(x, plan, backend=backend)
+        experts = torch.repeat_interleave(torch.arange(e), plan.counts)
+        ys = torch.tanh(xs * scale[experts])
+        return mk.unpermute(ys, plan, w if weighted else None, backend=backend)
+
+    def ref_path(x, w):
+        weights = w if weighted else torch.ones_like(w)
+        return naive_moe_combine(x, idx, weights, lambda row, ex: torch.tanh(row * scale[ex]))
+
+    got = _grads(mula_path, [x0, w0], dy)
+    ref = _grads(ref_path, [x0, w0], dy)
+    for name, a, r in zip(("y", "dx", "dw"), got, ref):
+        assert torch.allclose(a, r, atol=1e-5, rtol=1e-5), f"{backend} weighted={weighted}: {name}"
+
+
+# ----- torch backend and the loop reference -------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts,hidden,ffn", ROUTINGS)
+def test_torch_grouped_mm_matches_loop(counts, hidden, ffn, dtype):
+    check_grouped_mm("torch", counts, hidden, ffn, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["grouped", "padded"])
+@pytest.mark.parametrize("counts,hidden,ffn", ROUTINGS)
+def test_torch_grouped_swiglu_matches_loop(counts, hidden, ffn, dtype, path, monkeypatch):
+    # force each CPU strategy: per-expert grouped GEMMs, or batched GEMMs over padded experts
+    big = 1e9 if path == "padded" else -1.0
+    monkeypatch.setattr(padded, "MAX_WASTE_16BIT", big)
+    monkeypatch.setattr(padded, "MAX_WASTE_FP32", big)
+    monkeypatch.setattr(padded, "BREAK_EVEN_FP32", abs(big))
+    check_grouped_swiglu("torch", counts, hidden, ffn, dtype)
+
+
+def test_padding_plan_and_roundtrip():
+    counts = torch.tensor([2, 0, 3])
+    layout = padded.plan_padding(counts, torch.bfloat16, 8, 8)
+    assert layout is not None and layout.capacity == 3
+    assert layout.index.tolist() == [0, 1, 6, 7, 8]
+    x = torch.arange(10.0).view(5, 2)
+    xp = padded.pad(x, layout)
+    assert xp.shape == (3, 3, 2) and xp[1].abs().sum() == 0 and xp[0, 2].abs().sum() == 0
+    assert torch.equal(padded.unpad(xp, layout), x)
+    # all rows on one of 64 experts: padding would multiply the work by 64 -> grouped path
+    skewed = torch.zeros(64, dtype=torch.long)
+    skewed[5] = 1000
+    assert padded.plan_padding(skewed, torch.bfloat16, 128, 64) is None
+    assert padded.plan_padding(torch.zeros(4, dtype=torch.long), torch.float32, 8, 8) is None
+
+
+def test_expanded_gradient_and_autocast():
+    x, gate_up, down, _, c = _inputs([4, 0, 7], 16, 8, torch.float32)
+    x.requires_grad_()
+    # y.sum() gives a stride-0 gradient, which torch's grouped GEMM rejects unless made contiguous
+    mk.grouped_mm(x, gate_up, c, backend="torch").sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    gate_up.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mk.grouped_swiglu(x, gate_up, down, c)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.dtype == torch.float32
+
+
+def test_plan_routing():
+    idx = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    plan = mk.plan_routing(idx, 4)
+    assert plan.counts.tolist() == [2, 1, 3, 0]
+    assert plan.order.tolist() == [1, 4, 3, 0, 2, 5]  # stable: token order kept within an expert
+    assert plan.token.tolist() == [0, 2, 1, 0, 1, 2]
+    assert torch.equal(plan.unsort[plan.order], torch.arange(6))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_torch_permutation_matches_reference(weighted):
+    check_permutation("torch", weighted)
+
+
+def test_auto_backend_and_bad_inputs():
+    auto = resolve_backend("auto", torch.device("cpu"), torch.float32)
+    assert auto == ("torch" if torch_grouped_mm_supported("cpu", torch.float32) else "loop")
+    x, w, down, _, c = _inputs([3, 2], 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="Unknown expert backend"):
+        mk.grouped_mm(x, w, c, backend="cutlass")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            mk.grouped_mm(x, w, c, backend="triton")
+    with pytest.raises(ValueError, match="counts sum to 4 but x has 5 rows"):
+        mk.grouped_mm(x, w, torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="2 experts in the weights but 3 counts"):
+        mk.grouped_mm(x, w, torch.tensor([3, 1, 1]))
+    with pytest.raises(ValueError, match="x has 8 features"):
+        mk.grouped_mm(x, w[:, :, :4], c)
+    with pytest.raises(ValueError, match="cast one of them"):
+        mk.grouped_mm(x.bfloat16(), w, c)
+    with pytest.raises(ValueError, match="expected gate_up"):
+        mk.grouped_swiglu(x, w, down[:, :, :3], c)
+    with pytest.raises(ValueError, match="topk_idx must be"):
+        mk.plan_routing(torch.zeros(4, dtype=torch.long), 2)
+
+
+def test_moe_layer_matches_fused_path():
+    """The kernels' permute + grouped_swiglu + unpermute reproduce mula.moe.MoELayer exactly."""
+    from mula import MulaConfig
+    from mula.moe import MoELayer
+
+    cfg = MulaConfig(hidden_size=32, num_heads=4, num_experts=6, top_k=2, expert_intermediate_size=24)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    x = torch.randn(2, 9, 32)
+    y_ref, _ = layer(x)
+    route = layer.router(x.view(-1, 32))
+    plan = mk.plan_routing(route.topk_idx, 6)
+    ys = mk.grouped_swiglu(
+        mk.permute(x.view(-1, 32), plan), layer.experts.gate_up, layer.experts.down, plan.counts
+    )
+    y = mk.unpermute(ys, plan, route.topk_weight).view_as(x)
+    assert torch.allclose(y, y_ref, atol=1e-6, rtol=1e-5)
+
+
+# ----- Triton through the interpreter (CPU) --------------------------------------------------------------
+def test_triton_interpreter():
+    """Runs TestTritonInterpreted in a subprocess with TRITON_INTERPRET=1 (must precede `import triton`)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MULA_TRITON_INTERPRET_TESTS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        f"{Path(__file__)}::TestTritonInterpreted",
+    ]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+
+
+class _TritonInterpreted:
+    """Triton kernels (grouped GEMM, fused SwiGLU epilogues, permutation) on CPU tensors."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("counts,hidden,ffn", ROUTINGS[:5])
+    def test_grouped_mm(self, counts, hidden, ffn, dtype):
+        check_grouped_mm("triton", counts, hidden, ffn, dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("counts,hidden,ffn", ROUTINGS[:5])
+    def test_grouped_swiglu(self, counts, hidden, ffn, dtype):
+        check_grouped_swiglu("triton", counts, hidden, ffn, dtype)
+
+    @pytest.mark.parametrize("weighted", [True, False])
+    def test_permutation(self, weighted):
+        check_permutation("triton", weighted)
+
+    def test_tile_map(self):
+        """Device-side schedule: every row in exactly one tile of its own expert; spare tiles marked -1."""
+        from mula.kernels.triton_gmm import _tile_map
+
+        counts = torch.tensor([0, 17, 16, 0, 1, 40])
+        tile_expert, tile_row, ends = _tile_map(counts, int(counts.sum()), 16)
+        covered = []
+        for e, r in zip(tile_expert.tolist(), tile_row.tolist()):
+            if e < 0:
+                continue
+            end = int(ends[e])
+            assert int(ends[e] - counts[e]) <= r < end
+            covered += list(range(r, min(r + 16, end)))
+        assert sorted(covered) == list(range(int(counts.sum())))
+        assert (tile_expert >= 0).sum() == sum(-(-c // 16) for c in counts.tolist())
+
+
+if IN_TRITON_SUBPROCESS:  # only collected in test_triton_interpreter's subprocess
+
+    class TestTritonInterpreted(_TritonInterpreted):
+        """See _TritonInterpreted."""
