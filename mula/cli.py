@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from mula.checkpointing import auto_resume_ckpt_path
 from mula.data import MulaDataModule
 from mula.module import MulaLightningModule
 
@@ -70,14 +71,19 @@ class MulaSaveConfig(SaveConfigCallback):
     """Saves the resolved config as config.yaml in the run directory (next to metrics.csv), as
     LightningCLI does, and adds it to the files of the W&B run."""
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Resolve the run directory on every rank (`trainer.log_dir` is a collective), then save."""
+        self._log_dir = trainer.log_dir
+        super().setup(trainer, pl_module, stage)
+
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Upload (or, offline, stage for `wandb sync`) the saved config.yaml with each W&B run."""
+        """Upload (or, offline, stage for `wandb sync`) the saved config.yaml with each W&B run (rank 0 only)."""
         from lightning.pytorch.loggers import WandbLogger
 
-        path = os.path.join(trainer.log_dir, self.config_filename)
+        path = os.path.join(self._log_dir, self.config_filename)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and os.path.isfile(path):
-                logger.experiment.save(path, base_path=os.path.dirname(path), policy="now")
+                logger.experiment.save(path, base_path=self._log_dir, policy="now")
 
 
 class MulaCLI(LightningCLI):
@@ -132,8 +138,17 @@ class MulaCLI(LightningCLI):
 
     # model-vs-data checks (missing data, tokenizer vocab, seq_len) before the trainer starts any work
     def before_fit(self) -> None:
-        """Check that the data fits the model before training starts."""
+        """Check that the data fits the model, and resume the run when it has checkpoints.
+
+        Without `--ckpt_path`, a checkpoint callback that offers `resume_checkpoint_path`
+        (`callbacks.FaultTolerantCheckpoint`) names the newest valid checkpoint of the run directory,
+        so re-running the same command continues an interrupted run (docs/resilience.md).
+        """
         self.datamodule.validate_against(self.model.config)
+        if self.config_init[self.subcommand].get("ckpt_path") is None:
+            path = auto_resume_ckpt_path(self.trainer)
+            if path is not None:
+                self.trainer.ckpt_path = path
 
     def before_validate(self) -> None:
         """Check that the data fits the model before validating."""

@@ -21,9 +21,9 @@ LOGGED = ["train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss", "trai
           "moe/load_imbalance", "val/loss", "val/ppl"]  # fmt: skip
 # A smaller, faster version of the demo: fewer stdlib files, shorter sequences, fewer steps.
 FAST = [
-    "--trainer.max_steps=40", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=2",
-    "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false", "--data.seq_len=128",
-    "--data.global_batch_size=8", "--data.micro_batch_size=8", "--data.val_samples=16",
+    "--trainer.max_steps=30", "--trainer.val_check_interval=15", "--trainer.limit_val_batches=2",
+    "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false", "--data.seq_len=64",
+    "--data.global_batch_size=8", "--data.micro_batch_size=8", "--data.val_samples=16", "--model.warmup_steps=5",
     '--data.prepare.sources=[{name: stdlib, paths: ["{stdlib}/[a-h]*.py"], format: text}]',
     "--data.prepare.train_tokenizer.max_documents=200",
 ]  # fmt: skip
@@ -58,8 +58,9 @@ def test_fit_tiny_moe_end_to_end(tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
 
     config = (run / "config.yaml").read_text()  # the full resolved config of the run
-    assert "mula-tiny-moe" in config and "max_steps: 40" in config
-    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert "mula-tiny-moe" in config and "max_steps: 30" in config
+    ckpt = tmp_path / "runs" / "mula-tiny-moe" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
 
     wandb_runs = list((tmp_path / "runs" / "mula-tiny-moe" / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 1
@@ -69,11 +70,24 @@ def test_fit_tiny_moe_end_to_end(tmp_path):
     assert (wandb_runs[0] / "files" / "config.yaml").exists()
 
     # the checkpoint leaves through the same entry point
-    ckpt = run / "checkpoints" / "last.ckpt"
     main(["export-hf", "--ckpt", str(ckpt), "--output", str(tmp_path / "hf")])
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf_config["model_type"] == "olmoe" and hf_config["num_experts"] == 16
     assert torch.load(ckpt, weights_only=True)["mula_config"]["name"] == "mula-tiny-moe"
+
+
+def test_fit_ddp_two_ranks_on_cpu(tmp_path):
+    """The demo composed with recipes/strategies/ddp.yaml on 2 CPU processes (gloo): runs, logs, checkpoints."""
+    args = ["fit", "-c", str(TINY_MOE), "-c", str(ROOT / "recipes" / "strategies" / "ddp.yaml"),
+            "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.log_every_n_steps=1",
+            "--trainer.val_check_interval=2", *FAST[4:], "--data.micro_batch_size=4"]  # fmt: skip
+    proc = run_mula(args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "mula-tiny-moe"
+    rows = list(csv.DictReader(open(run / "version_0" / "metrics.csv")))
+    assert [r["step"] for r in rows if r.get("train/loss")] == ["0", "1"]
+    assert any(r.get("val/loss") for r in rows)
+    assert (run / "checkpoints" / "last.ckpt").exists()
 
 
 def expect_error(capsys, args: list[str], pattern: str) -> str:

@@ -54,7 +54,9 @@ def test_model_recipe_instantiates_without_building_the_model(recipe, tmp_path, 
     assert loggers == {"CSVLogger", "WandbLogger"}
     assert cli.trainer.log_dir.startswith(str(Path("runs", recipe.stem)))
     assert any(type(cb).__name__ == "Throughput" for cb in cli.trainer.callbacks)
-    assert any(type(cb).__name__ == "MulaSaveConfig" for cb in cli.trainer.callbacks)
+    callbacks = {type(cb).__name__ for cb in cli.trainer.callbacks}
+    assert {"MulaSaveConfig", "FaultTolerantCheckpoint", "PreemptionHandler", "AnomalyGuard"} <= callbacks
+    assert cli.trainer.default_root_dir.endswith(str(Path("runs", recipe.stem)))
     assert cli.trainer.gradient_clip_val == 1.0
 
 
