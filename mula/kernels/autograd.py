@@ -15,6 +15,10 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from mula.kernels import padded
 from mula.kernels.backends import GroupedOps
 
+# Devices whose elementwise kernels are slow on strided halves of a [T,2I] tensor (see swiglu_backward):
+# there the gate and up projections run as two GEMMs producing contiguous outputs.
+SPLIT_GATE_UP_DEVICES = ("cpu",)
+
 
 def swiglu_backward(da: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """(dh = [dgate | dup] [T,2I], a = silu(gate) * up) from the gradient da of a.
@@ -69,12 +73,16 @@ class GroupedSwiGLU(torch.autograd.Function):
         if ops.swiglu_fwd is not None:
             h, a = ops.swiglu_fwd(x, gate_up, counts)
             pre = (h,)
-        else:
+        elif x.device.type in SPLIT_GATE_UP_DEVICES:
             # Two GEMMs on the gate and up halves of the weights (views, no copy) give contiguous
-            # pre-activations; see swiglu_backward for why that matters.
+            # pre-activations; see swiglu_backward for why that matters on CPU.
             inter = gate_up.shape[1] // 2
             gate = ops.fwd(x, gate_up[:, :inter], counts, False)
             up = ops.fwd(x, gate_up[:, inter:], counts, False)
+            a = F.silu(gate).mul_(up)
+            pre = (gate, up)
+        else:  # accelerators read strided halves at full speed: one larger GEMM, fewer launches
+            gate, up = ops.fwd(x, gate_up, counts, False).chunk(2, dim=-1)
             a = F.silu(gate).mul_(up)
             pre = (gate, up)
         ctx.save_for_backward(gate_up, down, counts, x, *pre)

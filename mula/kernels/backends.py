@@ -6,10 +6,13 @@ Every backend computes the same three grouped products over rows sorted by exper
 independent check of the hand-written backward passes.
 
 `auto` chooses per device type and dtype:
-  cuda / xpu -> `triton` when Triton is importable (on XPU: when Triton has its XPU backend),
-                else `torch` when its probe passes, else `loop`;
-  cpu and others -> `torch` when `torch._grouped_mm` passes a one-off probe for that device
-                and dtype (fwd + both backward products against the loop), else `loop`.
+  cuda  -> `torch` when torch's grouped GEMM passes its probe for the dtype (CUTLASS kernels tuned by
+           NVIDIA, e.g. bf16 on sm80+), else `triton`, else `loop`;
+  xpu   -> `triton` when Triton has its Intel XPU backend, else `torch` if its probe passes, else `loop`;
+  cpu and others -> `torch` when `torch._grouped_mm` passes a one-off probe for that device and dtype
+           (fwd + both backward products against a reference), else `loop`.
+These are untimed defaults for GPUs (no GPU was available when they were written); `backend=` in
+the recipe (MulaConfig.expert_backend) overrides them.
 """
 
 from __future__ import annotations
@@ -120,10 +123,12 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     """Turn `auto` into a concrete backend for this device and dtype; check explicit names are usable."""
     check_backend_name(backend)
     if backend == "auto":
-        if device.type in ("cuda", "xpu") and triton_available(device):
+        if device.type == "xpu" and triton_available(device):
             return "triton"
         if torch_grouped_mm_supported(device.type, dtype):
             return "torch"
+        if device.type == "cuda" and triton_available(device):
+            return "triton"
         return "loop"
     if backend == "triton" and not triton_available(device):
         raise ValueError(
