@@ -357,3 +357,96 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real pipeline: `mula fit -c recipes/mula-tiny-moe.yaml`, auto-resume through the CLI.
+
+TINY_MOE = REPO / "recipes" / "mula-tiny-moe.yaml"
+TINY_STEPS = 6
+FAST = [  # a faster demo: fewer stdlib files, short sequences; 2 micro-batches per step (accumulation)
+    "--data.seq_len=64",
+    "--data.global_batch_size=4",
+    "--data.micro_batch_size=2",
+    "--data.val_samples=8",
+    '--data.prepare.sources=[{name: stdlib, paths: ["{stdlib}/[a-c]*.py"], format: text}]',
+    "--data.prepare.train_tokenizer.max_documents=100",
+]
+
+
+def _tiny_moe_command(workdir: Path, run: str, injector: dict | None = None) -> list[str]:
+    run_dir = workdir / run
+    callbacks = [
+        {"class_path": "callbacks.PreemptionHandler"},
+        {"class_path": "callbacks.AnomalyGuard"},
+        {"class_path": "callbacks.HangWatchdog", "init_args": {"timeout_s": 300}},
+        {
+            "class_path": "callbacks.FaultTolerantCheckpoint",
+            "init_args": {"every_n_steps": 2, "keep_last": 3},
+        },
+        {"class_path": "ft_app.StepRecorder"},
+    ]
+    if injector:
+        callbacks.append(
+            {"class_path": "ft_app.FaultInjector", "init_args": {"module_path": "model.lm_head", **injector}}
+        )
+    trainer = {
+        "default_root_dir": str(run_dir),
+        "max_steps": TINY_STEPS,
+        "limit_val_batches": 0,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir)},
+        },
+        "callbacks": callbacks,
+    }
+    config = workdir / f"{run}.yaml"
+    config.write_text(json.dumps({"trainer": trainer}))
+    return [sys.executable, "-m", "mula.cli", "fit", "-c", str(TINY_MOE), "-c", str(config), *FAST]
+
+
+def _mula(command: list[str], workdir: Path) -> subprocess.Popen:
+    env = {**_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    log_path = workdir / f"mula.{time.monotonic_ns()}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
+
+
+def test_tiny_moe_mula_fit_killed_and_rerun_resumes_exactly(tmp_path):
+    """SIGKILL `mula fit` of the tiny-MoE recipe after a checkpoint; the same command resumes exactly,
+    also when the newest checkpoint is corrupted. (Data and tokenizer are prepared once, by the first run.)"""
+    rc, log = _finish(_mula(_tiny_moe_command(tmp_path, "reference"), tmp_path), timeout=420)
+    assert rc == 0, log[-3000:]
+    reference = _rows(tmp_path / "reference")
+    assert [r["step"] for r in reference] == list(range(1, TINY_STEPS + 1))
+
+    command = _tiny_moe_command(tmp_path, "run", injector={"step_sleep_s": 0.2})
+    proc = _mula(command, tmp_path)
+    _wait_for_step(tmp_path / "run", 5, proc, timeout=300)  # checkpoints at steps 2 and 4 exist
+    proc.send_signal(signal.SIGKILL)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    checkpoints = tmp_path / "run" / "checkpoints"
+    valid = [e for e in list_checkpoints(checkpoints) if verify_checkpoint(e.path) is None]
+    newest, previous = valid[0], valid[1]
+    shutil.copytree(tmp_path / "run", tmp_path / "twin")
+
+    rc, log = _finish(_mula(command, tmp_path), timeout=420)
+    assert rc == 0, log[-3000:]
+    assert f"Auto-resuming from {newest.path}" in " ".join(log.split())
+    resumed = _runs(tmp_path / "run")[-1]
+    assert resumed[0]["step"] == newest.step + 1 and resumed[-1]["step"] == TINY_STEPS
+    _assert_same_as(resumed, reference)
+
+    _flip_byte(tmp_path / "twin" / "checkpoints" / newest.path.name)
+    rc, log = _finish(
+        _mula(_tiny_moe_command(tmp_path, "twin", injector={"step_sleep_s": 0.2}), tmp_path), timeout=420
+    )
+    assert rc == 0, log[-3000:]
+    assert "corrupted" in log
+    resumed = _runs(tmp_path / "twin")[-1]
+    assert resumed[0]["step"] == previous.step + 1 and resumed[-1]["step"] == TINY_STEPS
+    _assert_same_as(resumed, reference)
