@@ -97,13 +97,17 @@ class Throughput(L.Callback):
         self._tokens.clear()
         self._flops.clear()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int
+    ) -> None:
         """Start the clock before the first batch (later batches are timed end to end)."""
         if not self._times:
             _synchronize(pl_module.device)
             self._times.append(time.perf_counter())
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         """Log tokens/s and MFU over the window ending with this batch."""
         _synchronize(pl_module.device)
         self._times.append(time.perf_counter())

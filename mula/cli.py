@@ -58,7 +58,12 @@ def _tools() -> dict[str, Callable[..., Any]]:
     from mula.data.prepare import prepare
     from mula.data.tokenizer import train_tokenizer
 
-    return {"prepare": prepare, "train-tokenizer": train_tokenizer, "import-hf": import_hf, "export-hf": export_hf}
+    return {
+        "prepare": prepare,
+        "train-tokenizer": train_tokenizer,
+        "import-hf": import_hf,
+        "export-hf": export_hf,
+    }
 
 
 def _summary(fn: Callable[..., Any]) -> str:

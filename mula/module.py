@@ -47,7 +47,9 @@ def _lr_factor(step: int, **kwargs: Any) -> float:
     return warmup_cosine(step, **kwargs) / kwargs["lr"]
 
 
-def resolve_config(config: str | MulaConfig | dict[str, Any], overrides: dict[str, Any] | None = None) -> MulaConfig:
+def resolve_config(
+    config: str | MulaConfig | dict[str, Any], overrides: dict[str, Any] | None = None
+) -> MulaConfig:
     """A `MulaConfig` from a preset name, a config or a dict of its fields, with `overrides` applied."""
     overrides = dict(overrides or {})
     if isinstance(config, str):
@@ -55,7 +57,7 @@ def resolve_config(config: str | MulaConfig | dict[str, Any], overrides: dict[st
     if isinstance(config, dict):
         config = MulaConfig.from_dict(config)
     if not isinstance(config, MulaConfig):
-        raise ValueError(f"model config must be a preset name or a MulaConfig, got {type(config).__name__}.")
+        raise TypeError(f"model config must be a preset name or a MulaConfig, got {type(config).__name__}.")
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(MulaConfig)})
     if unknown:
         raise ValueError(f"Unknown MulaConfig field(s) {unknown} in overrides.")
@@ -129,8 +131,12 @@ class MulaLightningModule(L.LightningModule):
         from mula.weights import load_weights  # imported lazily: only needed with init_weights
 
         source = load_weights(path)
-        ours = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("name", "expert_backend")}
-        theirs = {k: v for k, v in dataclasses.asdict(source.config).items() if k not in ("name", "expert_backend")}
+        ours = {
+            k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("name", "expert_backend")
+        }
+        theirs = {
+            k: v for k, v in dataclasses.asdict(source.config).items() if k not in ("name", "expert_backend")
+        }
         diff = sorted(k for k in ours if ours[k] != theirs.get(k))
         if diff:
             details = ", ".join(f"{k}: {theirs.get(k)} vs {ours[k]}" for k in diff)
@@ -146,13 +152,17 @@ class MulaLightningModule(L.LightningModule):
     def _losses(self, batch: Tensor) -> tuple[Tensor, Tensor, Any]:
         """(total loss, cross-entropy, model output) for a batch of token ids [B, T + 1]."""
         if batch.dim() != 2 or batch.shape[1] < 2:
-            raise ValueError(f"expected a batch of token ids [batch, seq_len + 1], got shape {tuple(batch.shape)}.")
+            raise ValueError(
+                f"expected a batch of token ids [batch, seq_len + 1], got shape {tuple(batch.shape)}."
+            )
         inputs, targets = batch[:, :-1], batch[:, 1:]
         self._batch_shape = (inputs.shape[0], inputs.shape[1])
         out = self.model(inputs)
         # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
-        loss = ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+        loss = (
+            ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+        )
         return loss, ce, out
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -225,7 +235,11 @@ class MulaLightningModule(L.LightningModule):
         # a partial of a module-level function: LambdaLR checkpoints no state for it, so a resumed run
         # follows the schedule of its (possibly edited) recipe
         factor = functools.partial(
-            _lr_factor, lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps, decay_steps=self._decay_steps()
+            _lr_factor,
+            lr=self.lr,
+            min_lr=self.min_lr,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self._decay_steps(),
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

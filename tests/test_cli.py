@@ -39,7 +39,14 @@ def _cli_env(monkeypatch):
 def run_mula(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("MULA_TRACEBACK", None)
-    return subprocess.run(MULA + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        MULA + args, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
 
 
 def test_fit_tiny_moe_end_to_end(tmp_path):
@@ -50,7 +57,7 @@ def test_fit_tiny_moe_end_to_end(tmp_path):
     assert (tmp_path / "data" / "stdlib" / "summary.json").is_file()
 
     run = tmp_path / "runs" / "mula-tiny-moe" / "version_0"
-    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    rows = read_metrics(run / "metrics.csv")
     logged = {k for r in rows for k, v in r.items() if v}
     assert set(LOGGED) <= logged
     losses = [float(r["train/ce_loss"]) for r in rows if r.get("train/ce_loss")]
@@ -84,7 +91,7 @@ def test_fit_ddp_two_ranks_on_cpu(tmp_path):
     proc = run_mula(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "mula-tiny-moe"
-    rows = list(csv.DictReader(open(run / "version_0" / "metrics.csv")))
+    rows = read_metrics(run / "version_0" / "metrics.csv")
     assert [r["step"] for r in rows if r.get("train/loss")] == ["0", "1"]
     assert any(r.get("val/loss") for r in rows)
     assert (run / "checkpoints" / "last.ckpt").exists()
@@ -110,7 +117,9 @@ def sandbox(tmp_path, monkeypatch):
 
 
 def test_unknown_preset(capsys, sandbox):
-    expect_error(capsys, ["fit", "-c", str(TINY_MOE), "--model.config=mula-3b"], r"Unknown Mula preset 'mula-3b'")
+    expect_error(
+        capsys, ["fit", "-c", str(TINY_MOE), "--model.config=mula-3b"], r"Unknown Mula preset 'mula-3b'"
+    )
 
 
 def test_missing_data_dir(capsys, sandbox):
@@ -129,7 +138,9 @@ def test_tokenizer_larger_than_model_vocab(capsys, sandbox):
 
 def test_seq_len_beyond_model_positions(capsys, sandbox):
     expect_error(
-        capsys, ["fit", "-c", str(TINY_MOE), "--data.seq_len=4096"], r"seq_len 4096 exceeds .*max_position_embeddings 1024"
+        capsys,
+        ["fit", "-c", str(TINY_MOE), "--data.seq_len=4096"],
+        r"seq_len 4096 exceeds .*max_position_embeddings 1024",
     )
 
 
@@ -137,22 +148,33 @@ def test_export_hf_rejects_a_file_that_is_not_a_checkpoint(capsys, sandbox):
     bad = sandbox / "notes.ckpt"
     bad.write_text("not a checkpoint")
     expect_error(capsys, ["export-hf", "--ckpt", str(bad), "--output", "hf"], r"is not a Mula checkpoint")
-    expect_error(capsys, ["export-hf", "--ckpt", "missing.ckpt", "--output", "hf"], r"missing.ckpt does not exist")
+    expect_error(
+        capsys, ["export-hf", "--ckpt", "missing.ckpt", "--output", "hf"], r"missing.ckpt does not exist"
+    )
     assert not (sandbox / "hf").exists()
 
 
 def test_import_hf_rejects_an_unsupported_architecture(capsys, sandbox):
     hf_dir = sandbox / "llama"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    expect_error(capsys, ["import-hf", "--hf_dir", str(hf_dir), "--output", "w.pt"], r"Unsupported .*LlamaForCausalLM")
+    (hf_dir / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    expect_error(
+        capsys, ["import-hf", "--hf_dir", str(hf_dir), "--output", "w.pt"], r"Unsupported .*LlamaForCausalLM"
+    )
     assert not (sandbox / "w.pt").exists()
 
 
 def test_prepare_missing_inputs(capsys, sandbox):
     expect_error(
         capsys,
-        ["prepare", "--sources=[{name: web, paths: [nowhere/*.jsonl]}]", "--tokenizer_path=t.json", "--output_dir=out"],
+        [
+            "prepare",
+            "--sources=[{name: web, paths: [nowhere/*.jsonl]}]",
+            "--tokenizer_path=t.json",
+            "--output_dir=out",
+        ],
         r"does not exist|no files match",
     )
 
@@ -175,7 +197,15 @@ def test_tools_share_the_entry_point_help(capsys):
 
 def test_train_tokenizer_subcommand(sandbox):
     (sandbox / "a.txt").write_text("def hello():\n    return 'world'\n" * 50)
-    main(["train-tokenizer", "--inputs=[a.txt]", "--output_path=tok.json", "--vocab_size=300", "--show_progress=false"])
+    main(
+        [
+            "train-tokenizer",
+            "--inputs=[a.txt]",
+            "--output_path=tok.json",
+            "--vocab_size=300",
+            "--show_progress=false",
+        ]
+    )
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file("tok.json").get_vocab_size() <= 300

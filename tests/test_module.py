@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import math
 
@@ -51,7 +52,7 @@ def test_config_object_and_overrides_resolve():
 def test_loss_is_ce_plus_weighted_router_losses():
     module = tiny_module(overrides={"router_aux_loss_coef": 0.5, "router_z_loss_coef": 0.25})
     batch = random_batch()
-    loss, ce, out = module._losses(batch)
+    loss, ce, _ = module._losses(batch)
     ref = module.model(batch[:, :-1])
     ref_ce = F.cross_entropy(ref.logits.reshape(-1, 64), batch[:, 1:].reshape(-1))
     torch.testing.assert_close(ce, ref_ce)
@@ -68,7 +69,7 @@ def test_flops_per_batch_from_config():
 
 
 def test_warmup_cosine_schedule_values():
-    kw = dict(lr=4e-4, min_lr=4e-5, warmup_steps=100, decay_steps=1100)
+    kw = {"lr": 4e-4, "min_lr": 4e-5, "warmup_steps": 100, "decay_steps": 1100}
     assert warmup_cosine(0, **kw) == pytest.approx(4e-5)  # linear from the minimum
     assert warmup_cosine(50, **kw) == pytest.approx(4e-5 + 0.5 * 3.6e-4)
     assert warmup_cosine(100, **kw) == pytest.approx(4e-4)
@@ -123,7 +124,9 @@ def test_init_weights_loads_and_checks_architecture(tmp_path):
     module = tiny_module(init_weights=str(tmp_path / "w.pt"))
     for (name, p), q in zip(module.model.state_dict().items(), source.state_dict().values()):
         torch.testing.assert_close(p, q, msg=name)
-    wrong = MulaLightningModule("mula-tiny-moe", overrides={**TINY, "num_layers": 3}, init_weights=str(tmp_path / "w.pt"))
+    wrong = MulaLightningModule(
+        "mula-tiny-moe", overrides={**TINY, "num_layers": 3}, init_weights=str(tmp_path / "w.pt")
+    )
     with pytest.raises(ValueError, match="different architecture .*num_layers: 2 vs 3"):
         wrong.configure_model()
 
@@ -131,7 +134,9 @@ def test_init_weights_loads_and_checks_architecture(tmp_path):
 def test_fit_logs_metrics_checkpoint_has_config_and_loss_falls(tmp_path):
     """A few steps on one repeated batch through the real Trainer: metrics, checkpoint, falling loss."""
     data = random_batch(b=4, t=16).repeat(8, 1)
-    loader = DataLoader(TensorDataset(data), batch_size=4, collate_fn=lambda rows: torch.stack([r[0] for r in rows]))
+    loader = DataLoader(
+        TensorDataset(data), batch_size=4, collate_fn=lambda rows: torch.stack([r[0] for r in rows])
+    )
     module = MulaLightningModule("mula-tiny-moe", overrides=TINY, lr=1e-2, min_lr=1e-3, warmup_steps=2)
     trainer = L.Trainer(
         max_steps=16, accelerator="cpu", logger=CSVLogger(tmp_path, name="run"), callbacks=[Throughput(window=4)],
@@ -140,9 +145,8 @@ def test_fit_logs_metrics_checkpoint_has_config_and_loss_falls(tmp_path):
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
     metrics = trainer.logger.log_dir + "/metrics.csv"
-    import csv
-
-    rows = list(csv.DictReader(open(metrics)))
+    with open(metrics) as fh:
+        rows = list(csv.DictReader(fh))
     keys = {k for r in rows for k, v in r.items() if v}
     assert {"train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss", "train/lr", "moe/load_imbalance",
             "train/tokens_per_sec", "val/loss", "val/ppl"} <= keys  # fmt: skip

@@ -66,7 +66,14 @@ def test_paper_recipes_use_the_paper_hyperparameters(name, tmp_path, monkeypatch
     cli = probe(RECIPES / f"{name}.yaml")
     m, d, t = cli.model, cli.datamodule, cli.trainer
     assert (d.seq_len, d.global_batch_size) == (2048, 3072)
-    assert (m.lr, m.min_lr, m.warmup_steps, m.weight_decay, m.betas, m.eps) == (4e-4, 4e-5, 2500, 0.1, (0.9, 0.95), 1e-8)
+    assert (m.lr, m.min_lr, m.warmup_steps, m.weight_decay, m.betas, m.eps) == (
+        4e-4,
+        4e-5,
+        2500,
+        0.1,
+        (0.9, 0.95),
+        1e-8,
+    )
     assert m.config.router_aux_loss_coef == 0.01
     assert t.precision == "bf16-mixed"
     assert d.data_dir.endswith("data/olmoe-mix-0924")
@@ -103,7 +110,15 @@ def test_dataset_yaml_validates_against_mula_prepare(capsys):
 def test_print_config_round_trips(capsys, tmp_path):
     """`--print_config` output is itself a valid recipe that resolves to the same settings."""
     with pytest.raises(SystemExit):
-        main(["fit", "-c", str(RECIPES / "mula-tiny-moe.yaml"), "--model.overrides.num_layers=2", "--print_config"])
+        main(
+            [
+                "fit",
+                "-c",
+                str(RECIPES / "mula-tiny-moe.yaml"),
+                "--model.overrides.num_layers=2",
+                "--print_config",
+            ]
+        )
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(capsys.readouterr().out)
     cli = probe(dumped)
