@@ -4,9 +4,10 @@
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
 
 Every subcommand is parsed by the same jsonargparse parser (so `-c file.yaml`, `--print_config` and
-`--help` work alike everywhere). A `ValueError` or `FileNotFoundError` raised by Mula (bad preset,
-missing data, tokenizer larger than the model, ...) is printed as one line `mula: error: ...` with
-exit status 2; set `MULA_TRACEBACK=1` to see the traceback instead.
+`--help` work alike everywhere). A `ValueError` or `FileNotFoundError` raised by Mula before training
+starts (bad preset, missing data, tokenizer larger than the model, ...) is printed as one line
+`mula: error: ...` with exit status 2; set `MULA_TRACEBACK=1` to see the traceback instead. The same
+errors after the first training step are crashes: traceback and exit status 1.
 """
 
 from __future__ import annotations
@@ -135,7 +136,14 @@ class MulaCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         """Run a tool with its parsed arguments, or a trainer subcommand as LightningCLI does."""
         if not self._is_tool():
-            super()._run_subcommand(subcommand)
+            try:
+                super()._run_subcommand(subcommand)
+            except (ValueError, FileNotFoundError) as e:
+                # bad input is caught before the first step; an error after it is a crash (exit 1,
+                # with traceback, which scripts/mula-resilient restarts), not a configuration problem
+                if self.trainer is not None and self.trainer.global_step > 0:
+                    raise RuntimeError(f"training failed at step {self.trainer.global_step}: {e}") from e
+                raise
             return
         args = self.config[subcommand].as_dict()
         args.pop("config", None)  # the -c option itself

@@ -209,3 +209,19 @@ def test_train_tokenizer_subcommand(sandbox):
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file("tok.json").get_vocab_size() <= 300
+
+
+def test_error_after_training_started_is_a_crash_not_bad_input(sandbox, monkeypatch):
+    """A ValueError after the first step must not look like bad input (exit 2 is never restarted)."""
+    from mula.module import MulaLightningModule
+
+    original = MulaLightningModule.training_step
+
+    def failing_step(self, batch, batch_idx):
+        if self.global_step >= 1:
+            raise ValueError("corrupt batch")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(MulaLightningModule, "training_step", failing_step)
+    with pytest.raises(RuntimeError, match="training failed at step 1: corrupt batch"):
+        main(["fit", "-c", str(TINY_MOE), *FAST, "--trainer.max_steps=3", "--trainer.logger=false"])
