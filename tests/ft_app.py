@@ -209,6 +209,7 @@ class FaultInjector(pl.Callback):
         slow_s: float = 0.0,
         step_sleep_s: float = 0.0,
         module_path: str = "lm_head",
+        sanity_sleep_s: float = 0.0,
     ) -> None:
         self.nan_steps = set(nan_steps or [])
         self.spike_steps = set(spike_steps or [])
@@ -218,6 +219,15 @@ class FaultInjector(pl.Callback):
         self.slow_rank, self.slow_s = slow_rank, slow_s
         self.step_sleep_s = step_sleep_s
         self.module_path = module_path
+        self.sanity_sleep_s = sanity_sleep_s
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sanity_sleep_s:
+            Path(trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
+            (Path(trainer.default_root_dir) / f"sanity-rank{trainer.global_rank}").write_text(
+                str(os.getpid())
+            )
+            time.sleep(self.sanity_sleep_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = pl_module.get_submodule(self.module_path)

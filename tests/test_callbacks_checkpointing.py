@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import subprocess
@@ -155,6 +156,26 @@ def test_robust_zscore():
     assert abs(robust_zscore(3.0, history)) < 1
     assert robust_zscore(6.0, history) > 20
     assert robust_zscore(3.0 * 1.0005, [3.0] * 10) < 1  # flat history: the floor keeps tiny noise small
+
+
+def test_preemption_handler_records_configured_signals_and_restores_previous_handlers():
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    handler = PreemptionHandler(signals=["USR1", "SIGTERM"])
+    trainer = SimpleNamespace(
+        _accelerator_connector=SimpleNamespace(cluster_environment=LightningEnvironment())
+    )
+    before = signal.getsignal(signal.SIGUSR1)
+    handler._install(trainer)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal; the handler only records it
+        time.sleep(0.01)
+        assert handler.received == signal.SIGUSR1
+    finally:
+        handler._uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
 
 
 @pytest.mark.parametrize(
