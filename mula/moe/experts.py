@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mula.kernels import grouped_mm
+from mula.kernels import grouped_swiglu
 
 
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs stored stacked: gate_up [E, 2I, H] (gate rows, then up), down [E, H, I].
 
     The expert-parallel strategy keeps a slice of the stacks on each rank (names contain ".experts.").
-    The compute is two `mula.kernels.grouped_mm` calls, so faster kernels swap in behind `backend`.
+    The compute is one `mula.kernels.grouped_swiglu` call (grouped GEMMs with the SwiGLU fused where the
+    backend can), so faster kernels swap in behind `backend`.
     """
 
     def __init__(
@@ -34,9 +34,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x_sorted [M,H] grouped by expert, tokens_per_expert [E] long -> [M,H]."""
-        h = grouped_mm(x_sorted, self.gate_up, tokens_per_expert, self.backend)
-        gate, up = h.split(self.intermediate_size, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down, tokens_per_expert, self.backend)
+        return grouped_swiglu(x_sorted, self.gate_up, self.down, tokens_per_expert, self.backend)
 
     def extra_repr(self) -> str:
         e, i2, h = self.gate_up.shape
