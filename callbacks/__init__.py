@@ -3,14 +3,18 @@
 Fault tolerance (see docs/resilience.md): ``FaultTolerantCheckpoint`` (crash-safe checkpoints,
 auto-resume, RNG states), ``PreemptionHandler`` (signals -> checkpoint -> exit 75),
 ``AnomalyGuard`` (skip non-finite/spiking steps, roll back), ``HangWatchdog`` (stacks + exit 124),
-``StragglerDetector`` (slowest/median step-time ratio). Recipes enable them by ``class_path``.
+``StragglerDetector`` (slowest/median step-time ratio).
+Observation: ``Throughput`` (tokens/s, MFU), ``MoEMetrics`` (all-to-all bytes, global expert load).
+Recipes enable them by ``class_path``.
 """
 
 from callbacks.anomaly import AnomalyGuard
 from callbacks.checkpointing import FaultTolerantCheckpoint
 from callbacks.exit_codes import ExitCode
+from callbacks.moe_metrics import MoEMetrics
 from callbacks.preemption import PreemptionHandler
 from callbacks.stragglers import StragglerDetector
+from callbacks.throughput import Throughput
 from callbacks.watchdog import HangWatchdog
 
 __all__ = [
@@ -18,6 +22,8 @@ __all__ = [
     "ExitCode",
     "FaultTolerantCheckpoint",
     "HangWatchdog",
+    "MoEMetrics",
     "PreemptionHandler",
     "StragglerDetector",
+    "Throughput",
 ]
