@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
 
 from mula import Mula, MulaConfig
 from strategies.all_to_all import AllToAllDispatcher
@@ -174,19 +175,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def update_doc(doc: Path, section: str) -> None:
-    """Replace (or append) the '## expert_parallel' section of the doc, leaving the rest alone."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        tail = text[end + 1 :] if end >= 0 else ""
-        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
-    doc.write_text(text)
-
-
 def main(
     world: int = 4,
     ep_sizes: list[int] = [1, 2, 4],  # noqa: B006 (jsonargparse reads the default from the signature)
@@ -232,7 +220,7 @@ def main(
     result = header + "\n\n" + table(rows)
     print(result)
     if doc is not None:
-        update_doc(Path(doc), _doc_section(result, world))
+        write_section(Path(doc), SECTION, _doc_section(result, world))
     return result
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
 from torch import Tensor
 
 import mula.kernels as mk
@@ -348,17 +349,6 @@ def _machine(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads"
 
 
-def _write_doc(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[end + 1 :] if end >= 0 else "")
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main(
     small: bool = False,
     device: str | None = None,
@@ -458,7 +448,7 @@ def main(
     print("\n".join(summary), flush=True)
     text = "\n".join(out) + "\n"
     if doc is not None:
-        _write_doc(Path(doc), text)
+        write_section(Path(doc), SECTION, text)
     return text
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
 
 from mula import Mula, MulaConfig
 from strategies.sharded_optimizer import EPShardedAdamW, is_expert_param
@@ -273,19 +274,6 @@ def summary(rows: list[dict[str, Any]], p_dense: int, p_expert: int, w: int = 4,
     )
 
 
-def update_doc(doc: Path, section: str) -> None:
-    """Replace (or append) the '## optimizer' section of docs/benchmarks.md, leaving the rest alone."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        tail = text[end + 1 :] if end >= 0 else ""
-        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
-    doc.write_text(text)
-
-
 def main(
     worlds: list[int] = [2, 4],  # noqa: B006 (jsonargparse reads the default from the signature)
     iters: int = 10,
@@ -328,7 +316,7 @@ def main(
     result = header + "\n\n" + table(rows, p_dense, p_expert) + summary(rows, p_dense, p_expert)
     print(result)
     if doc is not None:
-        update_doc(Path(doc), _doc_section(result, worlds, iters))
+        write_section(Path(doc), SECTION, _doc_section(result, worlds, iters))
     return result
 
 
