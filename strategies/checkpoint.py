@@ -26,17 +26,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from mula.weights import SHARDED_META_FILE as METADATA_FILENAME
+from mula.weights import is_sharded_checkpoint, read_sharded_checkpoint
 from strategies.grad_sync import is_expert_param
 from strategies.topology import ExpertParallelTopology
 
-METADATA_FILENAME = "meta.pt"  # the name Lightning's own sharded checkpoints use
 MODEL_KEY = "state_dict"
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """True for a directory written by `save_sharded` (DCP metadata + Lightning meta file)."""
-    path = Path(path)
-    return path.is_dir() and (path / ".metadata").is_file() and (path / METADATA_FILENAME).is_file()
 
 
 def expert_mesh(topology: ExpertParallelTopology, device_type: str) -> Any:
@@ -216,24 +211,16 @@ def rescale_loop_progress(meta: dict[str, Any], accumulate_grad_batches: int) ->
 def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
     """Write the model weights of a sharded checkpoint as one Lightning-style `.ckpt` file (one process).
 
-    The result has the full stacked experts and the `mula_config` entry, so `mula.weights.load_weights`
-    and `mula export-hf` read it. Optimizer state is left out.
+    The result has the full stacked experts and the `mula_config` entry. `mula export-hf` and
+    `mula.weights.load_weights` also read the sharded directory directly; this is for tools that
+    want a single file. Optimizer state is left out.
     """
     path, output = Path(path), Path(output)
     if not is_sharded_checkpoint(path):
         raise ValueError(f"{path} is not a sharded XPUMoEStrategy checkpoint directory.")
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    prefix = MODEL_KEY + "."
-    weights = {
-        key[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(md, "size")
-    }
-    dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
-    meta = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=True)
-    keep = {k: v for k, v in meta.items() if k not in ("optimizer_states", "lr_schedulers", "loops", "callbacks")}
+    checkpoint = read_sharded_checkpoint(path)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
-    torch.save({**keep, MODEL_KEY: weights}, tmp)
+    torch.save(checkpoint, tmp)
     tmp.replace(output)
     return output

@@ -176,9 +176,19 @@ def test_strategy_matches_single_process_and_reshards_checkpoints() -> None:
         # The sharded directory consolidates into one file that mula's weights reader accepts.
         from mula.weights import load_weights
 
-        single = consolidate_checkpoint(f"{root}/w4e4/epoch=0-step=2.ckpt", Path(root) / "full.ckpt")
+        sharded = f"{root}/w4e4/epoch=0-step=2.ckpt"
+        single = consolidate_checkpoint(sharded, Path(root) / "full.ckpt")
         model = load_weights(single)
         assert model.layers[0].mlp.experts.gate_up.shape[0] == OVERRIDES["num_experts"]
+        # ... and mula reads (and exports) the sharded directory itself, with the same weights.
+        from mula.hf import export_hf
+
+        direct = load_weights(sharded).state_dict()
+        assert direct.keys() == model.state_dict().keys()
+        for key, value in model.state_dict().items():
+            assert torch.equal(direct[key], value), key
+        export_hf(sharded, Path(root) / "hf")
+        assert (Path(root) / "hf" / "config.json").is_file()
 
 
 def _invalid(rank: int, world: int, ep_size: int) -> str:
