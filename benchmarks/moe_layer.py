@@ -49,9 +49,10 @@ How to read it.
 
 - "mula fused [backend]" is the MoE layer on `mula.kernels` end to end: `plan_routing` -> `permute`
   -> `grouped_swiglu` -> `unpermute`, with the layer's own router (see `fused_moe_forward`). "mula
-  MoELayer (mula/moe)" is the layer as `mula/moe` currently builds it (its own dispatcher, SwiGLU
-  from two `grouped_mm` calls). In the whole-model table, "mula + fused kernel path" patches every
-  MoE layer of the same model to the fused path. "loop reference" is the fused path on the `loop`
+  MoELayer (mula/moe)" is the layer exactly as the model uses it (`mula.moe.MoELayer`, whose
+  dispatcher and experts call the same kernels), so the two rows differ only by the layer's own
+  bookkeeping (router statistics). In the whole-model table, "mula (mula/moe as built)" is `Mula` as
+  it is, and "mula + fused kernel path" patches every MoE layer to call the kernels directly. "loop reference" is the fused path on the `loop`
   backend (one matmul per expert, autograd gradients).
 - max abs diff: forward output against transformers' grouped_mm on identical weights and inputs.
 - TFLOP/s counts the expert GEMMs only; the dense row is one [T*K, hidden] x [hidden, 3*FFN] matmul
