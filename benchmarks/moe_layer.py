@@ -9,7 +9,7 @@ Part 2, whole model (tiny, MoE-dominated config) forward+backward of the cross-e
   Mula vs OlmoeForCausalLM made by `mula.hf.to_hf` (identical weights), each experts implementation.
 
 Timing: candidates run interleaved for `rounds` rounds (background load hits all alike) after
-`warmup` untimed rounds; the table shows the best round (the machine may be shared) and the median.
+`warmup` untimed rounds, each timed call right after an untimed one of the same candidate; the table shows the best round (the machine may be shared) and the median.
 TFLOP/s counts the expert GEMM FLOPs only (6 * tokens * top_k * 3 * hidden * expert_ffn).
 "speedup" = time of the fastest transformers implementation / time of the row.
 
@@ -104,6 +104,10 @@ def _time_interleaved(
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            # One untimed call first: oneDNN keeps a bounded per-shape JIT cache, and the previous
+            # candidate's shapes (e.g. transformers' one GEMM per expert) would otherwise evict this
+            # one's kernels and charge it their recompilation, which training never pays.
+            step()
             _sync(device)
             t0 = time.perf_counter()
             step()
