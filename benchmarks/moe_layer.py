@@ -31,6 +31,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,25 @@ def _time_interleaved(
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def _hf_candidates(
+    make: Callable[[str], Callable[[], Any]], routed: int, dtype: torch.dtype, max_batched_gib: float
+) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
+    """transformers' experts implementations to time, and notes for the ones skipped.
+
+    `routed` = routed tokens x hidden x expert FFN: batched_mm gathers every routed token's expert
+    weights (gate, up, down), plus their gradients, so it needs about 9 x routed elements.
+    """
+    gib = routed * 3 * torch.empty((), dtype=dtype).element_size() * 3 / 2**30
+    candidates: dict[str, Callable[[], Any]] = {}
+    notes: dict[str, str] = {}
+    for impl in HF_IMPLS:
+        if impl == "batched_mm" and gib > max_batched_gib:
+            notes[f"transformers {impl}"] = f"skipped: gathers per-token expert weights (~{gib:.0f} GiB)"
+            continue
+        candidates[f"transformers {impl}"] = make(impl)
+    return candidates, notes
 
 
 # ----- the fused path: what MoELayer.forward becomes with the kernels' permutation and MLP -------------
@@ -201,16 +221,7 @@ def bench_layer(
 
         return fwd
 
-    fwds: dict[str, Callable[[], Tensor]] = {}
-    notes: dict[str, str] = {}
-    batched_gib = tokens * top_k * 3 * hidden * ffn * torch.empty((), dtype=dtype).element_size() * 3 / 2**30
-    for impl in HF_IMPLS:
-        if impl == "batched_mm" and batched_gib > max_batched_gib:
-            notes[f"transformers {impl}"] = (
-                f"skipped: gathers per-token expert weights (~{batched_gib:.0f} GiB)"
-            )
-            continue
-        fwds[f"transformers {impl}"] = hf(impl)
+    fwds, notes = _hf_candidates(hf, tokens * top_k * hidden * ffn, dtype, max_batched_gib)
     fwds["mula MoELayer (mula/moe)"] = lambda: layers["auto"](x)[0]
     auto = mk.resolve_backend("auto", device, dtype)
     for backend in _backends(device, dtype):
@@ -292,17 +303,8 @@ def bench_model(
 
         return run
 
-    steps: dict[str, Callable[[], None]] = {}
-    notes = {}
-    per_layer = tokens * config.top_k * 3 * config.hidden_size * config.expert_intermediate_size
-    batched_gib = per_layer * torch.empty((), dtype=dtype).element_size() * 3 / 2**30
-    for impl in HF_IMPLS:
-        if impl == "batched_mm" and batched_gib > max_batched_gib:
-            notes[f"transformers {impl}"] = (
-                f"skipped: gathers per-token expert weights (~{batched_gib:.0f} GiB)"
-            )
-            continue
-        steps[f"transformers {impl}"] = hf_step(impl)
+    routed = tokens * config.top_k * config.hidden_size * config.expert_intermediate_size
+    steps, notes = _hf_candidates(hf_step, routed, dtype, max_batched_gib)
     steps["mula (mula/moe as built)"] = mula_step(model)
     steps["mula + fused kernel path"] = mula_step(fused)
     times = _time_interleaved(steps, rounds, warmup, device)
