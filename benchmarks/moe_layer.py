@@ -2,8 +2,7 @@
 
 Part 1, one MoE layer on identical weights, inputs and output gradient:
   transformers OlmoeSparseMoeBlock with each experts implementation (eager, batched_mm, grouped_mm);
-  Mula MoELayer as mula/moe builds it; the fused kernel path (plan_routing -> permute ->
-  grouped_swiglu -> unpermute, the layer's own router) for each usable backend; the loop reference;
+  Mula's MoELayer as mula/moe builds it, on each usable experts backend; the loop reference;
   and a dense matmul with the same FLOPs (fwd + both backward products) as the ceiling.
 Part 2, whole model (tiny, MoE-dominated config) forward+backward of the cross-entropy loss:
   Mula vs OlmoeForCausalLM made by `mula.hf.to_hf` (identical weights), each experts implementation.
@@ -28,7 +27,6 @@ import platform
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,33 +39,38 @@ from torch import Tensor
 import mula.kernels as mk
 from mula.config import MulaConfig
 from mula.model import Mula
-from mula.moe import MoELayer, MoEStats
-from mula.moe.router import load_balancing_loss, router_z_loss
+from mula.moe import MoELayer
 
 SECTION = "## moe_layer"
 NOTES = """
 How to read it.
 
-- "mula fused [backend]" is the MoE layer on `mula.kernels` end to end: `plan_routing` -> `permute`
-  -> `grouped_swiglu` -> `unpermute`, with the layer's own router (see `fused_moe_forward`). "mula
-  MoELayer (mula/moe)" is the layer exactly as the model uses it (`mula.moe.MoELayer`, whose
-  dispatcher and experts call the same kernels), so the two rows differ only by the layer's own
-  bookkeeping (router statistics). In the whole-model table, "mula (mula/moe as built)" is `Mula` as
-  it is, and "mula + fused kernel path" patches every MoE layer to call the kernels directly. "loop reference" is the fused path on the `loop`
-  backend (one matmul per expert, autograd gradients).
+- "mula MoELayer [backend]" is the layer exactly as the model uses it (`mula.moe.MoELayer`: router ->
+  `LocalDispatcher` -> `GroupedExperts` -> combine) on that experts backend ("= auto" marks the one
+  `auto` picks here; the summary uses it). "loop reference" is the same layer on the `loop` backend
+  (one matmul per expert, autograd gradients). The whole-model rows are `Mula` as built.
 - max abs diff: forward output against transformers' grouped_mm on identical weights and inputs.
 - TFLOP/s counts the expert GEMMs only; the dense row is one [T*K, hidden] x [hidden, 3*FFN] matmul
   and both of its backward products: the same FLOPs with no routing, the ceiling for the experts.
-- CPU, why the fused path wins: (1) SwiGLU on contiguous gate/up tensors (elementwise kernels on
-  strided halves of a [T, 2*FFN] tensor are ~3x slower on CPU), (2) every backward is a gather, no
-  scatter-add, and fewer large temporaries, (3) in bf16, one batched GEMM over experts padded to the
-  largest count instead of one oneDNN call per expert: oneDNN JIT-compiles a kernel per GEMM shape and
-  caches 1024, and a grouped GEMM has one shape per expert, so a model with several MoE layers
-  recompiles on every call. That is why whole-model bf16 gains more than the single layer.
-- fp32 is GEMM-bound at this shape: the per-expert GEMMs are the same MKL calls transformers makes, so
-  the speedup comes only from the non-GEMM work it removes.
-- The machine is a shared 2-core VM: absolute times move with the background load (rounds are
-  interleaved so it hits every row alike; the best round is the least disturbed one).
+- CPU, where Mula's time goes (`mula.kernels.padded`): the permutation writes the expert input
+  straight into a padded layout where experts of similar token counts share a bucket (a few
+  percent of padding rows); each bucket's whole MLP (gate, up, SwiGLU, down and the backward
+  products) runs as batched GEMMs while its data is in cache; the router's combine weights are
+  applied to the [rows, FFN] activations inside the experts, so the combine is a scatter-add with no
+  [N, K, hidden] temporaries. In bf16 this also avoids oneDNN's per-shape JIT recompiles (its cache
+  holds 1024 kernels and a grouped GEMM has one shape per expert row count), which is why the bf16
+  whole model gains more than the single layer.
+- fp32 on this CPU is GEMM-bound for both: MKL's per-expert GEMMs (transformers) already run at
+  ~75-80% of a dense GEMM's speed here, and Mula's expert MLP alone (fwd + bwd, batched GEMMs at
+  ~110 GFLOP/s in the chain against ~150 for the dense ceiling) takes ~75% of its layer time. 1.5x
+  over transformers would need the whole layer in ~25 ms, i.e. the GEMMs at the dense ceiling with
+  every other step free; the whole model adds attention, projections and the LM head, which both
+  run on the same torch kernels, so it gains less than the layer.
+- The machine is a shared 2-core VM whose memory is reclaimed in the background: absolute times
+  move by up to 40% between runs (transformers' layer ranged 36-51 ms, its whole model 228-304 ms,
+  mostly page faults on freshly allocated tensors, which transformers' path has ~10x more of). Rounds
+  are interleaved so the load hits every row alike, and the best round is the least disturbed one;
+  compare ratios within one run, not times across runs.
 """
 HF_IMPLS = ("eager", "batched_mm", "grouped_mm")
 
@@ -136,27 +139,6 @@ def _hf_candidates(
     return candidates, notes
 
 
-# ----- the fused path: what MoELayer.forward becomes with the kernels' permutation and MLP -------------
-def fused_moe_forward(layer: MoELayer, x: Tensor, backend: str = "auto") -> tuple[Tensor, MoEStats]:
-    """MoELayer.forward on mula.kernels' plan_routing/permute/grouped_swiglu/unpermute (same math)."""
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
-    route = layer.router(x)
-    plan = mk.plan_routing(route.topk_idx, layer.num_experts)
-    x_sorted = mk.permute(x, plan)
-    y_sorted = mk.grouped_swiglu(x_sorted, layer.experts.gate_up, layer.experts.down, plan.counts, backend)
-    y = mk.unpermute(y_sorted, plan, route.topk_weight)
-    stats = MoEStats(load_balancing_loss(route.probs, plan.counts), router_z_loss(route.logits), plan.counts)
-    return y.view(shape), stats
-
-
-def use_fused_path(model: torch.nn.Module, backend: str = "auto") -> None:
-    """Patch every MoELayer of `model` (this benchmark only) to run `fused_moe_forward`."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.forward = types.MethodType(lambda self, x: fused_moe_forward(self, x, backend), module)
-
-
 # ----- part 1: one layer ---------------------------------------------------------------------------------
 def _hf_block(hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device):
     from transformers import OlmoeConfig
@@ -202,7 +184,7 @@ def bench_layer(
         hidden_size=hidden, num_heads=1, num_experts=experts, top_k=top_k, expert_intermediate_size=ffn
     )
     layers = {}
-    for backend in ("auto", "loop"):
+    for backend in ("auto", *_backends(device, dtype), "loop"):
         layer = MoELayer(dataclasses.replace(mcfg, expert_backend=backend)).to(device=device, dtype=dtype)
         with torch.no_grad():
             layer.router.weight.copy_(block.gate.weight)
@@ -222,12 +204,12 @@ def bench_layer(
         return fwd
 
     fwds, notes = _hf_candidates(hf, tokens * top_k * hidden * ffn, dtype, max_batched_gib)
-    fwds["mula MoELayer (mula/moe)"] = lambda: layers["auto"](x)[0]
     auto = mk.resolve_backend("auto", device, dtype)
+    fwds[f"mula MoELayer [{auto} = auto]"] = lambda: layers["auto"](x)[0]
     for backend in _backends(device, dtype):
-        tag = " = auto" if backend == auto else ""
-        fwds[f"mula fused [{backend}{tag}]"] = lambda b=backend: fused_moe_forward(layers["auto"], x, b)[0]
-    fwds["loop reference"] = lambda: fused_moe_forward(layers["loop"], x, "loop")[0]
+        if backend != auto:
+            fwds[f"mula MoELayer [{backend}]"] = lambda b=backend: layers[b](x)[0]
+    fwds["loop reference"] = lambda: layers["loop"](x)[0]
 
     params = [x, *block.parameters(), *layers["auto"].parameters(), *layers["loop"].parameters()]
     outputs: dict[str, Tensor] = {}
@@ -270,15 +252,12 @@ def bench_model(
     warmup: int,
     max_batched_gib: float,
 ) -> list[Row]:
-    """Whole-model fwd+bwd of the CE loss: Mula (as built, and with the fused path) vs OlmoeForCausalLM."""
+    """Whole-model fwd+bwd of the CE loss: Mula as built vs OlmoeForCausalLM on the same weights."""
     from mula.hf import to_hf
 
     torch.manual_seed(0)
     model = Mula(config).to(device=device, dtype=dtype)
     hf = to_hf(model).to(device=device, dtype=dtype).train()
-    fused = Mula(config).to(device=device, dtype=dtype)
-    fused.load_state_dict(model.state_dict())
-    use_fused_path(fused)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=gen).to(device)
     inputs, targets = ids[:, :-1], ids[:, 1:]
@@ -305,8 +284,7 @@ def bench_model(
 
     routed = tokens * config.top_k * config.hidden_size * config.expert_intermediate_size
     steps, notes = _hf_candidates(hf_step, routed, dtype, max_batched_gib)
-    steps["mula (mula/moe as built)"] = mula_step(model)
-    steps["mula + fused kernel path"] = mula_step(fused)
+    steps["mula (as built)"] = mula_step(model)
     times = _time_interleaved(steps, rounds, warmup, device)
     rows = [Row(name, ts, flops) for name, ts in times.items()]
     rows += [Row(name, [float("nan")], flops, None, note) for name, note in notes.items()]
@@ -419,7 +397,7 @@ def main(
             "and an ahead-of-time sm_90 compile."
         )
     target = 1.5 if dev.type == "cpu" else 1.3  # the issue's CPU and GPU targets
-    summary = ["\nSummary (speedup of Mula's fused path over the fastest transformers implementation):\n"]
+    summary = ["\nSummary (speedup of Mula as built over the fastest transformers implementation):\n"]
     for name in dtypes:
         dt = getattr(torch, name)
         for t in tokens:
@@ -450,7 +428,7 @@ def main(
             )
             out += [title, _table(rows, with_err=False)]
             print("\n".join(out[-2:]), flush=True)
-            summary.append(f"- {name}, whole model: {_speedup(rows, 'fused kernel path', target)}")
+            summary.append(f"- {name}, whole model: {_speedup(rows, 'mula (as built)', target)}")
     out += summary + [NOTES]
     print("\n".join(summary), flush=True)
     text = "\n".join(out) + "\n"

@@ -16,6 +16,7 @@ a subprocess with that variable; this process does not collect it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -138,36 +139,94 @@ def test_torch_grouped_mm_matches_loop(counts, hidden, ffn, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["grouped", "padded", "one-gemm"])
+@pytest.mark.parametrize("path", ["bucketed", "one-bucket", "grouped", "one-gemm"])
 @pytest.mark.parametrize("counts,hidden,ffn", ROUTINGS)
 def test_torch_grouped_swiglu_matches_loop(counts, hidden, ffn, dtype, path, monkeypatch):
-    # force each strategy: per-expert grouped GEMMs (gate and up apart, as on CPU; or as one GEMM, as
-    # on accelerators), or batched GEMMs over padded experts
+    # force each strategy: batched GEMMs over bucketed padded experts (CPU default; cheap call cost so
+    # the tiny cases really cut several buckets), one bucket in expert order, or per-expert grouped
+    # GEMMs (gate and up apart, or as one GEMM as on accelerators)
     from mula.kernels import autograd
 
+    if path == "bucketed":
+        monkeypatch.setattr(padded, "CALL_COST_ROWS", 0.5)
+    if path == "one-bucket":
+        monkeypatch.setattr(padded, "CALL_COST_ROWS", 1e9)
+    if path in ("grouped", "one-gemm"):
+        monkeypatch.setattr(padded, "DEVICES", ())
     if path == "one-gemm":
         monkeypatch.setattr(autograd, "SPLIT_GATE_UP_DEVICES", ())
-    big = 1e9 if path == "padded" else -1.0
-    monkeypatch.setattr(padded, "MAX_WASTE_16BIT", big)
-    monkeypatch.setattr(padded, "MAX_WASTE_FP32", big)
-    monkeypatch.setattr(padded, "BREAK_EVEN_FP32", abs(big))
     check_grouped_swiglu("torch", counts, hidden, ffn, dtype)
 
 
-def test_padding_plan_and_roundtrip():
-    counts = torch.tensor([2, 0, 3])
-    layout = padded.plan_padding(counts, torch.bfloat16, 8, 8)
-    assert layout is not None and layout.capacity == 3
-    assert layout.index.tolist() == [0, 1, 6, 7, 8]
-    x = torch.arange(10.0).view(5, 2)
-    xp = padded.pad(x, layout)
-    assert xp.shape == (3, 3, 2) and xp[1].abs().sum() == 0 and xp[0, 2].abs().sum() == 0
-    assert torch.equal(padded.unpad(xp, layout), x)
-    # all rows on one of 64 experts: padding would multiply the work by 64 -> grouped path
+def test_bucket_plan_and_padded_rows():
+    counts = torch.tensor([2, 0, 3, 9, 8])
+    layout = padded.plan_buckets(counts)
+    rows_of = {}
+    for first, n, cap, row in layout.buckets:
+        for j in range(n):
+            e = int(layout.order[first + j])
+            assert counts[e] <= cap  # every expert fits its bucket
+            rows_of[e] = (row + j * cap, cap)
+            assert int(layout.expert_row[e]) == row + j * cap
+    assert {0, 2, 3, 4} <= set(rows_of)
+    assert layout.rows == sum(n * cap for _, n, cap, _ in layout.buckets) >= int(counts.sum())
+    index = padded.sorted_to_padded(layout)
+    x = torch.arange(22.0).view(22, 1)
+    xp = padded.pad(x, index, layout.rows)
+    assert torch.equal(xp.index_select(0, index), x)
+    assert xp.abs().sum() == x.sum()  # padding rows are zero
+    # one bucket in expert order when calls are expensive: capacity = the largest count
+    single = padded.plan_buckets(counts, single=True)
+    assert single.identity and single.buckets == [(0, 5, 9, 0)] and single.rows == 45
+    # all rows on one of 64 experts: one bucket of one expert, no padding at all
     skewed = torch.zeros(64, dtype=torch.long)
     skewed[5] = 1000
-    assert padded.plan_padding(skewed, torch.bfloat16, 128, 64) is None
-    assert padded.plan_padding(torch.zeros(4, dtype=torch.long), torch.float32, 8, 8) is None
+    layout = padded.plan_buckets(skewed)
+    assert layout.rows == 1000 and layout.buckets == [(0, 1, 1000, 0)] and int(layout.order[0]) == 5
+    assert padded.plan_buckets(torch.zeros(4, dtype=torch.long)).rows == 0
+
+
+@pytest.mark.parametrize("fold_weights", [False, True])
+def test_padded_plan_end_to_end_matches_reference(fold_weights):
+    """pad_plan -> permute (writes the padded layout) -> grouped_swiglu(layout) -> unpermute == loop path.
+
+    fold_weights: the combine weights go into the experts (layout.row_weight, as the CPU dispatcher
+    does) and unpermute sums; both the torch and the loop backends take that path.
+    """
+    gen = torch.Generator().manual_seed(5)
+    n, k, e, h, i = 40, 3, 6, 16, 8
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    idx[:, 0] = 1  # expert 1 much fuller than the rest: several buckets
+    idx[idx == 4] = 5  # expert 4 empty
+    x0, w0 = torch.randn(n, h, generator=gen), torch.rand(n, k, generator=gen)
+    gate_up0 = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
+    down0 = torch.randn(e, h, i, generator=gen) / i**0.5
+    dy = torch.randn(n, h, generator=gen)
+
+    def run(x, w, gate_up, down, backend):
+        plan = mk.plan_routing(idx, e)
+        if backend is None:  # reference: sorted rows, loop backend, weights in the combine
+            ys = mk.grouped_swiglu(mk.permute(x, plan), gate_up, down, plan.counts, backend="loop")
+            return mk.unpermute(ys, plan, w)
+        plan = mk.pad_plan(plan, padded.plan_buckets(plan.counts))
+        layout = plan.layout
+        if fold_weights:
+            layout = dataclasses.replace(layout, row_weight=mk.row_weights(w, plan))
+        xs = mk.permute(x, plan)
+        assert xs.shape[0] == layout.rows
+        ys = mk.grouped_swiglu(xs, gate_up, down, layout, backend=backend)
+        return mk.unpermute(ys, plan, None if fold_weights else w)
+
+    ref = _grads(lambda *t: run(*t, None), [x0, w0, gate_up0, down0], dy)
+    for backend, cost in (("torch", 0.5), ("torch", 1e9), ("loop", 0.5)):
+        # several buckets (weights gathered by count), or one bucket in expert-id order
+        padded.CALL_COST_ROWS, saved = cost, padded.CALL_COST_ROWS
+        try:
+            got = _grads(lambda *t, b=backend: run(*t, b), [x0, w0, gate_up0, down0], dy)
+        finally:
+            padded.CALL_COST_ROWS = saved
+        for name, a, r in zip(("y", "dx", "dw", "d_gate_up", "d_down"), got, ref):
+            assert _rel_err(a, r) <= 1e-5, f"{backend} call cost {cost}: {name} off by {_rel_err(a, r):.2e}"
 
 
 def test_expanded_gradient_and_autocast():

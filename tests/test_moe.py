@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from mula import MulaConfig
+from mula.kernels import BucketLayout
 from mula.moe import GroupedExperts, LocalDispatcher, MoELayer, Router, load_balancing_loss, router_z_loss
 
 
@@ -94,23 +95,33 @@ def test_router_losses():
     assert load_balancing_loss(probs, torch.tensor([10, 0, 0, 0])).item() == pytest.approx(4.0)
 
 
-def test_dispatcher_groups_by_expert_and_combines():
+@pytest.mark.parametrize("backend", ["loop", "auto"])
+def test_dispatcher_groups_by_expert_and_combines(backend):
+    # loop: rows sorted by expert with plain counts; auto on CPU: the bucketed padded layout
     torch.manual_seed(0)
     n, k, e, h = 9, 3, 5, 4
     x = torch.randn(n, h)
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
     w = torch.rand(n, k)
-    disp = LocalDispatcher(e)
-    x_sorted, counts, state = disp.dispatch(x, idx, w)
+    disp = LocalDispatcher(e, backend)
+    x_sorted, layout, state = disp.dispatch(x, idx, w)
+    padded = isinstance(layout, BucketLayout)
+    assert padded == (backend == "auto")
+    counts = layout.counts if padded else layout
     assert counts.tolist() == torch.bincount(idx.flatten(), minlength=e).tolist()
-    # rows of expert j are exactly the tokens routed to j, in token order
+    # rows of expert j are exactly the tokens routed to j, in token order (then zero padding rows)
     start = 0
     for j in range(e):
+        if padded:
+            start = int(layout.expert_row[j])
         tokens = [t for t in range(n) if j in idx[t].tolist()]
         torch.testing.assert_close(x_sorted[start : start + counts[j]], x[tokens])
         start += int(counts[j])
-    # identity experts: combine = x * sum of weights
-    torch.testing.assert_close(disp.combine(x_sorted, state), x * w.sum(-1, keepdim=True))
+    assert x_sorted.abs().sum() == pytest.approx((x.abs().sum(-1) * k).sum().item(), rel=1e-5)
+    # identity experts: combine = x * sum of weights (on the padded layout the experts apply the
+    # combine weights themselves, from layout.row_weight, and combine sums)
+    y_sorted = x_sorted * layout.row_weight.unsqueeze(1) if padded else x_sorted
+    torch.testing.assert_close(disp.combine(y_sorted, state), x * w.sum(-1, keepdim=True))
 
 
 def test_grouped_experts_with_empty_experts():

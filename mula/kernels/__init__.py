@@ -4,7 +4,9 @@ Entry points (rows of `x` sorted by expert, `counts` [E] long tokens per expert 
   grouped_mm(x [T,K], w [E,N,K], counts, backend="auto") -> [T,N]          y_e = x_e @ w[e].T
   grouped_swiglu(x [T,H], gate_up [E,2I,H], down [E,H,I], counts, backend="auto") -> [T,H]
                                                   y_e = (silu(x_e @ gate.T) * (x_e @ up.T)) @ down[e].T
-  plan_routing / permute / unpermute                 see `mula.kernels.permute`
+  plan_routing / pad_plan / permute / unpermute      see `mula.kernels.permute`
+`grouped_swiglu` also takes a `BucketLayout` instead of counts: x is then already in that padded
+layout (`pad_plan` + `permute` write it directly; see `mula.kernels.padded`).
 Backends: "auto", "triton", "torch", "loop" (reference); see `mula.kernels.backends` for the choice.
 All are differentiable in x and the weights. Under autocast the products run in the autocast dtype.
 """
@@ -16,24 +18,32 @@ import contextlib
 import torch
 from torch import Tensor
 
-from mula.kernels.autograd import GroupedMM, GroupedSwiGLU
+from mula.kernels import padded
+from mula.kernels.autograd import GroupedMM, GroupedSwiGLU, PaddedSwiGLU
 from mula.kernels.backends import BACKENDS, grouped_ops, resolve_backend
-from mula.kernels.permute import RoutingPlan, permute, plan_routing, unpermute
+from mula.kernels.padded import BucketLayout
+from mula.kernels.permute import RoutingPlan, pad_plan, permute, plan_routing, row_weights, unpermute
 
 __all__ = [
     "BACKENDS",
+    "BucketLayout",
     "RoutingPlan",
     "grouped_mm",
     "grouped_swiglu",
     "loop_grouped_mm",
+    "pad_plan",
+    "padded_layout_for",
     "permute",
     "plan_routing",
     "resolve_backend",
+    "row_weights",
     "unpermute",
 ]
 
 
-def _check(x: Tensor, weights: tuple[Tensor, ...], counts: Tensor, what: str) -> None:
+def _check(
+    x: Tensor, weights: tuple[Tensor, ...], counts: Tensor, what: str, padded_rows: bool = False
+) -> None:
     """One clear sentence for each kind of bad input (no host sync on accelerators)."""
     if x.dim() != 2:
         raise ValueError(f"{what}: x must be [tokens, features], got shape {tuple(x.shape)}.")
@@ -56,7 +66,9 @@ def _check(x: Tensor, weights: tuple[Tensor, ...], counts: Tensor, what: str) ->
         )
     if counts.device != x.device:
         raise ValueError(f"{what}: counts are on {counts.device} but x is on {x.device}.")
-    if x.device.type == "cpu" and int(counts.sum()) != x.shape[0]:  # free on CPU; skipped on GPUs (sync)
+    if (
+        x.device.type == "cpu" and not padded_rows and int(counts.sum()) != x.shape[0]
+    ):  # free on CPU; skipped on GPUs (sync)
         raise ValueError(f"{what}: counts sum to {int(counts.sum())} but x has {x.shape[0]} rows.")
 
 
@@ -102,14 +114,40 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str = "auto") -> T
         return GroupedMM.apply(x, w, counts, grouped_ops(name))
 
 
-def grouped_swiglu(x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, backend: str = "auto") -> Tensor:
+def _loop_swiglu(
+    x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, row_weight: Tensor | None
+) -> Tensor:
+    gate, up = loop_grouped_mm(x, gate_up, counts).chunk(2, dim=-1)
+    a = torch.nn.functional.silu(gate) * up
+    return loop_grouped_mm(a if row_weight is None else a * row_weight.unsqueeze(1), down, counts)
+
+
+def padded_layout_for(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """True when the expert MLP for this backend/device/dtype runs on the bucketed padded layout."""
+    return device.type in padded.DEVICES and resolve_backend(backend, device, dtype) == "torch"
+
+
+def grouped_swiglu(
+    x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor | BucketLayout, backend: str = "auto"
+) -> Tensor:
     """The grouped SwiGLU expert MLP on rows sorted by expert.
 
     x [T,H]; gate_up [E,2I,H] (gate rows first, then up); down [E,H,I]; counts [E]. Returns [T,H].
+    With a `BucketLayout` instead of counts, x and the result are in that padded layout ([rows, H]),
+    and a `layout.row_weight` ([rows], from `row_weights`) scales each row's activation before the
+    down projection: y = (w * silu(gate) * up) @ down.T, the router's combine folded into the experts.
     The `triton` backend fuses SwiGLU into the gate+up GEMM (forward) and into the down-projection's
-    dX GEMM (backward); `torch` runs both projections as single grouped GEMMs with one saved tensor.
+    dX GEMM (backward); `torch` runs each projection as a few batched GEMMs over bucketed padded
+    experts on CPU (`mula.kernels.padded`) and as single grouped GEMMs elsewhere.
     """
-    _check(x, (gate_up, down), counts, "grouped_swiglu")
+    layout = counts if isinstance(counts, BucketLayout) else None
+    if layout is not None:
+        if x.dim() != 2 or x.shape[0] != layout.rows:
+            raise ValueError(
+                f"grouped_swiglu: x must be [{layout.rows}, hidden] in the padded layout, got {tuple(x.shape)}."
+            )
+        counts = layout.counts
+    _check(x, (gate_up, down), counts, "grouped_swiglu", padded_rows=layout is not None)
     e, two_i, h = gate_up.shape
     if two_i % 2 or x.shape[1] != h or tuple(down.shape) != (e, h, two_i // 2):
         raise ValueError(
@@ -119,7 +157,21 @@ def grouped_swiglu(x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, bac
     x, gate_up, down = _autocast(x, gate_up, down)
     name = resolve_backend(backend, x.device, x.dtype)
     with _no_autocast(x):
+        if layout is not None:
+            row_weight = layout.row_weight
+            if row_weight is not None:
+                row_weight = row_weight.to(x.dtype)
+            if name == "loop":  # reference: back to sorted rows, loop, and into the layout again
+                index = padded.sorted_to_padded(layout)
+                w = None if row_weight is None else row_weight.index_select(0, index)
+                y = _loop_swiglu(x.index_select(0, index), gate_up, down, counts, w)
+                return x.new_zeros(layout.rows, h).index_copy(0, index, y)
+            return PaddedSwiGLU.apply(x, gate_up, down, row_weight, layout)
         if name == "loop":
-            gate, up = loop_grouped_mm(x, gate_up, counts).chunk(2, dim=-1)
-            return loop_grouped_mm(torch.nn.functional.silu(gate) * up, down, counts)
+            return _loop_swiglu(x, gate_up, down, counts, None)
+        if name == "torch" and x.device.type in padded.DEVICES:
+            layout = padded.plan_buckets(counts)
+            index = padded.sorted_to_padded(layout)
+            xp = x.new_zeros(layout.rows, h).index_copy(0, index, x)
+            return PaddedSwiGLU.apply(xp, gate_up, down, None, layout).index_select(0, index)
         return GroupedSwiGLU.apply(x, gate_up, down, counts, grouped_ops(name))

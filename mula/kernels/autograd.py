@@ -3,6 +3,7 @@
 Backward products of y = x_e @ W_e.T: dX = dY_e @ W_e (the same grouped GEMM with W untransposed) and
 dW_e = dY_e.T @ X_e (one grouped weight-gradient product over the token dimension). The fused MLP
 saves only x and the gate/up pre-activations, and recomputes the activation in the backward.
+`PaddedSwiGLU` is the same MLP on the CPU's bucketed padded layout (`mula.kernels.padded`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,32 @@ class GroupedMM(torch.autograd.Function):
         return dx, dw, None, None
 
 
+class PaddedSwiGLU(torch.autograd.Function):
+    """The expert MLP on a bucketed padded layout (`mula.kernels.padded`): batched GEMMs per bucket."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        row_weight: Tensor | None,
+        layout: padded.BucketLayout,
+    ) -> Tensor:
+        ctx.layout = layout
+        y, saved = padded.swiglu_forward(x, gate_up, down, row_weight, layout)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        grads = padded.swiglu_backward(
+            dy.contiguous(), ctx.saved_tensors, ctx.layout, ctx.needs_input_grad[:4]
+        )
+        return (*grads, None)
+
+
 class GroupedSwiGLU(torch.autograd.Function):
     """y = grouped_mm(silu(gate) * up, down) with [gate | up] = grouped_mm(x, gate_up): the expert MLP."""
 
@@ -63,13 +90,6 @@ class GroupedSwiGLU(torch.autograd.Function):
         ctx: FunctionCtx, x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, ops: GroupedOps
     ) -> Tensor:
         ctx.ops = ops
-        ctx.layout = None
-        if ops.name == "torch":
-            ctx.layout = padded.plan_padding(counts, x.dtype, x.shape[1], down.shape[2])
-        if ctx.layout is not None:  # CPU: one batched GEMM per projection over padded experts
-            y, saved = padded.swiglu_forward(x, gate_up, down, ctx.layout)
-            ctx.save_for_backward(gate_up, down, counts, *saved)
-            return y
         if ops.swiglu_fwd is not None:
             h, a = ops.swiglu_fwd(x, gate_up, counts)
             pre = (h,)
@@ -95,11 +115,6 @@ class GroupedSwiGLU(torch.autograd.Function):
         ops: GroupedOps = ctx.ops
         dy = dy.contiguous()
         needs = ctx.needs_input_grad[:3]
-        if ctx.layout is not None:
-            dx, d_gate_up, d_down = padded.swiglu_backward(
-                dy, gate_up, down, tuple(saved), ctx.layout, needs, swiglu_backward
-            )
-            return dx, d_gate_up, d_down, None, None
         x, *pre = saved
         if ops.swiglu_bwd is not None:
             dh, a = ops.swiglu_bwd(dy, down, pre[0], counts)

@@ -10,7 +10,9 @@ independent check of the hand-written backward passes.
            NVIDIA, e.g. bf16 on sm80+), else `triton`, else `loop`;
   xpu   -> `triton` when Triton has its Intel XPU backend, else `torch` if its probe passes, else `loop`;
   cpu and others -> `torch` when `torch._grouped_mm` passes a one-off probe for that device and dtype
-           (fwd + both backward products against a reference), else `loop`.
+           (fwd + both backward products against a reference), else `loop`. On CPU the `torch`
+           backend's expert MLP runs as batched GEMMs over bucketed padded experts
+           (`mula.kernels.padded`); its grouped GEMMs serve `grouped_mm` and other devices.
 These are untimed defaults for GPUs (no GPU was available when they were written); `backend=` in
 the recipe (MulaConfig.expert_backend) overrides them.
 """

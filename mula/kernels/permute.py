@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from mula.kernels.backends import check_backend_name, triton_available
+from mula.kernels.padded import BucketLayout, sorted_to_padded
 
 
 @dataclass
@@ -30,6 +31,8 @@ class RoutingPlan:
     token: Tensor  # [M] long: sorted row -> token n
     counts: Tensor  # [E] long: rows per expert (sums to M = N*K)
     top_k: int
+    # Set by `pad_plan`: rows are in this padded layout; padding rows have token N and order N*K.
+    layout: BucketLayout | None = None
 
 
 def plan_routing(topk_idx: Tensor, num_experts: int) -> RoutingPlan:
@@ -48,6 +51,26 @@ def plan_routing(topk_idx: Tensor, num_experts: int) -> RoutingPlan:
     return RoutingPlan(order, unsort, order // max(top_k, 1), counts, top_k)
 
 
+def pad_plan(plan: RoutingPlan, layout: BucketLayout) -> RoutingPlan:
+    """The same routing with rows in `layout`'s padded order (zero rows after each expert's tokens).
+
+    `permute` then writes the padded expert input directly and `unpermute` reads it back, so the
+    expert MLP needs no separate pad/unpad copies (CPU; see `mula.kernels.padded`).
+    """
+    n = plan.unsort.numel() // max(plan.top_k, 1)
+    index = sorted_to_padded(layout)
+    token = torch.full((layout.rows,), n, dtype=torch.long).index_copy_(0, index, plan.token)
+    order = torch.full((layout.rows,), plan.unsort.numel(), dtype=torch.long).index_copy_(
+        0, index, plan.order
+    )
+    return RoutingPlan(order, index[plan.unsort], token, plan.counts, plan.top_k, layout)
+
+
+def _with_zero_row(t: Tensor) -> Tensor:
+    """t with one zero row (or element) appended: the source of every padding row."""
+    return torch.cat((t, t.new_zeros(1, *t.shape[1:])))
+
+
 def _use_triton(t: Tensor, backend: str) -> bool:
     check_backend_name(backend)
     if backend == "triton":
@@ -55,6 +78,16 @@ def _use_triton(t: Tensor, backend: str) -> bool:
             raise ValueError(f"Permutation backend 'triton' cannot run on {t.device.type} here; use 'auto'.")
         return True
     return backend == "auto" and t.device.type in ("cuda", "xpu") and triton_available(t.device)
+
+
+def _use_triton_for(t: Tensor, plan: RoutingPlan, backend: str) -> bool:
+    """Triton's kernels know no padding rows: padded plans (CPU) take the torch path."""
+    use = _use_triton(t, backend)
+    if use and plan.layout is not None:
+        if backend == "triton":
+            raise ValueError("Permutation backend 'triton' does not take padded routing plans; use 'auto'.")
+        return False
+    return use
 
 
 class _Permute(torch.autograd.Function):
@@ -65,7 +98,7 @@ class _Permute(torch.autograd.Function):
             from mula.kernels import triton_permute
 
             return triton_permute.gather_rows(x, plan.token)
-        return x.index_select(0, plan.token)
+        return (x if plan.layout is None else _with_zero_row(x)).index_select(0, plan.token)
 
     @staticmethod
     @once_differentiable
@@ -80,16 +113,42 @@ def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton
         from mula.kernels import triton_permute
 
         return triton_permute.gather_sum(ys, plan.unsort, weight, plan.top_k)
-    gathered = _gather_slots(ys, plan)
     if weight is None:
-        return gathered.sum(1)
-    return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
+        # scatter-add into the tokens: no [N,K,H] temporary; deterministic on CPU (no atomics).
+        # Padding rows (token N) land in a sink row that is dropped.
+        n = plan.unsort.numel() // max(plan.top_k, 1)
+        sink = int(plan.layout is not None)
+        return ys.new_zeros(n + sink, ys.shape[1]).index_add_(0, plan.token, ys)[:n]
+    return torch.bmm(weight.to(ys.dtype).unsqueeze(1), _gather_slots(ys, plan)).squeeze(1)
 
 
 def _gather_slots(ys: Tensor, plan: RoutingPlan) -> Tensor:
     """[N, K, H]: the sorted rows of every token's K assignments, in (token, slot) order."""
     n = plan.unsort.numel() // max(plan.top_k, 1)
     return ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
+
+
+class _RowWeights(torch.autograd.Function):
+    """weight [N,K] -> [rows]: each sorted (or padded) row's combine weight; padding rows get 0."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, weight: Tensor, plan: RoutingPlan) -> Tensor:
+        ctx.plan, ctx.shape = plan, weight.shape
+        flat = weight.reshape(-1)
+        return (flat if plan.layout is None else _with_zero_row(flat)).index_select(0, plan.order)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, d_rows: Tensor) -> tuple[Tensor | None, ...]:
+        return d_rows.index_select(0, ctx.plan.unsort).view(ctx.shape), None
+
+
+def row_weights(weight: Tensor, plan: RoutingPlan) -> Tensor:
+    """The combine weights [N,K] in the plan's row order ([rows]), for experts that apply them
+    themselves (then `unpermute` is called without weights); differentiable in `weight`."""
+    if tuple(weight.shape) != (plan.unsort.numel() // max(plan.top_k, 1), plan.top_k):
+        raise ValueError(f"row_weights: weight must be [tokens, top_k], got {tuple(weight.shape)}.")
+    return _RowWeights.apply(weight, plan)
 
 
 class _Unpermute(torch.autograd.Function):
@@ -125,9 +184,11 @@ class _Unpermute(torch.autograd.Function):
                 d_w = triton_permute.gather_dot(dy, saved, plan.unsort, plan.top_k).view_as(weight)
         else:
             if need_ys:
-                d_ys = dy.index_select(0, plan.token)
+                padded = plan.layout is not None
+                d_ys = (_with_zero_row(dy) if padded else dy).index_select(0, plan.token)
                 if weight is not None:
-                    d_ys.mul_(weight.reshape(-1)[plan.order].to(dy.dtype).unsqueeze(1))
+                    w = weight.reshape(-1).to(dy.dtype)
+                    d_ys.mul_((_with_zero_row(w) if padded else w)[plan.order].unsqueeze(1))
             if need_w:
                 d_w = torch.linalg.vecdot(saved, dy.unsqueeze(1))
         if d_w is not None:
@@ -137,11 +198,11 @@ class _Unpermute(torch.autograd.Function):
 
 def permute(x: Tensor, plan: RoutingPlan, backend: str = "auto") -> Tensor:
     """x [N,H] -> x_sorted [N*K,H]: row r is token plan.token[r] (grouped by expert, ascending ids)."""
-    if x.dim() != 2 or x.shape[0] * plan.top_k != plan.order.numel():
+    if x.dim() != 2 or x.shape[0] * plan.top_k != plan.unsort.numel():
         raise ValueError(
-            f"permute expects x [tokens, hidden] with tokens * top_k = {plan.order.numel()}, got {tuple(x.shape)}."
+            f"permute expects x [tokens, hidden] with tokens * top_k = {plan.unsort.numel()}, got {tuple(x.shape)}."
         )
-    return _Permute.apply(x, plan, _use_triton(x, backend))
+    return _Permute.apply(x, plan, _use_triton_for(x, plan, backend))
 
 
 def unpermute(
@@ -152,6 +213,6 @@ def unpermute(
         raise ValueError(
             f"unpermute expects y_sorted [{plan.order.numel()}, hidden], got {tuple(y_sorted.shape)}."
         )
-    if weight is not None and tuple(weight.shape) != (plan.order.numel() // max(plan.top_k, 1), plan.top_k):
+    if weight is not None and tuple(weight.shape) != (plan.unsort.numel() // max(plan.top_k, 1), plan.top_k):
         raise ValueError(f"unpermute weight must be [tokens, top_k], got {tuple(weight.shape)}.")
-    return _Unpermute.apply(y_sorted, weight, plan, _use_triton(y_sorted, backend))
+    return _Unpermute.apply(y_sorted, weight, plan, _use_triton_for(y_sorted, plan, backend))

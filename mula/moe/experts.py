@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mula.kernels import grouped_swiglu
+from mula.kernels import BucketLayout, grouped_swiglu
 
 
 class GroupedExperts(nn.Module):
@@ -32,8 +32,9 @@ class GroupedExperts(nn.Module):
         for w in (self.gate_up, self.down):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, x_sorted: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x_sorted [M,H] grouped by expert, tokens_per_expert [E] long -> [M,H]."""
+    def forward(self, x_sorted: Tensor, tokens_per_expert: Tensor | BucketLayout) -> Tensor:
+        """x_sorted [M,H] grouped by expert, tokens_per_expert [E] long (or the dispatcher's padded
+        `BucketLayout`) -> [M,H]."""
         return grouped_swiglu(x_sorted, self.gate_up, self.down, tokens_per_expert, self.backend)
 
     def extra_repr(self) -> str:

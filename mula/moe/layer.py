@@ -35,7 +35,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_backend
         )
-        self.dispatcher = LocalDispatcher(config.num_experts)
+        self.dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
         """x [B,T,H] -> (y [B,T,H], MoEStats)."""
