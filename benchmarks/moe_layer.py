@@ -60,12 +60,13 @@ How to read it.
   [N, K, hidden] temporaries. In bf16 this also avoids oneDNN's per-shape JIT recompiles (its cache
   holds 1024 kernels and a grouped GEMM has one shape per expert row count), which is why the bf16
   whole model gains more than the single layer.
-- fp32 on this CPU is GEMM-bound for both: MKL's per-expert GEMMs (transformers) already run at
-  ~75-80% of a dense GEMM's speed here, and Mula's expert MLP alone (fwd + bwd, batched GEMMs at
-  ~110 GFLOP/s in the chain against ~150 for the dense ceiling) takes ~75% of its layer time. 1.5x
-  over transformers would need the whole layer in ~25 ms, i.e. the GEMMs at the dense ceiling with
-  every other step free; the whole model adds attention, projections and the LM head, which both
-  run on the same torch kernels, so it gains less than the layer.
+- fp32 on this CPU is GEMM-bound for both, and the 1.5x target is not reachable at this shape:
+  Mula's expert MLP alone (fwd + bwd, 2.5 GFLOP) takes ~20 ms of its ~28 ms layer, its batched GEMMs
+  running at ~140 GFLOP/s in the chain (the same products reach ~185 GFLOP/s on cache-warm data,
+  the dense-ceiling row ~155), and routing, permutation and combine take ~6 ms more. 1.5x over
+  transformers' ~38 ms needs the whole layer in ~25 ms. The whole model adds attention,
+  projections and the LM head (~80 ms of ~190 here), which both implementations run on the same
+  torch kernels, so it gains less than the layer.
 - The machine is a shared 2-core VM whose memory is reclaimed in the background: absolute times
   move by up to 40% between runs (transformers' layer ranged 36-51 ms, its whole model 228-304 ms,
   mostly page faults on freshly allocated tensors, which transformers' path has ~10x more of). Rounds

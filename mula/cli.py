@@ -19,10 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as L
+import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from mula.checkpointing import auto_resume_ckpt_path
+from mula.config import MulaConfig
 from mula.data import MulaDataModule
+from mula.kernels.backends import resolve_backend
 from mula.module import MulaLightningModule
 
 
@@ -158,6 +161,7 @@ class MulaCLI(LightningCLI):
         so re-running the same command continues an interrupted run (docs/resilience.md).
         """
         self.datamodule.validate_against(self.model.config)
+        check_expert_backend(self.model.config, self.trainer)
         if self.config_init[self.subcommand].get("ckpt_path") is None:
             path = auto_resume_ckpt_path(self.trainer)
             if path is not None:
@@ -166,10 +170,22 @@ class MulaCLI(LightningCLI):
     def before_validate(self) -> None:
         """Check that the data fits the model before validating."""
         self.datamodule.validate_against(self.model.config)
+        check_expert_backend(self.model.config, self.trainer)
 
     def before_test(self) -> None:
         """Check that the data fits the model before testing."""
         self.datamodule.validate_against(self.model.config)
+        check_expert_backend(self.model.config, self.trainer)
+
+
+def check_expert_backend(config: MulaConfig, trainer: L.Trainer) -> None:
+    """Fail before any work when the recipe's expert backend cannot run on the trainer's device/precision."""
+    if config.is_moe:
+        precision = str(trainer.precision)
+        dtype = (
+            torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
+        )
+        resolve_backend(config.expert_backend, trainer.strategy.root_device, dtype)
 
 
 def main(args: list[str] | None = None) -> None:

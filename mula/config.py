@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mula.kernels.backends import check_backend_name
+
 NORMS = ("rmsnorm", "layernorm")
 
 
@@ -70,6 +72,7 @@ class MulaConfig:
             )
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
+        check_backend_name(self.expert_backend)
         if self.is_moe:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}.")

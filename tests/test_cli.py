@@ -136,6 +136,24 @@ def test_tokenizer_larger_than_model_vocab(capsys, sandbox):
     assert not (sandbox / "data").exists()  # checked before preparing the data or training a tokenizer
 
 
+def test_unknown_expert_backend(capsys, sandbox):
+    expect_error(
+        capsys,
+        ["fit", "-c", str(TINY_MOE), "--model.overrides.expert_backend=cutlass"],
+        r"Unknown expert backend 'cutlass'; choose one of auto, triton, torch, loop",
+    )
+
+
+def test_expert_backend_that_cannot_run_on_the_device(capsys, sandbox, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    expect_error(
+        capsys,
+        ["fit", "-c", str(TINY_MOE), "--model.overrides.expert_backend=triton"],
+        r"Expert backend 'triton' cannot run on cpu",
+    )
+    assert not (sandbox / "data").exists()  # checked before preparing the data
+
+
 def test_seq_len_beyond_model_positions(capsys, sandbox):
     expect_error(
         capsys,
