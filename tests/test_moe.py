@@ -69,6 +69,32 @@ def test_layer_matches_naive_loop_forward_and_backward(top_k, num_experts, norm_
     assert int(stats.tokens_per_expert.sum()) == 15 * top_k
 
 
+@pytest.mark.parametrize("backend", ["auto", "loop"])
+def test_layer_under_bf16_autocast_close_to_fp32(backend):
+    # bf16 mixed precision: the experts run in bf16 (the CPU path with the combine weights folded
+    # into the experts, and the loop reference), everything stays within bf16 rounding of fp32
+    torch.manual_seed(0)
+    layer = MoELayer(tiny(top_k=2, num_experts=6, expert_backend=backend))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(4, 8, 32)
+    g = torch.randn(4, 8, 32)
+    ref = torch.autograd.grad(layer(x)[0], list(layer.parameters()), g)
+    y_ref = layer(x)[0].detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = layer(x)
+    assert y.dtype == torch.bfloat16
+    got = torch.autograd.grad(y, list(layer.parameters()), g.to(y.dtype))
+
+    def rel(a, b):
+        return ((a.float() - b).abs().max() / b.abs().max()).item()
+
+    assert rel(y, y_ref) < 3e-2
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.float32 and rel(a, b) < 5e-2
+
+
 def test_router_topk_and_weights():
     torch.manual_seed(0)
     router = Router(16, 5, 2, norm_topk_prob=False)
