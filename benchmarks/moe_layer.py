@@ -55,7 +55,7 @@ How to read it.
 - CPU, where Mula's time goes (`mula.kernels.padded`): the permutation writes the expert input
   straight into a padded layout where experts of similar token counts share a bucket (a few
   percent of padding rows); each bucket's whole MLP (gate, up, SwiGLU, down and the backward
-  products) runs as batched GEMMs while its data is in cache; the router's combine weights are
+  products) runs as batched GEMMs, one bucket after the other; the router's combine weights are
   applied to the [rows, FFN] activations inside the experts, so the combine is a scatter-add with no
   [N, K, hidden] temporaries. In bf16 this also avoids oneDNN's per-shape JIT recompiles (its cache
   holds 1024 kernels and a grouped GEMM has one shape per expert row count), which is why the bf16
@@ -63,13 +63,15 @@ How to read it.
 - fp32 on this CPU is GEMM-bound for both, and the 1.5x target is not reachable at this shape:
   Mula's expert MLP alone (fwd + bwd, 2.5 GFLOP) takes ~20 ms of its ~28 ms layer, its batched GEMMs
   running at ~140 GFLOP/s in the chain (the same products reach ~185 GFLOP/s on cache-warm data,
-  the dense-ceiling row ~155), and routing, permutation and combine take ~6 ms more. 1.5x over
+  the dense-ceiling row ~155; the layer's ~60 MB working set does not stay in this VM's cache),
+  and routing, permutation and combine take ~6 ms more. 1.5x over
   transformers' ~38 ms needs the whole layer in ~25 ms. The whole model adds attention,
   projections and the LM head (~80 ms of ~190 here), which both implementations run on the same
   torch kernels, so it gains less than the layer.
 - The machine is a shared 2-core VM whose memory is reclaimed in the background: absolute times
   move by up to 40% between runs (transformers' layer ranged 36-51 ms, its whole model 228-304 ms,
-  mostly page faults on freshly allocated tensors, which transformers' path has ~10x more of). Rounds
+  mostly page faults on freshly allocated tensors, which transformers' path has several times more
+  of). Rounds
   are interleaved so the load hits every row alike, and the best round is the least disturbed one;
   compare ratios within one run, not times across runs.
 """
