@@ -66,9 +66,8 @@ def _check(
         )
     if counts.device != x.device:
         raise ValueError(f"{what}: counts are on {counts.device} but x is on {x.device}.")
-    if (
-        x.device.type == "cpu" and not padded_rows and int(counts.sum()) != x.shape[0]
-    ):  # free on CPU; skipped on GPUs (sync)
+    # free on CPU, skipped on GPUs (a host sync) and for padded rows (counts then cover fewer rows)
+    if x.device.type == "cpu" and not padded_rows and int(counts.sum()) != x.shape[0]:
         raise ValueError(f"{what}: counts sum to {int(counts.sum())} but x has {x.shape[0]} rows.")
 
 

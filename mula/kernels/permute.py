@@ -2,12 +2,17 @@
 
 `plan_routing` sorts the N*K (token, slot) assignments by expert once (stable argsort, counts by
 scatter-add: no loop over experts, no host sync). `permute` and `unpermute` are autograd functions
-whose forward and backward are both gathers (never scatter-adds, so no atomics and deterministic
-results): the backward of the permutation is a gather-sum over each token's K rows, and the backward
-of the weighted combine is a row gather plus one dot product per assignment for the weight gradient.
+whose forward and backward are gathers on accelerators (never scatter-adds, so no atomics and
+deterministic results): the backward of the permutation is a gather-sum over each token's K rows,
+and the backward of the weighted combine is a row gather plus one dot product per assignment for
+the weight gradient. On CPU the unweighted sums are a serial scatter-add instead (deterministic
+there, and no [N,K,H] temporary).
+
+`pad_plan` moves the rows into the CPU's bucketed padded layout (`mula.kernels.padded`) and
+`row_weights` hands each row its combine weight, for experts that apply the weights themselves.
 
 Implementations: Triton kernels on CUDA/XPU (one program per row block, fp32 accumulation), and
-vectorised torch ops (index_select, a [N,K,H] view, bmm) everywhere else.
+vectorised torch ops (index_select, index_add, a [N,K,H] view, bmm) everywhere else.
 """
 
 from __future__ import annotations
@@ -113,13 +118,16 @@ def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton
         from mula.kernels import triton_permute
 
         return triton_permute.gather_sum(ys, plan.unsort, weight, plan.top_k)
-    if weight is None:
-        # scatter-add into the tokens: no [N,K,H] temporary; deterministic on CPU (no atomics).
-        # Padding rows (token N) land in a sink row that is dropped.
+    if weight is None and ys.device.type == "cpu":
+        # CPU: scatter-add into the tokens, no [N,K,H] temporary (serial there, so deterministic;
+        # on GPUs it would take atomics). Padding rows (token N) land in a sink row that is dropped.
         n = plan.unsort.numel() // max(plan.top_k, 1)
         sink = int(plan.layout is not None)
         return ys.new_zeros(n + sink, ys.shape[1]).index_add_(0, plan.token, ys)[:n]
-    return torch.bmm(weight.to(ys.dtype).unsqueeze(1), _gather_slots(ys, plan)).squeeze(1)
+    gathered = _gather_slots(ys, plan)
+    if weight is None:
+        return gathered.sum(1)
+    return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
 
 
 def _gather_slots(ys: Tensor, plan: RoutingPlan) -> Tensor:
@@ -159,7 +167,7 @@ class _Unpermute(torch.autograd.Function):
         ctx.plan, ctx.use_triton = plan, use_triton
         ys = ys.contiguous()
         if use_triton or weight is None:
-            ctx.save_for_backward(ys, weight)
+            ctx.save_for_backward(ys if weight is not None else None, weight)  # ys: for d_weight only
             return _gather_sum(ys, plan, weight, use_triton)
         # torch path: keep the gathered [N,K,H] rows for the weight gradient (no second gather)
         gathered = _gather_slots(ys, plan)

@@ -67,7 +67,8 @@ class LocalDispatcher:
     def combine(self, y_sorted: Tensor, state: LocalDispatchState) -> Tensor:
         """y_sorted (in dispatch's layout) -> y [N,H] = sum_k weight[n,k] * (output of token n's k-th expert).
 
-        A gather back to (token, slot) order and a weighted sum over the K slots instead of a
-        scatter-add: no atomics, so the forward is deterministic on GPUs too.
+        On accelerators a gather back to (token, slot) order and a weighted sum over the K slots
+        instead of a scatter-add: no atomics, so the forward is deterministic on GPUs too. On CPU
+        the experts already applied the weights (padded layout) and this is a serial scatter-add.
         """
         return unpermute(y_sorted, state.plan, state.topk_weight)
