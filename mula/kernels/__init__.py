@@ -164,13 +164,13 @@ def grouped_swiglu(
                 index = padded.sorted_to_padded(layout)
                 w = None if row_weight is None else row_weight.index_select(0, index)
                 y = _loop_swiglu(x.index_select(0, index), gate_up, down, counts, w)
-                return x.new_zeros(layout.rows, h).index_copy(0, index, y)
+                return padded.pad(y, index, layout.rows)
             return PaddedSwiGLU.apply(x, gate_up, down, row_weight, layout)
         if name == "loop":
             return _loop_swiglu(x, gate_up, down, counts, None)
         if name == "torch" and x.device.type in padded.DEVICES:
             layout = padded.plan_buckets(counts)
             index = padded.sorted_to_padded(layout)
-            xp = x.new_zeros(layout.rows, h).index_copy(0, index, x)
-            return PaddedSwiGLU.apply(xp, gate_up, down, None, layout).index_select(0, index)
+            y = PaddedSwiGLU.apply(padded.pad(x, index, layout.rows), gate_up, down, None, layout)
+            return y.index_select(0, index)
         return GroupedSwiGLU.apply(x, gate_up, down, counts, grouped_ops(name))
