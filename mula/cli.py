@@ -160,8 +160,7 @@ class MulaCLI(LightningCLI):
         (`callbacks.FaultTolerantCheckpoint`) names the newest valid checkpoint of the run directory,
         so re-running the same command continues an interrupted run (docs/resilience.md).
         """
-        self.datamodule.validate_against(self.model.config)
-        check_expert_backend(self.model.config, self.trainer)
+        self._check_model_inputs()
         if self.config_init[self.subcommand].get("ckpt_path") is None:
             path = auto_resume_ckpt_path(self.trainer)
             if path is not None:
@@ -169,11 +168,14 @@ class MulaCLI(LightningCLI):
 
     def before_validate(self) -> None:
         """Check that the data fits the model before validating."""
-        self.datamodule.validate_against(self.model.config)
-        check_expert_backend(self.model.config, self.trainer)
+        self._check_model_inputs()
 
     def before_test(self) -> None:
         """Check that the data fits the model before testing."""
+        self._check_model_inputs()
+
+    def _check_model_inputs(self) -> None:
+        """The data fits the model and the expert backend runs on the trainer's device and precision."""
         self.datamodule.validate_against(self.model.config)
         check_expert_backend(self.model.config, self.trainer)
 

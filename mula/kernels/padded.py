@@ -86,17 +86,16 @@ def plan_buckets(counts: Tensor, single: bool = False) -> BucketLayout:
     """
     host = counts.tolist()
     num_experts = len(host)
-    call_cost = CALL_COST_ROWS
     cap = max(host, default=0)
     # one bucket over all experts in id order: no sort, no weight gather
-    best = (num_experts * cap + call_cost, None)
+    best = (num_experts * cap + CALL_COST_ROWS, None)
     if not single and num_experts > 1:
         order = sorted(range(num_experts), key=lambda e: -host[e])
         desc = [host[e] for e in order]
         step = max(1, torch.get_num_threads())
         for tol in TOLERANCES:
             cuts = _cut(desc, tol, step)
-            cost = sum((b - a) * desc[a] for a, b in cuts) + call_cost * (len(cuts) + 1)  # +1: gathers
+            cost = sum((b - a) * desc[a] for a, b in cuts) + CALL_COST_ROWS * (len(cuts) + 1)  # +1: gathers
             if cost < best[0]:
                 best = (cost, (order, cuts, desc))
     if best[1] is None:
