@@ -40,7 +40,8 @@ import torch.multiprocessing as mp
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
 
 from mula import Mula, MulaConfig
-from strategies.sharded_optimizer import EPShardedAdamW, is_expert_param
+from mula.moe import is_expert_param
+from strategies.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
 MiB = 2**20

@@ -20,9 +20,7 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 
-
-def _moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in module.modules() if all(hasattr(m, a) for a in ("router", "experts", "dispatcher"))]
+from mula.moe import iter_moe_layers
 
 
 class MoEMetrics(L.Callback):
@@ -41,7 +39,7 @@ class MoEMetrics(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Attach forward hooks that collect each MoE layer's tokens per expert."""
-        self._layers = _moe_layers(pl_module)
+        self._layers = [layer for _, layer in iter_moe_layers(pl_module)]
         if self.load_imbalance:
             for index, layer in enumerate(self._layers):
                 self._hooks.append(layer.register_forward_hook(self._make_hook(index)))

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from mula.moe import is_expert_param
 from mula.weights import SHARDED_META_FILE as METADATA_FILENAME
 from mula.weights import is_sharded_checkpoint, read_sharded_checkpoint
-from strategies.grad_sync import is_expert_param
 from strategies.topology import ExpertParallelTopology
 
 MODEL_KEY = "state_dict"

@@ -1,6 +1,6 @@
 """Apply expert parallelism to a plain (single-device) Mula model from the outside.
 
-Every MoE layer (a module with `.router`, `.experts` and `.dispatcher`) gets its stacked expert
+Every MoE layer (`mula.moe.iter_moe_layers`) gets its stacked expert
 weights sliced to this rank's block of global experts and its dispatcher replaced by an
 `AllToAllDispatcher` over the EP group. The model code itself never changes, and the kept slices are
 exactly the single-process model's experts p*E_local ... (p+1)*E_local - 1 (build full, then slice).
@@ -8,33 +8,12 @@ exactly the single-process model's experts p*E_local ... (p+1)*E_local - 1 (buil
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
+from mula.moe import iter_moe_layers, num_global_experts
 from strategies.all_to_all import AllToAllDispatcher
 from strategies.topology import ExpertParallelTopology, validate_layout
-
-
-def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every MoE layer: modules with a router, grouped experts and a dispatcher."""
-    for name, module in model.named_modules():
-        if all(hasattr(module, a) for a in ("router", "experts", "dispatcher")):
-            yield name, module
-
-
-def num_global_experts(model: nn.Module) -> int | None:
-    """Experts per MoE layer in the full model (None for a dense model)."""
-    counts = {int(layer.router.num_experts) for _, layer in moe_layers(model)}
-    if len(counts) > 1:
-        raise ValueError(f"MoE layers disagree on the number of experts: {sorted(counts)}.")
-    return counts.pop() if counts else None
-
-
-def expert_param_names(model: nn.Module) -> list[str]:
-    """Names of the stacked expert parameters ([E_local, ...], '.experts.' in the name)."""
-    return [n for n, _ in model.named_parameters() if ".experts." in f".{n}"]
 
 
 @torch.no_grad()
@@ -49,7 +28,7 @@ def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) ->
         return None
     validate_layout(topology.world_size, topology.ep_size, total)
     local = topology.local_expert_range(total)
-    for _, layer in moe_layers(model):
+    for _, layer in iter_moe_layers(model):
         if isinstance(layer.dispatcher, AllToAllDispatcher):
             continue
         experts = layer.experts

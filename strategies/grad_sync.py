@@ -23,12 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mula.moe import is_expert_param
 from strategies.topology import ExpertParallelTopology
-
-
-def is_expert_param(name: str) -> bool:
-    """Expert parameters are the stacked [E_local, ...] tensors inside GroupedExperts (contract rule)."""
-    return ".experts." in f".{name}"
 
 
 @dataclass

@@ -41,20 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mula.moe import is_expert_param
 from strategies.flat_buffers import Bucket, ParamEntry, Segment, padding_bound, plan_buckets
 from strategies.topology import ExpertParallelTopology
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-EXPERT_MARKER = ".experts."
-
-
-def is_expert_param(name: str) -> bool:
-    """Expert parameters are the stacked [E_local, ...] tensors whose name contains ".experts."."""
-    return EXPERT_MARKER in f".{name}"
-
 
 @dataclass
 class ShardingOptions:

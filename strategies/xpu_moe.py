@@ -47,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
+from mula.moe import is_expert_param
 from strategies.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.checkpoint import (
     expert_mesh,
@@ -58,7 +59,7 @@ from strategies.checkpoint import (
 )
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, is_expert_param
+from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
 from strategies.topology import ExpertParallelTopology, build_topology
 
 

@@ -159,3 +159,22 @@ def test_grouped_experts_with_empty_experts():
     ref = (F.silu(h[:, :6]) * h[:, 6:]) @ experts.down[1].t()
     torch.testing.assert_close(experts(x, counts), ref)
     assert experts.gate_up.shape == (4, 12, 8) and experts.down.shape == (4, 8, 6)
+
+
+def test_contract_finds_layers_and_expert_params():
+    from mula import Mula
+    from mula.moe import is_expert_param, iter_moe_layers, num_global_experts
+
+    model = Mula(tiny(num_layers=2))
+    names = [n for n, _ in iter_moe_layers(model)]
+    assert names == ["layers.0.mlp", "layers.1.mlp"]
+    assert num_global_experts(model) == 6
+    experts = sorted(n for n, _ in model.named_parameters() if is_expert_param(n))
+    assert experts == [f"layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down", "gate_up")]
+    # prefixes added by Lightning / torch.compile / optimizer-state keys keep the answer
+    assert is_expert_param("model._orig_mod.layers.0.mlp.experts.gate_up")
+    assert is_expert_param("optimizer_0.state.layers.0.mlp.experts.down.exp_avg")
+    # a parameter merely named like the module is not an expert tensor, nor is the router
+    assert not is_expert_param("layers.0.mlp.router.weight")
+    assert not is_expert_param("experts")
+    assert num_global_experts(Mula(tiny(num_experts=0, top_k=0))) is None

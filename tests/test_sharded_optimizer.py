@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from dist_helpers import run_distributed
 from torch import nn
 
+from mula.moe import is_expert_param
 from strategies.flat_buffers import ParamEntry, plan_buckets
-from strategies.sharded_optimizer import EPShardedAdamW, is_expert_param
+from strategies.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
 E_TOTAL, HIDDEN, INTER, LAYERS = 4, 8, 12, 2

@@ -1,5 +1,6 @@
 """Mixture-of-Experts building blocks: router, dispatcher, grouped experts, and the layer."""
 
+from mula.moe.contract import is_expert_param, iter_moe_layers, num_global_experts
 from mula.moe.dispatcher import LocalDispatcher, LocalDispatchState
 from mula.moe.experts import GroupedExperts
 from mula.moe.layer import MoELayer, MoEStats
@@ -14,6 +15,9 @@ __all__ = [
     "Router",
     "RouterOutput",
     "expert_counts",
+    "is_expert_param",
+    "iter_moe_layers",
     "load_balancing_loss",
+    "num_global_experts",
     "router_z_loss",
 ]
