@@ -11,9 +11,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mula.kernels.backends import check_backend_name
-
 NORMS = ("rmsnorm", "layernorm")
+# Expert-kernel backends a recipe may name (`mula.kernels.backends` resolves them); kept here, free of
+# torch, so that reading a config never imports the kernels.
+BACKENDS = ("auto", "triton", "torch", "loop")
+
+
+def check_backend_name(backend: str) -> None:
+    """Raise ValueError unless `backend` is one of BACKENDS."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown expert backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
 
 
 @dataclass

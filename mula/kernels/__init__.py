@@ -18,9 +18,10 @@ import contextlib
 import torch
 from torch import Tensor
 
+from mula.config import BACKENDS
 from mula.kernels import padded
 from mula.kernels.autograd import GroupedMM, GroupedSwiGLU, PaddedSwiGLU
-from mula.kernels.backends import BACKENDS, grouped_ops, resolve_backend
+from mula.kernels.backends import grouped_ops, resolve_backend
 from mula.kernels.padded import BucketLayout
 from mula.kernels.permute import RoutingPlan, pad_plan, permute, plan_routing, row_weights, unpermute
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-BACKENDS = ("auto", "triton", "torch", "loop")
+from mula.config import check_backend_name
+from mula.kernels import torch_gmm
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,6 @@ class GroupedOps:
     # swiglu_bwd(dy, down, h, counts) -> (dh [T,2I], a [T,I]).
     swiglu_fwd: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
     swiglu_bwd: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
-
-
-def check_backend_name(backend: str) -> None:
-    """Raise ValueError unless `backend` is one of BACKENDS."""
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown expert backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
 
 
 def triton_available(device: torch.device) -> bool:
@@ -80,12 +75,6 @@ def _triton_has_xpu() -> bool:
     return "intel" in triton_backends and hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
-def torch_grouped_mm_fn() -> Callable[..., Tensor] | None:
-    """`torch.nn.functional.grouped_mm` (torch >= 2.10) or `torch._grouped_mm` (2.8-2.9), or None."""
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
-    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
-
-
 @functools.cache
 def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """One-off probe: does torch's grouped GEMM run here, for the forward and both backward products?
@@ -94,10 +83,8 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     build itself on a tiny problem with aligned shapes (misaligned ones are padded by the backend) and a
     zero-row expert, and compare with the loop; any error or mismatch means "use another backend".
     """
-    if torch_grouped_mm_fn() is None:
+    if torch_gmm.grouped_mm_fn() is None:
         return False
-    from mula.kernels import torch_gmm  # local: avoids an import cycle
-
     try:
         device = torch.device(device_type)
         gen = torch.Generator().manual_seed(0)
@@ -148,8 +135,6 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
 def grouped_ops(backend: str) -> GroupedOps:
     """The raw grouped products of a concrete (non-auto, non-loop) backend."""
     if backend == "torch":
-        from mula.kernels import torch_gmm
-
         return GroupedOps("torch", torch_gmm.fwd, torch_gmm.wgrad)
     if backend == "triton":
         from mula.kernels import triton_gmm

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from mula.kernels.backends import check_backend_name, triton_available
+from mula.config import check_backend_name
+from mula.kernels.backends import triton_available
 from mula.kernels.padded import BucketLayout, sorted_to_padded
 
 

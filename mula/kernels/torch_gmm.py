@@ -9,13 +9,19 @@ Group boundaries go in as int32 cumulative offsets computed on the device (no ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mula.kernels.backends import torch_grouped_mm_fn
-
 _ALIGN_BYTES = 16
+
+
+def grouped_mm_fn() -> Callable[..., Tensor] | None:
+    """`torch.nn.functional.grouped_mm` (torch >= 2.10) or `torch._grouped_mm` (2.8-2.9), or None."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
 def _padded_size(size: int, dtype: torch.dtype) -> int:
@@ -45,7 +51,7 @@ def _offsets(counts: Tensor) -> Tensor:
 
 def fwd(x: Tensor, w: Tensor, counts: Tensor, transpose_w: bool) -> Tensor:
     """Rows of expert e times w[e].T (`transpose_w=False`, x [T,K] -> [T,N]) or times w[e] (x [T,N] -> [T,K])."""
-    gmm = torch_grouped_mm_fn()
+    gmm = grouped_mm_fn()
     n, k = w.shape[1], w.shape[2]
     if not transpose_w:
         kp = _padded_size(k, x.dtype)
@@ -62,7 +68,7 @@ def fwd(x: Tensor, w: Tensor, counts: Tensor, transpose_w: bool) -> Tensor:
 
 def wgrad(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     """dW[e] = dy_e.T @ x_e as one grouped 2D x 2D product over the token dimension: [E,N,K]."""
-    gmm = torch_grouped_mm_fn()
+    gmm = grouped_mm_fn()
     n, k = dy.shape[1], x.shape[1]
     npad, kp = _padded_size(n, x.dtype), _padded_size(k, x.dtype)
     dyp = _prep(dy, (0, npad - n))
