@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
 
 from mula import Mula, MulaConfig
+from mula.moe import iter_moe_layers
 from strategies.all_to_all import AllToAllDispatcher
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer
@@ -99,7 +100,11 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
         else:
             optimizer = adamw
             sync = GradientSynchronizer(named, topo, bucket_size_mb=16.0)
-    dispatchers = [m for m in model.modules() if isinstance(m, AllToAllDispatcher)]
+    dispatchers = [
+        layer.dispatcher
+        for _, layer in iter_moe_layers(model)
+        if isinstance(layer.dispatcher, AllToAllDispatcher)
+    ]
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [
         torch.randint(0, config.vocab_size, (spec.micro_batch, spec.seq_len + 1), generator=g)

@@ -1,6 +1,6 @@
 """All-to-all token dispatcher for expert parallelism (dropless, uneven splits, autograd-correct).
 
-Drop-in for the MoE layer's local dispatcher (same `dispatch`/`combine` methods). Per layer and step:
+Implements `mula.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher. Per layer and step:
 
 1. sort this rank's (token, k) assignments by global expert;
 2. exchange per-expert token counts over the EP group (one small all_to_all of E_total integers);
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 
 class _AllToAll(torch.autograd.Function):
@@ -62,8 +62,11 @@ class _DispatchState:
     top_k: int
 
 
-class AllToAllDispatcher(nn.Module):
+class AllToAllDispatcher:
     """Dispatcher that sends each token to the EP rank holding its expert and brings the results back.
+
+    A plain object like every `mula.moe.Dispatcher` (no parameters or buffers), so installing it
+    leaves the model's modules and state-dict keys as they were.
 
     num_experts: experts in the whole model (E_total); ep_size/ep_rank/ep_group: this rank's expert-
     parallel group. Local expert j on EP rank p is global expert p * (E_total / ep_size) + j.
@@ -72,7 +75,6 @@ class AllToAllDispatcher(nn.Module):
     """
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, ep_group: Any = None) -> None:
-        super().__init__()
         if ep_size < 1 or num_experts % ep_size != 0:
             raise ValueError(
                 f"The model has {num_experts} experts, which is not divisible by expert_parallel_size={ep_size}."
@@ -84,8 +86,11 @@ class AllToAllDispatcher(nn.Module):
         self.num_local_experts = num_experts // ep_size
         self.bytes_sent = 0
 
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, ep_size={self.ep_size}, ep_rank={self.ep_rank}"
+    def __repr__(self) -> str:
+        return (
+            f"AllToAllDispatcher(num_experts={self.num_experts}, ep_size={self.ep_size}, "
+            f"ep_rank={self.ep_rank})"
+        )
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> tuple[Tensor, Tensor, _DispatchState]:
         """Send rows of x [N, H] to their top-k experts' ranks.

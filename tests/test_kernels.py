@@ -16,7 +16,6 @@ a subprocess with that variable; this process does not collect it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -188,9 +187,10 @@ def test_bucket_plan_and_padded_rows():
 
 @pytest.mark.parametrize("fold_weights", [False, True])
 def test_padded_plan_end_to_end_matches_reference(fold_weights):
-    """pad_plan -> permute (writes the padded layout) -> grouped_swiglu(layout) -> unpermute == loop path.
+    """plan_routing (padded plan) -> permute (writes the padded layout) -> grouped_swiglu(plan) ->
+    unpermute == loop path.
 
-    fold_weights: the combine weights go into the experts (layout.row_weight, as the CPU dispatcher
+    fold_weights: the combine weights go into the experts (plan.row_weight, as the CPU dispatcher
     does) and unpermute sums; both the torch and the loop backends take that path.
     """
     gen = torch.Generator().manual_seed(5)
@@ -204,17 +204,16 @@ def test_padded_plan_end_to_end_matches_reference(fold_weights):
     dy = torch.randn(n, h, generator=gen)
 
     def run(x, w, gate_up, down, backend):
-        plan = mk.plan_routing(idx, e)
         if backend is None:  # reference: sorted rows, loop backend, weights in the combine
+            plan = mk.plan_routing(idx, e)
             ys = mk.grouped_swiglu(mk.permute(x, plan), gate_up, down, plan.counts, backend="loop")
             return mk.unpermute(ys, plan, w)
-        plan = mk.pad_plan(plan, padded.plan_buckets(plan.counts))
+        # the torch backend's plan on CPU is the padded one; the loop backend also runs on it
+        plan = mk.plan_routing(idx, e, w if fold_weights else None, backend="torch", dtype=x.dtype)
         layout = plan.layout
-        if fold_weights:
-            layout = dataclasses.replace(layout, row_weight=mk.row_weights(w, plan))
         xs = mk.permute(x, plan)
         assert xs.shape[0] == layout.rows
-        ys = mk.grouped_swiglu(xs, gate_up, down, layout, backend=backend)
+        ys = mk.grouped_swiglu(xs, gate_up, down, plan, backend=backend)
         return mk.unpermute(ys, plan, None if fold_weights else w)
 
     ref = _grads(lambda *t: run(*t, None), [x0, w0, gate_up0, down0], dy)

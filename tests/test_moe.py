@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from mula import MulaConfig
-from mula.kernels import BucketLayout
 from mula.moe import GroupedExperts, LocalDispatcher, MoELayer, Router, load_balancing_loss, router_z_loss
 
 
@@ -130,10 +129,11 @@ def test_dispatcher_groups_by_expert_and_combines(backend):
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
     w = torch.rand(n, k)
     disp = LocalDispatcher(e, backend)
-    x_sorted, layout, state = disp.dispatch(x, idx, w)
-    padded = isinstance(layout, BucketLayout)
+    x_sorted, plan, state = disp.dispatch(x, idx, w)
+    layout = plan.layout
+    padded = layout is not None
     assert padded == (backend == "auto")
-    counts = layout.counts if padded else layout
+    counts = plan.counts
     assert counts.tolist() == torch.bincount(idx.flatten(), minlength=e).tolist()
     # rows of expert j are exactly the tokens routed to j, in token order (then zero padding rows)
     start = 0
@@ -145,8 +145,8 @@ def test_dispatcher_groups_by_expert_and_combines(backend):
         start += int(counts[j])
     assert x_sorted.abs().sum() == pytest.approx((x.abs().sum(-1) * k).sum().item(), rel=1e-5)
     # identity experts: combine = x * sum of weights (on the padded layout the experts apply the
-    # combine weights themselves, from layout.row_weight, and combine sums)
-    y_sorted = x_sorted * layout.row_weight.unsqueeze(1) if padded else x_sorted
+    # combine weights themselves, from plan.row_weight, and combine sums)
+    y_sorted = x_sorted * plan.row_weight.unsqueeze(1) if padded else x_sorted
     torch.testing.assert_close(disp.combine(y_sorted, state), x * w.sum(-1, keepdim=True))
 
 
@@ -178,3 +178,20 @@ def test_contract_finds_layers_and_expert_params():
     assert not is_expert_param("layers.0.mlp.router.weight")
     assert not is_expert_param("experts")
     assert num_global_experts(Mula(tiny(num_experts=0, top_k=0))) is None
+
+
+def test_dispatchers_follow_the_protocol_and_stay_out_of_the_module_tree():
+    from mula.moe import Dispatcher
+    from strategies.all_to_all import AllToAllDispatcher
+
+    layer = MoELayer(tiny())
+    keys, modules = list(layer.state_dict()), [n for n, _ in layer.named_modules()]
+    for dispatcher in (LocalDispatcher(6), AllToAllDispatcher(6, ep_size=1, ep_rank=0)):
+        assert isinstance(dispatcher, Dispatcher)
+        assert not isinstance(dispatcher, torch.nn.Module)
+        layer.dispatcher = dispatcher
+        # swapping the dispatcher changes no state-dict key and no submodule; printing names it
+        assert list(layer.state_dict()) == keys == ["router.weight", "experts.gate_up", "experts.down"]
+        assert [n for n, _ in layer.named_modules()] == modules == ["", "router", "experts"]
+        assert type(dispatcher).__name__ in repr(layer)
+    assert not isinstance(object(), Dispatcher)

@@ -2,11 +2,13 @@
 
 Entry points (rows of `x` sorted by expert, `counts` [E] long tokens per expert summing to T):
   grouped_mm(x [T,K], w [E,N,K], counts, backend="auto") -> [T,N]          y_e = x_e @ w[e].T
-  grouped_swiglu(x [T,H], gate_up [E,2I,H], down [E,H,I], counts, backend="auto") -> [T,H]
+  grouped_swiglu(x [T,H], gate_up [E,2I,H], down [E,H,I], grouping, backend="auto") -> [T,H]
                                                   y_e = (silu(x_e @ gate.T) * (x_e @ up.T)) @ down[e].T
-  plan_routing / pad_plan / permute / unpermute      see `mula.kernels.permute`
-`grouped_swiglu` also takes a `BucketLayout` instead of counts: x is then already in that padded
-layout (`pad_plan` + `permute` write it directly; see `mula.kernels.padded`).
+  plan_routing / permute / unpermute                 see `mula.kernels.permute`
+The MoE data path is plan_routing -> permute -> grouped_swiglu(x, ..., plan) -> unpermute on every
+device: the `RoutingPlan` decides the rows' layout (on CPU the bucketed padded one of
+`mula.kernels.padded`), and the experts follow it. `grouped_swiglu` also takes plain counts
+(an `ExpertGrouping` is either) for rows that arrive already sorted, e.g. from an all-to-all.
 Backends: "auto", "triton", "torch", "loop" (reference); see `mula.kernels.backends` for the choice.
 All are differentiable in x and the weights. Under autocast the products run in the autocast dtype.
 """
@@ -22,24 +24,24 @@ from mula.config import BACKENDS
 from mula.kernels import padded
 from mula.kernels.autograd import GroupedMM, GroupedSwiGLU, PaddedSwiGLU
 from mula.kernels.backends import grouped_ops, resolve_backend
-from mula.kernels.padded import BucketLayout
-from mula.kernels.permute import RoutingPlan, pad_plan, permute, plan_routing, row_weights, unpermute
+from mula.kernels.permute import RoutingPlan, permute, plan_routing, unpermute
 
 __all__ = [
     "BACKENDS",
-    "BucketLayout",
+    "ExpertGrouping",
     "RoutingPlan",
     "grouped_mm",
     "grouped_swiglu",
     "loop_grouped_mm",
-    "pad_plan",
-    "padded_layout_for",
     "permute",
     "plan_routing",
     "resolve_backend",
-    "row_weights",
     "unpermute",
 ]
+
+# How the experts' input rows are grouped: per-expert row counts [E] (rows sorted by expert), or the
+# `RoutingPlan` whose `permute` wrote them (in whatever layout the plan chose).
+ExpertGrouping = Tensor | RoutingPlan
 
 
 def _check(
@@ -122,31 +124,26 @@ def _loop_swiglu(
     return loop_grouped_mm(a if row_weight is None else a * row_weight.unsqueeze(1), down, counts)
 
 
-def padded_layout_for(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """True when the expert MLP for this backend/device/dtype runs on the bucketed padded layout."""
-    return device.type in padded.DEVICES and resolve_backend(backend, device, dtype) == "torch"
-
-
 def grouped_swiglu(
-    x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor | BucketLayout, backend: str = "auto"
+    x: Tensor, gate_up: Tensor, down: Tensor, grouping: ExpertGrouping, backend: str = "auto"
 ) -> Tensor:
-    """The grouped SwiGLU expert MLP on rows sorted by expert.
+    """The grouped SwiGLU expert MLP on rows grouped by expert.
 
-    x [T,H]; gate_up [E,2I,H] (gate rows first, then up); down [E,H,I]; counts [E]. Returns [T,H].
-    With a `BucketLayout` instead of counts, x and the result are in that padded layout ([rows, H]),
-    and a `layout.row_weight` ([rows], from `row_weights`) scales each row's activation before the
-    down projection: y = (w * silu(gate) * up) @ down.T, the router's combine folded into the experts.
+    x [T,H]; gate_up [E,2I,H] (gate rows first, then up); down [E,H,I]; grouping: counts [E] for rows
+    sorted by expert, or the `RoutingPlan` whose `permute` produced x. Returns [T,H], in x's layout.
+    A plan that laid the rows out padded (CPU) may also carry the router's combine weights: each row's
+    activation is then scaled before the down projection, y = (w * silu(gate) * up) @ down.T.
     The `triton` backend fuses SwiGLU into the gate+up GEMM (forward) and into the down-projection's
     dX GEMM (backward); `torch` runs each projection as a few batched GEMMs over bucketed padded
     experts on CPU (`mula.kernels.padded`) and as single grouped GEMMs elsewhere.
     """
-    layout = counts if isinstance(counts, BucketLayout) else None
-    if layout is not None:
-        if x.dim() != 2 or x.shape[0] != layout.rows:
-            raise ValueError(
-                f"grouped_swiglu: x must be [{layout.rows}, hidden] in the padded layout, got {tuple(x.shape)}."
-            )
-        counts = layout.counts
+    plan = grouping if isinstance(grouping, RoutingPlan) else None
+    counts = grouping if plan is None else plan.counts
+    layout = None if plan is None else plan.layout
+    if layout is not None and (x.dim() != 2 or x.shape[0] != layout.rows):
+        raise ValueError(
+            f"grouped_swiglu: x must be [{layout.rows}, hidden] in the plan's padded layout, got {tuple(x.shape)}."
+        )
     _check(x, (gate_up, down), counts, "grouped_swiglu", padded_rows=layout is not None)
     e, two_i, h = gate_up.shape
     if two_i % 2 or x.shape[1] != h or tuple(down.shape) != (e, h, two_i // 2):
@@ -158,7 +155,7 @@ def grouped_swiglu(
     name = resolve_backend(backend, x.device, x.dtype)
     with _no_autocast(x):
         if layout is not None:
-            row_weight = layout.row_weight
+            row_weight = plan.row_weight
             if row_weight is not None:
                 row_weight = row_weight.to(x.dtype)
             if name == "loop":  # reference: back to sorted rows, loop, and into the layout again

@@ -1,26 +1,27 @@
 """CPU expert MLP on a bucketed, padded layout: each projection is a few batched GEMMs (`torch.bmm`).
 
 Why: on CPU, torch's grouped GEMM runs one BLAS call per expert and each call has fixed costs
-(packing, a threading fork/join; in 16-bit also ~15 us per oneDNN call and a per-shape JIT kernel:
-oneDNN keeps 1024, and a grouped GEMM has one shape per expert row count, so a model with a few MoE
-layers recompiles on every call). One batched GEMM over experts padded to a common row count avoids
-them, but routing is uneven (64 experts at 256 rows on average: 165 to 340 rows measured), so one
-capacity for all experts wastes ~27% of the rows.
+(packing, a threading fork/join; in 16-bit also a oneDNN call overhead and a per-shape JIT kernel:
+oneDNN's kernel cache is bounded, and a grouped GEMM has one shape per expert row count, so a model
+with a few MoE layers recompiles on every call). One batched GEMM over experts padded to a common
+row count avoids them, but routing is uneven (the fullest expert often has twice the rows of the
+emptiest), so one capacity for all experts wastes a large share of the rows.
 
 So experts are sorted by row count and cut into buckets of similar counts; each bucket is padded to
 its own largest count and runs as one batched GEMM per product on weights gathered in bucket order.
-Typical waste is 1-3%, for a handful of GEMM calls per projection instead of 64. Bucket sizes are
-multiples of the thread count (a batched GEMM splits its batch over the threads: 3 experts take as
-long as 4 on 2 threads). Padding rows are zero, so they add nothing to any product or gradient.
-`plan_buckets` picks the cut per call from the host-side counts (free on CPU) with a small cost
-model; skewed routing (one expert with all rows) ends up in a bucket of one expert, i.e. a plain
-GEMM, so there is no slow case.
+The waste drops to a few percent, for a handful of GEMM calls per projection instead of one per
+expert. Bucket sizes are multiples of the thread count (a batched GEMM splits its batch over the
+threads, so a partial last round leaves threads idle). Padding rows are zero, so they add nothing
+to any product or gradient. `plan_buckets` picks the cut per call from the host-side counts (free
+on CPU) with a small cost model; skewed routing (one expert with all rows) ends up in a bucket of
+one expert, i.e. a plain GEMM, so there is no slow case. docs/benchmarks.md (moe_layer) has the
+measurements behind these choices.
 
 The whole MLP (gate, up, SwiGLU, down, and the backward products) runs one bucket at a time. The
-router's permutation writes straight into the layout (`mula.kernels.permute.pad_plan`), and the
-combine weights can ride along (`BucketLayout.row_weight`): the experts scale their [rows, FFN]
-activations, and the combine becomes a plain sum, instead of scaling [rows, hidden] outputs and
-keeping an [N, K, hidden] copy for the weight gradient.
+routing plan puts the permuted rows straight into the layout (`mula.kernels.permute.plan_routing`),
+and the combine weights can ride along (`RoutingPlan.row_weight`): the experts scale their
+[rows, FFN] activations, and the combine becomes a plain sum, instead of scaling [rows, hidden]
+outputs and keeping an [N, K, hidden] copy for the weight gradient.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Cost model, in padded-row units (one row of the three expert GEMMs): every extra bucket costs a
-# batched-GEMM call per product (8 per step) and its elementwise ops. Tuned on a 2-core AMD EPYC
-# (AVX-512) at hidden 128 / FFN 64 in fp32: 24-128 were within noise of each other, 256+ slower.
+# batched-GEMM call per product (8 per step) and its elementwise ops. Measured, not derived: a broad
+# range of values performs alike (docs/benchmarks.md, moe_layer), so the exact value matters little.
 CALL_COST_ROWS = 64.0
 # Devices whose expert MLP runs on this layout (the torch backend elsewhere uses grouped GEMMs).
 DEVICES = ("cpu",)
@@ -54,9 +55,6 @@ class BucketLayout:
     counts: Tensor  # [E] long, real rows per expert (by id)
     rows: int  # total padded rows
     identity: bool  # order is 0..E-1 (no weight gathers)
-    # Optional [rows] combine weights the experts apply before the down projection (the dispatcher
-    # then combines with a plain sum); padding rows have weight 0. Set by the dispatcher per call.
-    row_weight: Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -67,7 +65,7 @@ def _cut(sorted_counts: list[int], tol: float, step: int) -> list[tuple[int, int
     """Greedy cut of descending counts into buckets of `step`-multiples of experts (the last may be
     shorter): a bucket ends where a count falls below (1-tol) x its capacity. Experts with no rows
     are left out. `step` is the thread count: a batched GEMM splits its batch over the threads, so a
-    batch that is not a multiple of them leaves threads idle (measured: 3 experts take as long as 4)."""
+    batch that is not a multiple of them leaves threads idle (a partial round costs a full one)."""
     end = next((i for i, c in enumerate(sorted_counts) if c == 0), len(sorted_counts))
     cuts, start = [], 0
     for i in range(step, end, step):

@@ -1,15 +1,17 @@
 """Token permutation for MoE: gather tokens into expert order and combine weighted expert outputs back.
 
 `plan_routing` sorts the N*K (token, slot) assignments by expert once (stable argsort, counts by
-scatter-add: no loop over experts, no host sync). `permute` and `unpermute` are autograd functions
-whose forward and backward are gathers on accelerators (never scatter-adds, so no atomics and
-deterministic results): the backward of the permutation is a gather-sum over each token's K rows,
-and the backward of the weighted combine is a row gather plus one dot product per assignment for
-the weight gradient. On CPU the unweighted sums are a serial scatter-add instead (deterministic
-there, and no [N,K,H] temporary).
+scatter-add: no loop over experts, no host sync) into a `RoutingPlan`. `permute` and `unpermute` are
+autograd functions whose forward and backward are gathers on accelerators (never scatter-adds, so
+no atomics and deterministic results): the backward of the permutation is a gather-sum over each
+token's K rows, and the backward of the weighted combine is a row gather plus one dot product per
+assignment for the weight gradient. On CPU the unweighted sums are a serial scatter-add instead
+(deterministic there, and no [N,K,H] temporary).
 
-`pad_plan` moves the rows into the CPU's bucketed padded layout (`mula.kernels.padded`) and
-`row_weights` hands each row its combine weight, for experts that apply the weights themselves.
+Where the experts' MLP runs on the CPU's bucketed padded layout (`mula.kernels.padded`), the plan
+puts its rows in that layout (so `permute` writes the experts' input directly, with no pad/unpad
+copies) and carries each row's combine weight for the experts to apply; `unpermute` then sums.
+Callers see the same plan -> permute -> grouped_swiglu -> unpermute on every device.
 
 Implementations: Triton kernels on CUDA/XPU (one program per row block, fp32 accumulation), and
 vectorised torch ops (index_select, index_add, a [N,K,H] view, bmm) everywhere else.
@@ -24,29 +26,58 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from mula.config import check_backend_name
-from mula.kernels.backends import triton_available
+from mula.kernels import padded
+from mula.kernels.backends import resolve_backend, triton_available
 from mula.kernels.padded import BucketLayout, sorted_to_padded
 
 
 @dataclass
 class RoutingPlan:
-    """Where every (token, slot) assignment goes in expert order; produced by `plan_routing`."""
+    """Where every (token, slot) assignment goes in the experts' row order; built by `plan_routing`.
 
-    order: Tensor  # [M] long: sorted row -> flat assignment index n*K + k
-    unsort: Tensor  # [M] long: flat assignment index -> sorted row
-    token: Tensor  # [M] long: sorted row -> token n
-    counts: Tensor  # [E] long: rows per expert (sums to M = N*K)
+    Opaque to callers except `counts`: `permute`, `grouped_swiglu` and `unpermute` read the rest.
+    """
+
+    order: Tensor  # [rows] long: expert row -> flat assignment index n*K + k
+    unsort: Tensor  # [M] long: flat assignment index -> expert row
+    token: Tensor  # [rows] long: expert row -> token n
+    counts: Tensor  # [E] long: assignments per expert (sums to M = N*K)
     top_k: int
-    # Set by `pad_plan`: rows are in this padded layout; padding rows have token N and order N*K.
+    # CPU experts: rows are in this padded layout; padding rows have token N and order N*K.
     layout: BucketLayout | None = None
+    # [N,K] combine weights `unpermute` applies (None: a plain sum, or the experts apply them).
+    combine_weight: Tensor | None = None
+    # [rows] combine weights the experts apply before their down projection (padded plans; padding
+    # rows 0): they scale [rows, FFN] activations instead of [rows, hidden] outputs.
+    row_weight: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the tokens the plan routes."""
+        return self.unsort.numel() // max(self.top_k, 1)
 
 
-def plan_routing(topk_idx: Tensor, num_experts: int) -> RoutingPlan:
-    """Sort the assignments of topk_idx [N,K] (expert ids) by expert, keeping token order within an expert."""
+def plan_routing(
+    topk_idx: Tensor,
+    num_experts: int,
+    topk_weight: Tensor | None = None,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype | None = None,
+) -> RoutingPlan:
+    """Sort the assignments of topk_idx [N,K] (expert ids) by expert, keeping token order within an expert.
+
+    topk_weight [N,K]: the combine weights, carried by the plan (`unpermute` applies them). `backend`
+    and `dtype` (the expert MLP's, and the dtype of the rows to move) let the plan lay the rows out the
+    way that MLP runs fastest: on CPU with the `torch` backend, the bucketed padded layout with the
+    combine weights folded into the experts. Without `dtype` the rows are plainly sorted by expert.
+    """
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx must be [tokens, top_k], got shape {tuple(topk_idx.shape)}.")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must hold integer expert ids, got {topk_idx.dtype}.")
+    if topk_weight is not None and topk_weight.shape != topk_idx.shape:
+        raise ValueError(f"topk_weight must be [tokens, top_k], got {tuple(topk_weight.shape)}.")
     top_k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -54,16 +85,24 @@ def plan_routing(topk_idx: Tensor, num_experts: int) -> RoutingPlan:
     unsort[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return RoutingPlan(order, unsort, order // max(top_k, 1), counts, top_k)
+    plan = RoutingPlan(order, unsort, order // max(top_k, 1), counts, top_k)
+    if dtype is not None and _experts_run_padded(backend, topk_idx.device, dtype):
+        plan = _pad_plan(plan, padded.plan_buckets(counts))
+        if topk_weight is not None:
+            plan.row_weight = _RowWeights.apply(topk_weight, plan.order, plan.unsort)
+        return plan
+    plan.combine_weight = topk_weight
+    return plan
 
 
-def pad_plan(plan: RoutingPlan, layout: BucketLayout) -> RoutingPlan:
-    """The same routing with rows in `layout`'s padded order (zero rows after each expert's tokens).
+def _experts_run_padded(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """True when `grouped_swiglu` for this backend/device/dtype runs on the bucketed padded layout."""
+    return device.type in padded.DEVICES and resolve_backend(backend, device, dtype) == "torch"
 
-    `permute` then writes the padded expert input directly and `unpermute` reads it back, so the
-    expert MLP needs no separate pad/unpad copies (CPU; see `mula.kernels.padded`).
-    """
-    n = plan.unsort.numel() // max(plan.top_k, 1)
+
+def _pad_plan(plan: RoutingPlan, layout: BucketLayout) -> RoutingPlan:
+    """The same routing with rows in `layout`'s padded order (zero rows after each expert's tokens)."""
+    n = plan.num_tokens
     index = sorted_to_padded(layout)
     token = torch.full((layout.rows,), n, dtype=torch.long).index_copy_(0, index, plan.token)
     order = torch.full((layout.rows,), plan.unsort.numel(), dtype=torch.long).index_copy_(
@@ -122,7 +161,7 @@ def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton
     if weight is None and ys.device.type == "cpu":
         # CPU: scatter-add into the tokens, no [N,K,H] temporary (serial there, so deterministic;
         # on GPUs it would take atomics). Padding rows (token N) land in a sink row that is dropped.
-        n = plan.unsort.numel() // max(plan.top_k, 1)
+        n = plan.num_tokens
         sink = int(plan.layout is not None)
         return ys.new_zeros(n + sink, ys.shape[1]).index_add_(0, plan.token, ys)[:n]
     gathered = _gather_slots(ys, plan)
@@ -133,31 +172,23 @@ def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton
 
 def _gather_slots(ys: Tensor, plan: RoutingPlan) -> Tensor:
     """[N, K, H]: the sorted rows of every token's K assignments, in (token, slot) order."""
-    n = plan.unsort.numel() // max(plan.top_k, 1)
+    n = plan.num_tokens
     return ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
 
 
 class _RowWeights(torch.autograd.Function):
-    """weight [N,K] -> [rows]: each sorted (or padded) row's combine weight; padding rows get 0."""
+    """weight [N,K] -> [rows]: each padded row's combine weight (padding rows 0), differentiable."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, weight: Tensor, plan: RoutingPlan) -> Tensor:
-        ctx.plan, ctx.shape = plan, weight.shape
-        flat = weight.reshape(-1)
-        return (flat if plan.layout is None else _with_zero_row(flat)).index_select(0, plan.order)
+    def forward(ctx: FunctionCtx, weight: Tensor, order: Tensor, unsort: Tensor) -> Tensor:
+        # the index tensors, not the plan: the plan keeps this function's output (no reference cycle)
+        ctx.unsort, ctx.shape = unsort, weight.shape
+        return _with_zero_row(weight.reshape(-1)).index_select(0, order)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, d_rows: Tensor) -> tuple[Tensor | None, ...]:
-        return d_rows.index_select(0, ctx.plan.unsort).view(ctx.shape), None
-
-
-def row_weights(weight: Tensor, plan: RoutingPlan) -> Tensor:
-    """The combine weights [N,K] in the plan's row order ([rows]), for experts that apply them
-    themselves (then `unpermute` is called without weights); differentiable in `weight`."""
-    if tuple(weight.shape) != (plan.unsort.numel() // max(plan.top_k, 1), plan.top_k):
-        raise ValueError(f"row_weights: weight must be [tokens, top_k], got {tuple(weight.shape)}.")
-    return _RowWeights.apply(weight, plan)
+        return d_rows.index_select(0, ctx.unsort).view(ctx.shape), None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -217,11 +248,19 @@ def permute(x: Tensor, plan: RoutingPlan, backend: str = "auto") -> Tensor:
 def unpermute(
     y_sorted: Tensor, plan: RoutingPlan, weight: Tensor | None = None, backend: str = "auto"
 ) -> Tensor:
-    """y_sorted [N*K,H] -> y [N,H] = sum_k weight[n,k] * y_sorted[row of (n,k)]; weight [N,K] or None (sum)."""
+    """y_sorted (the plan's rows) -> y [N,H] = sum_k weight[n,k] * y_sorted[row of (n,k)].
+
+    The weights are the plan's own (`plan_routing`'s topk_weight, unless the experts applied them),
+    or `weight` [N,K] for a plan built without them; no weights at all is a plain sum.
+    """
     if y_sorted.dim() != 2 or y_sorted.shape[0] != plan.order.numel():
         raise ValueError(
             f"unpermute expects y_sorted [{plan.order.numel()}, hidden], got {tuple(y_sorted.shape)}."
         )
-    if weight is not None and tuple(weight.shape) != (plan.unsort.numel() // max(plan.top_k, 1), plan.top_k):
+    if weight is None:
+        weight = plan.combine_weight
+    elif plan.combine_weight is not None or plan.row_weight is not None:
+        raise ValueError("unpermute: this plan carries its combine weights; pass no weight.")
+    elif tuple(weight.shape) != (plan.num_tokens, plan.top_k):
         raise ValueError(f"unpermute weight must be [tokens, top_k], got {tuple(weight.shape)}.")
     return _Unpermute.apply(y_sorted, weight, plan, _use_triton_for(y_sorted, plan, backend))

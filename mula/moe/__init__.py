@@ -1,14 +1,14 @@
 """Mixture-of-Experts building blocks: router, dispatcher, grouped experts, and the layer."""
 
 from mula.moe.contract import is_expert_param, iter_moe_layers, num_global_experts
-from mula.moe.dispatcher import LocalDispatcher, LocalDispatchState
+from mula.moe.dispatcher import Dispatcher, LocalDispatcher
 from mula.moe.experts import GroupedExperts
 from mula.moe.layer import MoELayer, MoEStats
 from mula.moe.router import Router, RouterOutput, expert_counts, load_balancing_loss, router_z_loss
 
 __all__ = [
+    "Dispatcher",
     "GroupedExperts",
-    "LocalDispatchState",
     "LocalDispatcher",
     "MoELayer",
     "MoEStats",

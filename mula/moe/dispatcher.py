@@ -1,74 +1,77 @@
 """Token dispatchers: group the (token, expert) assignments by expert and back.
 
-`LocalDispatcher` is the single-device one; the expert-parallel strategy swaps in an all-to-all
-dispatcher with the same two methods, so the MoE layer never knows where its experts live.
+`Dispatcher` is the contract between `MoELayer` and whoever moves its tokens: `LocalDispatcher` on
+one device, the expert-parallel strategy's all-to-all dispatcher (`strategies.all_to_all`) across
+ranks. The layer only calls the two methods, so it never knows where its experts live.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from typing import Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
 
-from mula.kernels import (
-    BucketLayout,
-    RoutingPlan,
-    pad_plan,
-    padded_layout_for,
-    permute,
-    plan_routing,
-    row_weights,
-    unpermute,
-)
-from mula.kernels.padded import plan_buckets
+from mula.kernels import ExpertGrouping, RoutingPlan, permute, plan_routing, unpermute
+
+StateT = TypeVar("StateT")
 
 
-@dataclass
-class LocalDispatchState:
-    """What `combine` needs to undo a `dispatch`."""
+@runtime_checkable
+class Dispatcher(Protocol[StateT]):
+    """What an MoE layer's dispatcher does: a plain object (no parameters, no buffers), kept by
+    `MoELayer.dispatcher` outside the module tree, so swapping it changes no state-dict key.
 
-    plan: RoutingPlan  # the sort of (token, slot) assignments by expert
-    topk_weight: Tensor | None  # [N, K] combine weights; None when the experts applied them
+    dispatch(x [N,H], topk_idx [N,K], topk_weight [N,K]) -> (x_grouped, grouping, state):
+        x_grouped holds the rows for this rank's experts, grouped by expert; grouping tells
+        `mula.kernels.grouped_swiglu` how (per-expert counts, or the `RoutingPlan` that wrote them);
+        state is whatever `combine` needs, opaque to the layer.
+    combine(y_grouped, state) -> y [N,H]: y_n = sum_k topk_weight[n,k] * (expert output for (n,k)).
+    """
+
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, ExpertGrouping, StateT]:
+        """Group the rows of x by the experts of their top-k assignments."""
+        ...
+
+    def combine(self, y_grouped: Tensor, state: StateT) -> Tensor:
+        """The expert outputs back in token order, weighted-summed over each token's K experts."""
+        ...
 
 
 class LocalDispatcher:
     """Groups assignments by expert with one stable sort (no loop over experts, no host sync).
 
-    A plain object rather than an `nn.Module`: it holds no state, and the strategy can replace
-    `MoELayer.dispatcher` with any object that has the same `dispatch`/`combine` methods. The
-    gathers run as fused kernels on GPUs and vectorised torch ops elsewhere (`mula.kernels.permute`).
-    Where the experts' backend runs on the bucketed padded layout (CPU), the gather writes that
-    layout directly and `dispatch` returns its `BucketLayout` in place of the counts, carrying the
-    combine weights per row: the experts scale their activations by them (a 64-wide product instead
-    of a hidden-wide one, and no [N,K,H] temporaries), and `combine` is a plain sum.
+    plan_routing -> permute, and unpermute to combine, on every device (`mula.kernels.permute`): the
+    routing plan lays the rows out the way the experts' backend runs them and carries the combine
+    weights, so this class makes no device-specific choice itself. The plan is also the state.
     """
 
     def __init__(self, num_experts: int, backend: str = "auto") -> None:
         self.num_experts = num_experts
         self.backend = backend
 
+    def __repr__(self) -> str:
+        return f"LocalDispatcher(num_experts={self.num_experts}, backend={self.backend!r})"
+
     def dispatch(
         self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
-    ) -> tuple[Tensor, Tensor | BucketLayout, LocalDispatchState]:
-        """x [N,H], topk_idx [N,K], topk_weight [N,K] -> (x_sorted, tokens per expert [E] or layout, state).
+    ) -> tuple[Tensor, RoutingPlan, RoutingPlan]:
+        """x [N,H], topk_idx [N,K], topk_weight [N,K] -> (x_grouped, plan, plan).
 
-        Rows of `x_sorted` are grouped by expert in increasing expert id ([N*K, H]), or in the
-        bucketed padded layout ([layout.rows, H]); within an expert they keep token order (stable
-        sort), which makes the result deterministic.
+        Rows of `x_grouped` are grouped by expert in increasing expert id; within an expert they keep
+        token order (stable sort), which makes the result deterministic. `plan.counts` holds the
+        rows per expert; the plan may pad each expert's rows (CPU), so use it, not the counts, to
+        run the experts.
         """
-        plan = plan_routing(topk_idx, self.num_experts)
-        if padded_layout_for(self.backend, x.device, x.dtype):
-            plan = pad_plan(plan, plan_buckets(plan.counts))
-            layout = dataclasses.replace(plan.layout, row_weight=row_weights(topk_weight, plan))
-            return permute(x, plan), layout, LocalDispatchState(plan, None)
-        return permute(x, plan), plan.counts, LocalDispatchState(plan, topk_weight)
+        plan = plan_routing(topk_idx, self.num_experts, topk_weight, backend=self.backend, dtype=x.dtype)
+        return permute(x, plan), plan, plan
 
-    def combine(self, y_sorted: Tensor, state: LocalDispatchState) -> Tensor:
-        """y_sorted (in dispatch's layout) -> y [N,H] = sum_k weight[n,k] * (output of token n's k-th expert).
+    def combine(self, y_grouped: Tensor, state: RoutingPlan) -> Tensor:
+        """y_grouped (in dispatch's layout) -> y [N,H] = sum_k weight[n,k] * (output of token n's k-th expert).
 
         On accelerators a gather back to (token, slot) order and a weighted sum over the K slots
-        instead of a scatter-add: no atomics, so the forward is deterministic on GPUs too. On CPU
-        the experts already applied the weights (padded layout) and this is a serial scatter-add.
+        instead of a scatter-add: no atomics, so the forward is deterministic on GPUs too.
         """
-        return unpermute(y_sorted, state.plan, state.topk_weight)
+        return unpermute(y_grouped, state)
+

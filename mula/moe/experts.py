@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mula.kernels import BucketLayout, grouped_swiglu
+from mula.kernels import ExpertGrouping, grouped_swiglu
 
 
 class GroupedExperts(nn.Module):
@@ -32,10 +32,10 @@ class GroupedExperts(nn.Module):
         for w in (self.gate_up, self.down):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, x_sorted: Tensor, tokens_per_expert: Tensor | BucketLayout) -> Tensor:
-        """x_sorted [M,H] grouped by expert, tokens_per_expert [E] long (or the dispatcher's padded
-        `BucketLayout`) -> [M,H]."""
-        return grouped_swiglu(x_sorted, self.gate_up, self.down, tokens_per_expert, self.backend)
+    def forward(self, x_grouped: Tensor, grouping: ExpertGrouping) -> Tensor:
+        """x_grouped [M,H] grouped by expert, as the dispatcher's `grouping` says (tokens per expert
+        [E] long, or the routing plan that wrote the rows) -> [M,H] in the same rows."""
+        return grouped_swiglu(x_grouped, self.gate_up, self.down, grouping, self.backend)
 
     def extra_repr(self) -> str:
         e, i2, h = self.gate_up.shape

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from mula.config import MulaConfig
-from mula.moe.dispatcher import LocalDispatcher
+from mula.moe.dispatcher import Dispatcher, LocalDispatcher
 from mula.moe.experts import GroupedExperts
 from mula.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss
 
@@ -24,8 +24,8 @@ class MoEStats:
 class MoELayer(nn.Module):
     """Dropless top-k mixture of SwiGLU experts (OLMoE).
 
-    `dispatcher` is a plain attribute: the expert-parallel strategy replaces it (and slices
-    `experts`) without touching this code.
+    `dispatcher` is a plain attribute holding any `Dispatcher` (not a submodule: it has no state):
+    the expert-parallel strategy replaces it (and slices `experts`) without touching this code.
     """
 
     def __init__(self, config: MulaConfig) -> None:
@@ -35,15 +35,18 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_backend
         )
-        self.dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
+        self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
+
+    def extra_repr(self) -> str:
+        return f"dispatcher={self.dispatcher!r}"
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
         """x [B,T,H] -> (y [B,T,H], MoEStats)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         route = self.router(x)
-        x_sorted, local_counts, state = self.dispatcher.dispatch(x, route.topk_idx, route.topk_weight)
-        y = self.dispatcher.combine(self.experts(x_sorted, local_counts), state)
+        x_grouped, grouping, state = self.dispatcher.dispatch(x, route.topk_idx, route.topk_weight)
+        y = self.dispatcher.combine(self.experts(x_grouped, grouping), state)
         counts = expert_counts(route.topk_idx, self.num_experts)
         stats = MoEStats(load_balancing_loss(route.probs, counts), router_z_loss(route.logits), counts)
         return y.view(shape), stats
