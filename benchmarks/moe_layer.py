@@ -68,6 +68,15 @@ How to read it.
   transformers' ~38 ms needs the whole layer in ~25 ms. The whole model adds attention,
   projections and the LM head (~80 ms of ~190 here), which both implementations run on the same
   torch kernels, so it gains less than the layer.
+- Notes on the CPU expert path (the numbers behind `mula.kernels.padded`, measured on this 2-core
+  AMD EPYC VM with AVX-512): routing at the benchmark shape is uneven (64 experts at 256 rows on
+  average held 165 to 340 rows), so padding every expert to one capacity wastes ~27% of the rows,
+  while the bucketed layout wastes 1-3% for a handful of batched-GEMM calls per projection instead
+  of 64 per-expert ones. A 16-bit oneDNN GEMM call costs ~15 us on top of its arithmetic. A batched
+  GEMM splits its batch over the threads: 3 experts take as long as 4 on 2 threads, hence bucket
+  sizes in multiples of the thread count. The cost model's per-bucket charge (`CALL_COST_ROWS` =
+  64 padded rows) was tuned at hidden 128 / FFN 64 in fp32: values from 24 to 128 were within noise
+  of each other, 256 and more slower.
 - The machine is a shared 2-core VM whose memory is reclaimed in the background: absolute times
   move by up to 40% between runs (transformers' layer ranged 36-51 ms, its whole model 228-304 ms,
   mostly page faults on freshly allocated tensors, which transformers' path has several times more
