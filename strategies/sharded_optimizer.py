@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,13 +46,11 @@ from torch import Tensor
 
 from strategies import optim_state
 from strategies.adamw import adamw_update
-from strategies.flat_buffers import Bucket, ParamEntry, Segment, padding_bound
-from strategies.grad_reduce import GradReducer, ReduceState, param_entry
+from strategies.flat_buffers import ParamEntry, Segment, padding_bound
+from strategies.grad_reduce import GradReducer, param_entry
+from strategies.param_gather import ParamGather
 from strategies.sharding_options import ShardingOptions
 from strategies.topology import ExpertParallelTopology
-
-# torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
 
@@ -74,24 +72,6 @@ class _Progress:
     clipped: bool = False  # clip_grad_norm_ already ran for the coming step
     last_norm: Tensor | None = None
     last_step_ms: float = 0.0
-
-
-@dataclass
-class _BucketState:
-    """Per-bucket parameter buffers and in-flight all-gathers (gradients: ``ReduceState``)."""
-
-    reduce: ReduceState
-    param_full: Tensor  # the model parameters are views into this buffer
-    runs: list[_Run] = field(default_factory=list)
-    gather_work: list[Any] = field(default_factory=list)
-    send: Tensor | None = None  # all-gather input (param dtype) when it cannot be the master shard
-    host_send: Tensor | None = None  # offload: cast of the master shard in host memory
-    copied_event: Any = None  # offload: device-to-host copy of the gradient shard done
-
-    @property
-    def shard_offset(self) -> int:
-        """Where this bucket's shard starts in the flat per-rank state buffers."""
-        return self.reduce.shard_offset
 
 
 class EPShardedAdamW(torch.optim.Optimizer):
@@ -196,7 +176,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 raise ValueError(
                     "overlap_param_gather=True needs module= (the module the parameter names refer to)."
                 )
-            self._register_forward_waits(module)
+            self._hooks.extend(self._gather.forward_waits(module))
         self._gather_params()  # replicas become bit-identical to the master shards
 
     # ----------------------------------------------------------------------------------------
@@ -246,27 +226,13 @@ class EPShardedAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _allocate(self) -> None:
-        """Flat buffers: per bucket the full parameter buffer (params become views); per rank one flat
-        fp32 master/exp_avg/exp_avg_sq shard (gradient buffers belong to the reducer)."""
+        """Flat buffers: the parameters become views of per-bucket buffers (``ParamGather``); per rank
+        one flat fp32 master/exp_avg/exp_avg_sq shard (gradient buffers belong to the reducer)."""
         opt = self.options
         pin = opt.offload and self.device.type != "cpu"
-        self._bstate: list[_BucketState] = []
-        for b, red in zip(self.buckets, self.reducer.states):
-            dom = red.domain
-            dtype = self._params[b.slots[0].entry.index].dtype
-            param_full = torch.zeros(b.numel, dtype=dtype, device=self.device)
-            st = _BucketState(red, param_full)
-            for slot in b.slots:
-                p = self._params[slot.entry.index]
-                view = param_full[slot.start : slot.start + slot.entry.numel]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
-            st.runs = _runs(b.segments(dom.rank))
-            if not dom.rooted and dom.size > 1 and (dtype != torch.float32 or opt.offload):
-                st.send = torch.empty(b.shard_numel, dtype=dtype, device=self.device)
-            if opt.offload:
-                st.host_send = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin)
-            self._bstate.append(st)
+        states = self.reducer.states
+        self._gather = ParamGather(self._params, self.buckets, states, offload=opt.offload, device=self.device)
+        self._runs = [_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
         numel = self.reducer.shard_grad.numel()
         zeros = {"dtype": torch.float32, "device": self.state_device}
         self.master = torch.zeros(numel, **zeros)
@@ -274,8 +240,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self.exp_avg_sq = torch.zeros(numel, **zeros)
         self.shard_grad = self.reducer.shard_grad
         self.host_grad = torch.zeros(numel, dtype=opt.reduce_dtype, pin_memory=pin) if opt.offload else None
-        for b, st in zip(self.buckets, self._bstate):
-            for seg in b.segments(st.reduce.domain.rank):
+        for b, st in zip(self.buckets, states):
+            for seg in b.segments(st.domain.rank):
                 p = self._params[seg.slot.entry.index]
                 lo = st.shard_offset + seg.shard_start
                 src = p.detach().reshape(-1)[seg.param_start : seg.param_start + seg.length]
@@ -364,18 +330,18 @@ class EPShardedAdamW(torch.optim.Optimizer):
             self.clip_grad_norm_(self.options.max_grad_norm)
         self.step_count.add_(1)
         grads = self.shard_grad
+        copied: list[Any] = [None] * len(self.buckets)  # offload: device-to-host copy done
         if self.options.offload:
             grads = self.host_grad
-            for b, st in zip(self.buckets, self._bstate):  # queue every copy; update as they land
-                lo, hi = st.shard_offset, st.shard_offset + b.shard_numel
+            for i in range(len(self.buckets)):  # queue every copy; update as they land
+                lo, hi = self._shard_range(i)
                 self.host_grad[lo:hi].copy_(self.shard_grad[lo:hi], non_blocking=True)
-                st.copied_event = _record_event(self.device)
-        for b, st in zip(self.buckets, self._bstate):
-            if st.copied_event is not None:
-                st.copied_event.synchronize()
-                st.copied_event = None
-            self._update_bucket(b, st, grads)
-            self._launch_gather(b, st)
+                copied[i] = _record_event(self.device)
+        for i in range(len(self.buckets)):
+            if copied[i] is not None:
+                copied[i].synchronize()
+            self._update_bucket(i, grads)
+            self._gather.launch(i, self.master[slice(*self._shard_range(i))])
         if not self.options.overlap_param_gather:
             self.wait_for_params()
         self._p.steps_done += 1
@@ -383,10 +349,15 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self._p.last_step_ms = (time.perf_counter() - t0) * 1e3
         return loss
 
-    def _update_bucket(self, b: Bucket, st: _BucketState, grads: Tensor) -> None:
+    def _shard_range(self, index: int) -> tuple[int, int]:
+        lo = self.reducer.states[index].shard_offset
+        return lo, lo + self.buckets[index].shard_numel
+
+    def _update_bucket(self, index: int, grads: Tensor) -> None:
         by_group: dict[int, list[list[Tensor]]] = {}
-        for run in st.runs:
-            lo, hi = st.shard_offset + run.lo, st.shard_offset + run.hi
+        offset = self.reducer.states[index].shard_offset
+        for run in self._runs[index]:
+            lo, hi = offset + run.lo, offset + run.hi
             lists = by_group.setdefault(run.group, [[], [], [], []])
             g = grads[lo:hi]
             lists[0].append(self.master[lo:hi])
@@ -409,64 +380,15 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 eps=float(group["eps"]),
             )
 
-    def _launch_gather(self, b: Bucket, st: _BucketState) -> None:
-        """Start the all-gather of this rank's updated shard of ``b`` into the model parameters."""
-        dom = st.reduce.domain
-        lo, hi = st.shard_offset, st.shard_offset + b.shard_numel
-        n, r = dom.size, dom.rank
-        if self.options.offload:
-            st.host_send.copy_(self.master[lo:hi])  # cast on the host, then one transfer
-            src = st.host_send
-        else:
-            src = self.master[lo:hi]
-        if dom.rooted or n == 1:  # write the own shard in place, then its owner broadcasts each
-            chunks = st.param_full.chunk(n)
-            chunks[r].copy_(src, non_blocking=self.options.offload)
-            st.gather_work = [
-                dist.broadcast(chunks[i], src=dom.global_ranks[i], group=dom.group, async_op=True)
-                for i in range(n)
-                if n > 1
-            ]
-            return
-        if st.send is not None:
-            src = st.send.copy_(src, non_blocking=self.options.offload)
-        st.gather_work = [_all_gather(st.param_full, src, group=dom.group, async_op=True)]
-
     def wait_for_params(self) -> None:
         """Block until every all-gather launched by ``step()`` has landed in the model parameters
         (needed before reading parameters outside a forward when ``overlap_param_gather`` is on)."""
-        for st in self._bstate:
-            self._wait_gather(st)
-
-    def _wait_gather(self, st: _BucketState) -> None:
-        for handle in st.gather_work:
-            handle.wait()
-        st.gather_work = []
+        self._gather.wait_all()
 
     def _gather_params(self) -> None:
-        for b, st in zip(self.buckets, self._bstate):
-            self._launch_gather(b, st)
+        for i in range(len(self.buckets)):
+            self._gather.launch(i, self.master[slice(*self._shard_range(i))])
         self.wait_for_params()
-
-    def _register_forward_waits(self, module: torch.nn.Module) -> None:
-        owners: dict[str, set[int]] = {}
-        for b in self.buckets:
-            for s in b.slots:
-                owners.setdefault(s.entry.name.rpartition(".")[0], set()).add(b.index)
-        for owner, bucket_ids in owners.items():
-            try:
-                sub = module.get_submodule(owner)
-            except AttributeError as err:
-                raise ValueError(
-                    f"Parameter owner {owner!r} is not a submodule of the given module."
-                ) from err
-            states = [self._bstate[i] for i in sorted(bucket_ids)]
-
-            def wait(_mod, _args, states=states) -> None:
-                for st in states:
-                    self._wait_gather(st)
-
-            self._hooks.append(sub.register_forward_pre_hook(wait))
 
     # ----------------------------------------------------------------------------------------
     # reporting
@@ -477,7 +399,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def owned_numel(self) -> int:
         """Parameter elements whose state this rank owns (padding excluded)."""
-        return sum(s.length for b, st in zip(self.buckets, self._bstate) for s in b.segments(st.reduce.domain.rank))
+        return sum(s.length for b, st in zip(self.buckets, self.reducer.states) for s in b.segments(st.domain.rank))
 
     def padding_bytes(self) -> int:
         """State bytes spent on alignment padding on this rank (``state_bytes() - 12 * owned_numel()``)."""
