@@ -78,7 +78,9 @@ class Domain:
     next_launch: int = 0  # index into buckets of the next reduction to launch this round
 
 
-def make_domains(topology: ExpertParallelTopology, *, sharded: bool, ep_aware: bool = True) -> dict[str, Domain]:
+def make_domains(
+    topology: ExpertParallelTopology, *, sharded: bool, ep_aware: bool = True
+) -> dict[str, Domain]:
     """The dense and expert domains of a (W, E) layout; both pre-scale by 1/W (module docstring).
 
     Plain mode keeps whole buckets (one shard) and all-reduces them over the world (dense) or EDP
@@ -90,8 +92,12 @@ def make_domains(topology: ExpertParallelTopology, *, sharded: bool, ep_aware: b
     if not sharded:
         edp = t.edp_group if t.edp_size > 1 else None  # EDP = 1: no reduction, the 1/W still applies
         return {
-            "dense": Domain("dense", None, 1, 0, scale, [t.rank], all_reduce=world is not None, reduce_group=world),
-            "expert": Domain("expert", None, 1, 0, scale, [t.rank], all_reduce=edp is not None, reduce_group=edp),
+            "dense": Domain(
+                "dense", None, 1, 0, scale, [t.rank], all_reduce=world is not None, reduce_group=world
+            ),
+            "expert": Domain(
+                "expert", None, 1, 0, scale, [t.rank], all_reduce=edp is not None, reduce_group=edp
+            ),
         }
     edp_ranks = t.edp_group_ranks()
     expert = Domain("expert", t.edp_group, t.edp_size, t.edp_rank, scale, edp_ranks)
@@ -194,12 +200,17 @@ class GradReducer:
             idx = [i for i, b in enumerate(self.buckets) if b.domain == name]
             if idx:
                 lo = self.states[idx[0]].shard_offset
-                self.domain_ranges[name] = (lo, self.states[idx[-1]].shard_offset + self.buckets[idx[-1]].shard_numel)
+                self.domain_ranges[name] = (
+                    lo,
+                    self.states[idx[-1]].shard_offset + self.buckets[idx[-1]].shard_numel,
+                )
         self.overlap = overlap
         self._hooks: list[Any] = []
         if overlap:
             for entry in self.entries:
-                self._hooks.append(self.params[entry.index].register_post_accumulate_grad_hook(self._make_hook(entry.index)))
+                self._hooks.append(
+                    self.params[entry.index].register_post_accumulate_grad_hook(self._make_hook(entry.index))
+                )
 
     # ----------------------------------------------------------------------------------------
     # arrival

@@ -57,7 +57,9 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
     for mine, saved in zip(opt.param_groups, groups):
         names = [opt.name_of(p) for p in mine["params"]]
         if list(saved["param_names"]) != names:
-            raise ValueError("The optimizer checkpoint's param groups name other parameters than this model's.")
+            raise ValueError(
+                "The optimizer checkpoint's param groups name other parameters than this model's."
+            )
         for k, v in saved.items():
             if k not in ("params", "param_names"):
                 mine[k] = tuple(v) if k == "betas" else v
@@ -74,7 +76,9 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
 def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) -> None:
     shards = saved.local_shards() if hasattr(saved, "local_shards") else None
     if shards is None:
-        raise ValueError(f"Optimizer state for {entry.name} is not a ShardedTensor from sharded_state_dict().")
+        raise ValueError(
+            f"Optimizer state for {entry.name} is not a ShardedTensor from sharded_state_dict()."
+        )
     by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in shards}
     for offset, seg in opt.local_segments(entry):
         t = by_offset.get(seg.global_start)

@@ -107,7 +107,9 @@ class ParamGather:
             try:
                 sub = module.get_submodule(owner)
             except AttributeError as err:
-                raise ValueError(f"Parameter owner {owner!r} is not a submodule of the given module.") from err
+                raise ValueError(
+                    f"Parameter owner {owner!r} is not a submodule of the given module."
+                ) from err
 
             ids = sorted(bucket_ids)
 

@@ -231,7 +231,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
         opt = self.options
         pin = opt.offload and self.device.type != "cpu"
         states = self.reducer.states
-        self._gather = ParamGather(self._params, self.buckets, states, offload=opt.offload, device=self.device)
+        self._gather = ParamGather(
+            self._params, self.buckets, states, offload=opt.offload, device=self.device
+        )
         self._runs = [_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
         numel = self.reducer.shard_grad.numel()
         zeros = {"dtype": torch.float32, "device": self.state_device}
@@ -399,7 +401,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def owned_numel(self) -> int:
         """Parameter elements whose state this rank owns (padding excluded)."""
-        return sum(s.length for b, st in zip(self.buckets, self.reducer.states) for s in b.segments(st.domain.rank))
+        return sum(
+            s.length for b, st in zip(self.buckets, self.reducer.states) for s in b.segments(st.domain.rank)
+        )
 
     def padding_bytes(self) -> int:
         """State bytes spent on alignment padding on this rank (``state_bytes() - 12 * owned_numel()``)."""
