@@ -2,12 +2,12 @@
 
 Per parameter (global name) the fp32 master weights, exp_avg and exp_avg_sq are 1-D tensors over
 the flattened *global* parameter (expert parameters in global expert order), each rank contributing
-the pieces its shards hold, so a checkpoint saved at one (W, E) layout loads at any other.
+the piece its shards hold, so a checkpoint saved at one (W, E) layout loads at any other.
 
-The pieces are irregular (bucket packing and alignment decide where a parameter is cut, and a rank
-may hold none of a parameter), which DTensor's even ``Shard(0)`` placements cannot express; they are
-therefore described with ``ShardedTensor`` metadata, DCP's format for arbitrary 1-D chunks. That
-deprecated API is used only here.
+Each is a DTensor ``Shard(0)`` over a 1-D mesh of the world. The pieces are irregular (bucket packing
+and alignment decide where a parameter is cut, and a rank may hold none of it), which DTensor's even
+chunks cannot express, so the local tensor is torch's ``LocalShardsWrapper`` (the local-shards
+tensor DCP reads chunk offsets from, as torchrec uses it), holding views of the live buffers.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from strategies.flat_buffers import ParamEntry
+from strategies.flat_buffers import ParamEntry, Segment
 
 if TYPE_CHECKING:
     from strategies.sharded_optimizer import EPShardedAdamW
@@ -26,16 +27,16 @@ _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def sharded_state_dict(opt: EPShardedAdamW) -> dict[str, Any]:
-    """``opt``'s state for DCP: per parameter a ShardedTensor per kind, the step count and the param
+    """``opt``'s state for DCP: per parameter a global DTensor per kind, the step count and the param
     groups. Local shards are views of the live buffers, so ``dcp.load`` into this dict loads in
     place; then call ``load_sharded_state_dict``."""
     if not opt.options.ep_aware and opt.topology.ep_size > 1:
         raise ValueError("Checkpointing the EP-unaware comparison layout is not supported.")
     opt.wait_for_params()
+    mesh = _world_mesh(opt)
     state: dict[str, Any] = {}
     for entry in opt.entries:
-        shards = _global_shards(opt, entry)
-        state[entry.name] = {kind: _sharded_tensor(opt, getattr(opt, kind), shards, entry) for kind in _KINDS}
+        state[entry.name] = {kind: _global_tensor(opt, getattr(opt, kind), entry, mesh) for kind in _KINDS}
     # Param groups keyed by index (strings), not a list of dicts: if DCP ever falls back to its
     # pre-2.4 key format (it does when a saved key is missing here), the keys stay the same.
     groups = {}
@@ -73,63 +74,54 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
             _copy_in(opt, entry, saved[kind], getattr(opt, kind))
 
 
+def _world_mesh(opt: EPShardedAdamW) -> Any:
+    """A 1-D device mesh over the world (collective), or None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(opt.device.type, (dist.get_world_size(),))
+
+
 def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) -> None:
-    shards = saved.local_shards() if hasattr(saved, "local_shards") else None
-    if shards is None:
-        raise ValueError(
-            f"Optimizer state for {entry.name} is not a ShardedTensor from sharded_state_dict()."
-        )
-    by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in shards}
+    local = saved.to_local() if hasattr(saved, "to_local") else saved
+    if isinstance(local, Tensor) and hasattr(local, "local_shards"):
+        by_offset = {o[0]: t for t, o in zip(local.local_shards(), local.local_offsets())}
+    elif isinstance(local, Tensor) and local.numel() == entry.global_numel:
+        by_offset = {0: local}
+    else:
+        raise ValueError(f"Optimizer state for {entry.name} is not a tensor from sharded_state_dict().")
     for offset, seg in opt.local_segments(entry):
         t = by_offset.get(seg.global_start)
         if t is None or t.numel() != seg.length:
             raise ValueError(f"Optimizer state for {entry.name} does not match this layout's shards.")
-        dst = buf[offset + seg.shard_start : offset + seg.shard_start + seg.length]
+        dst = buf[_range(offset, seg)]
         if dst.data_ptr() != t.data_ptr():
             dst.copy_(t)
 
 
-def _global_shards(opt: EPShardedAdamW, entry: ParamEntry) -> list[tuple[int, int, int]]:
-    """(world rank, global offset, length) of every piece of ``entry`` over the whole world. The
-    layout is the same on every rank of a domain (and across EP ranks for experts), so it is
-    computed locally."""
-    b = opt.buckets[opt.reducer.slots[entry.index].bucket]
-    t = opt.topology
-    out = []
-    for rank in range(t.world_size):
-        ep_rank, edp_rank = rank % t.ep_size, rank // t.ep_size
-        dom_rank = rank if entry.domain == "dense" else edp_rank
-        base = ep_rank * entry.numel if entry.domain == "expert" else 0
-        pieces = [s for s in b.segments(dom_rank) if s.slot.entry.index == entry.index]
-        # A rank holding nothing of this parameter gets an empty shard: DCP drops ShardedTensors
-        # without local shards from a rank's plan, and a missing key derails its loading.
-        out.extend((rank, base + s.param_start, s.length) for s in pieces)
-        # It sits at the end of the tensor: DCP de-duplicates chunks by (key, offset) across
-        # ranks, so an empty chunk at a real chunk's offset could replace that chunk.
-        if not pieces:
-            out.append((rank, entry.global_numel, 0))
-    return out
-
-
-def _sharded_tensor(
-    opt: EPShardedAdamW, buf: Tensor, shards: list[tuple[int, int, int]], entry: ParamEntry
-) -> Any:
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    dev = buf.device
-    metas = [ShardMetadata([off], [n], f"rank:{r}/{dev}") for r, off, n in shards]
-    local = []
+def _global_tensor(opt: EPShardedAdamW, buf: Tensor, entry: ParamEntry, mesh: Any) -> Any:
+    """``entry``'s flattened global state as a DTensor over the world whose local part is this rank's
+    pieces (views of ``buf``), or a plain view when there is no process group (one rank holds all)."""
     segments = opt.local_segments(entry)
-    for offset, seg in segments:
-        lo = offset + seg.shard_start
-        meta = next(
-            m for (r, off, _), m in zip(shards, metas) if r == opt.topology.rank and off == seg.global_start
-        )
-        local.append(Shard(buf[lo : lo + seg.length], meta))
+    if mesh is None:
+        return buf[:0] if not segments else buf[_range(*segments[0])]
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    pieces = [buf[_range(o, s)] for o, s in segments]
+    offsets = [(s.global_start,) for _, s in segments]
     if not segments:
-        meta = next(m for (r, _, _), m in zip(shards, metas) if r == opt.topology.rank)
-        local.append(Shard(buf[:0], meta))
-    md = ShardedTensorMetadata(metas, torch.Size([entry.global_numel]), TensorProperties(dtype=buf.dtype))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md)
+        # A rank holding nothing of this parameter still contributes a chunk: DCP drops a key without
+        # local chunks from a rank's plan, and a missing key derails its loading. It sits at the end
+        # of the tensor: DCP de-duplicates chunks by (key, offset) across ranks, so an empty chunk at
+        # a real chunk's offset could replace that chunk.
+        pieces, offsets = [buf[:0]], [(entry.global_numel,)]
+    local = LocalShardsWrapper(pieces, offsets)
+    size = torch.Size([entry.global_numel])
+    return DTensor.from_local(local, mesh, [Shard(0)], shape=size, stride=(1,), run_check=False)
+
+
+def _range(offset: int, seg: Segment) -> slice:
+    """Where ``seg`` of a bucket whose shard starts at ``offset`` lies in the flat state buffers."""
+    return slice(offset + seg.shard_start, offset + seg.shard_start + seg.length)
