@@ -1,0 +1,121 @@
+"""The sharded optimizer's model parameters: views of flat per-bucket buffers, refilled by all-gather.
+
+Each bucket's full parameter buffer (in the model's dtype) is the concatenation of the domain ranks'
+shards, so after the update every rank sends its fp32 master shard (cast to the model dtype) and
+receives the others' -- one all-gather per bucket, or one broadcast per shard rooted at its owner
+when the domain uses rooted collectives (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from strategies.flat_buffers import Bucket
+from strategies.grad_reduce import ReduceState
+
+# torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ParamGather:
+    """Re-points ``params`` into flat per-bucket buffers and refreshes them from the owners' shards.
+
+    Args:
+        params: the parameters, ``params[e.index]`` for every entry of the buckets.
+        buckets, states: the reducer's buckets and their per-bucket states (domain, shard offset).
+        offload: the master shards live in host memory (cast there, then one transfer).
+        device: where the parameters live.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        buckets: Sequence[Bucket],
+        states: Sequence[ReduceState],
+        *,
+        offload: bool,
+        device: torch.device,
+    ) -> None:
+        self.buckets, self.offload = list(buckets), offload
+        self._domains = [st.domain for st in states]
+        pin = offload and device.type != "cpu"
+        self.full: list[Tensor] = []  # the model parameters are views into these
+        self._send: list[Tensor | None] = []  # all-gather input when it cannot be the master shard
+        self._host_send: list[Tensor | None] = []  # offload: cast of the master shard in host memory
+        self._work: list[list[Any]] = [[] for _ in self.buckets]
+        for b, dom in zip(self.buckets, self._domains):
+            dtype = params[b.slots[0].entry.index].dtype
+            full = torch.zeros(b.numel, dtype=dtype, device=device)
+            for slot in b.slots:
+                p = params[slot.entry.index]
+                view = full[slot.start : slot.start + slot.entry.numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(p.shape)
+            self.full.append(full)
+            native = not dom.rooted and dom.size > 1
+            needs_send = native and (dtype != torch.float32 or offload)
+            self._send.append(torch.empty(b.shard_numel, dtype=dtype, device=device) if needs_send else None)
+            host = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin) if offload else None
+            self._host_send.append(host)
+
+    def launch(self, index: int, shard: Tensor) -> None:
+        """Start filling bucket ``index`` from every rank's ``shard`` (this rank's fp32 master shard)."""
+        dom = self._domains[index]
+        n, r = dom.size, dom.rank
+        src = shard
+        if self.offload:
+            src = self._host_send[index].copy_(shard)  # cast on the host, then one transfer
+        if dom.rooted or n == 1:  # write the own shard in place, then its owner broadcasts each
+            chunks = self.full[index].chunk(n)
+            chunks[r].copy_(src, non_blocking=self.offload)
+            self._work[index] = [
+                dist.broadcast(chunks[i], src=dom.global_ranks[i], group=dom.group, async_op=True)
+                for i in range(n)
+                if n > 1
+            ]
+            return
+        send = self._send[index]
+        if send is not None:
+            src = send.copy_(src, non_blocking=self.offload)
+        self._work[index] = [_all_gather(self.full[index], src, group=dom.group, async_op=True)]
+
+    def wait(self, index: int) -> None:
+        """Block until bucket ``index``'s parameters have landed."""
+        for handle in self._work[index]:
+            handle.wait()
+        self._work[index] = []
+
+    def wait_all(self) -> None:
+        """Block until every launched bucket has landed."""
+        for i in range(len(self.buckets)):
+            self.wait(i)
+
+    def forward_waits(self, module: torch.nn.Module) -> list[Any]:
+        """Forward pre-hooks on the submodules of ``module`` owning parameters, each waiting for its
+        buckets, so the all-gathers overlap the forward; returns their handles."""
+        owners: dict[str, set[int]] = {}
+        for b in self.buckets:
+            for s in b.slots:
+                owners.setdefault(s.entry.name.rpartition(".")[0], set()).add(b.index)
+        hooks = []
+        for owner, bucket_ids in owners.items():
+            try:
+                sub = module.get_submodule(owner)
+            except AttributeError as err:
+                raise ValueError(
+                    f"Parameter owner {owner!r} is not a submodule of the given module."
+                ) from err
+
+            ids = sorted(bucket_ids)
+
+            def wait(_mod, _args, ids=ids) -> None:
+                for i in ids:
+                    self.wait(i)
+
+            hooks.append(sub.register_forward_pre_hook(wait))
+        return hooks
