@@ -9,8 +9,8 @@ Recipes enable them by ``class_path``.
 """
 
 from callbacks.anomaly import AnomalyGuard
-from callbacks.checkpointing import FaultTolerantCheckpoint
 from callbacks.exit_codes import ExitCode
+from callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from callbacks.moe_metrics import MoEMetrics
 from callbacks.preemption import PreemptionHandler
 from callbacks.stragglers import StragglerDetector

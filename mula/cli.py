@@ -22,7 +22,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from mula.checkpointing import auto_resume_ckpt_path
+from mula.checkpoint import auto_resume_ckpt_path
 from mula.config import MulaConfig
 from mula.data import MulaDataModule
 from mula.kernels.backends import resolve_backend

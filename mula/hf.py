@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mula.checkpoint import atomic_write, model_from_state_dict, read_checkpoint, save_weights
 from mula.config import MulaConfig
 from mula.model import Mula
-from mula.weights import model_from_state_dict, read_checkpoint, save_weights
 
 SUPPORTED = {"olmoe": "OlmoeForCausalLM", "olmo": "OlmoForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -359,42 +358,38 @@ def export_hf(
     target = _DTYPES[dtype] if dtype else next(iter(state.values())).dtype
     hf_config = config_to_hf(config, target)
 
-    tmp = output.with_name(output.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shards: list[tuple[Path, list[str]]] = []
-    shard: dict[str, Tensor] = {}
-    size = total = 0
+    with atomic_write(output) as tmp:  # an empty directory at `output` (checked above) is replaced
+        tmp.mkdir(parents=True)
+        shards: list[tuple[Path, list[str]]] = []
+        shard: dict[str, Tensor] = {}
+        size = total = 0
 
-    def flush() -> None:
-        nonlocal shard, size
-        path = tmp / f"shard-{len(shards)}.safetensors"
-        save_file(shard, path, metadata={"format": "pt"})  # transformers requires the "pt" tag
-        shards.append((path, list(shard)))
-        shard, size = {}, 0
+        def flush() -> None:
+            nonlocal shard, size
+            path = tmp / f"shard-{len(shards)}.safetensors"
+            save_file(shard, path, metadata={"format": "pt"})  # transformers requires the "pt" tag
+            shards.append((path, list(shard)))
+            shard, size = {}, 0
 
-    for name, tensor in iter_hf_tensors(config, state):
-        # an owned contiguous copy: safetensors refuses views that share storage (expert slices)
-        tensor = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > max_shard_bytes:
-            flush()
-        shard[name] = tensor
-        size += nbytes
-        total += nbytes
-    flush()
+        for name, tensor in iter_hf_tensors(config, state):
+            # an owned contiguous copy: safetensors refuses views that share storage (expert slices)
+            tensor = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and size + nbytes > max_shard_bytes:
+                flush()
+            shard[name] = tensor
+            size += nbytes
+            total += nbytes
+        flush()
 
-    if len(shards) == 1:
-        shards[0][0].rename(tmp / "model.safetensors")
-    else:
-        weight_map = {}
-        for n, (path, names) in enumerate(shards, start=1):
-            final = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            path.rename(tmp / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    if output.exists():
-        output.rmdir()  # an empty directory, checked above
-    tmp.rename(output)
+        if len(shards) == 1:
+            shards[0][0].rename(tmp / "model.safetensors")
+        else:
+            weight_map = {}
+            for n, (path, names) in enumerate(shards, start=1):
+                final = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+                path.rename(tmp / final)
+                weight_map.update(dict.fromkeys(names, final))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

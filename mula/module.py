@@ -128,7 +128,7 @@ class MulaLightningModule(L.LightningModule):
 
     def _load_init_weights(self, path: str) -> None:
         """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
-        from mula.weights import load_weights  # imported lazily: only needed with init_weights
+        from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
 
         source = load_weights(path)
         ours = {

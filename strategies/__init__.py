@@ -8,7 +8,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from strategies.accelerator import XPUAccelerator, process_group_backend, register as _register_accelerator
 from strategies.all_to_all import AllToAllDispatcher
-from strategies.checkpoint import consolidate_checkpoint
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
@@ -28,7 +27,6 @@ __all__ = [
     "apply_expert_parallel",
     "build_topology",
     "clip_grad_norm_",
-    "consolidate_checkpoint",
     "process_group_backend",
     "validate_layout",
 ]

@@ -49,7 +49,10 @@ from torch import Tensor, nn
 
 from mula.moe import is_expert_param
 from strategies.accelerator import fix_mixed_precision_device, process_group_backend
-from strategies.checkpoint import (
+from strategies.environments import PALSEnvironment
+from strategies.expert_parallel import apply_expert_parallel
+from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.sharded_state import (
     expert_mesh,
     load_sharded,
     model_state,
@@ -57,9 +60,6 @@ from strategies.checkpoint import (
     rescale_loop_progress,
     save_sharded,
 )
-from strategies.environments import PALSEnvironment
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
 from strategies.topology import ExpertParallelTopology, build_topology
 
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mula.checkpointing import auto_resume_ckpt_path
+from mula.checkpoint import auto_resume_ckpt_path
 
 
 class TinyLM(pl.LightningModule):

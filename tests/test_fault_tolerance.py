@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mula.checkpointing import list_checkpoints, read_manifest, verify_checkpoint
+from mula.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "tests" / "ft_app.py"

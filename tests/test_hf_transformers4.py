@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mula import Mula, MulaConfig
+from mula.checkpoint import save_weights
 from mula.hf import export_hf
-from mula.weights import save_weights
 
 TF4 = Path(__file__).resolve().parents[1] / ".venv" / "transformers4"
 

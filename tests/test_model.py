@@ -1,6 +1,4 @@
-"""The Mula model: shapes, causality, GQA, router losses, meta-device build, weights files."""
-
-import dataclasses
+"""The Mula model: shapes, causality, GQA, router losses, meta-device build."""
 
 import pytest
 import torch
@@ -8,7 +6,6 @@ import torch.nn.functional as F
 
 from mula import Mula, MulaConfig
 from mula.moe import MoELayer
-from mula.weights import load_weights, save_weights
 
 
 def tiny(**kw) -> MulaConfig:
@@ -132,46 +129,3 @@ def test_meta_build_and_materialise():
 def test_too_long_sequence():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Mula(tiny())(torch.zeros(1, 33, dtype=torch.long))
-
-
-@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True, **DENSE}])
-def test_weights_roundtrip(tmp_path, kw):
-    torch.manual_seed(0)
-    model = Mula(tiny(**kw)).eval()
-    x = torch.randint(0, 96, (2, 8))
-    save_weights(model, tmp_path / "w.pt")
-    loaded = load_weights(tmp_path / "w.pt").eval()
-    assert loaded.config == model.config
-    torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
-    assert (loaded.lm_head.weight is loaded.embed.weight) == model.config.tie_embeddings
-
-
-def test_load_lightning_checkpoint(tmp_path):
-    torch.manual_seed(0)
-    model = Mula(tiny()).eval()
-    sd = {f"model.{k}": v for k, v in model.state_dict().items()}
-    ckpt = {"state_dict": sd, "mula_config": dataclasses.asdict(model.config), "epoch": 0, "global_step": 3}
-    torch.save(ckpt, tmp_path / "last.ckpt")
-    x = torch.randint(0, 96, (2, 8))
-    torch.testing.assert_close(
-        load_weights(tmp_path / "last.ckpt")(x).logits, model(x).logits, atol=0, rtol=0
-    )
-
-
-def test_load_bad_inputs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_weights(tmp_path / "missing.pt")
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(ValueError, match="is not a Mula checkpoint"):
-        load_weights(tmp_path / "junk.pt")
-    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="is not a Mula checkpoint"):
-        load_weights(tmp_path / "other.pt")
-    model = Mula(tiny())
-    sd = model.state_dict()
-    sd.pop("lm_head.weight")
-    torch.save(
-        {"format": "mula", "config": dataclasses.asdict(model.config), "state_dict": sd}, tmp_path / "bad.pt"
-    )
-    with pytest.raises(ValueError, match="does not match its config"):
-        load_weights(tmp_path / "bad.pt")

@@ -117,7 +117,7 @@ def test_load_imbalance():
 
 
 def test_init_weights_loads_and_checks_architecture(tmp_path):
-    from mula.weights import save_weights
+    from mula.checkpoint import save_weights
 
     source = Mula(MulaConfig.from_name("mula-tiny-moe", **TINY))
     save_weights(source, tmp_path / "w.pt")
@@ -161,7 +161,7 @@ def test_fit_logs_metrics_checkpoint_has_config_and_loss_falls(tmp_path):
     ckpt = torch.load(ckpt_path, weights_only=True)  # hyperparameters are plain data
     assert ckpt["mula_config"] == dataclasses.asdict(module.config)
     assert all(k.startswith(("model.", "val_loss")) for k in ckpt["state_dict"])
-    from mula.weights import load_weights
+    from mula.checkpoint import load_weights
 
     reloaded = load_weights(ckpt_path)
     for (name, p), q in zip(reloaded.state_dict().items(), module.model.state_dict().values()):

@@ -20,8 +20,9 @@ from dist_helpers import run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from mula.checkpoint import consolidate_checkpoint
 from mula.module import MulaLightningModule
-from strategies import XPUMoEStrategy, consolidate_checkpoint
+from strategies import XPUMoEStrategy
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 4
 OVERRIDES = dict(
@@ -174,7 +175,7 @@ def test_strategy_matches_single_process_and_reshards_checkpoints() -> None:
         back = run_distributed(_resume, 4, 4, f"{root}/w2e2/epoch=0-step=4.ckpt", STEPS + 2, None)[0]
         torch.testing.assert_close(torch.tensor(back["losses"]), torch.tensor(reference[STEPS:]), rtol=1e-5, atol=0)
         # The sharded directory consolidates into one file that mula's weights reader accepts.
-        from mula.weights import load_weights
+        from mula.checkpoint import load_weights
 
         sharded = f"{root}/w4e4/epoch=0-step=2.ckpt"
         single = consolidate_checkpoint(sharded, Path(root) / "full.ckpt")

@@ -10,8 +10,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
 from strategies.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
-from strategies.checkpoint import rescale_loop_progress
 from strategies.environments import PALSEnvironment
+from strategies.sharded_state import rescale_loop_progress
 from strategies.topology import ExpertParallelTopology, build_topology, layout_ranks, validate_layout
 
 

@@ -29,6 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mula.checkpoint.atomic import atomic_write_text, replace_path
 from mula.data.paths import expand_paths, expand_pattern
 from mula.data.readers import FORMATS, ReadStats, iter_documents
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
@@ -409,14 +410,7 @@ def _prepare_source(
     with open(os.path.join(partial_dir, SOURCE_MARKER), "w") as fh:
         json.dump({"fingerprint": fingerprint, "stats": totals}, fh)
     # Swap the finished folder in; an existing one is only removed once its replacement is complete.
-    if os.path.exists(final_dir):
-        old = final_dir + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final_dir, old)
-        os.replace(partial_dir, final_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(partial_dir, final_dir)
+    replace_path(partial_dir, final_dir)
     return SourceSummary(name=spec.name, weight=spec.weight, **totals)
 
 
@@ -491,10 +485,7 @@ def prepare(
                 progress,
             )
         )
-    tmp = os.path.join(output_dir, SUMMARY_FILE + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(summary.to_dict(), fh, indent=2)
-    os.replace(tmp, os.path.join(output_dir, SUMMARY_FILE))
+    atomic_write_text(os.path.join(output_dir, SUMMARY_FILE), json.dumps(summary.to_dict(), indent=2))
     if progress:
         print(summary.format_table())
         print(f"wrote {os.path.join(output_dir, SUMMARY_FILE)}")

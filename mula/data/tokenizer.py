@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from mula.checkpoint.atomic import atomic_write
 from mula.data.paths import expand_paths
 from mula.data.readers import iter_documents
 
@@ -253,7 +254,6 @@ def train_bpe(
     )
     tok.train_from_iterator(documents, trainer=trainer)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, out)  # never leave a half-written tokenizer behind
+    with atomic_write(out) as tmp:  # never leave a half-written tokenizer behind
+        tok.save(str(tmp))
     return str(out)

@@ -12,7 +12,7 @@ Protocol for one save after optimizer step N (every rank takes part):
 5. rank 0 points the symlink ``last.ckpt`` at it and prunes to the newest ``keep_last`` valid checkpoints.
 
 A crash at any point leaves either no new checkpoint, or one without a manifest, which discovery
-(``mula.checkpointing.find_resume_checkpoint``) skips with a warning, falling back to the previous.
+(``mula.checkpoint.find_resume_checkpoint``) skips with a warning, falling back to the previous.
 
 Exact resume: the checkpoint also carries every rank's RNG states. They are re-applied at the first
 training batch after the save, both in the resumed run and in the run that saved ("RNG fence"), so
@@ -34,11 +34,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from callbacks import _dist
 from callbacks.rng_state import capture_rng_state, restore_rng_state
-from mula.checkpointing import (
+from mula.checkpoint import (
     TMP_PREFIX,
     CheckpointManifest,
     Checksum,
     Verify,
+    atomic_write,
     checkpoint_name,
     digest_entries,
     find_resume_checkpoint,
@@ -49,7 +50,9 @@ from mula.checkpointing import (
     list_checkpoints,
     manifest_path,
     remove_path,
+    replace_path,
     sync_filesystem,
+    temp_path,
     verify_checkpoint,
     write_manifest,
 )
@@ -247,7 +250,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             return final
         _heartbeat(trainer)
         start = time.monotonic()
-        tmp = dirpath / f"{TMP_PREFIX}{final.name}"
+        tmp = temp_path(final)
         zero = trainer.is_global_zero
         if zero:
             dirpath.mkdir(parents=True, exist_ok=True)
@@ -270,8 +273,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             if final.exists() or manifest_path(final).exists():  # a stale one from an abandoned timeline
                 remove_path(manifest_path(final))
                 remove_path(final)
-            os.replace(tmp, final)
-            fsync_dir(dirpath)
+            replace_path(tmp, final, sync=False)  # flushed above, by every rank for its own shards
         entries = _dist.broadcast_object(list_checkpoint_files(final) if zero else None)
         if is_dir:  # spread the hashing of a sharded checkpoint over the ranks
             mine = digest_entries(final, entries[_dist.rank() :: _dist.world_size()], self.checksum)
@@ -326,12 +328,10 @@ class FaultTolerantCheckpoint(Checkpoint):
 
 def _point_last_at(dirpath: Path, final: Path) -> None:
     """Atomically (re)point the convenience symlink ``last.ckpt`` at the newest checkpoint."""
-    link, tmp = dirpath / LAST_LINK, dirpath / f"{TMP_PREFIX}{LAST_LINK}"
+    link = dirpath / LAST_LINK
     try:
-        remove_path(tmp)
-        os.symlink(final.name, tmp)
-        os.replace(tmp, link)
-        fsync_dir(dirpath)
+        with atomic_write(link) as tmp:
+            os.symlink(final.name, tmp)
     except OSError as err:  # a filesystem without symlinks: the manifests are what matter
         log.debug("Could not update %s: %s", link, err)
 

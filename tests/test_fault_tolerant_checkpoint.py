@@ -1,5 +1,6 @@
-"""Crash-safe checkpoints: manifests, verification, discovery, RNG capture, directory (sharded)
-checkpoints through a strategy's save_checkpoint, and the mula-resilient wrapper."""
+"""FaultTolerantCheckpoint: crash-safe saves, pruning and exact auto-resume with directory (sharded)
+checkpoints through a strategy's save_checkpoint; RNG capture, callback settings, and the
+mula-resilient wrapper. The checkpoint files themselves are tested in test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -29,16 +30,12 @@ from callbacks import (
 )
 from callbacks.anomaly import robust_zscore
 from callbacks.rng_state import capture_rng_state, restore_rng_state
-from mula.checkpointing import (
-    CheckpointManifest,
+from mula.checkpoint import (
     auto_resume_ckpt_path,
-    build_manifest,
     checkpoint_name,
-    find_resume_checkpoint,
     list_checkpoints,
     read_manifest,
     verify_checkpoint,
-    write_manifest,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,91 +44,10 @@ from ft_app import StepRecorder, TinyData, TinyLM
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _file_ckpt(dirpath: Path, step: int, payload: bytes = b"x" * 1000, manifest: bool = True) -> Path:
-    path = dirpath / checkpoint_name(step)
-    path.write_bytes(payload)
-    if manifest:
-        write_manifest(path, build_manifest(path, step))
-    return path
-
-
 def _flip_byte(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-
-
-# ------------------------------------------------------------------------------------------ manifests
-
-
-def test_file_checkpoint_verification_detects_truncation_corruption_and_missing_manifest(tmp_path):
-    path = _file_ckpt(tmp_path, 5, bytes(range(256)) * 40)
-    manifest = read_manifest(path)
-    assert manifest.step == 5 and manifest.kind == "file" and manifest.files[0].size == 10240
-    assert verify_checkpoint(path, "checksum") is None and verify_checkpoint(path, "size") is None
-
-    _flip_byte(path, 5000)  # same size, different content: only the checksum sees it
-    assert verify_checkpoint(path, "size") is None
-    assert "checksum" in verify_checkpoint(path, "checksum")
-
-    path.write_bytes(bytes(range(256)) * 20)  # truncated
-    assert "truncated" in verify_checkpoint(path, "size")
-
-    path.with_name(path.name + ".manifest.json").write_text("{not json")
-    assert "invalid" in verify_checkpoint(path)
-    path.with_name(path.name + ".manifest.json").unlink()
-    assert "did not complete" in verify_checkpoint(path)
-    with pytest.raises(ValueError, match="Unknown verify mode"):
-        verify_checkpoint(path, "bogus")
-
-
-def test_directory_checkpoint_verification(tmp_path):
-    ckpt = tmp_path / checkpoint_name(3)
-    (ckpt / "sub").mkdir(parents=True)
-    for name, size in [("a.distcp", 3000), ("sub/b.distcp", 10), (".metadata", 77)]:
-        (ckpt / name).write_bytes(b"\1" * size)
-    write_manifest(ckpt, build_manifest(ckpt, 3, checksum="crc32"))
-    manifest = read_manifest(ckpt)
-    assert manifest.kind == "dir" and manifest.checksum == "crc32"
-    assert sorted(f.path for f in manifest.files) == [".metadata", "a.distcp", "sub/b.distcp"]
-    assert verify_checkpoint(ckpt) is None
-    _flip_byte(ckpt / "sub/b.distcp", 3)
-    assert "sub/b.distcp" in verify_checkpoint(ckpt)
-    (ckpt / "a.distcp").unlink()
-    assert "missing" in verify_checkpoint(ckpt, "size")
-    assert CheckpointManifest.from_json(manifest.to_json()) == manifest
-
-
-def test_find_resume_checkpoint_skips_invalid_newer_ones_with_a_warning(tmp_path, caplog):
-    assert find_resume_checkpoint(tmp_path / "nothing-here") is None
-    _file_ckpt(tmp_path, 2)
-    good = _file_ckpt(tmp_path, 4)
-    _file_ckpt(tmp_path, 6, manifest=False)  # crashed between rename and manifest
-    bad = _file_ckpt(tmp_path, 8)
-    _flip_byte(bad, 10)  # damaged after the fact
-    (tmp_path / ".tmp-step=000000010.ckpt").write_bytes(b"partial")  # crashed mid-write
-    assert [e.step for e in list_checkpoints(tmp_path)] == [8, 6, 4, 2]
-    with caplog.at_level(logging.WARNING, logger="mula.checkpointing"):
-        assert find_resume_checkpoint(tmp_path) == good
-    text = caplog.text
-    assert "step=000000008.ckpt" in text and "corrupted" in text and "did not complete" in text
-    assert "Resuming from" in text
-
-
-def test_auto_resume_asks_callbacks_duck_typed(tmp_path):
-    class NoResume:
-        pass
-
-    class Resume:
-        def resume_checkpoint_path(self, trainer):
-            return tmp_path / "x.ckpt"
-
-    class FakeTrainer:
-        callbacks = [NoResume(), Resume()]  # noqa: RUF012
-
-    assert auto_resume_ckpt_path(FakeTrainer()) == str(tmp_path / "x.ckpt")
-    FakeTrainer.callbacks = [NoResume()]
-    assert auto_resume_ckpt_path(FakeTrainer()) is None
 
 
 # ------------------------------------------------------------------------------------------ RNG, z-score
@@ -250,7 +166,7 @@ def test_directory_checkpoints_are_atomic_verified_pruned_and_resume_exactly(tmp
 
     shard = next(newest.glob("*.distcp"))
     _flip_byte(shard, shard.stat().st_size // 2)
-    with caplog.at_level(logging.WARNING, logger="mula.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="mula.checkpoint.discovery"):
         _fit(run, 6, FaultTolerantCheckpoint(every_n_steps=2, keep_last=2), ckpt_path="auto")
     assert "step=000000006.ckpt" in caplog.text and "corrupted" in caplog.text
     rows = [json.loads(line) for line in (run / "record-rank0.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
-"""Sharded checkpoints for expert parallelism with `torch.distributed.checkpoint` (DCP).
+"""Expert-parallel state in sharded checkpoints: which tensors a rank contributes, and loading them back.
 
-A checkpoint is a directory: DCP shards (`*.distcp` + `.metadata`) plus Lightning's `meta.pt` (loops,
-schedulers, callbacks, hyperparameters, `mula_config`; written by rank 0). Inside DCP:
+The directory format (DCP shards + `meta.pt`) is `mula.checkpoint.sharded`; this module decides what
+goes into it for `XPUMoEStrategy`:
 
 * "state_dict": the LightningModule's state dict under its usual keys. Dense tensors are saved once
   (DCP de-duplicates replicas). Each stacked expert tensor is saved as one *global* [E_total, ...]
@@ -11,27 +11,30 @@ schedulers, callbacks, hyperparameters, `mula_config`; written by rank 0). Insid
   optimizer's own `sharded_state_dict()`, or for a plain torch optimizer its per-parameter state keyed
   by parameter name with expert moments wrapped like the weights.
 
-So a run saved at (W=4, E=4) resumes at (W=2, E=2), at W=1, or the reverse. `consolidate_checkpoint`
-turns the directory into a single-file checkpoint that `mula.weights.load_weights` and export read.
+So a run saved at (W=4, E=4) resumes at (W=2, E=2), at W=1, or the reverse.
+`mula.checkpoint.consolidate_checkpoint` turns the directory into a single-file checkpoint.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from mula.checkpoint.sharded import (
+    DCP_METADATA_FILE,
+    MODEL_KEY,
+    SHARDED_META_FILE,
+    is_sharded_checkpoint,
+    read_sharded_meta,
+    saved_keys,
+    write_sharded_checkpoint,
+)
 from mula.moe import is_expert_param
-from mula.weights import SHARDED_META_FILE as METADATA_FILENAME
-from mula.weights import is_sharded_checkpoint, read_sharded_checkpoint
 from strategies.topology import ExpertParallelTopology
-
-MODEL_KEY = "state_dict"
 
 
 def expert_mesh(topology: ExpertParallelTopology, device_type: str) -> Any:
@@ -113,22 +116,9 @@ def _plain_optimizer_template(
 def save_sharded(path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool) -> None:
     """Write a sharded checkpoint directory (collective). `checkpoint["state_dict"]` comes from
     `model_state`; the rest of `checkpoint` (Lightning's loops, schedulers, ...) goes to meta.pt."""
-    if path.is_file():
-        raise ValueError(f"Checkpoint path {path} is an existing file; sharded checkpoints are directories.")
-    path.mkdir(parents=True, exist_ok=True)
     state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
-    dcp.save(state, checkpoint_id=path)
-    if is_global_zero:
-        tmp = path / (METADATA_FILENAME + ".tmp")
-        torch.save(checkpoint, tmp)
-        tmp.replace(path / METADATA_FILENAME)  # meta.pt appears last: its presence marks a complete checkpoint
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _saved_keys(path: Path) -> set[str]:
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    write_sharded_checkpoint(path, state, checkpoint, is_global_zero)
 
 
 def load_sharded(
@@ -145,10 +135,10 @@ def load_sharded(
     """
     if not is_sharded_checkpoint(path):
         raise ValueError(
-            f"{path} is not a sharded XPUMoEStrategy checkpoint directory (no .metadata and {METADATA_FILENAME}); "
+            f"{path} is not a sharded XPUMoEStrategy checkpoint directory (no {DCP_METADATA_FILE} and {SHARDED_META_FILE}); "
             "to start from a weights file use the module's init_weights instead."
         )
-    saved = _saved_keys(path)
+    saved = saved_keys(path)
     model = model_state(module, mesh)
     missing = sorted(k for k in model if f"{MODEL_KEY}.{k}" not in saved)
     if missing:
@@ -174,7 +164,7 @@ def load_sharded(
             opt.load_sharded_state_dict(sharded_opts[key])
         else:
             _apply_param_groups(opt, state[key]["param_groups"], path, names)
-    return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only is not False)
+    return read_sharded_meta(path, weights_only=weights_only is not False)
 
 
 def _apply_param_groups(optimizer: torch.optim.Optimizer, groups: Any, path: Path, names: dict[int, str]) -> None:
@@ -206,21 +196,3 @@ def rescale_loop_progress(meta: dict[str, Any], accumulate_grad_batches: int) ->
     for c in counters:
         for key, value in c.items():
             c[key] = value // old * accumulate_grad_batches
-
-
-def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
-    """Write the model weights of a sharded checkpoint as one Lightning-style `.ckpt` file (one process).
-
-    The result has the full stacked experts and the `mula_config` entry. `mula export-hf` and
-    `mula.weights.load_weights` also read the sharded directory directly; this is for tools that
-    want a single file. Optimizer state is left out.
-    """
-    path, output = Path(path), Path(output)
-    if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path} is not a sharded XPUMoEStrategy checkpoint directory.")
-    checkpoint = read_sharded_checkpoint(path)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    torch.save(checkpoint, tmp)
-    tmp.replace(output)
-    return output

@@ -1,144 +1,36 @@
-"""Crash-safe checkpoint files: durability helpers, manifests, verification and discovery.
+"""Checkpoint manifests: what a save wrote, file by file, so that a reader can tell complete from damaged.
 
-A checkpoint is whatever ``strategy.save_checkpoint`` writes at one path: a single file (DDP and
-single-device strategies) or a directory of shards (``torch.distributed.checkpoint``). Next to it,
-a manifest ``<checkpoint>.manifest.json`` lists every file with its size and checksum. The writer
-(``callbacks.FaultTolerantCheckpoint``) makes the data durable and renames it into place *before*
-writing the manifest, so a checkpoint without a valid manifest is by construction incomplete.
-
-This module holds the generic, Lightning-free part so that the CLI can find the checkpoint to
-resume from without importing ``callbacks`` (mula never imports callbacks; see DESIGN.md).
+The manifest ``<checkpoint>.manifest.json`` is the commit record of a checkpoint (see
+``mula.checkpoint``): written last, atomically, after the data is durable and renamed into place.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
 import json
-import logging
 import os
-import re
-import shutil
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-log = logging.getLogger(__name__)
+from mula.checkpoint.atomic import atomic_write_text
 
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = "mula-checkpoint-manifest"
 MANIFEST_VERSION = 1
-CHECKPOINT_SUFFIX = ".ckpt"
-TMP_PREFIX = ".tmp-"
-_NAME_RE = re.compile(r"^step=(\d+)\.ckpt$")
 _CHUNK = 8 << 20
 
 Checksum = Literal["sha256", "crc32", "none"]
 Verify = Literal["checksum", "size"]
 
 
-def checkpoint_name(step: int) -> str:
-    """The file (or directory) name of the checkpoint taken after optimizer step ``step``."""
-    return f"step={step:09d}{CHECKPOINT_SUFFIX}"
-
-
 def manifest_path(checkpoint: str | os.PathLike) -> Path:
     """Where the manifest of ``checkpoint`` lives (a sibling file, for file and directory checkpoints alike)."""
     checkpoint = Path(checkpoint)
     return checkpoint.with_name(checkpoint.name + MANIFEST_SUFFIX)
-
-
-# --------------------------------------------------------------------------------------------------
-# Durability
-# --------------------------------------------------------------------------------------------------
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    """Flush one file's data and metadata to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Flush a directory's entries (needed after creating, renaming or deleting files in it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # some filesystems do not allow opening directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # fsync on a directory is not supported everywhere (EINVAL); nothing more we can do
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: str | os.PathLike) -> None:
-    """fsync a file, or every file and directory below a directory (bottom-up)."""
-    path = Path(path)
-    if path.is_file():
-        fsync_file(path)
-        return
-    for root, _dirs, files in os.walk(path, topdown=False):
-        for name in files:
-            fsync_file(os.path.join(root, name))
-        fsync_dir(root)
-
-
-_libc: Any = None
-
-
-def sync_filesystem(path: str | os.PathLike) -> None:
-    """Flush everything this node wrote to the filesystem holding ``path`` (``syncfs``), or fsync the tree.
-
-    Used for sharded checkpoints, where each rank wrote files the others cannot name: every rank
-    calling ``syncfs`` flushes its own writes without knowing which files they were.
-    """
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name, use_errno=True) if name else False
-    if _libc and hasattr(_libc, "syncfs"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if _libc.syncfs(fd) == 0:
-                return
-        finally:
-            os.close(fd)
-    fsync_tree(path)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the complete new content."""
-    path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def remove_path(path: str | os.PathLike) -> None:
-    """Delete a file or a directory tree if it exists."""
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-# --------------------------------------------------------------------------------------------------
-# Manifests
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -305,83 +197,4 @@ def verify_checkpoint(checkpoint: str | os.PathLike, verify: Verify = "checksum"
             path = _resolve(checkpoint, entry)
             if file_digest(path, manifest.checksum) != entry.digest:
                 return f"{path} does not match its {manifest.checksum} checksum (corrupted)"
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Discovery
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CheckpointEntry:
-    """A checkpoint found in a directory (valid or not)."""
-
-    step: int
-    path: Path
-
-    @property
-    def manifest(self) -> Path:
-        """Its manifest path."""
-        return manifest_path(self.path)
-
-
-def list_checkpoints(dirpath: str | os.PathLike) -> list[CheckpointEntry]:
-    """All checkpoints named ``step=N.ckpt`` in ``dirpath`` (with or without a manifest), newest first."""
-    dirpath = Path(dirpath)
-    if not dirpath.is_dir():
-        return []
-    found: dict[int, CheckpointEntry] = {}
-    for child in dirpath.iterdir():
-        name = child.name
-        name = name.removesuffix(MANIFEST_SUFFIX)
-        match = _NAME_RE.match(name)
-        if match:
-            step = int(match.group(1))
-            found[step] = CheckpointEntry(step, dirpath / name)
-    return sorted(found.values(), key=lambda e: e.step, reverse=True)
-
-
-def iter_valid_checkpoints(
-    dirpath: str | os.PathLike, verify: Verify = "checksum", warn: bool = True
-) -> Iterator[CheckpointEntry]:
-    """Yield the valid checkpoints of ``dirpath``, newest first, warning about each invalid one passed over."""
-    for entry in list_checkpoints(dirpath):
-        problem = verify_checkpoint(entry.path, verify)
-        if problem is None:
-            yield entry
-        elif warn:
-            log.warning("Skipping checkpoint %s: %s.", entry.path, problem)
-
-
-def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksum") -> Path | None:
-    """The newest valid checkpoint in ``dirpath``, or None. Invalid newer ones are skipped with a warning."""
-    entries = list_checkpoints(dirpath)
-    for i, entry in enumerate(iter_valid_checkpoints(dirpath, verify)):
-        if entry.path != entries[0].path:
-            log.warning(
-                "Resuming from %s: the newer checkpoint(s) in %s are incomplete or corrupted (see above).",
-                entry.path,
-                dirpath,
-            )
-        return entry.path
-    if entries:
-        log.warning(
-            "No valid checkpoint in %s (%d invalid ones found); starting from scratch.", dirpath, len(entries)
-        )
-    return None
-
-
-def auto_resume_ckpt_path(trainer: Any) -> str | None:
-    """The checkpoint a ``fit`` run should resume from when the user passed no ``ckpt_path``.
-
-    Asks the trainer's callbacks that offer ``resume_checkpoint_path(trainer)`` (duck-typed, so that
-    mula does not import ``callbacks``); the first non-None answer wins. Returns None for a fresh run.
-    """
-    for callback in getattr(trainer, "callbacks", []):
-        finder = getattr(callback, "resume_checkpoint_path", None)
-        if callable(finder):
-            path = finder(trainer)
-            if path is not None:
-                return str(path)
     return None

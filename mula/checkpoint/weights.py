@@ -1,10 +1,9 @@
-"""Mula weights files: a config plus a state dict in one `.pt`, and reading Lightning checkpoints.
+"""Mula weights files (a config plus a state dict in one `.pt`) and reading any Mula checkpoint's weights.
 
 Format: `torch.save({"format": "mula", "config": asdict(config), "state_dict": model.state_dict()})`.
-`load_weights` also reads a Lightning `.ckpt` written by `MulaLightningModule` (config under
-"mula_config", parameters under "state_dict" with a "model." prefix), and a sharded checkpoint
-directory (torch.distributed.checkpoint shards + Lightning's `meta.pt`, as the expert-parallel
-strategy writes), gathered into full tensors in one process.
+`read_checkpoint` / `load_weights` also read a Lightning `.ckpt` written by `MulaLightningModule`
+(config under "mula_config", parameters under "state_dict" with a "model." prefix), and a sharded
+checkpoint directory (`mula.checkpoint.sharded`), gathered into full tensors in one process.
 """
 
 from __future__ import annotations
@@ -17,22 +16,26 @@ from typing import Any
 
 import torch
 
+from mula.checkpoint.atomic import atomic_write
+from mula.checkpoint.sharded import (
+    DCP_METADATA_FILE,
+    SHARDED_META_FILE,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+)
 from mula.config import MulaConfig
 from mula.model import Mula
 
 FORMAT = "mula"
-SHARDED_META_FILE = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's own name)
-SHARDED_SKIP = ("optimizer_states", "lr_schedulers", "loops", "callbacks")  # not needed for weights
 
 
 def save_weights(model: Mula, path: str | os.PathLike) -> None:
-    """Write `model`'s config and weights to `path` (a Mula weights file)."""
+    """Write `model`'s config and weights to `path` (a Mula weights file), atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)  # atomic: a crash mid-write never leaves a truncated file under `path`
+    with atomic_write(path) as tmp:
+        torch.save(payload, tmp)
 
 
 def _read(path: Path) -> Any:
@@ -42,40 +45,14 @@ def _read(path: Path) -> Any:
         if is_sharded_checkpoint(path):
             return read_sharded_checkpoint(path)
         raise ValueError(
-            f"{path} is a directory but not a sharded Mula checkpoint (no .metadata and {SHARDED_META_FILE})."
+            f"{path} is a directory but not a sharded Mula checkpoint "
+            f"(no {DCP_METADATA_FILE} and {SHARDED_META_FILE})."
         )
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{path} is not a Mula checkpoint (torch.load failed: {first_line}).") from None
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """True for a directory of torch.distributed.checkpoint shards plus Lightning's meta file."""
-    path = Path(path)
-    return path.is_dir() and (path / ".metadata").is_file() and (path / SHARDED_META_FILE).is_file()
-
-
-def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A sharded checkpoint as one Lightning-style dict with the full model state dict (one process).
-
-    Every model tensor is read whole (expert stacks in global expert order); optimizer, scheduler and
-    loop state are left out, since they only matter for resuming, which the strategy does sharded.
-    """
-    import torch.distributed.checkpoint as dcp  # only needed for sharded checkpoints
-
-    path = Path(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    prefix = "state_dict."
-    weights = {
-        key[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(md, "size")
-    }
-    dcp.load({"state_dict": weights}, checkpoint_id=path, no_dist=True)
-    meta = torch.load(path / SHARDED_META_FILE, map_location="cpu", weights_only=True)
-    return {**{k: v for k, v in meta.items() if k not in SHARDED_SKIP}, "state_dict": weights}
 
 
 def _strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

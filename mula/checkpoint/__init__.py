@@ -1,0 +1,92 @@
+"""Checkpoint files: durable writes, manifests, discovery, Mula weights files and sharded directories.
+
+A checkpoint is whatever ``strategy.save_checkpoint`` writes at one path: a single file (DDP and
+single-device strategies; a Lightning ``.ckpt``) or a directory of shards (``sharded``: DCP files
+plus ``meta.pt``, as the expert-parallel strategy writes).
+
+The completion marker -- one for every kind of checkpoint -- is the manifest
+``<checkpoint>.manifest.json`` (``manifest``): it lists every file with its size and checksum and is
+written last, atomically, by ``callbacks.FaultTolerantCheckpoint`` after the data is durable and
+renamed into place. A checkpoint without a valid manifest is by construction incomplete, and
+discovery and auto-resume (``discovery``) only ever pick checkpoints whose manifest verifies.
+``meta.pt`` in a sharded directory is only the non-tensor part of the checkpoint, not a marker.
+Readers given an explicit path by the user (``load_weights``, ``mula export-hf``, ``init_weights``,
+``--ckpt_path``) also accept a checkpoint without a manifest, e.g. one from ``trainer.save_checkpoint``.
+
+Modules, one job each: ``atomic`` (the one temp-then-rename-with-fsync write helper, used for every
+such write in the repository), ``manifest``, ``discovery``, ``weights`` (Mula weights files and
+reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation).
+"""
+
+from mula.checkpoint.atomic import (
+    TMP_PREFIX,
+    atomic_write,
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    remove_path,
+    replace_path,
+    sync_filesystem,
+    temp_path,
+)
+from mula.checkpoint.discovery import (
+    CheckpointEntry,
+    auto_resume_ckpt_path,
+    checkpoint_name,
+    find_resume_checkpoint,
+    iter_valid_checkpoints,
+    list_checkpoints,
+)
+from mula.checkpoint.manifest import (
+    CheckpointManifest,
+    Checksum,
+    FileEntry,
+    Verify,
+    build_manifest,
+    digest_entries,
+    list_checkpoint_files,
+    manifest_path,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
+from mula.checkpoint.sharded import consolidate_checkpoint, is_sharded_checkpoint, read_sharded_checkpoint
+from mula.checkpoint.weights import load_weights, model_from_state_dict, read_checkpoint, save_weights
+
+__all__ = [
+    "TMP_PREFIX",
+    "CheckpointEntry",
+    "CheckpointManifest",
+    "Checksum",
+    "FileEntry",
+    "Verify",
+    "atomic_write",
+    "atomic_write_text",
+    "auto_resume_ckpt_path",
+    "build_manifest",
+    "checkpoint_name",
+    "consolidate_checkpoint",
+    "digest_entries",
+    "find_resume_checkpoint",
+    "fsync_dir",
+    "fsync_file",
+    "fsync_tree",
+    "is_sharded_checkpoint",
+    "iter_valid_checkpoints",
+    "list_checkpoint_files",
+    "list_checkpoints",
+    "load_weights",
+    "manifest_path",
+    "model_from_state_dict",
+    "read_checkpoint",
+    "read_manifest",
+    "read_sharded_checkpoint",
+    "remove_path",
+    "replace_path",
+    "save_weights",
+    "sync_filesystem",
+    "temp_path",
+    "verify_checkpoint",
+    "write_manifest",
+]

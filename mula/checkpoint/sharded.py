@@ -1,0 +1,97 @@
+"""The sharded checkpoint directory format: ``torch.distributed.checkpoint`` (DCP) shards plus ``meta.pt``.
+
+A directory holds the DCP files (``*.distcp`` and DCP's ``.metadata`` index, which DCP writes after
+all shards) with the tensors -- the LightningModule's state dict under ``"state_dict"``, expert
+stacks as whole ``[E_total, ...]`` tensors, plus whatever optimizer state the writer adds -- and
+``meta.pt``, the non-tensor rest of Lightning's checkpoint dict (loops, schedulers, callbacks,
+``mula_config``), written atomically by rank 0 after the shards. Neither file says the checkpoint is
+committed; the manifest does (see ``mula.checkpoint``). The strategy-side part (which tensors, how
+they are laid out across ranks) lives in ``strategies/sharded_state.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mula.checkpoint.atomic import atomic_write
+
+SHARDED_META_FILE = "meta.pt"  # the non-tensor part (Lightning's own name for it)
+DCP_METADATA_FILE = ".metadata"  # DCP's index of the shards
+MODEL_KEY = "state_dict"  # the LightningModule's tensors, as in a single-file Lightning checkpoint
+SHARDED_SKIP = ("optimizer_states", "lr_schedulers", "loops", "callbacks")  # not needed for weights
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a directory of DCP shards (with their ``.metadata`` index) plus the ``meta.pt`` file."""
+    path = Path(path)
+    return path.is_dir() and (path / DCP_METADATA_FILE).is_file() and (path / SHARDED_META_FILE).is_file()
+
+
+def write_sharded_checkpoint(
+    path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_zero: bool
+) -> None:
+    """Write a sharded checkpoint directory (collective: every rank calls it with its own shards).
+
+    ``tensors`` goes to DCP (each rank writes its part), ``meta`` to ``meta.pt`` (rank 0, atomically).
+    """
+    if path.is_file():
+        raise ValueError(f"Checkpoint path {path} is an existing file; sharded checkpoints are directories.")
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=path)
+    if is_global_zero:
+        with atomic_write(path / SHARDED_META_FILE) as tmp:
+            torch.save(meta, tmp)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def saved_keys(path: str | os.PathLike) -> set[str]:
+    """The flattened names of every tensor (and DCP-pickled object) stored in a sharded checkpoint."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def read_sharded_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    """The non-tensor part of a sharded checkpoint (Lightning's loops, schedulers, ``mula_config``, ...)."""
+    return torch.load(Path(path) / SHARDED_META_FILE, map_location="cpu", weights_only=weights_only)
+
+
+def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning-style dict with the full model state dict (one process).
+
+    Every model tensor is read whole (expert stacks in global expert order); optimizer, scheduler and
+    loop state are left out, since they only matter for resuming, which the strategy does sharded.
+    """
+    path = Path(path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = f"{MODEL_KEY}."
+    weights = {
+        key[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size")
+    }
+    dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
+    meta = read_sharded_meta(path)
+    return {**{k: v for k, v in meta.items() if k not in SHARDED_SKIP}, MODEL_KEY: weights}
+
+
+def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
+    """Write the model weights of a sharded checkpoint as one Lightning-style `.ckpt` file (one process).
+
+    The result has the full stacked experts and the `mula_config` entry. `mula export-hf` and
+    `mula.checkpoint.load_weights` also read the sharded directory directly; this is for tools that
+    want a single file. Optimizer state is left out.
+    """
+    path, output = Path(path), Path(output)
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a sharded XPUMoEStrategy checkpoint directory.")
+    checkpoint = read_sharded_checkpoint(path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(output) as tmp:
+        torch.save(checkpoint, tmp)
+    return output
