@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mula.config import MulaConfig
-from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
+from mula.data.tokenizer import LoadedTokenizer, load_tokenizer, token_content
 from mula.weights import SHARDED_META_FILE
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -59,13 +59,6 @@ def _source_config(tokenizer: LoadedTokenizer) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def _token_name(value: Any) -> str | None:
-    """A special token of tokenizer_config.json: a string or an AddedToken-like {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def special_token_ids(tokenizer: LoadedTokenizer) -> dict[str, int | None]:
     """eos/bos/pad token ids for config.json and generation_config.json.
 
@@ -76,7 +69,7 @@ def special_token_ids(tokenizer: LoadedTokenizer) -> dict[str, int | None]:
     vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
     ids: dict[str, int | None] = {"eos_token_id": tokenizer.eos_id}
     for kind in ("bos", "pad"):
-        ids[f"{kind}_token_id"] = vocab.get(_token_name(source.get(f"{kind}_token")) or "")
+        ids[f"{kind}_token_id"] = vocab.get(token_content(source.get(f"{kind}_token")) or "")
     return ids
 
 

@@ -76,12 +76,17 @@ def test_export_without_a_known_tokenizer_warns_and_writes_the_model(sandbox, ca
 
 
 def test_export_with_a_given_tokenizer(sandbox, capsys):
-    tok = tiny_tokenizer(sandbox / "tok" / "tokenizer.json")
-    main(["export-hf", "--ckpt", tiny_weights(sandbox / "w.pt"), "--output", "hf", "--tokenizer", tok])
+    """A Hugging Face tokenizer directory: its tokenizer_config.json is kept, its pad token reaches config.json."""
+    tiny_tokenizer(sandbox / "tok" / "tokenizer.json")
+    (sandbox / "tok" / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>"}))
+    main(["export-hf", "--ckpt", tiny_weights(sandbox / "w.pt"), "--output", "hf", "--tokenizer", "tok"])
     assert {p.name for p in (sandbox / "hf").iterdir()} == MODEL_FILES | TOKENIZER_FILES
     assert "warning" not in capsys.readouterr().err
     config = json.loads((sandbox / "hf" / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["model_max_length"] == 64
+    assert config["pad_token"] == "<|endoftext|>"
+    hf_config = json.loads((sandbox / "hf" / "config.json").read_text())
+    assert hf_config["pad_token_id"] == hf_config["eos_token_id"] == 0 and hf_config["bos_token_id"] is None
     assert AutoTokenizer.from_pretrained(sandbox / "hf")("def main(")["input_ids"]
 
 
