@@ -140,7 +140,7 @@ def config_to_hf(
         "max_position_embeddings": config.max_position_embeddings,
         "initializer_range": config.init_std,
         "use_cache": True,
-        # token ids belong to the tokenizer, which Mula's config does not know
+        # token ids belong to the tokenizer exported with the model (None without one)
         "pad_token_id": (token_ids or {}).get("pad_token_id"),
         "bos_token_id": (token_ids or {}).get("bos_token_id"),
         "eos_token_id": (token_ids or {}).get("eos_token_id"),
