@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from callbacks import _dist
 from callbacks.exit_codes import ExitCode, Preempted
+from mula.lightning_compat import cluster_environment
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class PreemptionHandler(Callback):
             log.warning("PreemptionHandler: not in the main thread, cannot install signal handlers.")
             return
         signals = list(self.signals)
-        env = trainer._accelerator_connector.cluster_environment
+        env = cluster_environment(trainer)
         if isinstance(env, SLURMEnvironment) and env.requeue_signal is not None:
             requeue_signal = signal.Signals(env.requeue_signal)
             if requeue_signal not in signals:
@@ -175,7 +176,7 @@ class PreemptionHandler(Callback):
             exception.code = 128 + int(signal.SIGTERM)
 
     def _should_requeue(self, trainer: pl.Trainer) -> bool:
-        env = trainer._accelerator_connector.cluster_environment
+        env = cluster_environment(trainer)
         on_slurm = isinstance(env, SLURMEnvironment) and "SLURM_JOB_ID" in os.environ
         if self.requeue is None:
             return on_slurm and bool(getattr(env, "auto_requeue", False))

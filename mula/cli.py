@@ -43,18 +43,27 @@ def import_hf(hf_dir: str, output: str) -> None:
     print(f"mula: wrote {output} ({model.config.name}, {model.config.num_params() / 1e9:.2f}B parameters)")
 
 
-def export_hf(ckpt: str, output: str, dtype: str | None = None) -> None:
+def export_hf(ckpt: str, output: str, dtype: str | None = None, tokenizer: str | None = None) -> None:
     """Write a Mula checkpoint (Lightning .ckpt or Mula weights file) as a Hugging Face model directory.
 
     Args:
         ckpt: A checkpoint written by `mula fit` (runs/<name>/.../checkpoints/*.ckpt) or by `mula import-hf`.
-        output: Directory to create (must not exist); loadable with transformers' AutoModelForCausalLM.
+        output: Directory to create (must not exist); loadable with transformers' AutoModelForCausalLM
+            and, with a tokenizer, AutoTokenizer.
         dtype: float32, bfloat16 or float16 (default: the checkpoint's dtype).
+        tokenizer: The tokenizer.json to ship with the model (or a directory holding one); default: the
+            one the run that wrote `ckpt` was trained with.
     """
     from mula.hf import export_hf as _export_hf
 
-    _export_hf(ckpt, output, dtype=dtype)
+    no_tokenizer = _export_hf(ckpt, output, dtype=dtype, tokenizer=tokenizer)
     print(f"mula: wrote {output}")
+    if no_tokenizer:
+        print(
+            f"mula: warning: no tokenizer exported: {no_tokenizer}; AutoTokenizer cannot load {output} "
+            "until you export again with --tokenizer PATH/tokenizer.json.",
+            file=sys.stderr,
+        )
 
 
 def _tools() -> dict[str, Callable[..., Any]]:

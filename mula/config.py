@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 NORMS = ("rmsnorm", "layernorm")
 # Expert-kernel backends a recipe may name (`mula.kernels.backends` resolves them); kept here, free of
@@ -59,6 +59,22 @@ class MulaConfig:
     tie_embeddings: bool = False
     expert_backend: str = "auto"
 
+    # The fields that define the function the weights compute (shapes and structure): a checkpoint
+    # loads into a model only when these agree. The others are training settings (loss weights, init,
+    # kernel choice, name) or a limit that RoPE does not store in the weights (max_position_embeddings),
+    # so a run may change them when it starts from imported or earlier weights.
+    ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
+        "norm", "norm_eps", "qk_norm", "tie_embeddings", "num_experts",
+    )  # fmt: skip
+    # ... plus, by kind of MLP, the fields that only one kind uses
+    MOE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "top_k",
+        "expert_intermediate_size",
+        "norm_topk_prob",
+    )
+    DENSE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
         for field in positive:
@@ -107,6 +123,24 @@ class MulaConfig:
     def head_size(self) -> int:
         """Per-head dimension (`head_dim`, or `hidden_size // num_heads` when unset)."""
         return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+    def architecture(self) -> dict[str, Any]:
+        """The architecture fields (see `ARCHITECTURE_FIELDS`) with defaults resolved (`num_kv_heads`
+        None -> `num_heads`, `head_dim` None -> `hidden_size // num_heads`): two configs whose
+        architectures are equal hold interchangeable weights."""
+        kind = self.MOE_ARCHITECTURE_FIELDS if self.is_moe else self.DENSE_ARCHITECTURE_FIELDS
+        arch = {name: getattr(self, name) for name in self.ARCHITECTURE_FIELDS + kind}
+        arch.update(num_kv_heads=self.kv_heads, head_dim=self.head_size)
+        return arch
+
+    def architecture_differences(self, other: MulaConfig) -> list[str]:
+        """'field: theirs vs ours' for each architecture field where `other` differs from this config."""
+        ours, theirs = self.architecture(), other.architecture()
+        return [
+            f"{k}: {theirs.get(k)} vs {ours.get(k)}"
+            for k in sorted(set(ours) | set(theirs))
+            if ours.get(k) != theirs.get(k)
+        ]
 
     # ----- presets -----------------------------------------------------------------------------
     @classmethod

@@ -3,7 +3,7 @@
 - `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
 - `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
   `mula export-hf`. They read and write config.json + safetensors directly and do not need
-  `transformers` at all.
+  `transformers` at all. The export carries the run's tokenizer (`mula.hf_tokenizer`).
 
 On disk the experts use the per-expert layout `model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight`
 (and the 4.x-style `rope_theta` in config.json): transformers 4.x loads it natively and 5.x fuses it
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mula import hf_tokenizer
 from mula.checkpoint import atomic_write, model_from_state_dict, read_checkpoint, save_weights
 from mula.config import MulaConfig
 from mula.model import Mula
@@ -115,10 +116,13 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
-def config_to_hf(config: MulaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def config_to_hf(
+    config: MulaConfig, dtype: torch.dtype = torch.float32, token_ids: dict[str, int | None] | None = None
+) -> dict[str, Any]:
     """config.json contents for `config`, loadable by transformers 4.x and 5.x; every field explicit.
 
-    (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
+    `token_ids`: eos/bos/pad_token_id of the exported tokenizer (`hf_tokenizer.special_token_ids`);
+    None without one. (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
     """
     _check_expressible(config)
     moe = config.is_moe
@@ -135,10 +139,10 @@ def config_to_hf(config: MulaConfig, dtype: torch.dtype = torch.float32) -> dict
         "max_position_embeddings": config.max_position_embeddings,
         "initializer_range": config.init_std,
         "use_cache": True,
-        # token ids belong to the tokenizer, which Mula's config does not know
-        "pad_token_id": None,
-        "bos_token_id": None,
-        "eos_token_id": None,
+        # token ids belong to the tokenizer exported with the model (None without one)
+        "pad_token_id": (token_ids or {}).get("pad_token_id"),
+        "bos_token_id": (token_ids or {}).get("bos_token_id"),
+        "eos_token_id": (token_ids or {}).get("eos_token_id"),
         "tie_word_embeddings": config.tie_embeddings,
         "rope_theta": config.rope_theta,
         "rope_scaling": None,
@@ -338,12 +342,19 @@ def export_hf(
     output: str | os.PathLike,
     dtype: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> None:
+    tokenizer: str | os.PathLike | None = None,
+) -> str | None:
     """Write a Mula checkpoint (weights file or Lightning .ckpt) as a transformers directory.
 
     `dtype`: "float32", "bfloat16" or "float16" (default: as stored). Writes config.json and
     safetensors shards of at most `max_shard_bytes` (with an index when there are several) into a
-    temporary sibling directory that is renamed to `output` only when complete.
+    temporary sibling directory that is renamed to `output` only when complete. With the tokenizer
+    (`tokenizer`, a tokenizer.json or a directory holding one; default: the one the checkpoint's run
+    recorded) it also writes tokenizer.json, tokenizer_config.json and generation_config.json.
+
+    Returns None when a tokenizer was exported, else the reason why none was (the model is written
+    either way). A `tokenizer` that does not exist, is not a tokenizer or has more tokens than the
+    model raises before anything is written.
     """
     from safetensors.torch import save_file
 
@@ -353,10 +364,13 @@ def export_hf(
     if not ckpt.exists():
         raise FileNotFoundError(f"Checkpoint {ckpt} does not exist.")
     _check_new_output(output)
+    tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt)
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
+    if tok is not None:
+        hf_tokenizer.check_fits(tok, config)
     target = _DTYPES[dtype] if dtype else next(iter(state.values())).dtype
-    hf_config = config_to_hf(config, target)
+    hf_config = config_to_hf(config, target, hf_tokenizer.special_token_ids(tok) if tok else None)
 
     with atomic_write(output) as tmp:  # an empty directory at `output` (checked above) is replaced
         tmp.mkdir(parents=True)
@@ -393,3 +407,6 @@ def export_hf(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tok is not None:
+            hf_tokenizer.write_tokenizer(tok, config, tmp)
+    return no_tokenizer or None

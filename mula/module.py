@@ -131,16 +131,11 @@ class MulaLightningModule(L.LightningModule):
         from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
 
         source = load_weights(path)
-        ours = {
-            k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("name", "expert_backend")
-        }
-        theirs = {
-            k: v for k, v in dataclasses.asdict(source.config).items() if k not in ("name", "expert_backend")
-        }
-        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        diff = self.config.architecture_differences(source.config)
         if diff:
-            details = ", ".join(f"{k}: {theirs.get(k)} vs {ours[k]}" for k in diff)
-            raise ValueError(f"init_weights {path} has a different architecture than the model ({details}).")
+            raise ValueError(
+                f"init_weights {path} has a different architecture than the model ({', '.join(diff)})."
+            )
         on_meta = any(p.is_meta for p in self.model.parameters())
         self.model.load_state_dict(source.state_dict(), assign=on_meta)
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
+
+from mula.lightning_compat import _AcceleratorRegistry
 
 
 def xpu_available() -> bool:

@@ -29,17 +29,10 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -47,6 +40,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
+from mula.lightning_compat import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _optimizers_to_device,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+)
 from mula.moe import is_expert_param
 from strategies.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.environments import PALSEnvironment

@@ -111,3 +111,21 @@ def test_from_name_and_validation():
         MulaConfig(hidden_size=100, num_heads=16)
     assert MulaConfig(num_kv_heads=4).kv_heads == 4 and MulaConfig().head_size == 128
     assert MulaConfig.from_name("mula-1b").is_moe is False
+
+
+def test_architecture_fields_name_real_fields_and_resolve_defaults():
+    names = {f.name for f in dataclasses.fields(MulaConfig)}
+    every = (
+        MulaConfig.ARCHITECTURE_FIELDS
+        + MulaConfig.MOE_ARCHITECTURE_FIELDS
+        + MulaConfig.DENSE_ARCHITECTURE_FIELDS
+    )
+    assert set(every) <= names
+    assert not {"router_z_loss_coef", "router_aux_loss_coef", "init_std", "expert_backend", "name"} & set(
+        every
+    )
+    config = MulaConfig.from_name("mula-tiny-moe")
+    explicit = dataclasses.replace(config, num_kv_heads=config.num_heads, head_dim=config.head_size, name="x")
+    assert config.architecture() == explicit.architecture()
+    assert config.architecture_differences(dataclasses.replace(config, router_z_loss_coef=1.0)) == []
+    assert config.architecture_differences(dataclasses.replace(config, top_k=2)) == ["top_k: 2 vs 4"]

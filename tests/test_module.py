@@ -131,6 +131,25 @@ def test_init_weights_loads_and_checks_architecture(tmp_path):
         wrong.configure_model()
 
 
+def test_init_weights_ignores_training_settings(tmp_path):
+    """Only the architecture must match: other loss weights, init or kernels load; another width does not."""
+    from mula.checkpoint import save_weights
+
+    save_weights(Mula(MulaConfig.from_name("mula-tiny-moe", **TINY)), tmp_path / "w.pt")
+    training = {
+        "router_z_loss_coef": 0.05,
+        "router_aux_loss_coef": 0.0,
+        "init_std": 0.1,
+        "expert_backend": "torch",
+    }
+    tiny_module(overrides=training, init_weights=str(tmp_path / "w.pt"))  # loads
+    wider = MulaLightningModule(
+        "mula-tiny-moe", overrides={**TINY, "hidden_size": 64}, init_weights=str(tmp_path / "w.pt")
+    )
+    with pytest.raises(ValueError, match=r"different architecture than the model .*hidden_size: 32 vs 64"):
+        wider.configure_model()
+
+
 def test_fit_logs_metrics_checkpoint_has_config_and_loss_falls(tmp_path):
     """A few steps on one repeated batch through the real Trainer: metrics, checkpoint, falling loss."""
     data = random_batch(b=4, t=16).repeat(8, 1)

@@ -30,6 +30,7 @@ from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
 
 log = logging.getLogger(__name__)
+TOKENIZER_STATE_KEY = "tokenizer_path"
 # Lightning warns about every IterableDataset with a length; ours split work between DataLoader workers
 # explicitly (micro-batch k goes to worker k % num_workers), so the length is exact.
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
@@ -371,8 +372,21 @@ class MulaDataModule(L.LightningDataModule):
     # ---- checkpointing ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's position (Lightning also saves it with the loop state)."""
-        return {"train_loader": self._train_loader.state_dict()} if self._train_loader is not None else {}
+        """The training loader's position (Lightning also saves it with the loop state) and the
+        tokenizer.json of the data, which `mula export-hf` ships with the model."""
+        state: dict[str, Any] = {}
+        if self._summary is not None:
+            state[TOKENIZER_STATE_KEY] = os.path.abspath(self._summary["tokenizer"]["path"])
+        if self._train_loader is not None:
+            state["train_loader"] = self._train_loader.state_dict()
+        return state
+
+    @classmethod
+    def tokenizer_path_in(cls, checkpoint: dict[str, Any]) -> str | None:
+        """The tokenizer.json recorded in a Lightning checkpoint dict by `state_dict` (None if absent)."""
+        state = checkpoint.get(cls.__qualname__)  # where Lightning keeps a data module's state_dict
+        path = state.get(TOKENIZER_STATE_KEY) if isinstance(state, dict) else None
+        return path if isinstance(path, str) else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training loader at a saved position (applied when the loader is created)."""

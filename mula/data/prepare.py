@@ -462,7 +462,7 @@ def prepare(
     summary = PrepareSummary(
         output_dir=output_dir,
         tokenizer={
-            "path": tokenizer.path,
+            "path": os.path.abspath(tokenizer.path),  # found again from a run in another directory
             "sha256": tokenizer.sha256,
             "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id,

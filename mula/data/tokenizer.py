@@ -86,7 +86,7 @@ def _resolve_tokenizer_file(path: str | os.PathLike) -> Path:
     return p
 
 
-def _content(token: object) -> str | None:
+def token_content(token: object) -> str | None:
     """An AddedToken-like value from tokenizer_config.json: a string or {"content": ...}."""
     if isinstance(token, str):
         return token
@@ -127,7 +127,7 @@ def _discover_eos(tok: Tokenizer, file: Path, eos_token: str | int | None) -> tu
     config_file = file.parent / "tokenizer_config.json"
     if config_file.is_file():
         try:
-            candidates.append(_content(json.loads(config_file.read_text()).get("eos_token")))
+            candidates.append(token_content(json.loads(config_file.read_text()).get("eos_token")))
         except (json.JSONDecodeError, AttributeError):
             pass  # a broken sidecar file must not hide the other ways of finding EOS
     candidates.append(_eos_from_post_processor(json.loads(tok.to_str()).get("post_processor")))

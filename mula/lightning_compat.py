@@ -1,0 +1,62 @@
+"""The private Lightning internals Mula relies on, each imported here and only here.
+
+Lightning may move or change a private name in any release, so Mula pins the range it is tested with
+(`TESTED_LIGHTNING`, the same range as the `lightning` requirement in pyproject.toml). A Lightning
+outside it that moved one of these names fails on import with one sentence naming the name and the
+tested range, instead of an AttributeError deep inside a training run.
+
+Not importable, so not here: strategies/sharded_state.py (`rescale_loop_progress`) reads the layout of
+Lightning's checkpoint dict, `checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]` with
+"total"/"current" counters, which is equally private and equally tested only in this range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning
+
+TESTED_LIGHTNING = ">=2.5,<2.7,!=2.6.2,!=2.6.3"  # keep equal to pyproject.toml's requirement
+
+try:
+    # The type of the registry that XPUAccelerator.register_accelerators receives (annotation only).
+    from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+
+    # Distributed setup of XPUMoEStrategy, as Lightning's DDPStrategy does it: the shared init of the
+    # process group (with Lightning's environment variables) and the all-reduce used by `reduce`.
+    from lightning.fabric.utilities.distributed import (
+        _distributed_is_initialized,
+        _init_dist_connection,
+        _sync_ddp_if_available,
+    )
+
+    # XPUMoEStrategy.setup moves restored optimizer state to the device, as DDPStrategy does.
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    # XPUMoEStrategy launches its ranks as subprocesses of `mula fit` when not started by a launcher.
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+except ImportError as e:
+    raise ImportError(
+        f"Mula uses a private part of Lightning that lightning {lightning.__version__} does not have "
+        f"({e}); Mula is tested with lightning{TESTED_LIGHTNING}, install a version in that range."
+    ) from e
+
+__all__ = [
+    "TESTED_LIGHTNING",
+    "_AcceleratorRegistry",
+    "_SubprocessScriptLauncher",
+    "_distributed_is_initialized",
+    "_init_dist_connection",
+    "_optimizers_to_device",
+    "_sync_ddp_if_available",
+    "cluster_environment",
+]
+
+
+def cluster_environment(trainer: Any) -> Any:
+    """The trainer's cluster environment (SLURM, torchelastic, ...), also for single-device strategies.
+
+    Only `ParallelStrategy` exposes it publicly (`strategy.cluster_environment`); the trainer's private
+    accelerator connector always knows it, which PreemptionHandler needs to requeue a 1-GPU SLURM job.
+    """
+    return trainer._accelerator_connector.cluster_environment
