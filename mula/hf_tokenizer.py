@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mula.checkpoint import SHARDED_META_FILE
+from mula.checkpoint.sharded import SHARDED_META_FILE
 from mula.config import MulaConfig
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer, token_content
 
