@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pydoc
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -123,6 +124,15 @@ class MulaCLI(LightningCLI):
             self._subcommand_parsers[name] = sub
             parser._subcommands_action.add_subcommand(name, sub, help=_summary(fn).splitlines()[0])
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Every logger writes into the run directory: its save_dir follows trainer.default_root_dir."""
+        parser.link_arguments("trainer.default_root_dir", "trainer.logger.init_args.save_dir", run_dir)
+
+    def before_instantiate_classes(self) -> None:
+        """Name the W&B run after its run directory unless the recipe names it."""
+        if not self._is_tool():
+            name_wandb_run(self.config[self.subcommand].trainer)
+
     def _is_tool(self) -> bool:
         return getattr(self, "subcommand", None) in getattr(self, "_tool_fns", {})
 
@@ -178,6 +188,24 @@ class MulaCLI(LightningCLI):
         """The data fits the model and the expert backend runs on the trainer's device and precision."""
         self.datamodule.validate_against(self.model.config)
         check_expert_backend(self.model.config, self.trainer)
+
+
+def run_dir(default_root_dir: str | None) -> str:
+    """The run directory: trainer.default_root_dir, or the working directory as for Lightning."""
+    return default_root_dir or os.getcwd()
+
+
+def name_wandb_run(trainer_config: Any) -> None:
+    """Give each unnamed W&B logger in `trainer_config.logger` the run directory's name."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    loggers = trainer_config.logger if isinstance(trainer_config.logger, list) else []
+    for logger in loggers:
+        init_args = logger.get("init_args")
+        cls = pydoc.locate(logger.get("class_path", ""))
+        is_wandb = isinstance(cls, type) and issubclass(cls, WandbLogger)
+        if is_wandb and init_args is not None and init_args.get("name") is None:
+            init_args.name = os.path.basename(os.path.normpath(run_dir(trainer_config.default_root_dir)))
 
 
 def check_expert_backend(config: MulaConfig, trainer: L.Trainer) -> None:
