@@ -4,22 +4,26 @@
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
 
 Every subcommand is parsed by the same jsonargparse parser (so `-c file.yaml`, `--print_config` and
-`--help` work alike everywhere). A `ValueError` or `FileNotFoundError` raised by Mula before training
-starts (bad preset, missing data, tokenizer larger than the model, ...) is printed as one line
-`mula: error: ...` with exit status 2; set `MULA_TRACEBACK=1` to see the traceback instead. The same
-errors after the first training step are crashes: traceback and exit status 1.
+`--help` work alike everywhere). A run's loggers write under its run directory,
+`trainer.default_root_dir`, with its checkpoints. A `ValueError` or `FileNotFoundError` raised by
+Mula before training starts (bad preset, missing data, tokenizer larger than the model, ...) is
+printed as one line `mula: error: ...` with exit status 2; set `MULA_TRACEBACK=1` to see the
+traceback instead. The same errors after the first training step are crashes: traceback and exit
+status 1.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import pydoc
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as L
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from mula.checkpoint import auto_resume_ckpt_path
@@ -132,6 +136,18 @@ class MulaCLI(LightningCLI):
             self._subcommand_parsers[name] = sub
             parser._subcommands_action.add_subcommand(name, sub, help=_summary(fn).splitlines()[0])
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Every logger writes into the run directory: its save_dir follows trainer.default_root_dir.
+
+        A link, so a recipe or flag never sets save_dir itself: a run's files move with its directory.
+        """
+        parser.link_arguments("trainer.default_root_dir", "trainer.logger.init_args.save_dir", run_dir)
+
+    def before_instantiate_classes(self) -> None:
+        """Name the W&B run after its run directory unless the recipe names it."""
+        if not self._is_tool():
+            name_wandb_run(self.config[self.subcommand].trainer)
+
     def _is_tool(self) -> bool:
         return getattr(self, "subcommand", None) in getattr(self, "_tool_fns", {})
 
@@ -187,6 +203,26 @@ class MulaCLI(LightningCLI):
         """The data fits the model and the expert backend runs on the trainer's device and precision."""
         self.datamodule.validate_against(self.model.config)
         check_expert_backend(self.model.config, self.trainer)
+
+
+def run_dir(default_root_dir: str | None) -> str:
+    """The run directory: trainer.default_root_dir, or the working directory as for Lightning."""
+    return default_root_dir or os.getcwd()
+
+
+def name_wandb_run(trainer_config: Any) -> None:
+    """Give each unnamed W&B logger in `trainer_config.logger` the run directory's name."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    loggers = trainer_config.logger  # a list, one logger, or a bool / None
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if not isinstance(logger, Namespace):
+            continue
+        init_args = logger.get("init_args")
+        cls = pydoc.locate(logger.get("class_path", ""))
+        is_wandb = isinstance(cls, type) and issubclass(cls, WandbLogger)
+        if is_wandb and init_args is not None and init_args.get("name") is None:
+            init_args.name = os.path.basename(os.path.normpath(run_dir(trainer_config.default_root_dir)))
 
 
 def check_expert_backend(config: MulaConfig, trainer: L.Trainer) -> None:

@@ -79,7 +79,6 @@ class XPUMoEStrategy(ParallelStrategy):
             `overlap_param_gather`, `offload`, `reduce_dtype: bfloat16`).
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
-        moe_metrics: add the `callbacks.moe_metrics.MoEMetrics` callback (moe/a2a_bytes, ...).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -96,7 +95,6 @@ class XPUMoEStrategy(ParallelStrategy):
         optimizer_options: dict[str, Any] | None = None,
         bucket_size_mb: float = 25.0,
         overlap_grad_reduce: bool = True,
-        moe_metrics: bool = True,
         meta_init: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -124,7 +122,6 @@ class XPUMoEStrategy(ParallelStrategy):
         self.optimizer_options = _parse_optimizer_options(optimizer_options or {})
         self.bucket_size_mb = bucket_size_mb
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.moe_metrics = moe_metrics
         self.meta_init = meta_init
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -242,8 +239,6 @@ class XPUMoEStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self.moe_metrics:
-                _add_moe_metrics(trainer)
 
     def _materialize(self, module: nn.Module) -> None:
         """Meta-built model: allocate on the device and initialise with the model's own init."""
@@ -489,10 +484,3 @@ def _track_step_calls(optimizer: Any) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper
-
-
-def _add_moe_metrics(trainer: Any) -> None:
-    from callbacks.moe_metrics import MoEMetrics
-
-    if not any(isinstance(cb, MoEMetrics) for cb in trainer.callbacks):
-        trainer.callbacks.append(MoEMetrics())

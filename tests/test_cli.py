@@ -97,6 +97,36 @@ def test_fit_ddp_two_ranks_on_cpu(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").exists()
 
 
+def test_run_files_follow_the_run_directory(tmp_path):
+    """--trainer.default_root_dir moves everything a run writes (metrics, config.yaml, W&B run,
+    checkpoints), and the run's config.yaml runs again under another run directory."""
+    short = [
+        "--trainer.max_steps=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.val_check_interval=2",
+        *FAST[4:],
+    ]
+    other = tmp_path / "other"
+    proc = run_mula(["fit", "-c", str(TINY_MOE), *short, f"--trainer.default_root_dir={other}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_metrics(other / "version_0" / "metrics.csv")
+    config = other / "version_0" / "config.yaml"
+    assert config.is_file()
+    assert len(list((other / "wandb").glob("offline-run-*"))) == 1
+    assert (other / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "runs").exists()  # nothing in the recipe's own run directory
+
+    again = tmp_path / "again"
+    proc = run_mula(
+        ["fit", "-c", str(config), "--trainer.max_steps=1", f"--trainer.default_root_dir={again}"],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "version_0" / "metrics.csv").is_file() and (again / "version_0" / "config.yaml").is_file()
+    assert len(list((again / "wandb").glob("offline-run-*"))) == 1
+    assert not (other / "version_1").exists()
+
+
 def expect_error(capsys, args: list[str], pattern: str) -> str:
     """`mula <args>` exits non-zero with exactly one stderr line `mula: error: ...` matching `pattern`."""
     with pytest.raises(SystemExit) as exit_info:

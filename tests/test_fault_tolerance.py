@@ -31,7 +31,7 @@ MAX_STEPS = 14
 # writes torch.distributed.checkpoint directories, loads them in place, and wraps its own optimizer.
 SHARDED = {
     "class_path": "strategies.XPUMoEStrategy",
-    "init_args": {"expert_parallel_size": 1, "moe_metrics": False},
+    "init_args": {"expert_parallel_size": 1},
 }
 
 

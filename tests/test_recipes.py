@@ -13,6 +13,7 @@ from mula.cli import MulaCLI, main
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 MODEL_RECIPES = sorted(RECIPES.glob("mula-*.yaml"))
 PAPER = ["mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"]
+STRATEGIES = sorted((RECIPES / "strategies").glob("*.yaml"))
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,31 @@ def test_all_recipe_files_are_covered():
     assert names == {"mula-tiny-moe", "mula-tiny-dense", *PAPER}
     assert {p.name for p in (RECIPES / "strategies").glob("*.yaml")} >= {"ddp.yaml"}
     assert list((RECIPES / "datasets").glob("*.yaml"))
+    assert {p.name for p in (RECIPES / "base").glob("*.yaml")} == {"run.yaml", "paper.yaml", "tiny.yaml"}
+
+
+def _including_files() -> list[Path]:
+    return [p for p in sorted(RECIPES.rglob("*.yaml")) if "config" in yaml.safe_load(p.read_text())]
+
+
+@pytest.mark.parametrize("path", _including_files(), ids=lambda p: str(p.relative_to(RECIPES)))
+def test_files_that_include_another_use_dotted_keys(path):
+    """jsonargparse applies `config: <file>` first, then the including file's own keys; a nested
+    `trainer:` block there would replace the included file's whole trainer section (loggers,
+    callbacks) instead of overriding single keys, so such files write `trainer.max_steps: ...`."""
+    doc = yaml.safe_load(path.read_text())
+    nested = [k for k, v in doc.items() if isinstance(v, dict) and "." not in k]
+    assert not nested, f"{path.name}: write {nested} as dotted keys"
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_recipe_holds_only_its_differences(name):
+    """A paper recipe names its base and what makes it different: model, run directory, token budget."""
+    doc = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    assert doc["config"] == "base/paper.yaml"
+    allowed = {"config", "trainer.default_root_dir", "trainer.max_steps", "model.config", "model.decay_steps",
+               "data.micro_batch_size"}  # fmt: skip
+    assert set(doc) <= allowed, set(doc) - allowed
 
 
 @pytest.mark.parametrize("recipe", MODEL_RECIPES, ids=lambda p: p.stem)
@@ -96,14 +122,29 @@ def test_strategy_yaml_composes(tmp_path, monkeypatch):
     assert type(cli.trainer.strategy).__name__ == "DDPStrategy"
 
 
-@pytest.mark.parametrize("strategy", sorted((RECIPES / "strategies").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_strategy_yaml_parses_with_a_model_recipe(strategy, capsys):
+@pytest.mark.parametrize("recipe", MODEL_RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda p: p.stem)
+def test_every_strategy_yaml_parses_with_every_model_recipe(strategy, recipe, capsys):
     """Parse only: some strategy files name accelerators (xpu) that this machine does not have."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "-c", str(RECIPES / "mula-tiny-moe.yaml"), "-c", str(strategy), "--print_config"])
+        main(["fit", "-c", str(recipe), "-c", str(strategy), "--print_config"])
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["class_path"]
+    callbacks = [c["class_path"] for c in printed["trainer"]["callbacks"]]
+    assert "callbacks.FaultTolerantCheckpoint" in callbacks  # the model recipe's callbacks are kept
+    if "xpu-moe" in strategy.stem:
+        assert callbacks[-1] == "callbacks.MoEMetrics"  # appended by the strategy file
+
+
+def test_run_directory_flag_moves_every_logger(tmp_path, monkeypatch):
+    """Loggers have no save_dir of their own: they write under trainer.default_root_dir, however set."""
+    monkeypatch.chdir(tmp_path)
+    cli = probe(RECIPES / "mula-tiny-moe.yaml", extra=("--trainer.default_root_dir=runs/other",))
+    assert {lg.save_dir for lg in cli.trainer.loggers} == {str(Path("runs", "other"))}
+    assert cli.trainer.log_dir == str(Path("runs", "other", "version_0"))
+    names = {lg.class_path.rsplit(".", 1)[-1]: lg.init_args.name for lg in cli.config.fit.trainer.logger}
+    assert names["WandbLogger"] == "other"  # the W&B run is named after its run directory
 
 
 def test_dataset_yaml_validates_against_mula_prepare(capsys):

@@ -20,6 +20,7 @@ from dist_helpers import run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from callbacks import MoEMetrics
 from mula.checkpoint import consolidate_checkpoint
 from mula.module import MulaLightningModule
 from strategies import XPUMoEStrategy
@@ -105,6 +106,8 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
     loader = _StepBatches(rank, world, max_steps)
     losses = _StepLosses(loader)
     callbacks: list[L.Callback] = [losses]
+    if isinstance(strategy, XPUMoEStrategy):
+        callbacks.append(MoEMetrics())  # as recipes/strategies/xpu-moe.yaml adds it
     if save_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2))
     trainer = L.Trainer(
