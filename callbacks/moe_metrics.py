@@ -50,12 +50,16 @@ class MoEMetrics(L.Callback):
             if counts is None or not torch.is_grad_enabled():  # training steps only
                 return
             if self._counts is None:
-                self._counts = torch.zeros(len(self._layers), counts.numel(), dtype=torch.long, device=counts.device)
+                self._counts = torch.zeros(
+                    len(self._layers), counts.numel(), dtype=torch.long, device=counts.device
+                )
             self._counts[index] += counts.detach()
 
         return hook
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
         """The step's forward and backward passes are done: log and reset the MoE counters."""
         if not self._layers:
             return

@@ -6,7 +6,8 @@ Importing this package registers `XPUMoEStrategy` as `strategy: xpu_moe` and `XP
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from strategies.accelerator import XPUAccelerator, process_group_backend, register as _register_accelerator
+from strategies.accelerator import XPUAccelerator, process_group_backend
+from strategies.accelerator import register as _register_accelerator
 from strategies.all_to_all import AllToAllDispatcher
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel

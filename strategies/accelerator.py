@@ -55,7 +55,9 @@ def process_group_backend(device: torch.device) -> str:
         return "nccl"
     if device.type == "cpu":
         return "gloo"
-    raise ValueError(f"No collective backend known for device type {device.type!r}; pass process_group_backend.")
+    raise ValueError(
+        f"No collective backend known for device type {device.type!r}; pass process_group_backend."
+    )
 
 
 def fix_mixed_precision_device(precision_plugin: Any, device_type: str) -> None:
@@ -141,6 +143,8 @@ class XPUAccelerator(Accelerator):
 
 def register() -> None:
     """Register the XPU accelerator with Lightning (idempotent; done on `import strategies`)."""
-    entry = dict.get(AcceleratorRegistry, XPUAccelerator.name())  # dict.get: the registry's get() instantiates
+    entry = dict.get(
+        AcceleratorRegistry, XPUAccelerator.name()
+    )  # dict.get: the registry's get() instantiates
     if entry is None or entry["accelerator"] is not XPUAccelerator:
         XPUAccelerator.register_accelerators(AcceleratorRegistry)

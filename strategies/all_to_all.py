@@ -28,7 +28,9 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 whose backward is the reverse all_to_all (splits swapped)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: Any) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: Any
+    ) -> Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group, ctx.meter = out_splits, in_splits, group, meter
         return _exchange(x, out_splits, in_splits, group, meter)
 
@@ -92,7 +94,9 @@ class AllToAllDispatcher:
             f"ep_rank={self.ep_rank})"
         )
 
-    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> tuple[Tensor, Tensor, _DispatchState]:
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, Tensor, _DispatchState]:
         """Send rows of x [N, H] to their top-k experts' ranks.
 
         Returns (x_sorted [M, H] grouped by local expert, tokens_per_local_expert [E_local] long, state).
@@ -135,7 +139,9 @@ class AllToAllDispatcher:
             y_send = _AllToAll.apply(y_recv, state.send_splits, state.recv_splits, self.ep_group, self)
         else:
             y_send = y_sorted
-        y_pairs = y_send.index_select(0, state.inv_order).view(state.num_tokens, state.top_k, y_send.shape[-1])
+        y_pairs = y_send.index_select(0, state.inv_order).view(
+            state.num_tokens, state.top_k, y_send.shape[-1]
+        )
         weights = state.topk_weight.to(y_pairs.dtype).unsqueeze(-1)
         return (y_pairs * weights).sum(dim=1)
 

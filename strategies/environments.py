@@ -71,7 +71,9 @@ class PALSEnvironment(ClusterEnvironment):
             return hosts[0]
         if self.world_size() == self._local_size():
             return "127.0.0.1"
-        raise ValueError("Cannot find the rank-0 host of this multi-node job: set MASTER_ADDR or run under PBS.")
+        raise ValueError(
+            "Cannot find the rank-0 host of this multi-node job: set MASTER_ADDR or run under PBS."
+        )
 
     @property
     def main_port(self) -> int:
@@ -102,7 +104,9 @@ class PALSEnvironment(ClusterEnvironment):
         """This process's rank in the job."""
         rank = _first(_RANK)
         if rank is None:
-            raise ValueError("No rank in the environment (expected PALS_RANKID, PMI_RANK or OMPI_COMM_WORLD_RANK).")
+            raise ValueError(
+                "No rank in the environment (expected PALS_RANKID, PMI_RANK or OMPI_COMM_WORLD_RANK)."
+            )
         return rank
 
     def set_global_rank(self, rank: int) -> None:

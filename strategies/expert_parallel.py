@@ -44,7 +44,9 @@ def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) ->
         if hasattr(experts, "num_experts"):
             experts.num_experts = len(local)
         if topology.ep_size > 1:
-            layer.dispatcher = AllToAllDispatcher(total, topology.ep_size, topology.ep_rank, topology.ep_group)
+            layer.dispatcher = AllToAllDispatcher(
+                total, topology.ep_size, topology.ep_rank, topology.ep_group
+            )
     return total
 
 

@@ -68,7 +68,9 @@ def model_state(module: nn.Module, mesh: Any) -> dict[str, Any]:
     return out
 
 
-def plain_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any) -> dict[str, Any]:
+def plain_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any
+) -> dict[str, Any]:
     """A torch optimizer's per-parameter state keyed by parameter name, expert moments as global tensors."""
     state: dict[str, Any] = {}
     for group in optimizer.param_groups:
@@ -97,14 +99,18 @@ def _plain_optimizer_template(
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names[id(p)]
-            kinds = sorted(k.rsplit(".", 1)[1] for k in saved_keys if k.startswith(f"optimizer_0.state.{name}."))
+            kinds = sorted(
+                k.rsplit(".", 1)[1] for k in saved_keys if k.startswith(f"optimizer_0.state.{name}.")
+            )
             if not kinds:
                 continue
             current = optimizer.state.setdefault(p, {})
             for kind in kinds:
                 if kind not in current:
                     # AdamW-style state: scalar `step`, moments shaped like the parameter
-                    current[kind] = torch.zeros((), dtype=torch.float32) if kind == "step" else torch.zeros_like(p)
+                    current[kind] = (
+                        torch.zeros((), dtype=torch.float32) if kind == "step" else torch.zeros_like(p)
+                    )
             state[name] = {
                 k: (_as_global(v, mesh) if v.dim() > 0 and is_expert_param(name) else v)
                 for k, v in current.items()
@@ -113,7 +119,9 @@ def _plain_optimizer_template(
     return {"state": state, "param_groups": None}  # None: filled with the saved tuple by dcp.load
 
 
-def save_sharded(path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool) -> None:
+def save_sharded(
+    path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool
+) -> None:
     """Write a sharded checkpoint directory (collective). `checkpoint["state_dict"]` comes from
     `model_state`; the rest of `checkpoint` (Lightning's loops, schedulers, ...) goes to meta.pt."""
     state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
@@ -142,20 +150,28 @@ def load_sharded(
     model = model_state(module, mesh)
     missing = sorted(k for k in model if f"{MODEL_KEY}.{k}" not in saved)
     if missing:
-        raise ValueError(f"Checkpoint {path} has no entry for {len(missing)} model tensor(s), e.g. {missing[0]}.")
+        raise ValueError(
+            f"Checkpoint {path} has no entry for {len(missing)} model tensor(s), e.g. {missing[0]}."
+        )
     state: dict[str, Any] = {MODEL_KEY: model}
     sharded_opts: dict[str, Any] = {}
     for i, opt in enumerate(optimizers):
         key = f"optimizer_{i}"
         if not any(k.startswith(key + ".") for k in saved):
-            raise ValueError(f"Checkpoint {path} holds no optimizer state; resume it with fit from weights instead.")
+            raise ValueError(
+                f"Checkpoint {path} holds no optimizer state; resume it with fit from weights instead."
+            )
         if hasattr(opt, "sharded_state_dict"):
             if not any(k.startswith(f"{key}.step") for k in saved):
-                raise ValueError(f"Checkpoint {path} was saved without shard_optimizer; resume with shard_optimizer=False.")
+                raise ValueError(
+                    f"Checkpoint {path} was saved without shard_optimizer; resume with shard_optimizer=False."
+                )
             sharded_opts[key] = state[key] = opt.sharded_state_dict()
         else:
             if any(k.startswith(f"{key}.step") for k in saved):
-                raise ValueError(f"Checkpoint {path} was saved with shard_optimizer; resume with shard_optimizer=True.")
+                raise ValueError(
+                    f"Checkpoint {path} was saved with shard_optimizer; resume with shard_optimizer=True."
+                )
             state[key] = _plain_optimizer_template(opt, names, mesh, saved)
     dcp.load(state, checkpoint_id=path)
     for i, opt in enumerate(optimizers):
@@ -167,13 +183,17 @@ def load_sharded(
     return read_sharded_meta(path, weights_only=weights_only is not False)
 
 
-def _apply_param_groups(optimizer: torch.optim.Optimizer, groups: Any, path: Path, names: dict[int, str]) -> None:
+def _apply_param_groups(
+    optimizer: torch.optim.Optimizer, groups: Any, path: Path, names: dict[int, str]
+) -> None:
     """Restore a plain optimizer's hyperparameters (lr, betas, ...) saved next to its state."""
     if groups is None or len(groups) != len(optimizer.param_groups):
         raise ValueError(f"Checkpoint {path} has a different number of optimizer param groups.")
     for mine, theirs in zip(optimizer.param_groups, groups):
         if list(theirs["param_names"]) != [names[id(p)] for p in mine["params"]]:
-            raise ValueError(f"Checkpoint {path} optimizer param groups name other parameters than this model's.")
+            raise ValueError(
+                f"Checkpoint {path} optimizer param groups name other parameters than this model's."
+            )
         mine.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
 
 

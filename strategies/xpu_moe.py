@@ -176,7 +176,9 @@ class XPUMoEStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's rank (as DDP does)."""
@@ -246,7 +248,9 @@ class XPUMoEStrategy(ParallelStrategy):
             if not any(p.is_meta for p in child.parameters()):
                 continue
             if not hasattr(child, "reset_parameters"):
-                raise ValueError(f"{type(child).__name__} was built on the meta device but has no reset_parameters().")
+                raise ValueError(
+                    f"{type(child).__name__} was built on the meta device but has no reset_parameters()."
+                )
             child.to_empty(device=self.root_device)
             child.reset_parameters()
 
@@ -275,10 +279,14 @@ class XPUMoEStrategy(ParallelStrategy):
             self._grad_sync.remove_hooks()
             self._grad_sync = None
         if not self.shard_optimizer:
-            self._grad_sync = GradientSynchronizer(named, self.topology, self.bucket_size_mb, self.overlap_grad_reduce)
+            self._grad_sync = GradientSynchronizer(
+                named, self.topology, self.bucket_size_mb, self.overlap_grad_reduce
+            )
             return
         if len(self.optimizers) != 1:
-            raise ValueError(f"shard_optimizer=True needs exactly one optimizer, the module returned {len(self.optimizers)}.")
+            raise ValueError(
+                f"shard_optimizer=True needs exactly one optimizer, the module returned {len(self.optimizers)}."
+            )
         from strategies.sharded_optimizer import EPShardedAdamW
 
         adamw = self.optimizers[0]
@@ -401,7 +409,9 @@ class XPUMoEStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint directory at `filepath` (collective)."""
         if storage_options is not None:
-            raise TypeError("XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards).")
+            raise TypeError(
+                "XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards)."
+            )
         path = Path(self.broadcast(str(filepath)))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -449,7 +459,9 @@ class XPUMoEStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """`strategy: xpu_moe` (E = 1) in a Trainer or recipe."""
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True)
+        strategy_registry.register(
+            cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True
+        )
 
 
 def _launched_by_mpiexec() -> bool:
@@ -464,7 +476,9 @@ def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
         name = out["reduce_dtype"].removeprefix("torch.")
         dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype.")
+            raise ValueError(
+                f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype."
+            )
         out["reduce_dtype"] = dtype
     return out
 

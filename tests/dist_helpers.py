@@ -11,8 +11,9 @@ import os
 import socket
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,9 @@ def free_port() -> int:
 
 
 # Only effective before the first forkserver launch in this interpreter; later calls are harmless.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "mula", "strategies"])
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "lightning.pytorch", "mula", "strategies"]
+)
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
@@ -70,4 +73,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
             if errors:
                 raise AssertionError("\n".join(errors)) from spawn_error
             raise
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"] for r in range(world_size)]
+        return [
+            torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"] for r in range(world_size)
+        ]

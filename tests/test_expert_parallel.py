@@ -114,9 +114,13 @@ def _assert_matches(run: dict, ref: dict) -> None:
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
     for name, grad in run["grads"].items():
-        torch.testing.assert_close(grad, _expected(name, ref["grads"][name], run["local"]), rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(
+            grad, _expected(name, ref["grads"][name], run["local"]), rtol=1e-4, atol=1e-7
+        )
     for name, value in run["params"].items():
-        torch.testing.assert_close(value, _expected(name, ref["params"][name], run["local"]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            value, _expected(name, ref["params"][name], run["local"]), rtol=1e-4, atol=1e-5
+        )
 
 
 def test_expert_parallel_matches_single_process() -> None:

@@ -31,7 +31,9 @@ with torch.no_grad():
 """
 
 
-@pytest.mark.skipif(not (TF4 / "transformers").is_dir(), reason="run `bash scripts/setup.sh dev` to install transformers 4.x")
+@pytest.mark.skipif(
+    not (TF4 / "transformers").is_dir(), reason="run `bash scripts/setup.sh dev` to install transformers 4.x"
+)
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -42,8 +44,14 @@ with torch.no_grad():
 )
 def test_export_loads_in_transformers_4(tmp_path: Path, overrides: dict) -> None:
     config = MulaConfig(
-        name="t4", vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
-        intermediate_size=64, **overrides,
+        name="t4",
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=64,
+        intermediate_size=64,
+        **overrides,
     )
     torch.manual_seed(0)
     model = Mula(config).eval()
@@ -53,8 +61,17 @@ def test_export_loads_in_transformers_4(tmp_path: Path, overrides: dict) -> None
     torch.save(ids, tmp_path / "ids.pt")
     env = dict(os.environ, PYTHONPATH=str(TF4))
     run = subprocess.run(
-        [sys.executable, "-c", LOAD, str(tmp_path / "hf"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            LOAD,
+            str(tmp_path / "hf"),
+            str(tmp_path / "ids.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     with torch.no_grad():

@@ -18,7 +18,6 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from callbacks import MoEMetrics
 from mula.checkpoint import consolidate_checkpoint
@@ -148,7 +147,12 @@ def _run_w4(rank: int, world: int, root: str) -> dict:
     gathered = [torch.empty_like(dense) for _ in range(world)]
     torch.distributed.all_gather(gathered, dense)
     assert all(torch.equal(g, dense) for g in gathered)
-    return {"sharded": sharded.losses, "plain": plain.losses, "sharded_norms": sharded.norms, "plain_norms": plain.norms}
+    return {
+        "sharded": sharded.losses,
+        "plain": plain.losses,
+        "sharded_norms": sharded.norms,
+        "plain_norms": plain.norms,
+    }
 
 
 def _resume(rank: int, world: int, ep_size: int, ckpt: str, max_steps: int, save_dir: str | None) -> dict:
@@ -164,19 +168,27 @@ def test_strategy_matches_single_process_and_reshards_checkpoints() -> None:
     with tempfile.TemporaryDirectory() as root:
         w4 = run_distributed(_run_w4, 4, root)[0]
         for key in ("sharded", "plain"):
-            torch.testing.assert_close(torch.tensor(w4[key]), torch.tensor(reference[:STEPS]), rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(w4[key]), torch.tensor(reference[:STEPS]), rtol=1e-5, atol=0
+            )
             norms = torch.tensor(w4[f"{key}_norms"])
             torch.testing.assert_close(norms, torch.tensor(ref.norms[:STEPS]), rtol=1e-5, atol=0)
         saved = f"{root}/w4e4/epoch=0-step=2.ckpt"
         # (W=4, E=4) -> (W=2, E=2), which saves again at step 4 ...
         w2 = run_distributed(_resume, 2, 2, saved, STEPS, f"{root}/w2e2")[0]
-        torch.testing.assert_close(torch.tensor(w2["losses"]), torch.tensor(reference[2:STEPS]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(w2["losses"]), torch.tensor(reference[2:STEPS]), rtol=1e-5, atol=0
+        )
         # (W=4, E=4) -> one process
         w1 = run_distributed(_resume, 1, 1, saved, STEPS, None)[0]
-        torch.testing.assert_close(torch.tensor(w1["losses"]), torch.tensor(reference[2:STEPS]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(w1["losses"]), torch.tensor(reference[2:STEPS]), rtol=1e-5, atol=0
+        )
         # ... and the reverse: (W=2, E=2) -> (W=4, E=4)
         back = run_distributed(_resume, 4, 4, f"{root}/w2e2/epoch=0-step=4.ckpt", STEPS + 2, None)[0]
-        torch.testing.assert_close(torch.tensor(back["losses"]), torch.tensor(reference[STEPS:]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(back["losses"]), torch.tensor(reference[STEPS:]), rtol=1e-5, atol=0
+        )
         # The sharded directory consolidates into one file that mula's weights reader accepts.
         from mula.checkpoint import load_weights
 
@@ -218,8 +230,15 @@ def _invalid_experts(rank: int, world: int) -> str:
     try:
         torch.manual_seed(0)
         module = MulaLightningModule("mula-tiny-moe", overrides={**OVERRIDES, "num_experts": 6})
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=XPUMoEStrategy(expert_parallel_size=4),
-                            max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=XPUMoEStrategy(expert_parallel_size=4),
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        )
         trainer.fit(module, _StepBatches(rank, world, 1))
     except ValueError as error:
         return str(error)

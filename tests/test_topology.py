@@ -80,8 +80,20 @@ def test_pals_environment_reads_mpiexec_variables(monkeypatch: pytest.MonkeyPatc
 
 
 def test_pals_environment_open_mpi_without_pbs(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("PALS_RANKID", "PALS_LOCAL_RANKID", "PALS_NODEID", "PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK",
-                 "PMI_LOCAL_SIZE", "PBS_NODEFILE", "PBS_JOBID", "MASTER_ADDR", "MASTER_PORT", "PALS_LOCAL_SIZE"):
+    for name in (
+        "PALS_RANKID",
+        "PALS_LOCAL_RANKID",
+        "PALS_NODEID",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "PMI_LOCAL_RANK",
+        "PMI_LOCAL_SIZE",
+        "PBS_NODEFILE",
+        "PBS_JOBID",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PALS_LOCAL_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
@@ -103,7 +115,9 @@ def test_backends_per_device() -> None:
 def test_xpu_accelerator_registered_and_bf16_autocast_repointed() -> None:
     assert "xpu" in AcceleratorRegistry.available_accelerators()
     assert dict.get(AcceleratorRegistry, "xpu")["accelerator"] is XPUAccelerator
-    assert "xpu_moe" in StrategyRegistry and strategies.XPUMoEStrategy is StrategyRegistry["xpu_moe"]["strategy"]
+    assert (
+        "xpu_moe" in StrategyRegistry and strategies.XPUMoEStrategy is StrategyRegistry["xpu_moe"]["strategy"]
+    )
     # What Lightning builds for accelerator="xpu", precision="bf16-mixed": autocast on the wrong device.
     plugin = MixedPrecision("bf16-mixed", "cuda")
     fix_mixed_precision_device(plugin, "xpu")
@@ -126,7 +140,9 @@ def test_resume_rescales_micro_batch_counters_to_new_accumulation() -> None:
     counters = {"ready": 8, "completed": 8, "started": 8, "processed": 8}
     meta = {
         "xpu_moe_layout": {"accumulate_grad_batches": 2},
-        "loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": dict(counters), "current": dict(counters)}}},
+        "loops": {
+            "fit_loop": {"epoch_loop.batch_progress": {"total": dict(counters), "current": dict(counters)}}
+        },
     }
     rescale_loop_progress(meta, 4)  # 4 optimizer steps of 2 micro-batches -> 4 steps of 4
     assert meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"] == 16

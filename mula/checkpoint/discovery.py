@@ -72,7 +72,7 @@ def iter_valid_checkpoints(
 def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksum") -> Path | None:
     """The newest valid checkpoint in ``dirpath``, or None. Invalid newer ones are skipped with a warning."""
     entries = list_checkpoints(dirpath)
-    for i, entry in enumerate(iter_valid_checkpoints(dirpath, verify)):
+    for entry in iter_valid_checkpoints(dirpath, verify):
         if entry.path != entries[0].path:
             log.warning(
                 "Resuming from %s: the newer checkpoint(s) in %s are incomplete or corrupted (see above).",

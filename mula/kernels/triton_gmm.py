@@ -30,7 +30,7 @@ MODE_PLAIN, MODE_SWIGLU_FWD, MODE_SWIGLU_BWD = 0, 1, 2
 def _gemm_kernel(
     x_ptr, w_ptr, y_ptr, h_ptr, a_ptr,
     tile_expert_ptr, tile_row_ptr, ends_ptr,
-    N, K, I,
+    N, K, I,  # noqa: E741 (I: the experts' intermediate size, as in the formulas)
     stride_xm, stride_xk,
     stride_we, stride_wk, stride_wn,
     stride_ym, stride_yn,

@@ -74,4 +74,3 @@ class LocalDispatcher:
         instead of a scatter-add: no atomics, so the forward is deterministic on GPUs too.
         """
         return unpermute(y_grouped, state)
-
