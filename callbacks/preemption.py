@@ -3,7 +3,8 @@
 The signal handler only records the signal. At each optimizer-step boundary the ranks agree (one
 all-reduce of a flag: a signal seen by any rank counts for all), then every rank takes part in a
 crash-safe checkpoint (``FaultTolerantCheckpoint.save``), rank 0 requeues the SLURM job when
-Lightning's ``SLURMEnvironment(auto_requeue=True)`` is in use, and every rank exits with
+Lightning's ``SLURMEnvironment(auto_requeue=True)`` is in use, the step's metrics are handed to the
+loggers and written out (so metrics.csv ends with the checkpointed step), and every rank exits with
 ``ExitCode.PREEMPTED`` (75). Re-running the same command resumes from that checkpoint.
 
 Lightning's own SIGTERM handler (which raises ``SIGTERMException`` at the next batch, before any
@@ -30,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from callbacks import _dist
 from callbacks.exit_codes import ExitCode, Preempted
-from mula.lightning_compat import cluster_environment
+from mula.lightning_compat import cluster_environment, log_train_step_now
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class PreemptionHandler(Callback):
         if trainer.is_global_zero and self._should_requeue(trainer):
             _requeue_slurm_job()
         rank_zero_info(f"Preemption checkpoint {path} written; re-run the same command to resume.")
+        _flush_loggers(trainer)
         raise Preempted(self.exit_code)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -181,6 +183,18 @@ class PreemptionHandler(Callback):
         if self.requeue is None:
             return on_slurm and bool(getattr(env, "auto_requeue", False))
         return self.requeue and on_slurm
+
+
+def _flush_loggers(trainer: pl.Trainer) -> None:
+    """Log the checkpointed step and write the loggers' buffers before the exit.
+
+    Lightning hands a step's metrics to the loggers only after every ``on_train_batch_end`` hook
+    returned, and CSVLogger writes its buffer only every ``flush_logs_every_n_steps``: without this,
+    the last step before the exit would be missing from metrics.csv.
+    """
+    log_train_step_now(trainer)
+    for logger in trainer.loggers:
+        logger.save()
 
 
 def _requeue_slurm_job() -> None:

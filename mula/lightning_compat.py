@@ -50,6 +50,9 @@ __all__ = [
     "_optimizers_to_device",
     "_sync_ddp_if_available",
     "cluster_environment",
+    "ends_optimizer_step",
+    "log_train_step_now",
+    "logs_train_step",
 ]
 
 
@@ -60,3 +63,30 @@ def cluster_environment(trainer: Any) -> Any:
     accelerator connector always knows it, which PreemptionHandler needs to requeue a 1-GPU SLURM job.
     """
     return trainer._accelerator_connector.cluster_environment
+
+
+def ends_optimizer_step(trainer: Any) -> bool:
+    """Whether the training micro-batch being run is the last of its gradient-accumulation window.
+
+    Lightning's own rule (`_should_accumulate`), which also steps on the last batch of an epoch; valid
+    from `training_step` to `on_train_batch_end` of that micro-batch.
+    """
+    return not trainer.fit_loop._should_accumulate()
+
+
+def logs_train_step(trainer: Any) -> bool:
+    """Whether Lightning hands the train metrics of the optimizer step being run to the loggers.
+
+    Every `log_every_n_steps` steps, before a stop and under `fast_dev_run`; valid from `training_step`
+    to `on_train_batch_end` of the window's last micro-batch.
+    """
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def log_train_step_now(trainer: Any) -> None:
+    """Hand the train metrics of this step to the loggers now, as Lightning does after `on_train_batch_end`.
+
+    For a callback that ends training inside `on_train_batch_end` (a preemption): Lightning would hand
+    them over only after every `on_train_batch_end` hook returned, so the step would be missing.
+    """
+    trainer._logger_connector.update_train_step_metrics()

@@ -27,7 +27,11 @@ from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
 from mula.config import MulaConfig
+from mula.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.model import Mula
+
+# The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
+STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
 
 
 def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -116,6 +120,9 @@ class MulaLightningModule(L.LightningModule):
         self.model: Mula | None = None  # built in configure_model (possibly on meta / sharded)
         self.val_loss = MeanMetric()
         self._batch_shape: tuple[int, int] | None = None
+        # Detached [loss, ce, aux, z] summed over the micro-batches of the current optimizer step.
+        self._step_sums: Tensor | None = None
+        self._step_micro_batches = 0
 
     # ----- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -161,17 +168,42 @@ class MulaLightningModule(L.LightningModule):
         return loss, ce, out
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        """One micro-batch: loss, and the train/* (and moe/*) metrics of this step."""
+        """One micro-batch: its loss (for backward), and the train/* (and moe/*) metrics of this step."""
         loss, ce, out = self._losses(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/ce_loss", ce)
-        if self.config.is_moe:
-            self.log("train/aux_loss", out.aux_loss)
-            self.log("train/z_loss", out.z_loss)
-            if out.tokens_per_expert is not None:
-                self.log("moe/load_imbalance", load_imbalance(out.tokens_per_expert))
+        self._log_step_losses(loss, ce, out.aux_loss, out.z_loss)
+        if self.config.is_moe and out.tokens_per_expert is not None:
+            self.log("moe/load_imbalance", load_imbalance(out.tokens_per_expert))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
+
+    def on_train_start(self) -> None:
+        """Start a fresh accumulation window (a previous fit may have ended inside one)."""
+        self._step_sums, self._step_micro_batches = None, 0
+
+    def _log_step_losses(self, *losses: Tensor) -> None:
+        """On logging steps, log the mean of `losses` (`STEP_LOSSES`) over the step's global batch.
+
+        The mean runs over every micro-batch of the accumulation window on every data-parallel rank
+        (every rank, also under expert parallelism), so that the curve of a run does not depend on its
+        world size. Sums stay on the device (no host sync per micro-batch); one all-reduce of
+        [sums, count] per logged step.
+        """
+        losses = torch.stack([t.detach().float() for t in losses])
+        self._step_sums = losses if self._step_sums is None else self._step_sums + losses
+        self._step_micro_batches += 1
+        if not ends_optimizer_step(self.trainer):
+            return
+        sums, count = self._step_sums, self._step_micro_batches
+        self._step_sums, self._step_micro_batches = None, 0
+        if not logs_train_step(self.trainer):
+            return
+        total = self.trainer.strategy.reduce(torch.cat([sums, sums.new_tensor([count])]), reduce_op="sum")
+        means = total[:-1] / total[-1]
+        names = STEP_LOSSES if self.config.is_moe else STEP_LOSSES[:2]
+        for name, value in zip(names, means):
+            self.log(
+                name, value, prog_bar=name == "train/loss", on_step=True, on_epoch=False, sync_dist=False
+            )
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         """Accumulate the token-weighted cross-entropy; `val/loss` and `val/ppl` are logged per epoch."""

@@ -288,6 +288,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
         manifest.reason == "preemption" and manifest.kind == "dir" and verify_checkpoint(newest.path) is None
     )
     assert "(on another rank): checkpointing step" in log  # rank 0 learnt it through the agreement
+    assert [int(r["step"]) for r in _metrics(run_dir) if r.get("train/loss")] == list(range(manifest.step))
     for rank in (0, 1):
         assert _rows(run_dir, rank)[-1]["step"] == manifest.step - 1  # both stopped at the same boundary
 
@@ -297,6 +298,21 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
         resumed = _runs(run_dir, rank)[-1]
         assert resumed[0]["step"] == manifest.step + 1 and resumed[-1]["step"] == MAX_STEPS
         _assert_same_as(resumed, _rows(reference_dir, rank), keys=("loss", "params", "batch", "skipped"))
+
+
+def test_preemption_exit_75_keeps_the_last_step_in_metrics_csv(tmp_path):
+    """The step checkpointed on preemption is logged too: its metrics reach metrics.csv before exit 75."""
+    run_dir = tmp_path / "run"
+    proc = _start(_config(run_dir, injector={"step_sleep_s": 0.1}))
+    _wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    rc, log = _finish(proc)
+    assert rc == 75, log[-3000:]
+    manifest = read_manifest(list_checkpoints(run_dir / "checkpoints")[0].path)
+    assert manifest.reason == "preemption"
+    # Lightning logs optimizer step n (1-based global_step) as metrics step n - 1.
+    logged = [int(r["step"]) for r in _metrics(run_dir) if r.get("train/loss")]
+    assert logged == list(range(manifest.step)), f"checkpointed step {manifest.step}, logged {logged}"
 
 
 def test_consecutive_anomalies_roll_back_then_stop_with_exit_65(tmp_path):

@@ -1,0 +1,126 @@
+"""`train/loss` (and its components) is the loss of the optimizer step: the mean over the global batch.
+
+The same global batches are trained on one process (4 micro-batches accumulated per step) and on two
+gloo processes (2 each) with DDP and with XPUMoEStrategy (expert_parallel_size=2): every logged step
+must log the same `train/loss`, `train/ce_loss`, `train/aux_loss` and `train/z_loss` (fp32, 1e-6).
+Before, each run logged rank 0's last micro-batch, which differs with the world size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from dist_helpers import run_distributed
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader
+
+from mula.module import STEP_LOSSES, MulaLightningModule
+from strategies import XPUMoEStrategy
+
+MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 3
+OVERRIDES = dict(
+    vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
+    expert_intermediate_size=32, max_position_embeddings=64,
+)  # fmt: skip
+
+
+class _Recorder(Logger):
+    """Keeps what Lightning hands to the loggers: (step, metrics) per call, on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def losses(self) -> dict[int, list[float]]:
+        """step -> [train/loss, train/ce_loss, train/aux_loss, train/z_loss] of each logged step."""
+        return {step: [m[k] for k in STEP_LOSSES] for step, m in self.rows if "train/loss" in m}
+
+
+def _micro_batches(rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s micro-batches [n, MICRO, SEQ + 1]: a contiguous share of every global batch."""
+    per_rank = MICROS_PER_STEP // world
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, OVERRIDES["vocab_size"], (STEPS, MICROS_PER_STEP, MICRO, SEQ + 1), generator=g)
+    return data[:, rank * per_rank : (rank + 1) * per_rank].flatten(0, 1)
+
+
+def _fit(rank: int, world: int, strategy: Any, log_every_n_steps: int = 1) -> L.Trainer:
+    recorder = _Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=MICROS_PER_STEP // world,
+        log_every_n_steps=log_every_n_steps,
+        use_distributed_sampler=False,
+        logger=recorder,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = MulaLightningModule(
+        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
+    )
+    torch.manual_seed(0)  # the model is built in configure_model, inside fit
+    trainer.fit(module, DataLoader(_micro_batches(rank, world), batch_size=None))
+    return trainer
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, dict[int, list[float]]]:
+    # The processes exist already (started by the test): Lightning must not launch its own.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    ddp = _fit(rank, world, "ddp")
+    ep = _fit(rank, world, XPUMoEStrategy(expert_parallel_size=2))
+    return {"ddp": ddp.logger.losses(), "ep": ep.logger.losses()}
+
+
+def test_train_loss_is_the_global_batch_mean_whatever_the_world_size() -> None:
+    single = _fit(0, 1, "auto")
+    reference = single.logger.losses()
+    assert sorted(reference) == list(range(STEPS))
+    assert single.lightning_module.config.is_moe  # so the aux and z losses are checked too
+    results = run_distributed(_two_ranks, 2)
+    for rank, result in enumerate(results):
+        for name, logged in result.items():
+            assert sorted(logged) == list(range(STEPS)), (rank, name)
+            for step, values in reference.items():
+                torch.testing.assert_close(
+                    torch.tensor(logged[step]),
+                    torch.tensor(values),
+                    rtol=0,
+                    atol=1e-6,
+                    msg=lambda m, r=rank, s=step, n=name: f"{n}, rank {r}, step {s}: {m}",
+                )
+
+
+def test_train_loss_is_reduced_once_per_logged_step_only() -> None:
+    """One all-reduce per logged step (every log_every_n_steps), none on the other steps."""
+    calls: list[torch.Tensor] = []
+
+    class _CountingStrategy(L.strategies.SingleDeviceStrategy):
+        def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(tensor)
+            return super().reduce(tensor, *args, **kwargs)
+
+    trainer = _fit(0, 1, _CountingStrategy(device=torch.device("cpu")), log_every_n_steps=2)
+    assert sorted(trainer.logger.losses()) == [1]  # Lightning logs step indices 1, 3, ... of 0..STEPS-1
+    ours = [c for c in calls if c.is_floating_point()]  # Lightning reduces integer counters of its own
+    assert len(ours) == 1 and ours[0].shape == (len(STEP_LOSSES) + 1,)  # the sums and the count
