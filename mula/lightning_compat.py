@@ -50,6 +50,7 @@ __all__ = [
     "_optimizers_to_device",
     "_sync_ddp_if_available",
     "cluster_environment",
+    "dump_checkpoint",
 ]
 
 
@@ -60,3 +61,12 @@ def cluster_environment(trainer: Any) -> Any:
     accelerator connector always knows it, which PreemptionHandler needs to requeue a 1-GPU SLURM job.
     """
     return trainer._accelerator_connector.cluster_environment
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The full checkpoint dict ``trainer.save_checkpoint`` would write (collective: every rank calls it).
+
+    FaultTolerantCheckpoint writes it through ``strategy.save_checkpoint`` itself instead of calling
+    ``trainer.save_checkpoint``, whose trailing barrier a rank that failed to write would never reach.
+    """
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
