@@ -74,7 +74,7 @@ class AnomalyGuard(Callback):
         window: number of recent accepted losses the median/MAD are computed over.
         min_history: no spike detection before this many accepted losses (early training is noisy).
         max_consecutive: consecutive anomalous steps that trigger ``on_max_consecutive``.
-        on_max_consecutive: "rollback" to the newest valid checkpoint, or "stop".
+        on_max_consecutive: "rollback" to the newest valid checkpoint from before the anomalies, or "stop".
         max_rollbacks: rollbacks allowed per run before stopping instead.
         healthy_steps: accepted steps in a row after an anomaly that make the run healthy again (until
             then the checkpoint from before the first anomaly is kept and rollbacks go there).

@@ -2,14 +2,17 @@
 
 Protocol for one save after optimizer step N (every rank takes part):
 
-1. every rank: ``trainer.save_checkpoint(".tmp-step=N.ckpt")`` -- the strategy decides whether this is
-   one file (written by rank 0) or a directory of shards (written by all ranks);
+0. rank 0 removes a stale ``.tmp-step=N.ckpt`` and checks that a checkpoint the size of the last one fits;
+1. every rank: Lightning's checkpoint dict goes to ``strategy.save_checkpoint(".tmp-step=N.ckpt")`` --
+   the strategy decides whether this is one file (written by rank 0) or a directory of shards
+   (written by all ranks);
 2. the data is made durable: rank 0 fsyncs a file; for a directory every rank ``syncfs``-es its own
    writes;
 3. rank 0 renames the temporary name to ``step=N.ckpt`` (atomic on POSIX) and fsyncs the directory;
 4. the files are hashed (spread over the ranks for a directory) and rank 0 writes
    ``step=N.ckpt.manifest.json`` atomically -- the commit record, written last;
-5. rank 0 points the symlink ``last.ckpt`` at it and prunes to the newest ``keep_last`` valid checkpoints.
+5. rank 0 points the symlink ``last.ckpt`` at it and prunes to the newest ``keep_last`` valid checkpoints
+   (plus protected ones, below).
 
 A crash at any point leaves either no new checkpoint, or one without a manifest, which discovery
 (``mula.checkpoint.find_resume_checkpoint``) skips with a warning, falling back to the previous.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -433,7 +437,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if warning is not None:
             log.warning(warning)
 
-    def _prune(self, dirpath: Path, step: int, protected: list[int] = ()) -> None:
+    def _prune(self, dirpath: Path, step: int, protected: Iterable[int] = ()) -> None:
         """Keep the newest ``keep_last`` valid checkpoints at or before ``step``, and for each step in
         ``protected`` the newest valid checkpoint at or before it; drop older and failed ones.
 

@@ -111,6 +111,15 @@ def test_guard_blocks_saves_until_an_accepted_step_and_protects_until_healthy():
     assert restored.protected_step() == 7 and restored.good_steps == 1
 
 
+@pytest.mark.parametrize(
+    "factory",
+    [lambda: AnomalyGuard(healthy_steps=0), lambda: FaultTolerantCheckpoint(on_save_error="ignore")],
+)
+def test_bad_settings_are_rejected(factory):
+    with pytest.raises(ValueError):
+        factory()
+
+
 # ------------------------------------------------------------------------------------------ disk space
 
 
