@@ -46,7 +46,7 @@ def estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[torch.op
 
     Exact for data-parallel runs; a lower bound when the strategy shards the model over the ranks.
     """
-    params = [p for p in module.parameters()]
+    params = list(module.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     state_bytes = 0
     for optimizer in optimizers:
