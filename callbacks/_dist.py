@@ -71,3 +71,21 @@ def barrier() -> None:
     """Wait for every rank."""
     if is_distributed():
         dist.barrier()
+
+
+def describe_error(err: BaseException) -> str:
+    """An error as a short phrase for the one-sentence message (with the rank that had it)."""
+    return f"rank {rank()}: {type(err).__name__}: {err}"
+
+
+def attempt(fn: Any) -> Any:
+    """``fn()``, or the description of the error it raised (sent to the other ranks to agree on failure)."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 (reported to every rank, then skipped or raised)
+        return describe_error(err)
+
+
+def first_problem(problems: list[str | None]) -> str | None:
+    """The first non-None problem reported by the ranks."""
+    return next((p for p in problems if p is not None), None)

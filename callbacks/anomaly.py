@@ -14,10 +14,20 @@ Per optimizer step (automatic optimization):
   counts skips.
 
 After ``max_consecutive`` anomalous steps in a row, ``on_max_consecutive="rollback"`` reloads the
-model, optimizer, LR scheduler and RNG states from the newest valid checkpoint (at most
-``max_rollbacks`` times) while the data position moves on, i.e. training continues past the
-offending batches; ``"stop"`` (or no checkpoint / rollbacks exhausted) ends training on all ranks
-with exit code 65 (``ExitCode.DIVERGED``) and a message saying why.
+model, optimizer, LR scheduler and RNG states from the newest valid checkpoint from before the
+anomalies (at most ``max_rollbacks`` times) while the data position moves on, i.e. training
+continues past the offending batches; ``"stop"`` (or no such checkpoint / rollbacks exhausted) ends
+training on all ranks with exit code 65 (``ExitCode.DIVERGED``) and a message saying why.
+
+The rollback rule, through two duck-typed methods the checkpoint callback asks for:
+
+* the run is *unhealthy* from its first anomalous step until ``healthy_steps`` accepted steps in a
+  row; ``protected_step()`` is then the last step before that first anomaly (else None), and the
+  newest checkpoint at or before it is kept from pruning and is where a rollback goes;
+* ``blocks_checkpoint()`` is true from an anomalous step (or a rollback) until the next accepted
+  step: periodic checkpoints wait, so none is taken inside a streak.
+
+Both follow from counters that are updated from the all-reduced verdict only, so every rank answers the same.
 """
 
 from __future__ import annotations
@@ -64,8 +74,10 @@ class AnomalyGuard(Callback):
         window: number of recent accepted losses the median/MAD are computed over.
         min_history: no spike detection before this many accepted losses (early training is noisy).
         max_consecutive: consecutive anomalous steps that trigger ``on_max_consecutive``.
-        on_max_consecutive: "rollback" to the newest valid checkpoint, or "stop".
+        on_max_consecutive: "rollback" to the newest valid checkpoint from before the anomalies, or "stop".
         max_rollbacks: rollbacks allowed per run before stopping instead.
+        healthy_steps: accepted steps in a row after an anomaly that make the run healthy again (until
+            then the checkpoint from before the first anomaly is kept and rollbacks go there).
     """
 
     def __init__(
@@ -77,6 +89,7 @@ class AnomalyGuard(Callback):
         max_consecutive: int = 5,
         on_max_consecutive: Literal["rollback", "stop"] = "rollback",
         max_rollbacks: int = 3,
+        healthy_steps: int = 10,
     ) -> None:
         if zscore_threshold is not None and zscore_threshold <= 0:
             raise ValueError(f"zscore_threshold must be > 0 or None, got {zscore_threshold}.")
@@ -90,6 +103,8 @@ class AnomalyGuard(Callback):
             raise ValueError(f"on_max_consecutive must be 'rollback' or 'stop', got {on_max_consecutive!r}.")
         if max_rollbacks < 0:
             raise ValueError(f"max_rollbacks must be >= 0, got {max_rollbacks}.")
+        if healthy_steps < 1:
+            raise ValueError(f"healthy_steps must be >= 1, got {healthy_steps}.")
         self.check_grads = check_grads
         self.zscore_threshold = zscore_threshold
         self.window = window
@@ -97,11 +112,14 @@ class AnomalyGuard(Callback):
         self.max_consecutive = max_consecutive
         self.on_max_consecutive = on_max_consecutive
         self.max_rollbacks = max_rollbacks
+        self.healthy_steps = healthy_steps
         # Checkpointed state (identical on all ranks, so rank 0's copy is enough).
         self.history: deque[float] = deque(maxlen=window)
         self.skipped_steps = 0
         self.consecutive = 0
         self.rollbacks = 0
+        self.streak_start: int | None = None  # last step before the first anomaly while unhealthy
+        self.good_steps = 0  # accepted steps in a row since the last anomaly or rollback
         # Per-step scratch.
         self._loss_sum: torch.Tensor | None = None
         self._skip_next_update = False
@@ -118,6 +136,8 @@ class AnomalyGuard(Callback):
             "skipped_steps": self.skipped_steps,
             "consecutive": self.consecutive,
             "rollbacks": self.rollbacks,
+            "streak_start": self.streak_start,
+            "good_steps": self.good_steps,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,6 +146,20 @@ class AnomalyGuard(Callback):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.consecutive = int(state_dict.get("consecutive", 0))
         self.rollbacks = int(state_dict.get("rollbacks", 0))
+        start = state_dict.get("streak_start")
+        self.streak_start = None if start is None else int(start)
+        self.good_steps = int(state_dict.get("good_steps", 0))
+
+    # ------------------------------------------------------------------ interface for checkpointing
+
+    def blocks_checkpoint(self) -> bool:
+        """True from an anomalous step (or a rollback) until the next accepted step: no periodic save now."""
+        return self.streak_start is not None and self.good_steps == 0
+
+    def protected_step(self) -> int | None:
+        """While the run is unhealthy, the last step before its first anomaly: the newest checkpoint at or
+        before it must survive pruning, and rollbacks go there. None when healthy."""
+        return self.streak_start
 
     # ------------------------------------------------------------------ hooks
 
@@ -193,7 +227,13 @@ class AnomalyGuard(Callback):
         if verdict == "ok":
             self.history.append(loss)
             self.consecutive = 0
+            self.good_steps += 1
+            if self.streak_start is not None and self.good_steps >= self.healthy_steps:
+                self.streak_start = None  # healthy again: the pre-anomaly checkpoint may be pruned
             return
+        if self.streak_start is None:
+            self.streak_start = trainer.global_step  # the last completed (accepted) step
+        self.good_steps = 0
         self._skip_next_update = True
         self.skipped_steps += 1
         self.consecutive += 1
@@ -220,12 +260,17 @@ class AnomalyGuard(Callback):
                 f"Training stopped: {reason}, and the {self.max_rollbacks} allowed rollbacks are used up."
             )
         checkpointer = next((cb for cb in trainer.callbacks if hasattr(cb, "latest_valid_checkpoint")), None)
-        path = checkpointer.latest_valid_checkpoint(trainer) if checkpointer is not None else None
+        bound = self.streak_start
+        path = checkpointer.latest_valid_checkpoint(trainer, bound) if checkpointer is not None else None
         if path is None:
-            self._stop(f"Training stopped: {reason}, and there is no valid checkpoint to roll back to.")
+            self._stop(
+                f"Training stopped: {reason}, and there is no valid checkpoint from before the anomalies"
+                f" (step <= {bound}) to roll back to."
+            )
         self._rollback(trainer, checkpointer, path)
         self.rollbacks += 1
         self.consecutive = 0
+        self.good_steps = 0  # still unhealthy: the next periodic save waits for an accepted step
         rank_zero_warn(
             f"{reason}: rolled back model, optimizer, LR scheduler and RNG to {path}; training continues with the"
             f" next batches (rollback {self.rollbacks}/{self.max_rollbacks})."

@@ -2,17 +2,29 @@
 
 Protocol for one save after optimizer step N (every rank takes part):
 
-1. every rank: ``trainer.save_checkpoint(".tmp-step=N.ckpt")`` -- the strategy decides whether this is
-   one file (written by rank 0) or a directory of shards (written by all ranks);
+0. rank 0 removes a stale ``.tmp-step=N.ckpt`` and checks that a checkpoint the size of the last one fits;
+1. every rank: Lightning's checkpoint dict goes to ``strategy.save_checkpoint(".tmp-step=N.ckpt")`` --
+   the strategy decides whether this is one file (written by rank 0) or a directory of shards
+   (written by all ranks);
 2. the data is made durable: rank 0 fsyncs a file; for a directory every rank ``syncfs``-es its own
    writes;
 3. rank 0 renames the temporary name to ``step=N.ckpt`` (atomic on POSIX) and fsyncs the directory;
 4. the files are hashed (spread over the ranks for a directory) and rank 0 writes
    ``step=N.ckpt.manifest.json`` atomically -- the commit record, written last;
-5. rank 0 points the symlink ``last.ckpt`` at it and prunes to the newest ``keep_last`` valid checkpoints.
+5. rank 0 points the symlink ``last.ckpt`` at it and prunes to the newest ``keep_last`` valid checkpoints
+   (plus protected ones, below).
 
 A crash at any point leaves either no new checkpoint, or one without a manifest, which discovery
 (``mula.checkpoint.find_resume_checkpoint``) skips with a warning, falling back to the previous.
+An error (a full disk) is agreed on by all ranks after each phase, so that no rank waits forever in
+a collective the failed one never reaches; rank 0 then removes the partial files and every rank
+skips the save or raises ``CheckpointSaveError`` (``on_save_error``). Before writing, rank 0 checks
+that the directory has room for a checkpoint the size of the last one.
+
+Anomaly streaks: callbacks offering ``blocks_checkpoint()`` (true while periodic saves must wait,
+e.g. ``AnomalyGuard`` inside a streak of skipped steps) defer periodic saves to the first step
+boundary where none blocks; callbacks offering ``protected_step()`` (a step or None) keep the
+newest checkpoint at or before that step from being pruned. Both are duck-typed, like ``heartbeat()``.
 
 Exact resume: the checkpoint also carries every rank's RNG states. They are re-applied at the first
 training batch after the save, both in the resumed run and in the run that saved ("RNG fence"), so
@@ -25,14 +37,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from callbacks import _dist
+from callbacks import _disk_space, _dist
 from callbacks.rng_state import capture_rng_state, restore_rng_state
 from mula.checkpoint import (
     TMP_PREFIX,
@@ -56,11 +69,18 @@ from mula.checkpoint import (
     verify_checkpoint,
     write_manifest,
 )
+from mula.lightning_compat import dump_checkpoint
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "mula_rng_states"
 LAST_LINK = "last.ckpt"  # symlink to the newest checkpoint, for humans and `mula export-hf`
+OnSaveError = Literal["skip", "raise"]
+_SKIPPABLE = ("periodic", "timer")  # saves that have a later chance; preemption and end saves do not
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (raised on every rank; the partial files are removed)."""
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -76,6 +96,10 @@ class FaultTolerantCheckpoint(Checkpoint):
         verify: what auto-resume and rollback check: "checksum" (re-hash every file) or "size"
             (manifest complete and sizes match; cheap for very large sharded checkpoints).
         save_on_train_end: also save when training finishes.
+        on_save_error: what a periodic or timed save that cannot be written (not enough free space, a
+            write error) does: "skip" (default) logs an error on rank 0 and training continues until
+            the next scheduled save; "raise" stops the run with ``CheckpointSaveError``. Preemption and
+            end-of-training saves always raise: they have no later chance.
     """
 
     def __init__(
@@ -87,6 +111,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         checksum: Checksum = "sha256",
         verify: Verify = "checksum",
         save_on_train_end: bool = True,
+        on_save_error: OnSaveError = "skip",
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
@@ -98,6 +123,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise ValueError(f"checksum must be 'sha256', 'crc32' or 'none', got {checksum!r}.")
         if verify not in ("checksum", "size"):
             raise ValueError(f"verify must be 'checksum' or 'size', got {verify!r}.")
+        if on_save_error not in ("skip", "raise"):
+            raise ValueError(f"on_save_error must be 'skip' or 'raise', got {on_save_error!r}.")
         self.dirpath = dirpath
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
@@ -105,11 +132,13 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.checksum: Checksum = checksum
         self.verify: Verify = verify
         self.save_on_train_end = save_on_train_end
+        self.on_save_error: OnSaveError = on_save_error
         self.last_saved_path: Path | None = None
         self._last_saved_step = -1
         self._last_step_seen = -1
         self._last_save_time = time.monotonic()
         self._pending_rng: dict[str, Any] | None = None
+        self._deferred: str | None = None  # reason of a save that was due while a callback blocked saves
 
     # ------------------------------------------------------------------ paths and discovery
 
@@ -130,11 +159,13 @@ class FaultTolerantCheckpoint(Checkpoint):
             rank_zero_info(f"Auto-resuming from {path}.")
         return path
 
-    def latest_valid_checkpoint(self, trainer: pl.Trainer) -> Path | None:
-        """The newest valid checkpoint, chosen by rank 0 and agreed by all ranks (a collective)."""
+    def latest_valid_checkpoint(self, trainer: pl.Trainer, at_or_before: int | None = None) -> Path | None:
+        """The newest valid checkpoint (of a step ``<= at_or_before`` if given), chosen by rank 0 and
+        agreed by all ranks (a collective)."""
         path = None
         if trainer.is_global_zero:
-            path = next(iter(iter_valid_checkpoints(self.resolve_dirpath(trainer), self.verify)), None)
+            candidates = iter_valid_checkpoints(self.resolve_dirpath(trainer), self.verify)
+            path = next((e for e in candidates if at_or_before is None or e.step <= at_or_before), None)
         path = _dist.broadcast_object(str(path.path) if path is not None else None)
         return Path(path) if path is not None else None
 
@@ -163,6 +194,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             )
         self._last_step_seen = trainer.global_step
         self._last_save_time = time.monotonic()
+        if trainer.is_global_zero:
+            self._warn_if_short_of_space(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -187,7 +220,21 @@ class FaultTolerantCheckpoint(Checkpoint):
             # Clocks differ between ranks: any rank being due makes every rank save (one tiny all-reduce).
             due_time = _dist.any_rank(elapsed >= 60.0 * self.every_n_minutes, trainer.strategy.root_device)
         if due_steps or due_time:
-            self.save(trainer, reason="periodic" if due_steps else "timer")
+            reason = "periodic" if due_steps else "timer"
+        elif self._deferred is not None:
+            reason = self._deferred
+        else:
+            return
+        if _dist.any_rank(_saves_blocked(trainer), trainer.strategy.root_device):
+            if self._deferred is None:
+                rank_zero_info(
+                    f"Checkpoint of step {step} deferred: inside a streak of anomalous steps, saved at the"
+                    " first step boundary after it."
+                )
+            self._deferred = reason
+            return
+        self._deferred = None
+        self.save(trainer, reason=reason)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Final checkpoint."""
@@ -241,8 +288,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         else:
             self._pending_rng = states[rank]
 
-    def save(self, trainer: pl.Trainer, reason: str = "periodic") -> Path:
-        """Write a crash-safe checkpoint of the current step (call on every rank at a step boundary)."""
+    def save(self, trainer: pl.Trainer, reason: str = "periodic") -> Path | None:
+        """Write a crash-safe checkpoint of the current step (call on every rank at a step boundary).
+
+        Returns its path, or None when a periodic/timed save was skipped (``on_save_error="skip"``).
+        """
         step = trainer.global_step
         dirpath = self.resolve_dirpath(trainer)
         final = dirpath / checkpoint_name(step)
@@ -252,73 +302,155 @@ class FaultTolerantCheckpoint(Checkpoint):
         start = time.monotonic()
         tmp = temp_path(final)
         zero = trainer.is_global_zero
-        if zero:
-            dirpath.mkdir(parents=True, exist_ok=True)
-            remove_path(tmp)
-        trainer.strategy.barrier("FaultTolerantCheckpoint.pre_save")
+        # Rank 0 makes room and checks the free space; broadcasting its verdict makes the others wait for it.
+        problem = _dist.broadcast_object(self._prepare(trainer, dirpath, tmp) if zero else None)
+        if problem is not None:
+            return self._abandon(trainer, step, reason, problem, [])
 
-        trainer.save_checkpoint(
-            tmp, weights_only=False
-        )  # every rank; the strategy decides file vs. sharded directory
+        checkpoint = dump_checkpoint(trainer)  # collective (RNG gather, optimizer consolidation)
+        problem, is_dir = None, False
+        try:
+            # The strategy decides whether this is one file (rank 0 writes) or a directory of shards.
+            trainer.strategy.save_checkpoint(checkpoint, tmp)
+            # Durability before the rename: a renamed checkpoint must never point at unflushed data.
+            is_dir = tmp.is_dir()
+            if is_dir:
+                sync_filesystem(tmp)  # each rank flushes the shards it wrote
+            elif zero:
+                fsync_tree(tmp)
+        except Exception as err:  # noqa: BLE001 (any write error: agreed on below, then skipped or raised)
+            problem = _dist.describe_error(err)
+        del checkpoint
+        reports = _dist.all_gather_object((problem, is_dir))
+        problem, is_dir = _dist.first_problem([r[0] for r in reports]), reports[0][1]  # rank 0 wrote the file
+        if problem is not None:
+            return self._abandon(trainer, step, reason, problem, [tmp])
 
-        # Durability before the rename: a renamed checkpoint must never point at unflushed data.
-        is_dir = _dist.broadcast_object(tmp.is_dir() if zero else None)
-        if is_dir:
-            sync_filesystem(tmp)  # each rank flushes the shards it wrote
-        elif zero:
-            fsync_tree(tmp)
-        trainer.strategy.barrier("FaultTolerantCheckpoint.synced")
-
-        if zero:
-            if final.exists() or manifest_path(final).exists():  # a stale one from an abandoned timeline
-                remove_path(manifest_path(final))
-                remove_path(final)
-            replace_path(tmp, final, sync=False)  # flushed above, by every rank for its own shards
-        entries = _dist.broadcast_object(list_checkpoint_files(final) if zero else None)
+        # Rank 0 renames into place and lists the files; every rank gets the list (or rank 0's error).
+        entries = _dist.broadcast_object(
+            _dist.attempt(lambda: self._commit_rename(tmp, final)) if zero else None
+        )
+        if isinstance(entries, str):
+            return self._abandon(trainer, step, reason, entries, [tmp, manifest_path(final), final])
         if is_dir:  # spread the hashing of a sharded checkpoint over the ranks
-            mine = digest_entries(final, entries[_dist.rank() :: _dist.world_size()], self.checksum)
+            mine = _dist.attempt(
+                lambda: digest_entries(final, entries[_dist.rank() :: _dist.world_size()], self.checksum)
+            )
             gathered = _gather_to_zero(mine)
-            digested = sorted((e for part in gathered for e in part), key=lambda e: e.path) if zero else []
         else:
-            digested = digest_entries(final, entries, self.checksum) if zero else []
+            gathered = (
+                [_dist.attempt(lambda: digest_entries(final, entries, self.checksum))] if zero else None
+            )
+        outcome = None
         if zero:
-            manifest = CheckpointManifest(
-                step=step,
-                kind="dir" if is_dir else "file",
-                checksum=self.checksum,
-                files=digested,
-                epoch=trainer.current_epoch,
-                reason=reason,
-                created=time.time(),
-                world_size=trainer.world_size,
-            )
-            write_manifest(final, manifest)
-            _point_last_at(dirpath, final)
-            self._prune(dirpath, step)
-            rank_zero_info(
-                f"Saved checkpoint {final} ({manifest.total_bytes / 2**20:.1f} MiB, {reason},"
-                f" {time.monotonic() - start:.1f}s)."
-            )
-        trainer.strategy.barrier("FaultTolerantCheckpoint.saved")
+            outcome = _dist.first_problem([g for g in gathered if isinstance(g, str)])
+            if outcome is None:
+                digested = sorted((e for part in gathered for e in part), key=lambda e: e.path)
+                outcome = _dist.attempt(
+                    lambda: self._write_manifest(trainer, final, digested, is_dir, reason, start)
+                )
+        problem = _dist.broadcast_object(outcome)
+        if problem is not None:
+            return self._abandon(trainer, step, reason, problem, [manifest_path(final), final])
         self._last_saved_step = step
         self.last_saved_path = final
         self._last_save_time = time.monotonic()
         _heartbeat(trainer)
         return final
 
-    def _prune(self, dirpath: Path, step: int) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints at or before ``step``; drop older and failed ones.
+    def _prepare(self, trainer: pl.Trainer, dirpath: Path, tmp: Path) -> str | None:
+        """Rank 0, before a save: remove a stale temporary; the reason the save cannot fit, or None."""
+        try:
+            dirpath.mkdir(parents=True, exist_ok=True)
+            remove_path(tmp)
+            return _disk_space.space_problem(dirpath, self._checkpoint_bytes(trainer, dirpath))
+        except OSError as err:
+            return _dist.describe_error(err)
+
+    def _commit_rename(self, tmp: Path, final: Path) -> list:
+        """Rank 0: move the flushed temporary to its final name; its files (for the manifest)."""
+        if final.exists() or manifest_path(final).exists():  # a stale one from an abandoned timeline
+            remove_path(manifest_path(final))
+            remove_path(final)
+        replace_path(tmp, final, sync=False)  # flushed before, by every rank for its own shards
+        return list_checkpoint_files(final)
+
+    def _write_manifest(
+        self, trainer: pl.Trainer, final: Path, digested: list, is_dir: bool, reason: str, start: float
+    ) -> None:
+        """Rank 0: write the commit record, point ``last.ckpt`` at it, prune."""
+        manifest = CheckpointManifest(
+            step=trainer.global_step,
+            kind="dir" if is_dir else "file",
+            checksum=self.checksum,
+            files=digested,
+            epoch=trainer.current_epoch,
+            reason=reason,
+            created=time.time(),
+            world_size=trainer.world_size,
+        )
+        write_manifest(final, manifest)
+        dirpath = final.parent
+        _point_last_at(dirpath, final)
+        try:
+            self._prune(dirpath, trainer.global_step, _protected_steps(trainer))
+        except OSError as err:  # the checkpoint is committed; an old one left behind is no reason to fail
+            log.warning("Could not prune old checkpoints in %s: %s", dirpath, _dist.describe_error(err))
+        rank_zero_info(
+            f"Saved checkpoint {final} ({_disk_space.mib(manifest.total_bytes)}, {reason},"
+            f" {time.monotonic() - start:.1f}s)."
+        )
+
+    def _abandon(
+        self, trainer: pl.Trainer, step: int, reason: str, problem: str, leftovers: list[Path]
+    ) -> None:
+        """Every rank, after agreeing that a save failed: rank 0 removes the partial files; skip or raise."""
+        if trainer.is_global_zero:
+            for path in leftovers:
+                try:
+                    remove_path(path)
+                except OSError as err:
+                    log.error("Could not remove %s of the failed save: %s", path, _dist.describe_error(err))
+        message = f"Checkpoint of step {step} not saved: {problem}."
+        if self.on_save_error == "raise" or reason not in _SKIPPABLE:
+            raise CheckpointSaveError(message)
+        if trainer.is_global_zero:
+            log.error("%s Training continues; the next scheduled save will try again.", message)
+        self._last_save_time = time.monotonic()
+        _heartbeat(trainer)
+        return None
+
+    def _checkpoint_bytes(self, trainer: pl.Trainer, dirpath: Path) -> int:
+        """The size of the newest checkpoint in ``dirpath``, else an estimate from the model's state."""
+        sizes = _disk_space.checkpoint_sizes(dirpath)
+        if sizes:
+            return sizes[0]
+        return _disk_space.estimate_checkpoint_bytes(trainer.lightning_module, trainer.optimizers)
+
+    def _warn_if_short_of_space(self, trainer: pl.Trainer) -> None:
+        """Rank 0 at start: warn when ``keep_last + 1`` checkpoints cannot fit in the directory."""
+        dirpath = self.resolve_dirpath(trainer)
+        try:
+            warning = _disk_space.shortage(dirpath, self.keep_last, self._checkpoint_bytes(trainer, dirpath))
+        except OSError as err:
+            warning = f"Cannot tell the free space of {dirpath}: {err}"
+        if warning is not None:
+            log.warning(warning)
+
+    def _prune(self, dirpath: Path, step: int, protected: Iterable[int] = ()) -> None:
+        """Keep the newest ``keep_last`` valid checkpoints at or before ``step``, and for each step in
+        ``protected`` the newest valid checkpoint at or before it; drop older and failed ones.
 
         Checkpoints after ``step`` belong to another timeline (the run was resumed from an older one)
         and are left alone; a save at the same step replaces them.
         """
-        kept = 0
-        for entry in list_checkpoints(dirpath):
-            if entry.step > step:
-                continue
-            valid = verify_checkpoint(entry.path, "size") is None
-            if valid and kept < self.keep_last:
-                kept += 1
+        entries = [e for e in list_checkpoints(dirpath) if e.step <= step]
+        valid = [e.step for e in entries if verify_checkpoint(e.path, "size") is None]  # newest first
+        keep = set(valid[: self.keep_last])
+        for bound in protected:
+            keep.update(next(([s] for s in valid if s <= bound), []))
+        for entry in entries:
+            if entry.step in keep:
                 continue
             # The manifest goes first, so that a partly deleted checkpoint never looks valid.
             remove_path(entry.manifest)
@@ -347,6 +479,26 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
     return out
 
 
+def _saves_blocked(trainer: pl.Trainer) -> bool:
+    """True if a callback's ``blocks_checkpoint()`` says periodic saves must wait (e.g. an anomaly streak)."""
+    for callback in trainer.callbacks:
+        blocks = getattr(callback, "blocks_checkpoint", None)
+        if callable(blocks) and blocks():
+            return True
+    return False
+
+
+def _protected_steps(trainer: pl.Trainer) -> list[int]:
+    """Steps whose newest checkpoint at or before them must survive pruning (callbacks' ``protected_step()``)."""
+    steps = []
+    for callback in trainer.callbacks:
+        protected = getattr(callback, "protected_step", None)
+        step = protected() if callable(protected) else None
+        if step is not None:
+            steps.append(int(step))
+    return steps
+
+
 def _heartbeat(trainer: pl.Trainer) -> None:
     """Tell a hang watchdog (any callback with ``heartbeat()``) that slow progress is still progress."""
     for callback in trainer.callbacks:
@@ -355,4 +507,4 @@ def _heartbeat(trainer: pl.Trainer) -> None:
             beat()
 
 
-__all__ = ["RNG_KEY", "FaultTolerantCheckpoint"]
+__all__ = ["RNG_KEY", "CheckpointSaveError", "FaultTolerantCheckpoint"]

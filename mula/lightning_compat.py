@@ -50,6 +50,7 @@ __all__ = [
     "_optimizers_to_device",
     "_sync_ddp_if_available",
     "cluster_environment",
+    "dump_checkpoint",
     "ends_optimizer_step",
     "log_train_step_now",
     "logs_train_step",
@@ -90,3 +91,12 @@ def log_train_step_now(trainer: Any) -> None:
     them over only after every `on_train_batch_end` hook returned, so the step would be missing.
     """
     trainer._logger_connector.update_train_step_metrics()
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The full checkpoint dict ``trainer.save_checkpoint`` would write (collective: every rank calls it).
+
+    FaultTolerantCheckpoint writes it through ``strategy.save_checkpoint`` itself instead of calling
+    ``trainer.save_checkpoint``, whose trailing barrier a rank that failed to write would never reach.
+    """
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)

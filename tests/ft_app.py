@@ -8,6 +8,7 @@ mechanisms under test are the real callbacks.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -210,6 +211,7 @@ class FaultInjector(pl.Callback):
         step_sleep_s: float = 0.0,
         module_path: str = "lm_head",
         sanity_sleep_s: float = 0.0,
+        save_error_steps: list[int] | None = None,
     ) -> None:
         self.nan_steps = set(nan_steps or [])
         self.spike_steps = set(spike_steps or [])
@@ -220,6 +222,7 @@ class FaultInjector(pl.Callback):
         self.step_sleep_s = step_sleep_s
         self.module_path = module_path
         self.sanity_sleep_s = sanity_sleep_s
+        self.save_error_steps = set(save_error_steps or [])
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sanity_sleep_s:
@@ -242,6 +245,20 @@ class FaultInjector(pl.Callback):
             return output
 
         target.register_forward_hook(hook)
+        if self.save_error_steps and rank_ok:
+            self._fail_saves(trainer)
+
+    def _fail_saves(self, trainer: pl.Trainer) -> None:
+        """The strategy's checkpoint write fails with ENOSPC at the given steps, after writing its part
+        (as a disk that fills up while the data is flushed)."""
+        write = trainer.strategy.save_checkpoint
+
+        def save_checkpoint(checkpoint: dict, filepath: Any, *args: Any, **kwargs: Any) -> None:
+            write(checkpoint, filepath, *args, **kwargs)
+            if trainer.global_step in self.save_error_steps:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filepath))
+
+        trainer.strategy.save_checkpoint = save_checkpoint
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

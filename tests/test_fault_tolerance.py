@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,7 @@ def _config(
     watchdog: dict | None = None,
     anomaly: dict | None = None,
     strategy: dict | str = "ddp",
+    checkpoint: dict | None = None,
 ) -> Path:
     """The one training configuration every run here shares (injector and watchdog aside)."""
     callbacks = [
@@ -60,7 +62,7 @@ def _config(
         {"class_path": "callbacks.StragglerDetector", "init_args": {"every_n_steps": 5, "threshold": 1.5}},
         {
             "class_path": "callbacks.FaultTolerantCheckpoint",
-            "init_args": {"every_n_steps": 4, "keep_last": 3},
+            "init_args": {"every_n_steps": 4, "keep_last": 3, **(checkpoint or {})},
         },
         {"class_path": "ft_app.StepRecorder"},
     ]
@@ -329,6 +331,50 @@ def test_consecutive_anomalies_roll_back_then_stop_with_exit_65(tmp_path):
         assert rows[8]["rollbacks"] == 1 and rows[9]["params"] != rows[8]["params"]
         assert rows[9]["batch"] != rows[5]["batch"]  # training moved on past the offending batches
         assert max(rows) == 11  # stopped at step 12's boundary
+
+
+def _saved_steps(log: str) -> list[int]:
+    return [int(s) for s in re.findall(r"Saved checkpoint \S*step=(\d+)\.ckpt", log)]
+
+
+def test_a_streak_longer_than_keep_last_rolls_back_to_the_checkpoint_from_before_it(tmp_path):
+    """keep_last=2, a checkpoint every 3 steps, NaNs on rank 0 at steps 6-9: the saves due at 6 and 9 would
+    prune step 3 and every rollback would land inside the streak. None is taken inside it, step 3 is kept
+    (the run never becomes healthy here) and the rollback goes there."""
+    run_dir = tmp_path / "run"
+    config = _config(
+        run_dir,
+        devices=2,
+        injector={"nan_steps": [6, 7, 8, 9], "ranks": [0]},
+        anomaly={"zscore_threshold": None, "max_consecutive": 4, "healthy_steps": 100},
+        checkpoint={"every_n_steps": 3, "keep_last": 2},
+    )
+    rc, log = _run(config)
+    assert rc == 0, log[-3000:]
+    assert "rolled back model, optimizer, LR scheduler and RNG to" in log and "step=000000003.ckpt" in log
+    for rank in (0, 1):
+        rows = {r["step"]: r for r in _rows(run_dir, rank)}
+        assert rows[9]["params"] == rows[3]["params"] != rows[8]["params"]  # back to before the streak
+        assert rows[9]["rollbacks"] == 1 and max(rows) == MAX_STEPS
+    assert _saved_steps(log) == [3, 10, 12, 14]  # the save due at 9 waited for the first accepted step
+    assert [e.step for e in list_checkpoints(run_dir / "checkpoints")] == [14, 12, 3]
+
+
+def test_a_save_failing_on_one_rank_is_skipped_by_every_rank_and_cleaned_up(tmp_path):
+    """Sharded: rank 1's write of step 8 fails with ENOSPC after rank 0 wrote its shards. Every rank learns it
+    (none waits forever for the others), the partial directory goes, training continues."""
+    run_dir = tmp_path / "run"
+    config = _config(run_dir, devices=2, injector={"save_error_steps": [8], "ranks": [1]}, strategy=SHARDED)
+    rc, log = _run(config)
+    assert rc == 0, log[-3000:]
+    assert "Checkpoint of step 8 not saved: rank 1: OSError: [Errno 28] No space left on device" in log
+    assert "Training continues" in log
+    for rank in (0, 1):
+        assert _rows(run_dir, rank)[-1]["step"] == MAX_STEPS
+    checkpoints = run_dir / "checkpoints"
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp-")]
+    assert [e.step for e in list_checkpoints(checkpoints)] == [14, 12, 4]
+    assert all(verify_checkpoint(e.path) is None for e in list_checkpoints(checkpoints))
 
 
 def test_a_stalled_rank_triggers_the_watchdog(tmp_path):

@@ -43,12 +43,18 @@ def write_sharded_checkpoint(
     if path.is_file():
         raise ValueError(f"Checkpoint path {path} is an existing file; sharded checkpoints are directories.")
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=path)
+    dcp.save(tensors, checkpoint_id=path)  # a rank's write error is raised on every rank by DCP itself
+    error: Exception | None = None
     if is_global_zero:
-        with atomic_write(path / SHARDED_META_FILE) as tmp:
-            torch.save(meta, tmp)
+        try:
+            with atomic_write(path / SHARDED_META_FILE) as tmp:
+                torch.save(meta, tmp)
+        except Exception as err:  # re-raised after the barrier, which the other ranks are waiting in
+            error = err
     if dist.is_initialized():
         dist.barrier()
+    if error is not None:
+        raise error
 
 
 def saved_keys(path: str | os.PathLike) -> set[str]:
