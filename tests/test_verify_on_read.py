@@ -181,3 +181,12 @@ def test_a_corrupted_sharded_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="failed verification"):
         read_checkpoint(path)
     check_ckpt_path(path, verify=False)
+
+
+def test_lightning_ckpt_path_keywords_are_left_to_lightning(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for keyword in (None, "best", "last", "hpc", "registry", "registry:my-model", "s3://bucket/step.ckpt"):
+        check_ckpt_path(keyword)
+    (tmp_path / "registry-notes.ckpt").write_text("a local file, not a registry")
+    with pytest.raises(ValueError, match="is not a checkpoint"):
+        check_ckpt_path("registry-notes.ckpt")

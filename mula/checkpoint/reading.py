@@ -66,12 +66,13 @@ def check_ckpt_path(ckpt_path: str | os.PathLike | None, verify: bool = True) ->
     A file must be a ``torch.save`` archive (which Lightning writes), a directory a sharded checkpoint;
     anything else (a text file, a truncated file, another directory) raises ValueError with one
     sentence instead of a traceback from deep inside the strategy's loading code. Lightning's keywords
-    (``best``, ``last``, ``hpc``, ``registry...``) and URLs are left to Lightning.
+    (``best``, ``last``, ``hpc``, ``registry[:name]``) and URLs are left to Lightning.
     """
     if ckpt_path is None:
         return
     name = str(ckpt_path)
-    if name in _LIGHTNING_CKPT_KEYWORDS or name.startswith("registry") or "://" in name:
+    registry = name.lower() == "registry" or name.lower().startswith("registry:")
+    if name in _LIGHTNING_CKPT_KEYWORDS or registry or "://" in name:
         return
     path = Path(ckpt_path)
     if path.is_dir() and not is_sharded_checkpoint(path):
