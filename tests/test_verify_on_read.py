@@ -21,6 +21,7 @@ from test_fault_tolerance import _flip_byte
 from mula.checkpoint import (
     build_manifest,
     check_ckpt_path,
+    consolidate_checkpoint,
     load_weights,
     manifest_path,
     read_checkpoint,
@@ -180,6 +181,8 @@ def test_a_corrupted_sharded_checkpoint_is_refused(tmp_path):
         check_ckpt_path(path)
     with pytest.raises(ValueError, match="failed verification"):
         read_checkpoint(path)
+    with pytest.raises(ValueError, match="failed verification"):
+        consolidate_checkpoint(path, tmp_path / "full.ckpt")
     check_ckpt_path(path, verify=False)
 
 
