@@ -157,6 +157,16 @@ def test_weights_files_carry_a_manifest_and_are_verified(tmp_path):
     MulaLightningModule("mula-tiny-moe", init_weights=str(path), verify_init_weights=False)  # no check
 
 
+def test_a_weights_file_as_ckpt_path_is_a_one_line_error(workdir, tmp_path, capsys):
+    """`mula import-hf` output is a starting point (--model.init_weights), not a training state to resume."""
+    weights = tiny_weights(tmp_path / "w.pt")
+    expect_error(
+        capsys,
+        ["fit", "-c", str(TINY_MOE), *TINY_RUN, f"--ckpt_path={weights}"],
+        r"w.pt is a Mula weights file, not a training checkpoint; start from it with --model.init_weights",
+    )
+
+
 def test_a_standalone_checkpoint_without_a_manifest_is_read_with_a_warning(tmp_path, caplog):
     path = Path(tiny_weights(tmp_path / "w.pt"))
     manifest_path(path).unlink()

@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 
 from mula.checkpoint.discovery import is_checkpoint_name
-from mula.checkpoint.manifest import manifest_path, verify_checkpoint
+from mula.checkpoint.manifest import WEIGHTS_REASON, manifest_path, read_manifest, verify_checkpoint
 from mula.checkpoint.sharded import DCP_METADATA_FILE, SHARDED_META_FILE, is_sharded_checkpoint
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ def verify_for_reading(path: str | os.PathLike, verify: bool = True) -> None:
 def check_ckpt_path(ckpt_path: str | os.PathLike | None, verify: bool = True) -> None:
     """Check a trainer's ``ckpt_path`` before any work: verified, and a checkpoint at all.
 
-    A file must be a ``torch.save`` archive (which Lightning writes), a directory a sharded checkpoint;
-    anything else (a text file, a truncated file, another directory) raises ValueError with one
+    A file must be a ``torch.save`` archive (which Lightning writes) other than a Mula weights file, a
+    directory a sharded checkpoint; anything else (a text file, a truncated file, another directory,
+    ``mula import-hf`` output) raises ValueError with one
     sentence instead of a traceback from deep inside the strategy's loading code. Lightning's keywords
     (``best``, ``last``, ``hpc``, ``registry[:name]``) and URLs are left to Lightning.
     """
@@ -85,3 +86,8 @@ def check_ckpt_path(ckpt_path: str | os.PathLike | None, verify: bool = True) ->
             f"ckpt_path {path} is not a checkpoint (not a torch.save archive: truncated, or another kind of file)."
         )
     verify_for_reading(path, verify)
+    if manifest_path(path.resolve()).exists() and read_manifest(path.resolve()).reason == WEIGHTS_REASON:
+        raise ValueError(
+            f"ckpt_path {path} is a Mula weights file, not a training checkpoint; start from it with "
+            "--model.init_weights instead."
+        )

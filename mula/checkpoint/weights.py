@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mula.checkpoint.atomic import atomic_write
-from mula.checkpoint.manifest import build_manifest, manifest_path, write_manifest
+from mula.checkpoint.manifest import WEIGHTS_REASON, build_manifest, manifest_path, write_manifest
 from mula.checkpoint.reading import verify_for_reading
 from mula.checkpoint.sharded import (
     DCP_METADATA_FILE,
@@ -46,7 +46,7 @@ def save_weights(model: Mula, path: str | os.PathLike) -> None:
     manifest_path(path).unlink(missing_ok=True)
     with atomic_write(path) as tmp:
         torch.save(payload, tmp)
-    write_manifest(path, build_manifest(path, step=0, reason="weights"))
+    write_manifest(path, build_manifest(path, step=0, reason=WEIGHTS_REASON))
 
 
 def _read(path: Path) -> Any:
