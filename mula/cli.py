@@ -26,7 +26,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from mula.checkpoint import auto_resume_ckpt_path
+from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path
 from mula.config import MulaConfig
 from mula.data import MulaDataModule
 from mula.kernels.backends import resolve_backend
@@ -47,7 +47,9 @@ def import_hf(hf_dir: str, output: str) -> None:
     print(f"mula: wrote {output} ({model.config.name}, {model.config.num_params() / 1e9:.2f}B parameters)")
 
 
-def export_hf(ckpt: str, output: str, dtype: str | None = None, tokenizer: str | None = None) -> None:
+def export_hf(
+    ckpt: str, output: str, dtype: str | None = None, tokenizer: str | None = None, verify: bool = True
+) -> None:
     """Write a Mula checkpoint (Lightning .ckpt or Mula weights file) as a Hugging Face model directory.
 
     Args:
@@ -57,10 +59,12 @@ def export_hf(ckpt: str, output: str, dtype: str | None = None, tokenizer: str |
         dtype: float32, bfloat16 or float16 (default: the checkpoint's dtype).
         tokenizer: The tokenizer.json to ship with the model (or a directory holding one); default: the
             one the run that wrote `ckpt` was trained with.
+        verify: Check `ckpt` against its manifest first and refuse a corrupted or incomplete one
+            (docs/resilience.md); false exports it as it is, for forensics.
     """
     from mula.hf import export_hf as _export_hf
 
-    no_tokenizer = _export_hf(ckpt, output, dtype=dtype, tokenizer=tokenizer)
+    no_tokenizer = _export_hf(ckpt, output, dtype=dtype, tokenizer=tokenizer, verify=verify)
     print(f"mula: wrote {output}")
     if no_tokenizer:
         print(
@@ -140,8 +144,30 @@ class MulaCLI(LightningCLI):
         """Every logger writes into the run directory: its save_dir follows trainer.default_root_dir.
 
         A link, so a recipe or flag never sets save_dir itself: a run's files move with its directory.
+        `--verify` decides whether `--ckpt_path` and `--model.init_weights` are verified against their
+        manifests before they are read (docs/resilience.md); it is the module's `verify_init_weights`.
         """
         parser.link_arguments("trainer.default_root_dir", "trainer.logger.init_args.save_dir", run_dir)
+        parser.add_argument(
+            "--verify",
+            type=bool,
+            default=True,
+            help="Verify --ckpt_path and --model.init_weights against their manifests and refuse a "
+            "corrupted or incomplete checkpoint; false reads them as they are (forensics).",
+        )
+        parser.link_arguments("verify", "model.verify_init_weights")
+
+    def _parse_ckpt_path(self) -> None:
+        """Check an explicit `--ckpt_path` before LightningCLI reads its hyperparameters from it.
+
+        It must be a checkpoint that verifies (`check_ckpt_path`): a corrupted one, or something that
+        is not a checkpoint at all, is bad input (exit 2) before any work, not a traceback.
+        """
+        subcommand = self.config.get("subcommand")
+        if subcommand in self.subcommands():
+            config = self.config[subcommand]
+            check_ckpt_path(config.get("ckpt_path"), verify=config.verify)
+        super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         """Name the W&B run after its run directory unless the recipe names it."""

@@ -25,7 +25,13 @@ import torch
 from torch import Tensor
 
 from mula import hf_tokenizer
-from mula.checkpoint import atomic_write, model_from_state_dict, read_checkpoint, save_weights
+from mula.checkpoint import (
+    atomic_write,
+    model_from_state_dict,
+    read_checkpoint,
+    save_weights,
+    verify_for_reading,
+)
 from mula.config import MulaConfig
 from mula.model import Mula
 
@@ -343,6 +349,7 @@ def export_hf(
     dtype: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     tokenizer: str | os.PathLike | None = None,
+    verify: bool = True,
 ) -> str | None:
     """Write a Mula checkpoint (weights file or Lightning .ckpt) as a transformers directory.
 
@@ -351,6 +358,8 @@ def export_hf(
     temporary sibling directory that is renamed to `output` only when complete. With the tokenizer
     (`tokenizer`, a tokenizer.json or a directory holding one; default: the one the checkpoint's run
     recorded) it also writes tokenizer.json, tokenizer_config.json and generation_config.json.
+    The checkpoint is verified against its manifest first (`verify_for_reading`; `verify=False`
+    exports a damaged one anyway, for forensics).
 
     Returns None when a tokenizer was exported, else the reason why none was (the model is written
     either way). A `tokenizer` that does not exist, is not a tokenizer or has more tokens than the
@@ -364,8 +373,9 @@ def export_hf(
     if not ckpt.exists():
         raise FileNotFoundError(f"Checkpoint {ckpt} does not exist.")
     _check_new_output(output)
+    verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
-    config, state = read_checkpoint(ckpt)
+    config, state = read_checkpoint(ckpt, verify=False)  # verified above
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)

@@ -17,7 +17,6 @@ import fnmatch
 import functools
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -85,6 +84,9 @@ class MulaLightningModule(L.LightningModule):
         no_decay: Glob patterns of `Mula` parameter names trained without weight decay.
         init_weights: A Mula weights file (`mula import-hf` output, `.pt`) or a Lightning `.ckpt` of
             this module to start from instead of a random initialisation.
+        verify_init_weights: Verify `init_weights` against its manifest when the module is created
+            and refuse a corrupted or incomplete one (`mula.checkpoint.verify_for_reading`); on the
+            command line this is `--verify`.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class MulaLightningModule(L.LightningModule):
         eps: float = 1e-8,
         no_decay: Sequence[str] = ("embed.weight",),
         init_weights: str | None = None,
+        verify_init_weights: bool = True,
     ) -> None:
         super().__init__()
         self.config = resolve_config(config, overrides)
@@ -110,8 +113,11 @@ class MulaLightningModule(L.LightningModule):
             raise ValueError(f"min_lr must be in [0, lr={lr}], got {min_lr}.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
-        if init_weights is not None and not Path(init_weights).is_file():
-            raise FileNotFoundError(f"init_weights file {init_weights} does not exist.")
+        if init_weights is not None:
+            # here, before any work, rather than when the model is built
+            from mula.checkpoint import verify_for_reading  # imported lazily: only needed with init_weights
+
+            verify_for_reading(init_weights, verify_init_weights)
         self.lr, self.min_lr, self.warmup_steps, self.decay_steps = lr, min_lr, warmup_steps, decay_steps
         self.weight_decay, self.betas, self.eps = weight_decay, tuple(betas), eps
         self.no_decay = list(no_decay)
@@ -137,7 +143,7 @@ class MulaLightningModule(L.LightningModule):
         """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
         from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
 
-        source = load_weights(path)
+        source = load_weights(path, verify=False)  # verified in __init__
         diff = self.config.architecture_differences(source.config)
         if diff:
             raise ValueError(

@@ -262,6 +262,7 @@ def test_sharded_directory_is_recognised_read_and_consolidated(tmp_path):
     path = tmp_path / "step=3.ckpt"
     write_sharded_checkpoint(path, tensors, meta, is_global_zero=True)
     assert is_sharded_checkpoint(path) and not list(path.glob(".tmp-*"))
+    write_manifest(path, build_manifest(path, step=3))  # a step=N.ckpt is complete with its manifest
 
     config, state = read_checkpoint(path)
     assert config == model.config
@@ -274,5 +275,7 @@ def test_sharded_directory_is_recognised_read_and_consolidated(tmp_path):
 
     (path / SHARDED_META_FILE).unlink()  # DCP shards alone are not a Mula checkpoint
     assert not is_sharded_checkpoint(path)
-    with pytest.raises(ValueError, match="not a sharded Mula checkpoint"):
+    with pytest.raises(ValueError, match="failed verification: .*meta.pt is missing"):
         load_weights(path)
+    with pytest.raises(ValueError, match="not a sharded Mula checkpoint"):
+        load_weights(path, verify=False)

@@ -11,11 +11,14 @@ renamed into place. A checkpoint without a valid manifest is by construction inc
 discovery and auto-resume (``discovery``) only ever pick checkpoints whose manifest verifies.
 ``meta.pt`` in a sharded directory is only the non-tensor part of the checkpoint, not a marker.
 Readers given an explicit path by the user (``load_weights``, ``mula export-hf``, ``init_weights``,
-``--ckpt_path``) also accept a checkpoint without a manifest, e.g. one from ``trainer.save_checkpoint``.
+``--ckpt_path``) verify it first (``reading.verify_for_reading``): one with a manifest must match it,
+a ``step=N.ckpt`` must have one, and any other checkpoint without one (e.g. from
+``trainer.save_checkpoint``) is read with a warning that it cannot be verified.
 
 Modules, one job each: ``atomic`` (the one temp-then-rename-with-fsync write helper, used for every
 such write in the repository), ``manifest``, ``discovery``, ``weights`` (Mula weights files and
-reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation).
+reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation),
+``reading`` (verification on every read of a user-named checkpoint).
 """
 
 from mula.checkpoint.atomic import (
@@ -35,6 +38,7 @@ from mula.checkpoint.discovery import (
     auto_resume_ckpt_path,
     checkpoint_name,
     find_resume_checkpoint,
+    is_checkpoint_name,
     iter_valid_checkpoints,
     list_checkpoints,
 )
@@ -51,6 +55,7 @@ from mula.checkpoint.manifest import (
     verify_checkpoint,
     write_manifest,
 )
+from mula.checkpoint.reading import check_ckpt_path, verify_for_reading
 from mula.checkpoint.sharded import consolidate_checkpoint, is_sharded_checkpoint, read_sharded_checkpoint
 from mula.checkpoint.weights import load_weights, model_from_state_dict, read_checkpoint, save_weights
 
@@ -65,6 +70,7 @@ __all__ = [
     "atomic_write_text",
     "auto_resume_ckpt_path",
     "build_manifest",
+    "check_ckpt_path",
     "checkpoint_name",
     "consolidate_checkpoint",
     "digest_entries",
@@ -72,6 +78,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "fsync_tree",
+    "is_checkpoint_name",
     "is_sharded_checkpoint",
     "iter_valid_checkpoints",
     "list_checkpoint_files",
@@ -88,5 +95,6 @@ __all__ = [
     "sync_filesystem",
     "temp_path",
     "verify_checkpoint",
+    "verify_for_reading",
     "write_manifest",
 ]

@@ -28,6 +28,11 @@ def checkpoint_name(step: int) -> str:
     return f"step={step:09d}{CHECKPOINT_SUFFIX}"
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """True for a ``step=N.ckpt`` name: a checkpoint of a run directory, complete only with its manifest."""
+    return _NAME_RE.match(name) is not None
+
+
 @dataclass
 class CheckpointEntry:
     """A checkpoint found in a directory (valid or not)."""

@@ -21,6 +21,7 @@ from mula.checkpoint.atomic import atomic_write_text
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = "mula-checkpoint-manifest"
 MANIFEST_VERSION = 1
+WEIGHTS_REASON = "weights"  # the `reason` of a Mula weights file's manifest (`save_weights`)
 _CHUNK = 8 << 20
 
 Checksum = Literal["sha256", "crc32", "none"]

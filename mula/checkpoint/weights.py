@@ -4,6 +4,8 @@ Format: `torch.save({"format": "mula", "config": asdict(config), "state_dict": m
 `read_checkpoint` / `load_weights` also read a Lightning `.ckpt` written by `MulaLightningModule`
 (config under "mula_config", parameters under "state_dict" with a "model." prefix), and a sharded
 checkpoint directory (`mula.checkpoint.sharded`), gathered into full tensors in one process.
+Both verify the checkpoint first (`mula.checkpoint.reading.verify_for_reading`), and `save_weights`
+writes a manifest next to the weights file so that weights files verify like checkpoints do.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 
 from mula.checkpoint.atomic import atomic_write
+from mula.checkpoint.manifest import WEIGHTS_REASON, build_manifest, manifest_path, write_manifest
+from mula.checkpoint.reading import verify_for_reading
 from mula.checkpoint.sharded import (
     DCP_METADATA_FILE,
     SHARDED_META_FILE,
@@ -30,12 +34,19 @@ FORMAT = "mula"
 
 
 def save_weights(model: Mula, path: str | os.PathLike) -> None:
-    """Write `model`'s config and weights to `path` (a Mula weights file), atomically."""
+    """Write `model`'s config and weights to `path` (a Mula weights file), atomically, then its manifest.
+
+    The manifest (`<path>.manifest.json`, written last as for checkpoints) lets every reader verify
+    the file; a stale one is removed first, so a crash in between leaves a file without a manifest
+    (read with a warning), never one with a wrong manifest.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}
+    manifest_path(path).unlink(missing_ok=True)
     with atomic_write(path) as tmp:
         torch.save(payload, tmp)
+    write_manifest(path, build_manifest(path, step=0, reason=WEIGHTS_REASON))
 
 
 def _read(path: Path) -> Any:
@@ -66,9 +77,16 @@ def _strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[MulaConfig, dict[str, torch.Tensor]]:
-    """(config, model state dict) from a Mula weights file or a MulaLightningModule checkpoint."""
+def read_checkpoint(
+    path: str | os.PathLike, verify: bool = True
+) -> tuple[MulaConfig, dict[str, torch.Tensor]]:
+    """(config, model state dict) from a Mula weights file or a MulaLightningModule checkpoint.
+
+    `verify=False` skips the check against the manifest (`verify_for_reading`): for forensics, or
+    when the caller verified the checkpoint already.
+    """
     path = Path(path)
+    verify_for_reading(path, verify)
     obj = _read(path)
     if isinstance(obj, dict) and obj.get("format") == FORMAT and "config" in obj and "state_dict" in obj:
         return MulaConfig.from_dict(obj["config"]), obj["state_dict"]
@@ -109,7 +127,7 @@ def model_from_state_dict(
     return model
 
 
-def load_weights(path: str | os.PathLike) -> Mula:
-    """Read a Mula weights file (or a MulaLightningModule `.ckpt`) into a `Mula` on the CPU."""
-    config, state_dict = read_checkpoint(path)
+def load_weights(path: str | os.PathLike, verify: bool = True) -> Mula:
+    """Read a Mula weights file (or a MulaLightningModule `.ckpt`) into a `Mula` on the CPU (see `read_checkpoint`)."""
+    config, state_dict = read_checkpoint(path, verify)
     return model_from_state_dict(config, state_dict, source=str(path))
