@@ -15,7 +15,8 @@ Readers given an explicit path by the user (``load_weights``, ``mula export-hf``
 
 Modules, one job each: ``atomic`` (the one temp-then-rename-with-fsync write helper, used for every
 such write in the repository), ``manifest``, ``discovery``, ``weights`` (Mula weights files and
-reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation).
+reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation),
+``lock`` (the run-directory lock: one training run at a time per run directory).
 """
 
 from mula.checkpoint.atomic import (
@@ -32,12 +33,14 @@ from mula.checkpoint.atomic import (
 )
 from mula.checkpoint.discovery import (
     CheckpointEntry,
+    NoValidCheckpoint,
     auto_resume_ckpt_path,
     checkpoint_name,
     find_resume_checkpoint,
     iter_valid_checkpoints,
     list_checkpoints,
 )
+from mula.checkpoint.lock import RunDirLock, RunDirLocked, lock_run_dir_before_launch
 from mula.checkpoint.manifest import (
     CheckpointManifest,
     Checksum,
@@ -60,6 +63,9 @@ __all__ = [
     "CheckpointManifest",
     "Checksum",
     "FileEntry",
+    "NoValidCheckpoint",
+    "RunDirLock",
+    "RunDirLocked",
     "Verify",
     "atomic_write",
     "atomic_write_text",
@@ -76,6 +82,7 @@ __all__ = [
     "iter_valid_checkpoints",
     "list_checkpoint_files",
     "list_checkpoints",
+    "lock_run_dir_before_launch",
     "load_weights",
     "manifest_path",
     "model_from_state_dict",
