@@ -234,7 +234,7 @@ def test_checkpoint_setup_refuses_before_removing_temporaries(tmp_path):
 
 def _slow_run(run_dir: Path, steps: int, sleep_s: float) -> list[str]:
     """`mula fit` args for a tiny run of `steps` steps, each slowed down by `sleep_s` (ft_app.FaultInjector)."""
-    injector = json.dumps({"class_path": "ft_app.FaultInjector", "init_args": {"step_sleep_s": sleep_s}})
+    injector = json.dumps({"class_path": "ft_app.FaultInjector", "init_args": {"step_sleep_s": sleep_s, "module_path": ""}})
     return ["fit", "-c", str(TINY_MOE), *FAST[4:], f"--trainer.max_steps={steps}", "--trainer.val_check_interval=4",
             f"--trainer.default_root_dir={run_dir}", f"--trainer.callbacks+={injector}"]  # fmt: skip
 
