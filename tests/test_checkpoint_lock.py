@@ -29,7 +29,7 @@ from mula.checkpoint import (
     lock_run_dir_before_launch,
     verify_checkpoint,
 )
-from mula.checkpoint.lock import LOCK_NAME
+from mula.checkpoint.lock import _JOB_ID_VARS, LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,9 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog, why):
 
 def test_a_fresh_unparsable_lock_counts_as_held(tmp_path):
     (tmp_path / LOCK_NAME).write_text("")  # e.g. written by hand just now
-    with pytest.raises(RunDirLocked, match="host unknown"):
+    with pytest.raises(
+        RunDirLocked, match=r"in use by another run \(an unreadable lock file, written 0 s ago\)"
+    ):
         RunDirLock(tmp_path).acquire()
 
 
@@ -234,7 +236,9 @@ def test_checkpoint_setup_refuses_before_removing_temporaries(tmp_path):
 
 def _slow_run(run_dir: Path, steps: int, sleep_s: float) -> list[str]:
     """`mula fit` args for a tiny run of `steps` steps, each slowed down by `sleep_s` (ft_app.FaultInjector)."""
-    injector = json.dumps({"class_path": "ft_app.FaultInjector", "init_args": {"step_sleep_s": sleep_s, "module_path": ""}})
+    injector = json.dumps(
+        {"class_path": "ft_app.FaultInjector", "init_args": {"step_sleep_s": sleep_s, "module_path": ""}}
+    )
     return ["fit", "-c", str(TINY_MOE), *FAST[4:], f"--trainer.max_steps={steps}", "--trainer.val_check_interval=4",
             f"--trainer.default_root_dir={run_dir}", f"--trainer.callbacks+={injector}"]  # fmt: skip
 
@@ -243,8 +247,8 @@ def test_two_mula_fit_on_one_run_directory(tmp_path, monkeypatch):
     """The second run stops with exit 2 and a sentence naming the first, which ends normally with its
     checkpoints intact; a lock left by a dead process is then taken over by the next run."""
     monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{REPO / 'tests'}")
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.delenv("PBS_JOBID", raising=False)
+    for var in _JOB_ID_VARS:  # so that the lock of the dead process below is not one of this job's
+        monkeypatch.delenv(var, raising=False)
     run_dir = tmp_path / "runs" / "shared"
     lock_file = run_dir / LOCK_NAME
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}

@@ -42,7 +42,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "mula.lock"
-_JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID")
+# torchrun's rendezvous id last: it is the same across the restarts of one torchrun (whose rank 0 may
+# land on another node), and a false match only costs a wait before refusing a live holder.
+_JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "TORCHELASTIC_RUN_ID")
 
 
 class RunDirLocked(ValueError):
@@ -62,6 +64,8 @@ class LockInfo:
 
     def describe(self) -> str:
         """``host x, pid 123, job 456, since 2026-11-23 11:00:00 UTC (heartbeat 12 s ago)``."""
+        if self.pid < 0:
+            return f"an unreadable lock file, written {max(0.0, time.time() - self.heartbeat):.0f} s ago"
         job = f", job {self.job}" if self.job else ""
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
         age = max(0.0, time.time() - self.heartbeat)
@@ -69,7 +73,7 @@ class LockInfo:
 
 
 def current_job_id() -> str | None:
-    """The batch system's job id of this process (SLURM, PBS, LSF, Flux), or None."""
+    """The batch system's job id of this process (SLURM, PBS, LSF, Flux; else torchrun's run id), or None."""
     return next((os.environ[v] for v in _JOB_ID_VARS if os.environ.get(v)), None)
 
 
