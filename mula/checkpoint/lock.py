@@ -158,6 +158,7 @@ class RunDirLock:
         waited_for: str | None = None
         deadline = time.monotonic() + self.stale_after_s + self.heartbeat_s
         while True:
+            mine.started = mine.heartbeat = time.time()  # fresh, however long we waited
             if self._create(mine):
                 break
             holder = _read(self.path)
@@ -249,7 +250,11 @@ class RunDirLock:
         info = self.info
         if info is None:
             return
-        current = _read(self.path)
+        try:
+            current = _read(self.path)
+        except OSError as err:  # a filesystem hiccup (e.g. ESTALE): the next beat tries again
+            log.warning("Could not read %s to refresh its heartbeat: %s", self.path, err)
+            return
         if current is None or current.token != info.token:
             log.error(
                 "The lock %s of this run was taken over (now: %s); another run may write this run directory.",
