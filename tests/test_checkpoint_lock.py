@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def test_acquire_writes_the_holder_and_release_removes_it(tmp_path, monkeypatch)
     assert info["heartbeat"] >= info["started"] > time.time() - 60
     lock.acquire()  # idempotent
     assert os.listdir(tmp_path / "run") == [LOCK_NAME]  # the unique name it was created under is gone
+    assert pickle.loads(pickle.dumps(lock)).held  # spawn launchers pickle the callbacks holding it
     lock.release()
     lock.release()
     assert os.listdir(tmp_path / "run") == []

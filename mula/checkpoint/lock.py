@@ -141,6 +141,17 @@ class RunDirLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for spawn-based launchers (the trainer and its callbacks are pickled to the ranks);
+        # the heartbeat thread stays with the process that took the lock.
+        state = dict(self.__dict__)
+        state["_stop"], state["_thread"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stop = threading.Event()
+
     @property
     def held(self) -> bool:
         """Whether this object holds the lock."""
