@@ -26,6 +26,10 @@ e.g. ``AnomalyGuard`` inside a streak of skipped steps) defer periodic saves to 
 boundary where none blocks; callbacks offering ``protected_step()`` (a step or None) keep the
 newest checkpoint at or before that step from being pruned. Both are duck-typed, like ``heartbeat()``.
 
+One run at a time: global rank 0 holds the run-directory lock (``mula.checkpoint.lock``) from
+``setup`` (or earlier, ``mula fit``) to the end of the run; a second run on the same directory stops
+in ``setup`` on every rank, before it removes or writes anything in the checkpoint directory.
+
 Exact resume: the checkpoint also carries every rank's RNG states. They are re-applied at the first
 training batch after the save, both in the resumed run and in the run that saved ("RNG fence"), so
 anything that draws random numbers between two steps (validation, iterator creation) cannot make
@@ -51,6 +55,8 @@ from mula.checkpoint import (
     TMP_PREFIX,
     CheckpointManifest,
     Checksum,
+    RunDirLock,
+    RunDirLocked,
     Verify,
     atomic_write,
     checkpoint_name,
@@ -100,6 +106,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             write error) does: "skip" (default) logs an error on rank 0 and training continues until
             the next scheduled save; "raise" stops the run with ``CheckpointSaveError``. Preemption and
             end-of-training saves always raise: they have no later chance.
+        lock_stale_after_s: the run-directory lock of a run whose heartbeat is older than this is taken
+            over (the holder refreshes it every ``lock_stale_after_s / 10`` s, at most every 30 s).
     """
 
     def __init__(
@@ -112,6 +120,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         verify: Verify = "checksum",
         save_on_train_end: bool = True,
         on_save_error: OnSaveError = "skip",
+        lock_stale_after_s: float = 300.0,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
@@ -125,6 +134,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise ValueError(f"verify must be 'checksum' or 'size', got {verify!r}.")
         if on_save_error not in ("skip", "raise"):
             raise ValueError(f"on_save_error must be 'skip' or 'raise', got {on_save_error!r}.")
+        if lock_stale_after_s <= 0:
+            raise ValueError(f"lock_stale_after_s must be > 0, got {lock_stale_after_s}.")
         self.dirpath = dirpath
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
@@ -133,6 +144,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.verify: Verify = verify
         self.save_on_train_end = save_on_train_end
         self.on_save_error: OnSaveError = on_save_error
+        self.lock_stale_after_s = lock_stale_after_s
+        self._lock: RunDirLock | None = None
         self.last_saved_path: Path | None = None
         self._last_saved_step = -1
         self._last_step_seen = -1
@@ -171,10 +184,35 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ Lightning hooks
 
+    def lock_run_dir(self, trainer: pl.Trainer) -> None:
+        """Take the run-directory lock (global rank 0; idempotent); raises ``RunDirLocked`` if another run has it."""
+        if self._lock is None or not self._lock.held:
+            stale = self.lock_stale_after_s
+            self._lock = RunDirLock(
+                trainer.default_root_dir, stale_after_s=stale, heartbeat_s=min(30.0, stale / 10)
+            )
+        self._lock.acquire()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove temporaries left by a save that crashed (rank 0)."""
+        """Lock the run directory (rank 0; every rank stops if it is taken), then remove crashed saves' temporaries.
+
+        The lock comes first: the temporaries may be a live run's save in progress.
+        """
         if stage != "fit":
             return
+        refusal = None
+        if trainer.is_global_zero:
+            try:
+                self.lock_run_dir(trainer)
+            except RunDirLocked as err:
+                refusal = str(err)
+        refusal = _dist.broadcast_object(refusal)  # the other ranks stop too, instead of waiting for rank 0
+        if refusal is not None:
+            raise RunDirLocked(refusal)
         dirpath = self.resolve_dirpath(trainer)
         if trainer.is_global_zero and dirpath.is_dir():
             for child in dirpath.iterdir():
@@ -182,6 +220,17 @@ class FaultTolerantCheckpoint(Checkpoint):
                     log.info("Removing %s left by an interrupted save.", child)
                     remove_path(child)
         trainer.strategy.barrier("FaultTolerantCheckpoint.setup")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Release the run-directory lock at the end of the run."""
+        if stage == "fit":
+            self._release_lock()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Release the run-directory lock when the run ends by an exception (a crash, preemption's exit 75)."""
+        self._release_lock()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check that every rank resumed from the same checkpoint; start the save clock."""

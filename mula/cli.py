@@ -26,7 +26,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path
+from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
 from mula.config import MulaConfig
 from mula.data import MulaDataModule
 from mula.kernels.backends import resolve_backend
@@ -139,6 +139,13 @@ class MulaCLI(LightningCLI):
             sub.add_function_arguments(fn, as_group=False)
             self._subcommand_parsers[name] = sub
             parser._subcommands_action.add_subcommand(name, sub, help=_summary(fn).splitlines()[0])
+        self._subcommand_parsers["fit"].add_argument(
+            "--restart_from_scratch",
+            type=bool,
+            default=False,
+            help="When every checkpoint of the run directory is invalid, train from step 0 instead of"
+            " stopping (exit 2). A valid checkpoint is still resumed from.",
+        )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Every logger writes into the run directory: its save_dir follows trainer.default_root_dir.
@@ -205,15 +212,20 @@ class MulaCLI(LightningCLI):
 
     # model-vs-data checks (missing data, tokenizer vocab, seq_len) before the trainer starts any work
     def before_fit(self) -> None:
-        """Check that the data fits the model, and resume the run when it has checkpoints.
+        """Check that the data fits the model, lock the run directory, and resume the run when it has checkpoints.
 
-        Without `--ckpt_path`, a checkpoint callback that offers `resume_checkpoint_path`
+        The lock (`mula.checkpoint.lock`) comes before anything reads or writes the run directory: a
+        second run on it stops here with one sentence naming the holder (exit 2). Without
+        `--ckpt_path`, a checkpoint callback that offers `resume_checkpoint_path`
         (`callbacks.FaultTolerantCheckpoint`) names the newest valid checkpoint of the run directory,
-        so re-running the same command continues an interrupted run (docs/resilience.md).
+        so re-running the same command continues an interrupted run; if the run has checkpoints and
+        none is valid, it stops (exit 2) unless `--restart_from_scratch=true` (docs/resilience.md).
         """
         self._check_model_inputs()
-        if self.config_init[self.subcommand].get("ckpt_path") is None:
-            path = auto_resume_ckpt_path(self.trainer)
+        lock_run_dir_before_launch(self.trainer)
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") is None:
+            path = auto_resume_ckpt_path(self.trainer, bool(config.get("restart_from_scratch")))
             if path is not None:
                 self.trainer.ckpt_path = path
 

@@ -217,9 +217,11 @@ def test_sigkill_then_same_command_resumes_exactly_also_past_a_corrupted_checkpo
     twin = tmp_path / "twin"
     shutil.copytree(run_dir, twin)
 
+    assert (run_dir / "mula.lock").exists()  # the killed run could not release its run-directory lock
     rc, log = _run(config)  # the same command, no flag
     assert rc == 0, log[-3000:]
     assert f"Auto-resuming from {newest.path}" in log
+    assert "Broke the stale lock" in log and "no longer exists on this host" in log
     resumed = _runs(run_dir)[-1]
     assert resumed[0]["step"] == newest.step + 1 and resumed[-1]["step"] == MAX_STEPS
     _assert_same_as(resumed, single_reference)
@@ -284,6 +286,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     os.kill(row["pid"], signal.SIGTERM)  # only rank 1 (a child process) is told
     rc, log = _finish(proc)
     assert rc == 75, log[-3000:]
+    assert not (run_dir / "mula.lock").exists()  # released on the preemption exit
     newest = list_checkpoints(run_dir / "checkpoints")[0]
     manifest = read_manifest(newest.path)
     assert (

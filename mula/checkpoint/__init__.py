@@ -18,7 +18,8 @@ a ``step=N.ckpt`` must have one, and any other checkpoint without one (e.g. from
 Modules, one job each: ``atomic`` (the one temp-then-rename-with-fsync write helper, used for every
 such write in the repository), ``manifest``, ``discovery``, ``weights`` (Mula weights files and
 reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation),
-``reading`` (verification on every read of a user-named checkpoint).
+``reading`` (verification on every read of a user-named checkpoint), ``lock`` (the run-directory
+lock: one training run at a time per run directory).
 """
 
 from mula.checkpoint.atomic import (
@@ -35,6 +36,7 @@ from mula.checkpoint.atomic import (
 )
 from mula.checkpoint.discovery import (
     CheckpointEntry,
+    NoValidCheckpoint,
     auto_resume_ckpt_path,
     checkpoint_name,
     find_resume_checkpoint,
@@ -42,6 +44,7 @@ from mula.checkpoint.discovery import (
     iter_valid_checkpoints,
     list_checkpoints,
 )
+from mula.checkpoint.lock import RunDirLock, RunDirLocked, lock_run_dir_before_launch
 from mula.checkpoint.manifest import (
     CheckpointManifest,
     Checksum,
@@ -65,6 +68,9 @@ __all__ = [
     "CheckpointManifest",
     "Checksum",
     "FileEntry",
+    "NoValidCheckpoint",
+    "RunDirLock",
+    "RunDirLocked",
     "Verify",
     "atomic_write",
     "atomic_write_text",
@@ -83,6 +89,7 @@ __all__ = [
     "iter_valid_checkpoints",
     "list_checkpoint_files",
     "list_checkpoints",
+    "lock_run_dir_before_launch",
     "load_weights",
     "manifest_path",
     "model_from_state_dict",

@@ -74,8 +74,26 @@ def iter_valid_checkpoints(
             log.warning("Skipping checkpoint %s: %s.", entry.path, problem)
 
 
+class NoValidCheckpoint(ValueError):
+    """A run directory has committed checkpoints and none verifies (a ValueError: `mula` prints one line, exit 2)."""
+
+    def __init__(self, message: str, summary: str) -> None:
+        super().__init__(message)
+        self.summary = summary  # what is wrong, without the advice
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksum") -> Path | None:
-    """The newest valid checkpoint in ``dirpath``, or None. Invalid newer ones are skipped with a warning."""
+    """The newest valid checkpoint in ``dirpath``, or None when it holds no committed checkpoint.
+
+    Invalid newer ones are skipped with a warning. Raises :class:`NoValidCheckpoint` when checkpoints
+    were committed (have a manifest) and none verifies: silently training from step 0 would throw the
+    run away, so that takes an explicit choice (``auto_resume_ckpt_path(..., restart_from_scratch=True)``).
+    Checkpoints without a manifest never finished saving (a crash in the very first save): nothing
+    was committed, and the run starts from scratch with a warning.
+    """
     entries = list_checkpoints(dirpath)
     for entry in iter_valid_checkpoints(dirpath, verify):
         if entry.path != entries[0].path:
@@ -85,23 +103,46 @@ def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksu
                 dirpath,
             )
         return entry.path
+    committed = [e for e in entries if e.manifest.exists()]
+    if committed:
+        problem = verify_checkpoint(committed[0].path, verify)
+        summary = (
+            f"{dirpath} has {len(committed)} committed checkpoint(s) and none is valid (newest: {problem})"
+        )
+        raise NoValidCheckpoint(
+            f"{summary}; nothing was deleted: fix or move them away, or start again from step 0 with"
+            " --restart_from_scratch=true.",
+            summary,
+        )
     if entries:
         log.warning(
-            "No valid checkpoint in %s (%d invalid ones found); starting from scratch.", dirpath, len(entries)
+            "No complete checkpoint in %s (%d unfinished save(s)); starting from scratch.",
+            dirpath,
+            len(entries),
         )
     return None
 
 
-def auto_resume_ckpt_path(trainer: Any) -> str | None:
+def auto_resume_ckpt_path(trainer: Any, restart_from_scratch: bool = False) -> str | None:
     """The checkpoint a ``fit`` run should resume from when the user passed no ``ckpt_path``.
 
     Asks the trainer's callbacks that offer ``resume_checkpoint_path(trainer)`` (duck-typed, so that
     mula does not import ``callbacks``); the first non-None answer wins. Returns None for a fresh run.
+    A run directory whose checkpoints are all invalid raises :class:`NoValidCheckpoint`, unless
+    ``restart_from_scratch``: then the run starts from step 0 (the invalid checkpoints stay until the
+    new run's saves replace or prune them). A valid checkpoint is resumed from either way, so that
+    re-running a command that carries the flag (a requeue) continues the run.
     """
     for callback in getattr(trainer, "callbacks", []):
         finder = getattr(callback, "resume_checkpoint_path", None)
         if callable(finder):
-            path = finder(trainer)
+            try:
+                path = finder(trainer)
+            except NoValidCheckpoint as err:
+                if not restart_from_scratch:
+                    raise
+                log.warning("%s; training from step 0, as --restart_from_scratch=true asks.", err.summary)
+                continue
             if path is not None:
                 return str(path)
     return None
