@@ -89,3 +89,12 @@ def attempt(fn: Any) -> Any:
 def first_problem(problems: list[str | None]) -> str | None:
     """The first non-None problem reported by the ranks."""
     return next((p for p in problems if p is not None), None)
+
+
+def gather_to_zero(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

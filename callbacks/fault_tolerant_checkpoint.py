@@ -49,7 +49,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from callbacks import _disk_space, _dist
+from callbacks import _disk_space, _dist, _peers
 from callbacks.rng_state import capture_rng_state, restore_rng_state
 from mula.checkpoint import (
     TMP_PREFIX,
@@ -274,7 +274,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             reason = self._deferred
         else:
             return
-        if _dist.any_rank(_saves_blocked(trainer), trainer.strategy.root_device):
+        if _dist.any_rank(_peers.saves_blocked(trainer), trainer.strategy.root_device):
             if self._deferred is None:
                 rank_zero_info(
                     f"Checkpoint of step {step} deferred: inside a streak of anomalous steps, saved at the"
@@ -300,7 +300,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         """Add every rank's RNG states (gathered to rank 0, which writes the metadata) and arm the fence."""
         local = capture_rng_state(trainer.strategy.root_device)
         self._pending_rng = local
-        states = _gather_to_zero(local)
+        states = _dist.gather_to_zero(local)
         if states is not None:
             checkpoint[RNG_KEY] = states
 
@@ -347,7 +347,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         final = dirpath / checkpoint_name(step)
         if step == self._last_saved_step and self.last_saved_path == final:
             return final
-        _heartbeat(trainer)
+        _peers.heartbeat(trainer)
         start = time.monotonic()
         tmp = temp_path(final)
         zero = trainer.is_global_zero
@@ -385,7 +385,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             mine = _dist.attempt(
                 lambda: digest_entries(final, entries[_dist.rank() :: _dist.world_size()], self.checksum)
             )
-            gathered = _gather_to_zero(mine)
+            gathered = _dist.gather_to_zero(mine)
         else:
             gathered = (
                 [_dist.attempt(lambda: digest_entries(final, entries, self.checksum))] if zero else None
@@ -404,7 +404,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_saved_step = step
         self.last_saved_path = final
         self._last_save_time = time.monotonic()
-        _heartbeat(trainer)
+        _peers.heartbeat(trainer)
         return final
 
     def _prepare(self, trainer: pl.Trainer, dirpath: Path, tmp: Path) -> str | None:
@@ -442,7 +442,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         dirpath = final.parent
         _point_last_at(dirpath, final)
         try:
-            self._prune(dirpath, trainer.global_step, _protected_steps(trainer))
+            self._prune(dirpath, trainer.global_step, _peers.protected_steps(trainer))
         except OSError as err:  # the checkpoint is committed; an old one left behind is no reason to fail
             log.warning("Could not prune old checkpoints in %s: %s", dirpath, _dist.describe_error(err))
         rank_zero_info(
@@ -466,7 +466,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             log.error("%s Training continues; the next scheduled save will try again.", message)
         self._last_save_time = time.monotonic()
-        _heartbeat(trainer)
+        _peers.heartbeat(trainer)
         return None
 
     def _checkpoint_bytes(self, trainer: pl.Trainer, dirpath: Path) -> int:
@@ -515,45 +515,6 @@ def _point_last_at(dirpath: Path, final: Path) -> None:
             os.symlink(final.name, tmp)
     except OSError as err:  # a filesystem without symlinks: the manifests are what matter
         log.debug("Could not update %s: %s", link, err)
-
-
-def _gather_to_zero(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
-
-    if not _dist.is_distributed():
-        return [obj]
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def _saves_blocked(trainer: pl.Trainer) -> bool:
-    """True if a callback's ``blocks_checkpoint()`` says periodic saves must wait (e.g. an anomaly streak)."""
-    for callback in trainer.callbacks:
-        blocks = getattr(callback, "blocks_checkpoint", None)
-        if callable(blocks) and blocks():
-            return True
-    return False
-
-
-def _protected_steps(trainer: pl.Trainer) -> list[int]:
-    """Steps whose newest checkpoint at or before them must survive pruning (callbacks' ``protected_step()``)."""
-    steps = []
-    for callback in trainer.callbacks:
-        protected = getattr(callback, "protected_step", None)
-        step = protected() if callable(protected) else None
-        if step is not None:
-            steps.append(int(step))
-    return steps
-
-
-def _heartbeat(trainer: pl.Trainer) -> None:
-    """Tell a hang watchdog (any callback with ``heartbeat()``) that slow progress is still progress."""
-    for callback in trainer.callbacks:
-        beat = getattr(callback, "heartbeat", None)
-        if callable(beat):
-            beat()
 
 
 __all__ = ["RNG_KEY", "CheckpointSaveError", "FaultTolerantCheckpoint"]
