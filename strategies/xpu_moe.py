@@ -76,7 +76,17 @@ class XPUMoEStrategy(ParallelStrategy):
         shard_optimizer: replace the module's `torch.optim.AdamW` by `EPShardedAdamW` (state split
             once across all ranks). False keeps the module's optimizer and all-reduces gradients.
         optimizer_options: keyword options of `EPShardedAdamW` (e.g. `zero_stage`, `bucket_numel`,
-            `overlap_param_gather`, `offload`, `reduce_dtype: bfloat16`).
+            `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
+
+    bf16 weights with fp32 master weights: `trainer.precision: bf16-true` with `shard_optimizer: true`
+    (no further option: the sharded optimizer always keeps fp32 masters and moments in its shard).
+    Lightning then builds the model in bf16 (`configure_model` runs under the precision plugin's
+    default dtype) and `convert_module` casts what is left, before the optimizer is built here; the
+    masters therefore start from the bf16-rounded initial weights. The device holds 2 bytes per
+    parameter for the weights, the gradient buckets in `reduce_dtype` (fp32 by default: bf16
+    gradients are accumulated and reduce-scattered in fp32; `bf16` halves buffer and wire) and
+    12 bytes per owned element of optimizer state. With `shard_optimizer: false` bf16-true means a
+    plain AdamW on bf16 weights, with no fp32 masters.
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
@@ -469,12 +479,15 @@ def _launched_by_mpiexec() -> bool:
     return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()
 
 
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
-    """YAML gives dtypes as strings ("bfloat16"): turn them into torch dtypes."""
+    """YAML gives dtypes as strings ("bfloat16", "bf16", "fp32"): turn them into torch dtypes."""
     out = dict(options)
     if isinstance(out.get("reduce_dtype"), str):
         name = out["reduce_dtype"].removeprefix("torch.")
-        dtype = getattr(torch, name, None)
+        dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(
                 f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype."
