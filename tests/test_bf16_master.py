@@ -287,3 +287,12 @@ def test_checkpoint_holds_bf16_weights_and_fp32_masters_and_reshards(results: di
             else:  # another layout reorders the gradients' bf16 roundings: within bf16 rounding
                 diff = (value.float() - expected.float()).abs()
                 assert (diff <= 4 * BF16_EPS * expected.float().abs() + 2 * LR).all(), name
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)]
+)
+def test_recipe_reduce_dtype_names(name: str, dtype: torch.dtype) -> None:
+    from strategies import XPUMoEStrategy
+
+    assert XPUMoEStrategy(optimizer_options={"reduce_dtype": name}).optimizer_options["reduce_dtype"] == dtype
