@@ -12,7 +12,8 @@ Implements `mula.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher
 Token rows travel in the compute dtype: the autocast dtype when autocast is on for the tokens'
 device (under bf16-mixed the residual stream reaching the MoE layer is fp32, but the experts compute
 in bf16 anyway, so sending fp32 would double the traffic for nothing), else the tokens' own dtype
-(bf16 under bf16-true). `combine` returns its output in the dtype `dispatch` was given.
+(bf16 under bf16-true). Received rows are cast back to the dtype `dispatch` was given, which is
+also the dtype `combine` returns, so the layer sees the dtypes it would see without parallelism.
 
 The backward of every exchange is the reverse exchange (see `_AllToAll`). A rank that receives no
 tokens gets empty tensors and still takes part in every collective, so nothing hangs.
@@ -131,7 +132,9 @@ class AllToAllDispatcher:
         recv_table = recv_counts.view(self.ep_size, self.num_local_experts).cpu()
         recv_splits = recv_table.sum(1).tolist()
 
-        x_recv = _AllToAll.apply(x_send, recv_splits, send_splits, self.ep_group, self)
+        # Back in the layer's dtype: the experts get what they would get without expert parallelism
+        # (under autocast they cast to bf16 again, exactly, since the values are bf16 already).
+        x_recv = _AllToAll.apply(x_send, recv_splits, send_splits, self.ep_group, self).to(x.dtype)
         regroup = _regroup_index(recv_table).to(x.device)
         x_sorted = x_recv.index_select(0, regroup)
         tokens_per_local_expert = recv_table.sum(0).to(device=x.device, dtype=torch.long)
