@@ -220,7 +220,13 @@ def _run_bf16_true(rank: int, world: int, root: str) -> dict:
     )
     opt = trainer.strategy._sharded_optimizer()
     params = list(trainer.lightning_module.parameters())
+    # meta_init (as the Aurora recipe): built on meta in bf16, materialised and initialised in bf16
+    _, meta = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2, meta_init=True), max_steps=1, precision="bf16-true"
+    )
     return {
+        "meta_dtypes": {p.dtype for p in meta.lightning_module.parameters()},
+        "meta_master_dtype": meta.strategy._sharded_optimizer().master.dtype,
         "losses": losses.losses,
         "param_dtypes": {p.dtype for p in params},
         "master_dtype": opt.master.dtype,
@@ -244,6 +250,7 @@ def test_bf16_true_keeps_fp32_masters_resumes_and_exports() -> None:
         runs = run_distributed(_run_bf16_true, 2, root)
         for r in runs:
             assert r["param_dtypes"] == {torch.bfloat16} and r["master_dtype"] == torch.float32
+            assert r["meta_dtypes"] == {torch.bfloat16} and r["meta_master_dtype"] == torch.float32
             # logged by MoEMetrics: bf16 weights (2 bytes, plus alignment padding), fp32 state (12)
             assert 2 * r["local_numel"] <= r["param_bytes"] <= 2.1 * r["local_numel"]
             assert 12 * r["owned"] <= r["state_bytes"] <= 12.1 * r["owned"]
