@@ -32,11 +32,11 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
@@ -71,22 +71,16 @@ class XPUMoEStrategy(ParallelStrategy):
     across them. Every rank is a data-parallel rank (its own micro-batch); dense parameters are
     replicated on all ranks, each rank keeps num_experts / E experts.
 
+    bf16 weights with fp32 masters: `precision: bf16-true` with `shard_optimizer: true` (the sharded
+    optimizer always keeps fp32 masters and moments in its shard). Lightning builds the model in bf16
+    before the optimizer exists, so the masters start from the bf16-rounded initial weights.
+
     Args:
         expert_parallel_size: E; must divide the world size and the model's number of experts.
         shard_optimizer: replace the module's `torch.optim.AdamW` by `EPShardedAdamW` (state split
             once across all ranks). False keeps the module's optimizer and all-reduces gradients.
         optimizer_options: keyword options of `EPShardedAdamW` (e.g. `zero_stage`, `bucket_numel`,
             `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
-
-    bf16 weights with fp32 master weights: `trainer.precision: bf16-true` with `shard_optimizer: true`
-    (no further option: the sharded optimizer always keeps fp32 masters and moments in its shard).
-    Lightning then builds the model in bf16 (`configure_model` runs under the precision plugin's
-    default dtype) and `convert_module` casts what is left, before the optimizer is built here; the
-    masters therefore start from the bf16-rounded initial weights. The device holds 2 bytes per
-    parameter for the weights, the gradient buckets in `reduce_dtype` (fp32 by default: bf16
-    gradients are accumulated and reduce-scattered in fp32; `bf16` halves buffer and wire) and
-    12 bytes per owned element of optimizer state. With `shard_optimizer: false` bf16-true means a
-    plain AdamW on bf16 weights, with no fp32 masters.
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
@@ -232,6 +226,10 @@ class XPUMoEStrategy(ParallelStrategy):
             raise ValueError(
                 "precision='16-mixed' (loss scaling) is not supported with shard_optimizer=True; "
                 "use precision='bf16-mixed' or shard_optimizer=False."
+            )
+        if not self.shard_optimizer and isinstance(self.precision_plugin, HalfPrecision):
+            rank_zero_warn(
+                "precision='bf16-true' with shard_optimizer=False: plain AdamW on bf16 weights, no fp32 master weights."
             )
         module = self.lightning_module
         if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:

@@ -269,6 +269,21 @@ def test_bf16_true_keeps_fp32_masters_resumes_and_exports() -> None:
         assert json.loads((Path(root) / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def _plain_bf16_true_warnings(rank: int, world: int) -> list[str]:
+    import warnings
+
+    _lightning_env(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(world, XPUMoEStrategy(shard_optimizer=False), max_steps=1, precision="bf16-true")
+    return [str(w.message) for w in caught]
+
+
+def test_bf16_true_without_the_sharded_optimizer_warns() -> None:
+    messages = run_distributed(_plain_bf16_true_warnings, 1)[0]
+    assert any("no fp32 master weights" in m for m in messages), messages
+
+
 def _invalid(rank: int, world: int, ep_size: int) -> str:
     _lightning_env(rank, world)
     try:
