@@ -9,7 +9,10 @@ tokens of both EP ranks there), so the two follow each other within bf16 roundin
 Also checked from the optimizer's own numbers: weights 2 bytes per local element on the device,
 gradient buffers in the reduce dtype (full buckets under ZeRO-1, shards only under ZeRO-2), 12 bytes
 per owned element of fp32 state (12 P / W per rank); and a checkpoint (bf16 model state, fp32
-optimizer masters) saved at (W=4, E=2) resumes exactly at (4, 4) and (2, 1).
+optimizer masters) saved at (W=4, E=2) restores the bf16 weights exactly at (4, 2), (4, 4) and (2, 1)
+from the masters alone, continues bit for bit at (4, 2), and within bf16 rounding at the others.
+At LR = 1e-4 most updates are below a bf16 ulp of the weight, so the check also fails without masters
+(``test_the_tolerance_catches_missing_master_weights``).
 """
 
 from __future__ import annotations
