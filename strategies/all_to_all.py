@@ -9,6 +9,12 @@ Implements `mula.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher
    order, which is what the grouped experts want;
 5. `combine` runs the same steps backwards and forms each token's weighted sum of its K expert outputs.
 
+Token rows travel in the compute dtype: the autocast dtype when autocast is on for the tokens'
+device (under bf16-mixed the residual stream reaching the MoE layer is fp32, but the experts compute
+in bf16 anyway, so sending fp32 would double the traffic for nothing), else the tokens' own dtype
+(bf16 under bf16-true). Received rows are cast back to the dtype `dispatch` was given, which is
+also the dtype `combine` returns, so the layer sees the dtypes it would see without parallelism.
+
 The backward of every exchange is the reverse exchange (see `_AllToAll`). A rank that receives no
 tokens gets empty tensors and still takes part in every collective, so nothing hangs.
 """
@@ -56,6 +62,8 @@ class _DispatchState:
     """What `combine` needs to undo `dispatch` for one call."""
 
     inv_order: Tensor  # [N*K] position of each (token, k) pair in the expert-sorted send buffer
+    wire_dtype: torch.dtype  # dtype the token rows travel in
+    out_dtype: torch.dtype  # dtype of dispatch's input, which combine returns
     regroup: Tensor | None  # [M] received-row index of each expert-ordered row (None: identity)
     send_splits: list[int]
     recv_splits: list[int]
@@ -111,8 +119,10 @@ class AllToAllDispatcher:
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
 
         if self.ep_size == 1:
-            state = _DispatchState(inv_order, None, [], [], topk_weight, num_tokens, top_k)
+            state = _DispatchState(inv_order, x.dtype, x.dtype, None, [], [], topk_weight, num_tokens, top_k)
             return x_send, counts, state
+        wire = wire_dtype(x)
+        x_send = x_send.to(wire)
 
         # counts.view(ep, E_local)[p] goes to EP rank p: rows of recv_counts are source ranks.
         recv_counts = torch.empty_like(counts)
@@ -122,11 +132,15 @@ class AllToAllDispatcher:
         recv_table = recv_counts.view(self.ep_size, self.num_local_experts).cpu()
         recv_splits = recv_table.sum(1).tolist()
 
-        x_recv = _AllToAll.apply(x_send, recv_splits, send_splits, self.ep_group, self)
+        # Back in the layer's dtype: the experts get what they would get without expert parallelism
+        # (under autocast they cast to bf16 again, exactly, since the values are bf16 already).
+        x_recv = _AllToAll.apply(x_send, recv_splits, send_splits, self.ep_group, self).to(x.dtype)
         regroup = _regroup_index(recv_table).to(x.device)
         x_sorted = x_recv.index_select(0, regroup)
         tokens_per_local_expert = recv_table.sum(0).to(device=x.device, dtype=torch.long)
-        state = _DispatchState(inv_order, regroup, send_splits, recv_splits, topk_weight, num_tokens, top_k)
+        state = _DispatchState(
+            inv_order, wire, x.dtype, regroup, send_splits, recv_splits, topk_weight, num_tokens, top_k
+        )
         return x_sorted, tokens_per_local_expert, state
 
     def combine(self, y_sorted: Tensor, state: _DispatchState) -> Tensor:
@@ -135,8 +149,9 @@ class AllToAllDispatcher:
             # Undo the regrouping: the row at received position regroup[i] is y_sorted[i].
             inv_regroup = torch.empty_like(state.regroup)
             inv_regroup[state.regroup] = torch.arange(state.regroup.numel(), device=state.regroup.device)
-            y_recv = y_sorted.index_select(0, inv_regroup)
+            y_recv = y_sorted.index_select(0, inv_regroup).to(state.wire_dtype)
             y_send = _AllToAll.apply(y_recv, state.send_splits, state.recv_splits, self.ep_group, self)
+            y_send = y_send.to(state.out_dtype)
         else:
             y_send = y_sorted
         y_pairs = y_send.index_select(0, state.inv_order).view(
@@ -144,6 +159,15 @@ class AllToAllDispatcher:
         )
         weights = state.topk_weight.to(y_pairs.dtype).unsqueeze(-1)
         return (y_pairs * weights).sum(dim=1)
+
+
+def wire_dtype(x: Tensor) -> torch.dtype:
+    """The dtype token rows of ``x`` are sent in: the autocast dtype when autocast is on for x's
+    device and x is floating point, else x's own dtype."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def _regroup_index(recv_table: Tensor) -> Tensor:

@@ -259,8 +259,11 @@ class GradReducer:
         view = st.grad_full[slot.start : slot.start + slot.entry.numel]
         if self.sharded and slot.entry.index in st.written:
             view.add_(grad.reshape(-1), alpha=st.domain.scale)
-        else:  # first gradient since the last reduction (or plain's running total): overwrite
+        elif grad.dtype == view.dtype:  # first gradient since the last reduction (or plain's total)
             torch.mul(grad.reshape(-1), st.domain.scale, out=view)
+            st.written.add(slot.entry.index)
+        else:  # bf16 gradient into an fp32 bucket: widen first, so the 1/W scaling is not rounded
+            view.copy_(grad.reshape(-1)).mul_(st.domain.scale)
             st.written.add(slot.entry.index)
 
     # ----------------------------------------------------------------------------------------

@@ -63,6 +63,10 @@ class ParamGather:
             host = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin) if offload else None
             self._host_send.append(host)
 
+    def param_bytes(self) -> int:
+        """Bytes of the flat parameter buffers (the model parameters are views into them)."""
+        return sum(f.numel() * f.element_size() for f in self.full)
+
     def launch(self, index: int, shard: Tensor) -> None:
         """Start filling bucket ``index`` from every rank's ``shard`` (this rank's fp32 master shard)."""
         dom = self._domains[index]

@@ -28,6 +28,13 @@ Per step (the order the strategy follows, see ``EPShardedAdamW``):
    updated parameters (in the model's dtype, fp32 or bf16) launched as soon as it is updated so it
    overlaps the update of the next bucket — and optionally the next forward.
 
+Mixed precision (``trainer.precision: bf16-true``): the model parameters and their gradients are
+bf16 on the device (2 bytes per element each, or only the shards and in-flight buckets for
+gradients under ZeRO-2), the master weights and moments fp32 and only in this rank's shard (12 bytes
+per owned element); the master shard is built from the parameters as they are when the optimizer is
+constructed, updated in fp32, and cast to bf16 for the all-gather. ``reduce_dtype`` (fp32 by default)
+decides whether bf16 gradients are accumulated and reduce-scattered in fp32 or in bf16.
+
 Options: ``strategies.sharding_options``; the update arithmetic: ``strategies.adamw``; checkpoints:
 ``strategies.optim_state``.
 """
@@ -414,6 +421,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
         rounding of this rank's exact share 12 * P / W."""
         return 12 * (padding_bound(self.buckets, self.options.align) + len(self.buckets))
 
+    def param_bytes(self) -> int:
+        """Bytes of the model parameters' flat buffers on this device (2 per element for bf16
+        parameters, 4 for fp32; alignment padding included)."""
+        return self._gather.param_bytes()
+
     def grad_buffer_bytes(self) -> int:
         """Bytes of persistent gradient buffers (full buckets for ZeRO-1, shards only for ZeRO-2)."""
         full = sum(
@@ -424,10 +436,12 @@ class EPShardedAdamW(torch.optim.Optimizer):
         return full + self.shard_grad.numel() * self.shard_grad.element_size()
 
     def metrics(self) -> dict[str, float]:
-        """Values for the logger: optim/state_bytes, optim/padding_bytes, optim/grad_buffer_bytes,
-        optim/step_ms (host wall time of the last ``step()``) and optim/grad_norm (last computed)."""
+        """Values for the logger: optim/state_bytes, optim/padding_bytes, optim/param_bytes,
+        optim/grad_buffer_bytes, optim/step_ms (host wall time of the last ``step()``) and
+        optim/grad_norm (last computed)."""
         out = {
             "optim/state_bytes": float(self.state_bytes()),
+            "optim/param_bytes": float(self.param_bytes()),
             "optim/padding_bytes": float(self.padding_bytes()),
             "optim/grad_buffer_bytes": float(self.grad_buffer_bytes()),
             "optim/step_ms": self._p.last_step_ms,

@@ -27,7 +27,11 @@ class ShardingOptions:
     max_grad_norm: if set, ``step()`` clips to it unless ``clip_grad_norm_`` was already called.
     clip_after_step: no clipping during the first this-many optimizer steps (warmup); the norm is
         still computed and reported.
-    reduce_dtype: dtype gradients are accumulated and reduced in.
+    reduce_dtype: dtype gradients are accumulated and reduced in (``fp32`` or ``bf16`` in a
+        recipe's ``optimizer_options``). fp32, the default, accumulates bf16 gradients
+        (micro-batches, and the sum over ranks) without rounding them at every addition, at twice
+        the buffer memory and wire bytes of bf16; bf16 reduces on the wire in bf16. Master weights
+        and moments are fp32 whatever this and the parameters' dtype are.
     ep_aware: False shards dense state over EDP only (the EP-unaware comparison layout of the
         benchmark); dense gradients are then all-reduced over the world.
     collectives: "native" uses reduce-scatter and all-gather (NCCL/XCCL implement them optimally);

@@ -32,11 +32,11 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
@@ -71,12 +71,16 @@ class XPUMoEStrategy(ParallelStrategy):
     across them. Every rank is a data-parallel rank (its own micro-batch); dense parameters are
     replicated on all ranks, each rank keeps num_experts / E experts.
 
+    bf16 weights with fp32 masters: `precision: bf16-true` with `shard_optimizer: true` (the sharded
+    optimizer always keeps fp32 masters and moments in its shard). Lightning builds the model in bf16
+    before the optimizer exists, so the masters start from the bf16-rounded initial weights.
+
     Args:
         expert_parallel_size: E; must divide the world size and the model's number of experts.
         shard_optimizer: replace the module's `torch.optim.AdamW` by `EPShardedAdamW` (state split
             once across all ranks). False keeps the module's optimizer and all-reduces gradients.
         optimizer_options: keyword options of `EPShardedAdamW` (e.g. `zero_stage`, `bucket_numel`,
-            `overlap_param_gather`, `offload`, `reduce_dtype: bfloat16`).
+            `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
@@ -222,6 +226,10 @@ class XPUMoEStrategy(ParallelStrategy):
             raise ValueError(
                 "precision='16-mixed' (loss scaling) is not supported with shard_optimizer=True; "
                 "use precision='bf16-mixed' or shard_optimizer=False."
+            )
+        if not self.shard_optimizer and isinstance(self.precision_plugin, HalfPrecision):
+            rank_zero_warn(
+                "precision='bf16-true' with shard_optimizer=False: plain AdamW on bf16 weights, no fp32 master weights."
             )
         module = self.lightning_module
         if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:
@@ -469,12 +477,15 @@ def _launched_by_mpiexec() -> bool:
     return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()
 
 
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
-    """YAML gives dtypes as strings ("bfloat16"): turn them into torch dtypes."""
+    """YAML gives dtypes as strings ("bfloat16", "bf16", "fp32"): turn them into torch dtypes."""
     out = dict(options)
     if isinstance(out.get("reduce_dtype"), str):
         name = out["reduce_dtype"].removeprefix("torch.")
-        dtype = getattr(torch, name, None)
+        dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(
                 f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype."

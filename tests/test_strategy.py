@@ -2,7 +2,8 @@
 
 Reference: one process, same MulaLightningModule, gradient accumulation over the same micro-batches.
 Checked: per-step losses for E=4 (sharded optimizer) and E=2 (plain AdamW + EP-aware all-reduce) on
-W=4; sharded checkpoints saved at (W=4, E=4) resume at (W=2, E=2) and at W=1 with the uninterrupted
+W=4; bf16-true (bf16 weights, fp32 masters) on W=2, E=2 within bf16 rounding of the fp32 run, its
+checkpoint resumed on one process and exported as bf16; sharded checkpoints saved at (W=4, E=4) resume at (W=2, E=2) and at W=1 with the uninterrupted
 run's next-step loss, and a checkpoint saved at (W=2, E=2) resumes at (W=4, E=4); invalid layouts
 fail with one sentence naming the numbers.
 """
@@ -100,7 +101,7 @@ class _StepLosses(L.Callback):
             self._acc = 0.0
 
 
-def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_dir=None):
+def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_dir=None, precision="32-true"):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     loader = _StepBatches(rank, world, max_steps)
     losses = _StepLosses(loader)
@@ -114,6 +115,7 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
         devices=world if strategy is not None else 1,
         strategy=strategy if strategy is not None else "auto",
         max_steps=max_steps,
+        precision=precision,
         accumulate_grad_batches=MICROS_PER_STEP // world,
         gradient_clip_val=0.5,
         use_distributed_sampler=False,
@@ -155,10 +157,14 @@ def _run_w4(rank: int, world: int, root: str) -> dict:
     }
 
 
-def _resume(rank: int, world: int, ep_size: int, ckpt: str, max_steps: int, save_dir: str | None) -> dict:
+def _resume(
+    rank: int, world: int, ep_size: int, ckpt: str, max_steps: int, save_dir: str | None, precision="32-true"
+) -> dict:
     _lightning_env(rank, world)
     strategy = XPUMoEStrategy(expert_parallel_size=ep_size)
-    losses, _ = _fit(world, strategy, max_steps=max_steps, ckpt_path=ckpt, save_dir=save_dir)
+    losses, _ = _fit(
+        world, strategy, max_steps=max_steps, ckpt_path=ckpt, save_dir=save_dir, precision=precision
+    )
     return {"losses": losses.losses}
 
 
@@ -205,6 +211,77 @@ def test_strategy_matches_single_process_and_reshards_checkpoints() -> None:
             assert torch.equal(direct[key], value), key
         export_hf(sharded, Path(root) / "hf")
         assert (Path(root) / "hf" / "config.json").is_file()
+
+
+def _run_bf16_true(rank: int, world: int, root: str) -> dict:
+    _lightning_env(rank, world)
+    losses, trainer = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2), precision="bf16-true", save_dir=f"{root}/bf16"
+    )
+    opt = trainer.strategy._sharded_optimizer()
+    params = list(trainer.lightning_module.parameters())
+    # meta_init (as the Aurora recipe): built on meta in bf16, materialised and initialised in bf16
+    _, meta = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2, meta_init=True), max_steps=1, precision="bf16-true"
+    )
+    return {
+        "meta_dtypes": {p.dtype for p in meta.lightning_module.parameters()},
+        "meta_master_dtype": meta.strategy._sharded_optimizer().master.dtype,
+        "losses": losses.losses,
+        "param_dtypes": {p.dtype for p in params},
+        "master_dtype": opt.master.dtype,
+        "param_bytes": float(trainer.callback_metrics["optim/param_bytes"]),
+        "state_bytes": float(trainer.callback_metrics["optim/state_bytes"]),
+        "local_numel": sum(p.numel() for p in params),
+        "owned": opt.owned_numel(),
+    }
+
+
+def test_bf16_true_keeps_fp32_masters_resumes_and_exports() -> None:
+    """precision='bf16-true' + the sharded optimizer: bf16 weights, fp32 masters; the run follows the
+    fp32 one within bf16 rounding, its checkpoint resumes at another layout and exports as bf16."""
+    import json
+
+    from mula.checkpoint import load_weights
+    from mula.hf import export_hf
+
+    reference = _fit(1, None)[0].losses
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(_run_bf16_true, 2, root)
+        for r in runs:
+            assert r["param_dtypes"] == {torch.bfloat16} and r["master_dtype"] == torch.float32
+            assert r["meta_dtypes"] == {torch.bfloat16} and r["meta_master_dtype"] == torch.float32
+            # logged by MoEMetrics: bf16 weights (2 bytes, plus alignment padding), fp32 state (12)
+            assert 2 * r["local_numel"] <= r["param_bytes"] <= 2.1 * r["local_numel"]
+            assert 12 * r["owned"] <= r["state_bytes"] <= 12.1 * r["owned"]
+        torch.testing.assert_close(
+            torch.tensor(runs[0]["losses"]), torch.tensor(reference), rtol=2e-2, atol=0
+        )
+        saved = f"{root}/bf16/epoch=0-step=2.ckpt"
+        resumed = run_distributed(_resume, 1, 1, saved, STEPS, None, "bf16-true")[0]
+        torch.testing.assert_close(
+            torch.tensor(resumed["losses"]), torch.tensor(runs[0]["losses"][2:]), rtol=1e-2, atol=0
+        )
+        assert {v.dtype for v in load_weights(saved).state_dict().values() if v.is_floating_point()} == {
+            torch.bfloat16
+        }
+        export_hf(saved, Path(root) / "hf")
+        assert json.loads((Path(root) / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def _plain_bf16_true_warnings(rank: int, world: int) -> list[str]:
+    import warnings
+
+    _lightning_env(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(world, XPUMoEStrategy(shard_optimizer=False), max_steps=1, precision="bf16-true")
+    return [str(w.message) for w in caught]
+
+
+def test_bf16_true_without_the_sharded_optimizer_warns() -> None:
+    messages = run_distributed(_plain_bf16_true_warnings, 1)[0]
+    assert any("no fp32 master weights" in m for m in messages), messages
 
 
 def _invalid(rank: int, world: int, ep_size: int) -> str:
