@@ -127,3 +127,19 @@ def test_expert_parallel_gradients_unchanged() -> None:
                 assert plain < run["bytes_sent"] < 2 * plain
             else:
                 assert run["bytes_sent"] == plain
+
+
+def test_moe_metrics_does_not_count_a_recompute_twice() -> None:
+    """MoEMetrics' expert counts (a forward hook) are those of one forward, also with recompute."""
+    from callbacks import MoEMetrics
+
+    counts = {}
+    for setting in ("none", "full", ["moe"]):
+        model = _model(setting)
+        cb = MoEMetrics()
+        cb.on_fit_start(None, model)
+        _loss(model, _batch())[0].backward()
+        counts[str(setting)] = cb._counts.clone()
+        cb.on_fit_end(None, model)
+    assert counts["none"].sum() == CONFIG.num_layers * WORLD * MICRO * SEQ * CONFIG.top_k
+    assert torch.equal(counts["full"], counts["none"]) and torch.equal(counts["['moe']"], counts["none"])
