@@ -143,3 +143,24 @@ def test_moe_metrics_does_not_count_a_recompute_twice() -> None:
         cb.on_fit_end(None, model)
     assert counts["none"].sum() == CONFIG.num_layers * WORLD * MICRO * SEQ * CONFIG.top_k
     assert torch.equal(counts["full"], counts["none"]) and torch.equal(counts["['moe']"], counts["none"])
+
+
+def test_cli_reads_a_list_and_refuses_an_unknown_part(capsys, tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    from mula.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "mula-tiny-moe.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", recipe, "--model.activation_checkpointing=[moe, attention]", "--print_config"])
+    assert exit_info.value.code == 0
+    assert "activation_checkpointing:\n  - moe\n  - attention" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", recipe, "--model.activation_checkpointing=[moe, mlp]"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mula: error:")]
+    assert errors == [
+        "mula: error: activation_checkpointing must be 'none', 'full' or a list of "
+        "['moe', 'attention', 'norms'], got ['moe', 'mlp']."
+    ]
