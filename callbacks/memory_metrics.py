@@ -44,6 +44,11 @@ class SavedTensorMeter:
         self._hooks: Any = None
 
     @property
+    def active(self) -> bool:
+        """Whether the meter is counting (entered and not yet exited)."""
+        return self._hooks is not None
+
+    @property
     def bytes(self) -> int:
         """Bytes saved since the meter was last entered."""
         return sum(self._seen.values())
@@ -111,13 +116,13 @@ class MemoryMetrics(L.Callback):
         """On a logged step, count what this micro-batch's forward saves for backward."""
         if not logs_train_step(trainer):
             return
-        if self._meter is None:
-            self._meter = SavedTensorMeter(exclude=pl_module.parameters())
+        # a new meter each time: a strategy may have re-materialised the parameters since
+        self._meter = SavedTensorMeter(exclude=pl_module.parameters())
         self._meter.__enter__()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
         """The forward is over: stop counting, keep the step's largest micro-batch."""
-        if self._meter is None or self._meter._hooks is None:
+        if self._meter is None or not self._meter.active:
             return
         self._meter.__exit__(None, None, None)
         self._activation_bytes = max(self._activation_bytes or 0, self._meter.bytes)
@@ -131,7 +136,7 @@ class MemoryMetrics(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """After a logged optimizer step: log this rank's memory and start a new peak window."""
-        if self._meter is not None and self._meter._hooks is not None:  # a forward with no backward
+        if self._meter is not None and self._meter.active:  # a forward with no backward
             self._meter.__exit__(None, None, None)
         if not (ends_optimizer_step(trainer) and logs_train_step(trainer)):
             return

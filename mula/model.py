@@ -152,7 +152,8 @@ def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
 
     The returned values are those of the first forward (MoE stats stay exact). Early stop is off so
     that a recompute always re-runs every collective in fn (the expert all-to-alls) on every rank,
-    whatever the data-dependent number of tensors each rank saved.
+    whatever the data-dependent number of tensors each rank saved. The RNG state is preserved
+    (torch's default): the model draws no random numbers today, and a recompute must not either.
     """
     with set_checkpoint_early_stop(False):
         return checkpoint(fn, *args, use_reentrant=False)
