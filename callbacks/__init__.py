@@ -4,13 +4,15 @@ Fault tolerance (see docs/resilience.md): ``FaultTolerantCheckpoint`` (crash-saf
 auto-resume, RNG states), ``PreemptionHandler`` (signals -> checkpoint -> exit 75),
 ``AnomalyGuard`` (skip non-finite/spiking steps, roll back), ``HangWatchdog`` (stacks + exit 124),
 ``StragglerDetector`` (slowest/median step-time ratio).
-Observation: ``Throughput`` (tokens/s, MFU), ``MoEMetrics`` (all-to-all bytes, global expert load).
+Observation: ``Throughput`` (tokens/s, MFU), ``MoEMetrics`` (all-to-all bytes, global expert load),
+``MemoryMetrics`` (parameter, gradient, activation and peak bytes per rank).
 Recipes enable them by ``class_path``.
 """
 
 from callbacks.anomaly import AnomalyGuard
 from callbacks.exit_codes import ExitCode
 from callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
+from callbacks.memory_metrics import MemoryMetrics
 from callbacks.moe_metrics import MoEMetrics
 from callbacks.preemption import PreemptionHandler
 from callbacks.stragglers import StragglerDetector
@@ -22,6 +24,7 @@ __all__ = [
     "ExitCode",
     "FaultTolerantCheckpoint",
     "HangWatchdog",
+    "MemoryMetrics",
     "MoEMetrics",
     "PreemptionHandler",
     "StragglerDetector",

@@ -2,6 +2,8 @@
 
 * `moe/a2a_bytes`: bytes this rank sent to other ranks in all-to-all exchanges during the step
   (token rows and counts, forward and backward, all micro-batches). 0 without expert parallelism.
+  A MoE layer recomputed by activation checkpointing sends its forward rows again in backward:
+  that traffic is real and counted.
 * `moe/load_imbalance_global`: max over mean tokens per expert of the step's tokens on *all* ranks
   (summed over ranks and micro-batches), averaged over MoE layers. The LightningModule's own
   `moe/load_imbalance` is the same ratio for this rank's micro-batch.
@@ -48,6 +50,9 @@ class MoEMetrics(L.Callback):
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             counts = getattr(output[1], "tokens_per_expert", None) if isinstance(output, tuple) else None
             if counts is None or not torch.is_grad_enabled():  # training steps only
+                return
+            if torch._C._current_graph_task_id() != -1:
+                # a forward run inside backward is activation checkpointing's recompute: counted already
                 return
             if self._counts is None:
                 self._counts = torch.zeros(

@@ -3,15 +3,21 @@
 Pre-norm decoder (OLMoE / OLMo-1B): x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
 SwiGLU (dense) or a `mula.moe.MoELayer`. Numerically identical to transformers' OLMoE / OLMo on
 the same weights (`tests/test_hf.py`).
+
+Activation checkpointing (`Mula.set_activation_checkpointing`) recomputes whole blocks or selected
+parts of them in backward with torch's non-reentrant `checkpoint`; gradients are unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from mula.config import MulaConfig
 from mula.moe import GroupedExperts, MoELayer, Router
@@ -121,8 +127,45 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Parts of a block that `activation_checkpointing` may recompute selectively ("full": the whole block).
+CHECKPOINT_PARTS = ("moe", "attention", "norms")
+
+
+def parse_activation_checkpointing(value: str | Sequence[str] | None) -> frozenset[str]:
+    """The set of checkpointed parts for `value`: "none"/None (empty), "full", or a list of `CHECKPOINT_PARTS`."""
+    if value is None or value == "none":
+        return frozenset()
+    if value == "full":
+        return frozenset({"full"})
+    parts = [value] if isinstance(value, str) else list(value)
+    unknown = [p for p in parts if p not in CHECKPOINT_PARTS]
+    if unknown or not parts:
+        raise ValueError(
+            f"activation_checkpointing must be 'none', 'full' or a list of {list(CHECKPOINT_PARTS)}, "
+            f"got {value!r}."
+        )
+    return frozenset(parts)
+
+
+def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), its activations recomputed in backward instead of saved (non-reentrant checkpoint).
+
+    The returned values are those of the first forward (MoE stats stay exact). Early stop is off so
+    that a recompute always re-runs every collective in fn (the expert all-to-alls) on every rank,
+    whatever the data-dependent number of tensors each rank saved. The RNG state is preserved
+    (torch's default): the model draws no random numbers today, and a recompute must not either.
+    """
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block; `mlp` is an `MLP` or a `MoELayer`."""
+    """Pre-norm transformer block; `mlp` is an `MLP` or a `MoELayer`.
+
+    `checkpointing` names what backward recomputes: "full" (the whole block) or any of "attention",
+    "moe" (the MoE layer: router, dispatch, experts, combine; a dense MLP is not affected) and "norms"
+    (the two pre-norms).
+    """
 
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
@@ -130,13 +173,23 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
         self.mlp = MoELayer(config) if config.is_moe else MLP(config)
+        self.checkpointing: frozenset[str] = frozenset()
+
+    def _call(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), recomputed in backward when `part` is checkpointed."""
+        return _recompute(fn, *args) if part in self.checkpointing else fn(*args)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor):
         """x [B,T,H] -> (x [B,T,H], MoEStats or None)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        h = self.mlp_norm(x)
+        if "full" in self.checkpointing:
+            return _recompute(self._forward, x, cos, sin)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor):
+        x = x + self._call("attention", self.attn, self._call("norms", self.attn_norm, x), cos, sin)
+        h = self._call("norms", self.mlp_norm, x)
         if isinstance(self.mlp, MoELayer):
-            h, stats = self.mlp(h)
+            h, stats = self._call("moe", self.mlp, h)
         else:
             h, stats = self.mlp(h), None
         return x + h, stats
@@ -163,6 +216,15 @@ class Mula(nn.Module):
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_parameters()
+
+    def set_activation_checkpointing(self, value: str | Sequence[str] | None) -> None:
+        """Recompute activations in backward: "none", "full" or a list of `CHECKPOINT_PARTS`.
+
+        A training setting, not part of the architecture (`MulaConfig` is unaffected).
+        """
+        parts = parse_activation_checkpointing(value)
+        for block in self.layers:
+            block.checkpointing = parts
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when `tie_embeddings` (re-run after `to_empty`)."""

@@ -27,7 +27,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from mula.config import MulaConfig
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
-from mula.model import Mula
+from mula.model import Mula, parse_activation_checkpointing
 
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
 STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
@@ -87,6 +87,9 @@ class MulaLightningModule(L.LightningModule):
         verify_init_weights: Verify `init_weights` against its manifest when the module is created
             and refuse a corrupted or incomplete one (`mula.checkpoint.verify_for_reading`); on the
             command line this is `--verify`.
+        activation_checkpointing: What backward recomputes instead of keeping in memory: "none",
+            "full" (every block) or a list of block parts among "moe", "attention", "norms", e.g.
+            `[moe, attention]`. Gradients are unchanged; a training setting, not the architecture.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class MulaLightningModule(L.LightningModule):
         no_decay: Sequence[str] = ("embed.weight",),
         init_weights: str | None = None,
         verify_init_weights: bool = True,
+        activation_checkpointing: str | list[str] = "none",
     ) -> None:
         super().__init__()
         self.config = resolve_config(config, overrides)
@@ -113,6 +117,8 @@ class MulaLightningModule(L.LightningModule):
             raise ValueError(f"min_lr must be in [0, lr={lr}], got {min_lr}.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        parse_activation_checkpointing(activation_checkpointing)  # refuse an unknown part now
+        self.activation_checkpointing = activation_checkpointing
         if init_weights is not None:
             # here, before any work, rather than when the model is built
             from mula.checkpoint import verify_for_reading  # imported lazily: only needed with init_weights
@@ -136,6 +142,7 @@ class MulaLightningModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = Mula(self.config)
+        self.model.set_activation_checkpointing(self.activation_checkpointing)
         if self.init_weights is not None:
             self._load_init_weights(self.init_weights)
 

@@ -1,0 +1,155 @@
+"""Per-rank memory accounting, logged every `log_every_n_steps` optimizer steps.
+
+* `mem/param_bytes`: bytes of this rank's parameters (its local shards under expert parallelism).
+* `mem/grad_bytes`: gradient bytes held when the optimizer steps: the optimizer's gradient buffer
+  when it has one (`grad_buffer_bytes()`, the EP-aware sharded optimizer), else the `.grad` tensors.
+* `mem/activation_bytes`: bytes autograd saved for backward in one micro-batch's forward (the most
+  over the logged step's micro-batches), each storage counted once and parameters excluded
+  (`SavedTensorMeter`). Measured only on logged steps: other steps run without the hooks.
+* `mem/peak_allocated_bytes` (CUDA/XPU only): the allocator's peak since the previous logged step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch import Tensor
+
+from mula.lightning_compat import ends_optimizer_step, logs_train_step
+
+
+def _storage_key(t: Tensor) -> tuple[str, int]:
+    """Identifies the memory a tensor lives in: views of one storage share it."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a (possibly distributed) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class SavedTensorMeter:
+    """Counts the bytes of distinct storages autograd saves for backward while the meter is entered.
+
+    Saved tensors are passed through unchanged (numerics are untouched); storages of `exclude` (the
+    parameters, which exist anyway) are not counted. Re-entering starts a new count.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        self._exclude = {_storage_key(_local(t)) for t in exclude}
+        self._seen: dict[tuple[str, int], int] = {}
+        self._hooks: Any = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the meter is counting (entered and not yet exited)."""
+        return self._hooks is not None
+
+    @property
+    def bytes(self) -> int:
+        """Bytes saved since the meter was last entered."""
+        return sum(self._seen.values())
+
+    def _pack(self, t: Tensor) -> Tensor:
+        local = _local(t)
+        key = _storage_key(local)
+        if key not in self._exclude:
+            self._seen.setdefault(key, local.untyped_storage().nbytes())
+        return t
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._seen = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters on this rank (tied parameters once)."""
+    return sum(_local(p).numel() * _local(p).element_size() for p in module.parameters())
+
+
+def grad_bytes(module: torch.nn.Module, optimizer: Any = None) -> int:
+    """Gradient bytes held: the optimizer's own buffer if it has one, else `module`'s `.grad` storages."""
+    if hasattr(optimizer, "grad_buffer_bytes"):
+        return int(optimizer.grad_buffer_bytes())
+    storages = {}
+    for p in module.parameters():
+        if p.grad is not None:
+            g = _local(p.grad)
+            storages.setdefault(_storage_key(g), g.untyped_storage().nbytes())
+    return sum(storages.values())
+
+
+class MemoryMetrics(L.Callback):
+    """Logs mem/param_bytes, mem/grad_bytes, mem/activation_bytes and mem/peak_allocated_bytes per rank.
+
+    Every value is logged on the steps Lightning hands to the loggers (`log_every_n_steps`), for this
+    rank (no reduction over ranks).
+    """
+
+    def __init__(self) -> None:
+        self._meter: SavedTensorMeter | None = None
+        self._activation_bytes: int | None = None
+        self._grad_bytes: int | None = None
+
+    @staticmethod
+    def _device_module(trainer: L.Trainer) -> Any:
+        """torch.cuda / torch.xpu for the strategy's device when it has an allocator peak, else None."""
+        module = getattr(torch, trainer.strategy.root_device.type, None)
+        return module if hasattr(module, "max_memory_allocated") and module.is_available() else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Start the first peak-memory window."""
+        device = self._device_module(trainer)
+        if device is not None:
+            device.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        """On a logged step, count what this micro-batch's forward saves for backward."""
+        if not logs_train_step(trainer):
+            return
+        # a new meter each time: a strategy may have re-materialised the parameters since
+        self._meter = SavedTensorMeter(exclude=pl_module.parameters())
+        self._meter.__enter__()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
+        """The forward is over: stop counting, keep the step's largest micro-batch."""
+        if self._meter is None or not self._meter.active:
+            return
+        self._meter.__exit__(None, None, None)
+        self._activation_bytes = max(self._activation_bytes or 0, self._meter.bytes)
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        """Gradients are complete: note their bytes for a logged step."""
+        if logs_train_step(trainer):
+            self._grad_bytes = grad_bytes(pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        """After a logged optimizer step: log this rank's memory and start a new peak window."""
+        if self._meter is not None and self._meter.active:  # a forward with no backward
+            self._meter.__exit__(None, None, None)
+        if not (ends_optimizer_step(trainer) and logs_train_step(trainer)):
+            return
+        values = {"mem/param_bytes": param_bytes(pl_module)}
+        if self._grad_bytes is not None:
+            values["mem/grad_bytes"] = self._grad_bytes
+        if self._activation_bytes is not None:
+            values["mem/activation_bytes"] = self._activation_bytes
+        device = self._device_module(trainer)
+        if device is not None:
+            root = trainer.strategy.root_device
+            values["mem/peak_allocated_bytes"] = device.max_memory_allocated(root)
+            device.reset_peak_memory_stats(root)
+        for key, value in values.items():
+            pl_module.log(key, float(value), on_step=True, on_epoch=False, sync_dist=False)
+        self._activation_bytes = self._grad_bytes = None
