@@ -410,3 +410,18 @@ if IN_TRITON_SUBPROCESS:  # only collected in test_triton_interpreter's subproce
 
     class TestTritonInterpreted(_TritonInterpreted):
         """See _TritonInterpreted."""
+
+
+def test_grouped_mm_probe_ignores_the_callers_autocast():
+    """The probe is cached per process: a first call from inside autocast (a bf16-mixed forward) must
+    give the same answer as a clean one, or `auto` falls back to the loop for the rest of the run."""
+    from mula.kernels import backends
+
+    backends.torch_grouped_mm_supported.cache_clear()
+    clean = backends.torch_grouped_mm_supported("cpu", torch.bfloat16)
+    backends.torch_grouped_mm_supported.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert backends.torch_grouped_mm_supported("cpu", torch.bfloat16) == clean
+    finally:
+        backends.torch_grouped_mm_supported.cache_clear()

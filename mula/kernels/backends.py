@@ -19,6 +19,7 @@ the recipe (MulaConfig.expert_backend) overrides them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -85,6 +86,16 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """
     if torch_gmm.grouped_mm_fn() is None:
         return False
+    # The answer is cached for the process, so the probe must not depend on the caller's state: under
+    # autocast the fp32 reference products would run in 16 bits and the check would fail for good.
+    with contextlib.ExitStack() as stack:
+        if torch.amp.is_autocast_available(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        stack.enter_context(torch.no_grad())
+        return _probe_grouped_mm(device_type, dtype)
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     try:
         device = torch.device(device_type)
         gen = torch.Generator().manual_seed(0)
