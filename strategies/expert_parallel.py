@@ -48,8 +48,3 @@ def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) ->
                 total, topology.ep_size, topology.ep_rank, topology.ep_group
             )
     return total
-
-
-def global_expert_shape(local: torch.Tensor, topology: ExpertParallelTopology) -> torch.Size:
-    """Shape of the full stacked expert tensor whose EP-rank slice is `local`."""
-    return torch.Size((local.shape[0] * topology.ep_size, *local.shape[1:]))
