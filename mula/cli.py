@@ -30,7 +30,7 @@ from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir
 from mula.config import MulaConfig
 from mula.data import MulaDataModule
 from mula.kernels.backends import resolve_backend
-from mula.module import MulaLightningModule
+from mula.module import MulaLightningModule, check_master_weights
 
 
 def import_hf(hf_dir: str, output: str) -> None:
@@ -241,6 +241,7 @@ class MulaCLI(LightningCLI):
         """The data fits the model and the expert backend runs on the trainer's device and precision."""
         self.datamodule.validate_against(self.model.config)
         check_expert_backend(self.model.config, self.trainer)
+        check_master_weights(str(self.trainer.precision), self.trainer.strategy)
 
 
 def run_dir(default_root_dir: str | None) -> str:

@@ -141,6 +141,8 @@ class MulaLightningModule(L.LightningModule):
         """Build the model (once); strategies may call this under a meta-device or sharding context."""
         if self.model is not None:
             return
+        if self._trainer is not None:
+            check_master_weights(str(self._trainer.precision), self._trainer.strategy)
         self.model = Mula(self.config)
         self.model.set_activation_checkpointing(self.activation_checkpointing)
         if self.init_weights is not None:
@@ -308,3 +310,20 @@ def load_imbalance(tokens_per_expert: Tensor) -> Tensor:
     """max / mean tokens per expert, averaged over MoE layers (1.0 = perfectly balanced)."""
     counts = tokens_per_expert.float()
     return (counts.max(dim=-1).values / counts.mean(dim=-1).clamp_min(1e-9)).mean()
+
+
+def check_master_weights(precision: str, strategy: Any) -> None:
+    """Refuse bf16/fp16 weights that no optimizer keeps fp32 master weights for.
+
+    Under `precision: bf16-true` Lightning holds the weights in bf16; a plain AdamW would then update
+    them in bf16, where most updates at pretraining learning rates are below one ulp of the weight and
+    are lost. Only a strategy that says it keeps fp32 masters (`keeps_fp32_master_weights`, e.g.
+    `XPUMoEStrategy` with its sharded optimizer) may train such weights.
+    """
+    if precision in ("bf16-true", "16-true") and not getattr(strategy, "keeps_fp32_master_weights", False):
+        raise ValueError(
+            f"trainer.precision={precision} holds the weights in half precision, and "
+            f"{type(strategy).__name__} keeps no fp32 master weights (AdamW updates would be lost to "
+            "rounding): use XPUMoEStrategy with shard_optimizer: true (recipes/strategies/xpu-moe.yaml, "
+            "or the paper recipes' default strategy), or --trainer.precision=bf16-mixed."
+        )

@@ -32,11 +32,11 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
@@ -216,6 +216,11 @@ class XPUMoEStrategy(ParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
 
+    @property
+    def keeps_fp32_master_weights(self) -> bool:
+        """Whether bf16/fp16 weights (`precision: bf16-true`) get fp32 masters: the sharded optimizer's."""
+        return self.shard_optimizer
+
     # ----- setup -----------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
         """Parallelise the model, move it to the device, build optimizer and gradient sync."""
@@ -226,10 +231,6 @@ class XPUMoEStrategy(ParallelStrategy):
             raise ValueError(
                 "precision='16-mixed' (loss scaling) is not supported with shard_optimizer=True; "
                 "use precision='bf16-mixed' or shard_optimizer=False."
-            )
-        if not self.shard_optimizer and isinstance(self.precision_plugin, HalfPrecision):
-            rank_zero_warn(
-                "precision='bf16-true' with shard_optimizer=False: plain AdamW on bf16 weights, no fp32 master weights."
             )
         module = self.lightning_module
         if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:

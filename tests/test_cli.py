@@ -184,6 +184,15 @@ def test_expert_backend_that_cannot_run_on_the_device(capsys, sandbox, monkeypat
     assert not (sandbox / "data").exists()  # checked before preparing the data
 
 
+def test_bf16_weights_without_fp32_masters(capsys, sandbox):
+    expect_error(
+        capsys,
+        ["fit", "-c", str(TINY_MOE), "--trainer.precision=bf16-true"],
+        r"trainer.precision=bf16-true .* SingleDeviceStrategy keeps no fp32 master weights",
+    )
+    assert not (sandbox / "data").exists()  # checked before preparing the data
+
+
 def test_seq_len_beyond_model_positions(capsys, sandbox):
     expect_error(
         capsys,

@@ -269,19 +269,24 @@ def test_bf16_true_keeps_fp32_masters_resumes_and_exports() -> None:
         assert json.loads((Path(root) / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
-def _plain_bf16_true_warnings(rank: int, world: int) -> list[str]:
-    import warnings
+def _plain_bf16_true_error(rank: int, world: int, strategy: str) -> str:
+    from lightning.pytorch.strategies import DDPStrategy
 
     _lightning_env(rank, world)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _fit(world, XPUMoEStrategy(shard_optimizer=False), max_steps=1, precision="bf16-true")
-    return [str(w.message) for w in caught]
+    chosen = XPUMoEStrategy(shard_optimizer=False) if strategy == "xpu_moe" else DDPStrategy()
+    try:
+        _fit(world, chosen, max_steps=1, precision="bf16-true")
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
-def test_bf16_true_without_the_sharded_optimizer_warns() -> None:
-    messages = run_distributed(_plain_bf16_true_warnings, 1)[0]
-    assert any("no fp32 master weights" in m for m in messages), messages
+@pytest.mark.parametrize("strategy", ["xpu_moe", "ddp"])
+def test_bf16_true_without_fp32_master_weights_is_refused(strategy: str) -> None:
+    """bf16 weights that no optimizer keeps fp32 masters for would lose most AdamW updates to rounding."""
+    message = run_distributed(_plain_bf16_true_error, 1, strategy)[0]
+    assert message.startswith("trainer.precision=bf16-true holds the weights in half precision"), message
+    assert "keeps no fp32 master weights" in message and "bf16-mixed" in message
 
 
 def _invalid(rank: int, world: int, ep_size: int) -> str:
