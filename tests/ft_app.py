@@ -156,7 +156,8 @@ class TinyData(pl.LightningDataModule):
 def _digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        # the raw bytes, whatever the dtype (numpy has no bfloat16)
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -515,3 +515,47 @@ def test_tiny_moe_mula_fit_killed_and_rerun_resumes_exactly(tmp_path):
     resumed = _runs(tmp_path / "twin")[-1]
     assert resumed[0]["step"] == previous.step + 1 and resumed[-1]["step"] == TINY_STEPS
     _assert_same_as(resumed, reference)
+
+
+def test_bf16_weights_expert_parallel_mula_fit_killed_and_rerun_resumes_exactly(tmp_path):
+    """bf16 weights with fp32 masters (precision bf16-true, the sharded optimizer) on 2 ranks with E=2:
+    both ranks SIGKILLed together after a checkpoint (a node lost); the same command resumes exactly:
+    losses, every rank's bf16 weights and the batches equal the uninterrupted run's."""
+    layout = [
+        "-c", str(REPO / "recipes" / "strategies" / "xpu-moe.yaml"),
+        "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.precision=bf16-true",
+        "--trainer.strategy.init_args.expert_parallel_size=2",
+    ]  # fmt: skip
+
+    def start(run: str, injector: dict | None = None) -> subprocess.Popen:
+        command = _tiny_moe_command(tmp_path, run, injector) + layout
+        env = {**_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+        log_path = tmp_path / f"{run}.{time.monotonic_ns()}.log"
+        with open(log_path, "w") as log:  # its own session: the kill takes every rank, as a lost node
+            proc = subprocess.Popen(
+                command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        return proc
+
+    rc, log = _finish(start("reference"), timeout=420)
+    assert rc == 0, log[-3000:]
+    reference = {rank: _rows(tmp_path / "reference", rank) for rank in (0, 1)}
+    assert [r["step"] for r in reference[1]] == list(range(1, TINY_STEPS + 1))
+
+    proc = start("run", injector={"step_sleep_s": 0.2})
+    _wait_for_step(tmp_path / "run", 5, proc, timeout=300)  # checkpoints at steps 2 and 4 exist
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    valid = [
+        e for e in list_checkpoints(tmp_path / "run" / "checkpoints") if verify_checkpoint(e.path) is None
+    ]
+    assert valid and read_manifest(valid[0].path).kind == "dir"  # a sharded checkpoint
+
+    rc, log = _finish(start("run", injector={"step_sleep_s": 0.2}), timeout=420)
+    assert rc == 0, log[-3000:]
+    assert f"Auto-resuming from {valid[0].path}" in " ".join(log.split())
+    for rank in (0, 1):
+        resumed = _runs(tmp_path / "run", rank)[-1]
+        assert resumed[0]["step"] == valid[0].step + 1 and resumed[-1]["step"] == TINY_STEPS
+        _assert_same_as(resumed, reference[rank])
