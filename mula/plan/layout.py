@@ -16,6 +16,7 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 PRECISIONS = {
     "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8),
     "bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2),
+    "bf16": (4, 2), "16": (4, 2), "64": (8, 8),
 }  # fmt: skip
 
 

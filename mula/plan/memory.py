@@ -80,7 +80,7 @@ def stage_layers(num_layers: int, layout: Layout) -> list[range]:
     return [range(a, a + c) for a, c in zip(starts, counts)]
 
 
-def _stage_params(params: Sequence[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
+def stage_params(params: Sequence[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
     """Parameters a stage holds: its blocks, the embedding on the first, final norm and head on the last."""
     out = []
     for p in params:
@@ -153,7 +153,7 @@ def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
     for s, layers in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
         p_alloc, tensors, grads, optimizer, buffers = _state_bytes(
-            _stage_params(params, layers, first, last), layout
+            stage_params(params, layers, first, last), layout
         )
         in_flight = in_flight_micro_batches(layout, s)
         act = in_flight * activation_bytes(config, layout, layers, first=first, last=last)
