@@ -11,7 +11,8 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   (4*b*q + 4*heads; the output projection reads SDPA's output in place);
 * router: logits and probabilities in fp32, z-loss log-sum-exp, top-k indices: 8E + 4 + 8K;
 * experts, per routed row: input, gate and up (b*(h + 2I)); the combine keeps the expert outputs
-  (b*h) and, under expert parallelism, the all-to-all dispatcher's index tensors; on CPU the
+  (b*h) and, under expert parallelism, the all-to-all dispatcher's index tensors (on CPU also the
+  received rows before padding); on CPU the
   bucketed padded layout (`mula.kernels.padded`) keeps combine weights per row instead and gathered
   copies of the local expert weights (3*h*I*E_local elements);
 * dense MLP: gate, silu(gate), up and their product (4*b*I);
@@ -56,6 +57,8 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
     if layout.ep_size > 1:
         # all-to-all dispatcher: send/regroup/un-regroup/un-sort indices, and the combine's rows and weights
         rows += 4 * 8 + r * h + r
+        if layout.device_type == "cpu":
+            rows += 8 + b * h  # padding the received rows into the layout keeps them and the index
     elif layout.device_type == "cpu":
         rows += b  # combine weight per row, riding along in the padded layout
     else:
