@@ -49,7 +49,8 @@ def _fit(tmp_path, checkpointing, precision: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("checkpointing", "precision"), [("none", "32-true"), (["moe"], "32-true"), ("full", "bf16-true")]
+    ("checkpointing", "precision"),
+    [("none", "32-true"), (["moe"], "32-true"), ("full", "bf16-true"), (["attention"], "bf16-mixed")],
 )
 def test_single_process_fit_matches_the_plan(tmp_path, checkpointing, precision) -> None:
     logged = _fit(tmp_path, checkpointing, precision)

@@ -16,6 +16,8 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   bucketed padded layout (`mula.kernels.padded`) keeps combine weights per row instead and gathered
   copies of the local expert weights (3*h*I*E_local elements);
 * dense MLP: gate, silu(gate), up and their product (4*b*I);
+* mixed precision (fp32 weights, 16-bit autocast): every matmul keeps its own 16-bit copy of its input
+  (q, k and v three) and of its weight, outside recomputed parts;
 * checkpointing keeps only a recomputed part's inputs: "norms" the residual (r*h) per norm, "attention"
   and "moe" their (already counted) normalised input, "full" each block's input (r*h).
 
@@ -67,24 +69,39 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
 
 
 def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], tokens: int) -> int:
-    """Bytes one block saves for one micro-batch of `tokens` tokens."""
-    b, h = layout.compute_bytes, config.hidden_size
-    r = layout.param_bytes  # the residual stream's dtype is the parameters' (fp32 under autocast)
+    """Bytes one block saves for one micro-batch of `tokens` tokens.
+
+    Under mixed precision (fp32 weights, 16-bit autocast) every matmul saves its own 16-bit copy of its
+    input and of its weight (the weights' copies only outside recomputed parts); a recomputed part
+    keeps its fp32 input instead."""
+    b, r, h = layout.compute_bytes, layout.param_bytes, config.hidden_size
+    mixed = r > b
     if "full" in parts:
         return tokens * r * h
+    e_local = config.num_experts // layout.ep_size
+    weights = 0  # matmul weight elements whose autocast copies live until backward
     norm = (r * h) if "norms" in parts else _norm(config, h, r)
-    per_token = 2 * norm + 2 * b * h  # two pre-norms and their consumers' inputs
-    if "attention" not in parts:
-        per_token += _attention(config, b)
-    if config.is_moe:
-        if "moe" not in parts:
-            per_token += _moe_per_token(config, layout, b, r)
+    per_token = 2 * norm
+    if "attention" in parts:
+        per_token += r * h if mixed else b * h  # the checkpoint's input: the normalised activation
     else:
-        per_token += 4 * b * config.intermediate_size
-    out = tokens * per_token
+        per_token += (3 if mixed else 1) * b * h + _attention(config, b)  # q/k/v inputs (shared unless cast)
+        weights += config._attn_matmul_params()
+    if config.is_moe:
+        if "moe" in parts:
+            per_token += r * h if mixed else b * h
+        else:
+            per_token += b * h + _moe_per_token(config, layout, b, r)  # router input (shared with experts)
+            weights += config.num_experts * h + (
+                0 if layout.device_type == "cpu" else e_local * config._expert_params()
+            )
+    else:
+        per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size
+        weights += 3 * h * config.intermediate_size
+    out = tokens * per_token + (weights * b if mixed else 0)
     if config.is_moe and "moe" not in parts and layout.device_type == "cpu":
         # the padded layout gathers the local experts' weights in bucket order
-        out += 3 * h * config.expert_intermediate_size * (config.num_experts // layout.ep_size) * b
+        out += e_local * config._expert_params() * b
     return out
 
 
@@ -100,6 +117,8 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
     if last:
         h, b, r = config.hidden_size, layout.compute_bytes, layout.param_bytes
         total += tokens * (_norm(config, h, r) + b * h + 4 * config.vocab_size + 8)
+        if r > b:
+            total += config.vocab_size * h * b  # the LM head's autocast weight copy
     return total
 
 

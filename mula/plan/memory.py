@@ -152,9 +152,8 @@ def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
     best: MemoryPlan | None = None
     for s, layers in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        p_alloc, tensors, grads, optimizer, buffers = _state_bytes(
-            stage_params(params, layers, first, last), layout
-        )
+        held = stage_params(params, layers, first, last)
+        p_alloc, tensors, grads, optimizer, buffers = _state_bytes(held, layout)
         in_flight = in_flight_micro_batches(layout, s)
         act = in_flight * activation_bytes(config, layout, layers, first=first, last=last)
         buffers += transient_bytes(config, layout, last=last)
