@@ -26,9 +26,11 @@ import io
 import json
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -125,7 +127,7 @@ def _plan_recipe(args: list[str]) -> dict[str, Any]:
     from mula.cli import main
 
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["mula"]):
         main(["plan", *args, "--format=json"])
     return json.loads(out.getvalue())
 

@@ -138,6 +138,27 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     return params_alloc, tensors, grads, optimizer, buffers
 
 
+_STATE_FIELDS = ("ep_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
+                 "align", "ep_aware", "shard_optimizer", "collectives", "offload")  # fmt: skip
+
+
+def _stage_state(
+    config: MulaConfig, layout: Layout, layers: range, first: bool, last: bool
+) -> tuple[int, int, int, int, int]:
+    """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
+    key = (
+        repr(config), layers.start, layers.stop, first, last,
+        tuple(layout.no_decay), *(getattr(layout, f) for f in _STATE_FIELDS),
+    )  # fmt: skip
+    if key not in _STATE_CACHE:
+        params = model_parameters(config, tuple(layout.no_decay))
+        _STATE_CACHE[key] = _state_bytes(stage_params(params, layers, first, last), layout)
+    return _STATE_CACHE[key]
+
+
+_STATE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
 def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
     """Predicted per-rank bytes of training `config` with `layout` (the fullest pipeline stage)."""
     if config.is_moe and config.num_experts % layout.ep_size:
@@ -147,13 +168,11 @@ def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
         )
     if not config.is_moe and layout.ep_size > 1:
         raise ValueError(f"expert_parallel_size={layout.ep_size} needs an MoE model; this one is dense.")
-    params = model_parameters(config, tuple(layout.no_decay))
     stages = stage_layers(config.num_layers, layout)
     best: MemoryPlan | None = None
     for s, layers in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        held = stage_params(params, layers, first, last)
-        p_alloc, tensors, grads, optimizer, buffers = _state_bytes(held, layout)
+        p_alloc, tensors, grads, optimizer, buffers = _stage_state(config, layout, layers, first, last)
         in_flight = in_flight_micro_batches(layout, s)
         act = in_flight * activation_bytes(config, layout, layers, first=first, last=last)
         buffers += transient_bytes(config, layout, last=last)

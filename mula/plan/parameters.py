@@ -35,7 +35,7 @@ class ParamSpec:
             n *= d
         return n
 
-    @property
+    @functools.cached_property
     def is_expert(self) -> bool:
         """Stacked expert weights [num_experts, ...]: sliced over the EP group, sharded over EDP."""
         return is_expert_param(self.name)

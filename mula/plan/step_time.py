@@ -86,6 +86,17 @@ def _ring_s(elements: int, elem_bytes: int, group: int, bandwidth: float) -> flo
     return 0.0 if group <= 1 else elements * elem_bytes * (group - 1) / group / bandwidth
 
 
+def _stage_elements(config: MulaConfig, layout: Layout, stages: list[range]) -> tuple[int, int]:
+    """The largest stage's dense elements and its local expert elements (one EP rank's share)."""
+    params = model_parameters(config, tuple(layout.no_decay))
+    dense = expert = 0
+    for s, rng in enumerate(stages):
+        held = stage_params(params, rng, s == 0, s == len(stages) - 1)
+        dense = max(dense, sum(q.numel for q in held if not q.is_expert))
+        expert = max(expert, sum(q.numel for q in held if q.is_expert) // layout.ep_size)
+    return dense, expert
+
+
 def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch: int) -> StepTime:
     """Predicted step time of training `config` with `layout` on `machine` at `global_batch` sequences."""
     w, p, e = layout.world_size, layout.pp_size, layout.ep_size
@@ -107,12 +118,7 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
         a2a = passes * layers * volume / (intra if e <= node else inter)
 
     # per-stage parameters: the largest stage's dense and local expert elements
-    params = model_parameters(config, tuple(layout.no_decay))
-    dense = expert = 0
-    for s, rng in enumerate(stages):
-        held = stage_params(params, rng, s == 0, s == len(stages) - 1)
-        dense = max(dense, sum(q.numel for q in held if not q.is_expert))
-        expert = max(expert, sum(q.numel for q in held if q.is_expert) // e)
+    dense, expert = _stage_elements(config, layout, stages)
     dp, edp = layout.dp_size, layout.edp_size
     bw_dense = intra if dp <= node else inter
     bw_expert = intra if dp <= node else inter  # EDP ranks are E apart: off-node once the stage spans nodes
@@ -123,14 +129,18 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     )
     if not layout.shard_optimizer:  # all-reduce = reduce-scatter + all-gather, all exposed after backward
         reduce, gather = reduce + gather, 0.0
-    last_backward = compute * 2 / 3 / max(1, layout.micro_batches)
-    grad_sync = max(0.0, reduce - last_backward)
+    m = max(1, layout.micro_batches)
+    backward = compute * 2 / 3 / m  # one micro-batch's backward, which a reduce-scatter overlaps
+    if layout.shard_optimizer and layout.zero_stage == 2:
+        grad_sync = m * max(0.0, reduce - backward)  # ZeRO-2 reduce-scatters after every micro-batch
+    else:
+        grad_sync = max(0.0, reduce - backward)  # once, during the last micro-batch's backward
     if layout.overlap_param_gather:
-        gather = max(0.0, gather - compute / 3 / max(1, layout.micro_batches))
+        gather = max(0.0, gather - compute / 3 / m)
 
     pipeline = 0.0
     if p > 1:
-        m, v = max(1, layout.micro_batches), layout.pp_virtual_stages
+        v = layout.pp_virtual_stages
         pipeline = (p - 1) / (v * m) * (compute + a2a)
         per_mb = layout.micro_batch * layout.seq_len * config.hidden_size * layout.compute_bytes
         pipeline += 2 * m * v * per_mb / inter  # activations forward, gradients backward
