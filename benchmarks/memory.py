@@ -38,7 +38,9 @@ import torch.multiprocessing as mp
 
 from mula import MulaConfig
 from mula.plan import Layout, plan_memory
+from mula.plan.command import scaling
 from mula.plan.machines import load_machine
+from mula.plan.settings import PlanInputs
 from mula.plan.step_time import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,6 +220,32 @@ def optimus_table(nodes: int) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(base_nodes: int, node_counts: list[int]) -> str:
+    """Part 3: Mula-220B-A10B at Optimus' layout, weak and strong scaling from `base_nodes`."""
+    machine = load_machine("aurora")
+    config = MulaConfig.from_name("mula-220b-a10b")
+    inputs = PlanInputs(
+        config, optimus_layout("mula-220b-a10b", base_nodes), 3072, machine.device_bytes, "", machine
+    )
+    lines = [
+        f"Mula-220B-A10B, Optimus' layout, scaling from {base_nodes} nodes ({12 * base_nodes} tiles); "
+        "weak: global batch 3072 sequences at the base, growing with the tiles; strong: 3072 fixed",
+        "",
+        "| nodes | tiles | weak efficiency | weak tokens/s | strong efficiency |",
+        "|---|---|---|---|---|",
+    ]
+    for row in scaling(inputs, base_nodes, node_counts):
+        strong = (
+            "n/a (batch < one micro-batch per rank)"
+            if row["strong_efficiency"] is None
+            else f"{100 * row['strong_efficiency']:.1f} %"
+        )
+        lines.append(
+            f"| {row['nodes']} | {row['ranks']} | {100 * row['weak_efficiency']:.1f} % | {row['weak_tokens_per_s']:,.0f} | {strong} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     """Print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -228,7 +256,8 @@ def main() -> None:
     if not args.skip_measured:
         print(measured_table(args.ep), end="\n\n")
     print(recipe_table(args.nodes), end="\n\n")
-    print(optimus_table(args.nodes))
+    print(optimus_table(args.nodes), end="\n\n")
+    print(scaling_table(args.nodes, [32, 64, 128, 256, 512, 1024]))
 
 
 if __name__ == "__main__":
