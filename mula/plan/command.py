@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
+
+from jsonargparse import ActionYesNo
 
 from mula.plan.layout import Layout
 from mula.plan.machines import load_machine
@@ -20,20 +22,35 @@ GB = 1e9
 
 def add_plan_arguments(parser: Any) -> None:
     """The options `mula plan` adds to the trainer/model/data options of `mula fit`."""
-    parser.add_argument("--machine", type=str | None, default=None,
-                        help="Plan for this machine (recipes/machines/<name>.yaml: aurora, h100, or a path); "
-                        "default: the recipe's trainer settings on the machine running the command.")  # fmt: skip
+    parser.add_argument(
+        "--machine",
+        type=str | None,
+        default=None,
+        help="Plan for this machine (recipes/machines/<name>.yaml: aurora, h100, or a path); "
+        "default: the recipe's trainer settings on the machine running the command.",
+    )
     parser.add_argument(
         "--nodes", type=int | None, default=None, help="Nodes of --machine (default: trainer.num_nodes)."
     )
-    parser.add_argument("--format", type=str, default="text", choices=["text", "json"], help="text or json.")
-    parser.add_argument("--search", type=bool, default=False,
-                        help="List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) "
-                        "that fit, fastest first.")  # fmt: skip
-    parser.add_argument("--scaling_nodes", type=list[int] | None, default=None,
-                        help="Also print weak and strong scaling efficiency from --nodes to each of these node counts.")  # fmt: skip
-    parser.add_argument("--device_memory_gb", type=float | None, default=None,
-                        help="Device memory to plan against, in GB (default: the machine's or this device's).")  # fmt: skip
+    parser.add_argument("--format", type=Literal["text", "json"], default="text", help="text or json.")
+    parser.add_argument(
+        "--search",
+        action=ActionYesNo,
+        default=False,
+        help="List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) that fit, fastest first.",
+    )
+    parser.add_argument(
+        "--scaling_nodes",
+        type=list[int] | None,
+        default=None,
+        help="Also print weak and strong scaling efficiency from --nodes to each of these node counts.",
+    )
+    parser.add_argument(
+        "--device_memory_gb",
+        type=float | None,
+        default=None,
+        help="Device memory to plan against, in GB (default: the machine's or this device's).",
+    )
 
 
 def run_plan(
@@ -93,8 +110,20 @@ def plan_result(inputs: PlanInputs) -> dict[str, Any]:
 
 def layout_summary(layout: Layout) -> dict[str, Any]:
     """The layout fields a reader compares (JSON-friendly)."""
-    keys = ("world_size", "ep_size", "pp_size", "pp_schedule", "micro_batch", "seq_len", "micro_batches",
-            "precision", "checkpointing", "shard_optimizer", "zero_stage", "reduce_dtype")  # fmt: skip
+    keys = (
+        "world_size",
+        "ep_size",
+        "pp_size",
+        "pp_schedule",
+        "micro_batch",
+        "seq_len",
+        "micro_batches",
+        "precision",
+        "checkpointing",
+        "shard_optimizer",
+        "zero_stage",
+        "reduce_dtype",
+    )
     return {k: getattr(layout, k) for k in keys}
 
 
@@ -116,13 +145,22 @@ def scaling(inputs: PlanInputs, base_nodes: int, node_counts: list[int]) -> list
         m = inputs.global_batch // (base_layout.micro_batch * dp)
         strong_eff = None
         if m >= 1:
-            strong = step_time(inputs.config, base_layout.replace(world_size=w, micro_batches=m), inputs.machine,
-                               inputs.global_batch)  # fmt: skip
+            strong = step_time(
+                inputs.config,
+                base_layout.replace(world_size=w, micro_batches=m),
+                inputs.machine,
+                inputs.global_batch,
+            )
             strong_eff = base.step_time_s / strong.step_time_s / ratio
-        rows.append({
-            "nodes": n, "ranks": w, "weak_efficiency": (weak.tokens_per_s / w) / (base.tokens_per_s / base_layout.world_size),
-            "weak_tokens_per_s": weak.tokens_per_s, "strong_efficiency": strong_eff,
-        })  # fmt: skip
+        rows.append(
+            {
+                "nodes": n,
+                "ranks": w,
+                "weak_efficiency": (weak.tokens_per_s / w) / (base.tokens_per_s / base_layout.world_size),
+                "weak_tokens_per_s": weak.tokens_per_s,
+                "strong_efficiency": strong_eff,
+            }
+        )
     return rows
 
 
@@ -133,8 +171,11 @@ def _gb(x: float) -> str:
 def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     """The human-readable plan."""
     lay, per = inputs.layout, result["per_rank_bytes"]
-    opt = (f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype})" if lay.shard_optimizer
-           else "replicated AdamW")  # fmt: skip
+    opt = (
+        f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype})"
+        if lay.shard_optimizer
+        else "replicated AdamW"
+    )
     lines = [
         f"mula plan: {inputs.config.name}, {lay.world_size} ranks ({inputs.device_note}): E={lay.ep_size}, "
         f"P={lay.pp_size} ({lay.pp_schedule}), micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
@@ -150,7 +191,7 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
         lines.append(f"  {key:<12}{_gb(per[key])}{note}")
     total, dev = per["total"], result["device_bytes"]
     verdict = "fits" if result["fits"] else "does NOT fit"
-    margin = (f"{(dev - total) / GB:.2f} GB free" if result["fits"] else f"{(total - dev) / GB:.2f} GB over")  # fmt: skip
+    margin = f"{(dev - total) / GB:.2f} GB free" if result["fits"] else f"{(total - dev) / GB:.2f} GB over"
     lines.append(f"  {'total':<12}{_gb(total)} of {dev / GB:.2f} GB: {verdict}, {margin}")
     if result["host_bytes"]:
         lines.append(f"  host (offloaded optimizer state): {_gb(result['host_bytes'])}")
@@ -195,8 +236,13 @@ def memory_check_message(plan: MemoryPlan, device_bytes: int, device_note: str, 
     )
 
 
-def check_fit_memory(trainer: dict[str, Any], model: dict[str, Any], data: dict[str, Any], world_size: int,
-                     device_memory_gb: float | None) -> None:  # fmt: skip
+def check_fit_memory(
+    trainer: dict[str, Any],
+    model: dict[str, Any],
+    data: dict[str, Any],
+    world_size: int,
+    device_memory_gb: float | None,
+) -> None:
     """The start-of-run check of `mula fit`: raise ValueError (exit 2) when the plan exceeds the device."""
     inputs = plan_inputs(trainer, model, data, world_size=world_size)
     if device_memory_gb is not None:

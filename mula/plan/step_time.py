@@ -120,14 +120,15 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     # per-stage parameters: the largest stage's dense and local expert elements
     dense, expert = _stage_elements(config, layout, stages)
     dp, edp = layout.dp_size, layout.edp_size
-    bw_dense = intra if dp <= node else inter
-    bw_expert = intra if dp <= node else inter  # EDP ranks are E apart: off-node once the stage spans nodes
+    # a stage's ranks fill whole nodes before spanning more; EDP ranks are E apart, so both groups
+    # leave the node once the stage does
+    bw = intra if dp <= node else inter
     rb = layout.reduce_bytes if layout.shard_optimizer else layout.param_bytes
-    reduce = _ring_s(dense, rb, dp, bw_dense) + _ring_s(expert, rb, edp, bw_expert)
-    gather = _ring_s(dense, layout.param_bytes, dp, bw_dense) + _ring_s(
-        expert, layout.param_bytes, edp, bw_expert
-    )
-    if not layout.shard_optimizer:  # all-reduce = reduce-scatter + all-gather, all exposed after backward
+    reduce = _ring_s(dense, rb, dp, bw) + _ring_s(expert, rb, edp, bw)
+    gather = _ring_s(dense, layout.param_bytes, dp, bw) + _ring_s(expert, layout.param_bytes, edp, bw)
+    if (
+        not layout.shard_optimizer
+    ):  # an all-reduce moves both volumes, overlapping backward like a reduce-scatter
         reduce, gather = reduce + gather, 0.0
     m = max(1, layout.micro_batches)
     backward = compute * 2 / 3 / m  # one micro-batch's backward, which a reduce-scatter overlaps
