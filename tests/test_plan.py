@@ -76,6 +76,15 @@ def test_plan_reads_recipes_like_fit() -> None:
     assert (lay.world_size, lay.ep_size, lay.edp_size, lay.micro_batches) == (16, 4, 4, 2)
     assert (lay.zero_stage, lay.reduce_bytes, lay.param_bytes, lay.shard_optimizer) == (2, 2, 2, True)
     assert lay.collectives == "rooted" and lay.checkpointing == ["moe", "attention"]
+    # pipeline settings (issue 12's XPUMoEStrategy arguments) are read when a strategy has them
+    piped = {**trainer, "strategy": {"class_path": "strategies.XPUMoEStrategy", "init_args": {
+        "expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
+        "pipeline_stage_layers": [1, 3],
+    }}}  # fmt: skip
+    lay = plan_inputs(piped, model, {"micro_batch_size": 2, "seq_len": 64, "global_batch_size": 64}).layout
+    assert (lay.pp_size, lay.pp_schedule, lay.pp_stage_layers, lay.dp_size, lay.micro_batches) == (
+        2, "gpipe", [1, 3], 8, 4,
+    )  # fmt: skip
     ddp = plan_inputs({"devices": 2, "strategy": "ddp"}, {"config": "mula-tiny-dense"}, {})
     assert not ddp.layout.shard_optimizer and ddp.layout.world_size == 2
 
