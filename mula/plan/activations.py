@@ -11,10 +11,11 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   (4*b*q + 4*heads; the output projection reads SDPA's output in place);
 * router: logits and probabilities in fp32, z-loss log-sum-exp, top-k indices: 8E + 4 + 8K;
 * experts, per routed row: input, gate and up (b*(h + 2I)); the combine keeps the expert outputs
-  (b*h) and, under expert parallelism, the all-to-all dispatcher's index tensors (on CPU also the
-  received rows before padding); on CPU the
-  bucketed padded layout (`mula.kernels.padded`) keeps combine weights per row instead and gathered
-  copies of the local expert weights (3*h*I*E_local elements);
+  (b*h) and weights; under expert parallelism also the all-to-all dispatcher's index tensors (and on
+  CPU the received rows before padding). On CPU without expert parallelism the bucketed padded
+  layout (`mula.kernels.padded`) carries the combine weights per row instead; on CPU the layout
+  also keeps gathered copies of the local expert weights (3*h*I*E_local elements). Routing is
+  assumed balanced: every rank's experts receive tokens * K rows;
 * dense MLP: gate, silu(gate), up and their product (4*b*I);
 * mixed precision (fp32 weights, 16-bit autocast): every matmul keeps its own 16-bit copy of its input
   (q, k and v three) and of its weight, outside recomputed parts;

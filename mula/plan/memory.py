@@ -15,7 +15,7 @@ largest total (stage 0 keeps the most micro-batches in flight, the last one hold
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from mula.config import MulaConfig
 from mula.flat_buffers import ParamEntry, plan_buckets
@@ -55,10 +55,6 @@ class MemoryPlan:
     def per_rank_bytes(self) -> dict[str, int]:
         """The components and their total, as `mula plan --format json` prints them."""
         return {**{c: getattr(self, c) for c in COMPONENTS}, "total": self.total}
-
-    def as_dict(self) -> dict[str, int]:
-        """Every field and the total."""
-        return {**asdict(self), "total": self.total}
 
 
 def stage_layers(num_layers: int, layout: Layout) -> list[range]:
@@ -151,6 +147,8 @@ def _stage_state(
         tuple(layout.no_decay), *(getattr(layout, f) for f in _STATE_FIELDS),
     )  # fmt: skip
     if key not in _STATE_CACHE:
+        if len(_STATE_CACHE) > 4096:  # bounded: a search visits a few hundred stages
+            _STATE_CACHE.clear()
         params = model_parameters(config, tuple(layout.no_decay))
         _STATE_CACHE[key] = _state_bytes(stage_params(params, layers, first, last), layout)
     return _STATE_CACHE[key]
