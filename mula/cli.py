@@ -146,6 +146,33 @@ class MulaCLI(LightningCLI):
             help="When every checkpoint of the run directory is invalid, train from step 0 instead of"
             " stopping (exit 2). A valid checkpoint is still resumed from.",
         )
+        self._add_plan_subcommand(parser)
+
+    def _add_plan_subcommand(self, parser: LightningArgumentParser) -> None:
+        """`mula plan`: the trainer/model/data options of `mula fit` plus the planner's, and the start-of-run
+        memory check's options on `mula fit` (`mula.plan.command`)."""
+        from mula.plan.command import add_plan_arguments, run_plan
+
+        plan = self.init_parser(description=_summary(run_plan))
+        self._add_arguments(plan)
+        add_plan_arguments(plan)
+        self._subcommand_parsers["plan"] = plan
+        self._tool_fns["plan"] = run_plan
+        parser._subcommands_action.add_subcommand("plan", plan, help="Predict per-rank memory and step time.")
+        fit = self._subcommand_parsers["fit"]
+        fit.add_argument(
+            "--memory_check",
+            type=bool,
+            default=True,
+            help="Stop (exit 2) before allocating anything when `mula plan` predicts more bytes per rank than"
+            " the device has (on CPU: host RAM over the local ranks); false starts anyway.",
+        )
+        fit.add_argument(
+            "--device_memory_gb",
+            type=float | None,
+            default=None,
+            help="Device memory for the start-of-run check, in GB (default: the device's own).",
+        )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Every logger writes into the run directory: its save_dir follows trainer.default_root_dir.
@@ -222,12 +249,27 @@ class MulaCLI(LightningCLI):
         none is valid, it stops (exit 2) unless `--restart_from_scratch=true` (docs/resilience.md).
         """
         self._check_model_inputs()
+        self._check_memory()
         lock_run_dir_before_launch(self.trainer)
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") is None:
             path = auto_resume_ckpt_path(self.trainer, bool(config.get("restart_from_scratch")))
             if path is not None:
                 self.trainer.ckpt_path = path
+
+    def _check_memory(self) -> None:
+        """Stop before any allocation when the predicted per-rank bytes exceed the device (`--memory_check`)."""
+        config = self.config[self.subcommand]
+        if not config.get("memory_check", True):
+            return
+        from mula.plan.command import check_fit_memory
+
+        sections = {
+            k: config[k].as_dict() if config.get(k) is not None else {} for k in ("trainer", "model", "data")
+        }
+        check_fit_memory(
+            **sections, world_size=self.trainer.world_size, device_memory_gb=config.get("device_memory_gb")
+        )
 
     def before_validate(self) -> None:
         """Check that the data fits the model before validating."""

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mula.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
 from mula.moe import is_expert_param
-from strategies.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
 from strategies.topology import ExpertParallelTopology
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from strategies.flat_buffers import ParamEntry, Segment
+from mula.flat_buffers import ParamEntry, Segment
 
 if TYPE_CHECKING:
     from strategies.sharded_optimizer import EPShardedAdamW

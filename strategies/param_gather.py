@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from strategies.flat_buffers import Bucket
+from mula.flat_buffers import Bucket
 from strategies.grad_reduce import ReduceState
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).

@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mula.flat_buffers import ParamEntry, Segment, padding_bound
 from strategies import optim_state
 from strategies.adamw import adamw_update
-from strategies.flat_buffers import ParamEntry, Segment, padding_bound
 from strategies.grad_reduce import GradReducer, param_entry
 from strategies.param_gather import ParamGather
 from strategies.sharding_options import ShardingOptions

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from dist_helpers import run_distributed
 from torch import nn
 
+from mula.flat_buffers import ParamEntry, plan_buckets
 from mula.moe import is_expert_param
-from strategies.flat_buffers import ParamEntry, plan_buckets
 from strategies.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 

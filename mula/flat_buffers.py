@@ -9,7 +9,9 @@ all-gather produce and consume without copies. Padding elements carry zero gradi
 zero and never count towards norms.
 
 Everything here is pure bookkeeping (no tensors, no communication) so it can be tested and reused
-for checkpoint metadata: every rank can compute every other rank's shard ranges.
+for checkpoint metadata (every rank can compute every other rank's shard ranges) and by the memory
+planner (`mula.plan`), which predicts the optimizer's buffers from the same layout. It lives in
+`mula` rather than `strategies` for that reason: `mula` never imports `strategies`.
 """
 
 from __future__ import annotations

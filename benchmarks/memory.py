@@ -1,0 +1,264 @@
+"""Per-rank memory, measured next to the planner's prediction (`mula.plan`), and the planner's breakdown
+for the paper presets.
+
+Part 1 (measured): the tiny MoE (recipes' `mula-tiny-moe`, micro-batch 8 x 256 tokens per rank) on
+4 gloo CPU ranks (1 thread each, expert-parallel size --ep), in one launch, for fp32 weights with
+ZeRO-1 and bf16-true weights with ZeRO-2 (bf16 gradient reduction), each under every activation-
+checkpointing level. Each rank builds the model as `XPUMoEStrategy` does, runs one training micro-batch
+and reads its bytes with the functions `MemoryMetrics` and `MoEMetrics` log (`mem/param_bytes`,
+`mem/grad_bytes`, `mem/activation_bytes`, `optim/state_bytes`); the table shows the largest rank.
+
+Part 2 (planned): the five paper presets at their recipe layouts on Aurora (`mula plan` on the recipe
+files, 32 nodes = 384 tiles), and at the layouts Optimus used (20B: E=12; 100B: E=12, P=4, MoE recomputed,
+micro-batch 4; 220B: E=12, P=8, everything recomputed, micro-batch 8) through the Python API.
+
+    python benchmarks/memory.py            # both parts (part 1: about a minute on 2 cores)
+    python benchmarks/memory.py --skip_measured
+
+Benchmarks print tables and never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mula import MulaConfig
+from mula.plan import Layout, plan_memory
+from mula.plan.command import scaling
+from mula.plan.machines import load_machine
+from mula.plan.settings import PlanInputs
+from mula.plan.step_time import step_time
+
+ROOT = Path(__file__).resolve().parents[1]
+LEVELS: list[Any] = ["none", ["norms"], ["attention"], ["moe"], ["moe", "attention"], "full"]
+SETUPS = {"fp32 / ZeRO-1": ("32-true", 1, "fp32"), "bf16-true / ZeRO-2": ("bf16-true", 2, "bf16")}
+WORLD, MICRO, SEQ = 4, 8, 256
+MB, GB = 2**20, 1e9
+
+
+def _worker(rank: int, port: int, ep: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from callbacks.memory_metrics import SavedTensorMeter, grad_bytes, param_bytes
+    from mula.module import MulaLightningModule
+    from strategies.expert_parallel import apply_expert_parallel
+    from strategies.sharded_optimizer import EPShardedAdamW
+    from strategies.topology import build_topology
+
+    rows = {}
+    topo = build_topology(ep)
+    for setup, (precision, zero, reduce) in SETUPS.items():
+        for level in LEVELS:
+            torch.manual_seed(0)
+            module = MulaLightningModule("mula-tiny-moe", decay_steps=10, activation_checkpointing=level)
+            module.configure_model()
+            apply_expert_parallel(module, topo)
+            if precision == "bf16-true":
+                module.to(torch.bfloat16)
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            dtype = torch.bfloat16 if reduce == "bf16" else torch.float32
+            opt = EPShardedAdamW.from_adamw(
+                module.configure_optimizers()["optimizer"], named, topo, zero_stage=zero, reduce_dtype=dtype
+            )
+            gen = torch.Generator().manual_seed(rank)
+            batch = torch.randint(0, module.config.vocab_size, (MICRO, SEQ + 1), generator=gen)
+            with SavedTensorMeter(exclude=module.parameters()) as meter:
+                loss = module._losses(batch)[0]
+            loss.backward()
+            opt.reduce_gradients()
+            rows[f"{setup}|{json.dumps(level)}"] = {
+                "params": param_bytes(module), "grads": grad_bytes(module, opt),
+                "optimizer": opt.state_bytes(), "activations": meter.bytes,
+            }  # fmt: skip
+            opt.close()
+    torch.save(rows, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def measured_table(ep: int) -> str:
+    """Part 1: measured (largest rank) vs planned bytes per component."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(port, ep, d), nprocs=WORLD, join=True, start_method="spawn")
+        ranks = [torch.load(Path(d) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    config = MulaConfig.from_name("mula-tiny-moe")
+    lines = [
+        f"tiny MoE, {WORLD} CPU ranks, E={ep}, micro-batch {MICRO} x {SEQ}: per-rank MB, measured (largest rank) / planned",
+        "",
+        "| setup | checkpointing | params | grads | optimizer state | activations |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in ranks[0]:
+        setup, level = key.split("|")
+        precision, zero, reduce = SETUPS[setup]
+        layout = Layout(
+            world_size=WORLD, ep_size=ep, micro_batch=MICRO, seq_len=SEQ, precision=precision,
+            checkpointing=json.loads(level), shard_optimizer=True, zero_stage=zero, reduce_dtype=reduce,
+            collectives="rooted",
+        )  # fmt: skip
+        plan = plan_memory(config, layout)
+        predicted = {"params": plan.param_tensor_bytes, "grads": plan.grads, "optimizer": plan.optimizer,
+                     "activations": plan.activations}  # fmt: skip
+        cells = [
+            f"{max(r[key][c] for r in ranks) / MB:.2f} / {predicted[c] / MB:.2f}"
+            for c in ("params", "grads", "optimizer", "activations")
+        ]
+        lines.append(f"| {setup} | {level} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plan_recipe(args: list[str]) -> dict[str, Any]:
+    """`mula plan ... --format json` in this process."""
+    from mula.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["mula"]):
+        main(["plan", *args, "--format=json"])
+    return json.loads(out.getvalue())
+
+
+def _row(
+    name: str, layout: str, per: dict[str, int], fits: bool, step: float | None, mfu: float | None
+) -> str:
+    cells = " | ".join(
+        f"{per[c] / GB:.1f}" for c in ("params", "grads", "optimizer", "activations", "buffers", "total")
+    )
+    timing = "" if step is None else f"{step:.2f} | {100 * mfu:.1f}"
+    return f"| {name} | {layout} | {cells} | {'yes' if fits else 'no'} | {timing} |"
+
+
+HEADER = [
+    "| model | layout | params | grads | optimizer | activations | buffers | total GB | fits 64 GB | step s | MFU % |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+RECIPES = {
+    "mula-1b": ["recipes/strategies/ddp.yaml"],
+    "mula-7b-a1b": [
+        "recipes/strategies/aurora-xpu-moe.yaml",
+        "--trainer.strategy.init_args.expert_parallel_size=4",
+    ],
+    "mula-20b-a2b": ["recipes/strategies/aurora-xpu-moe.yaml"],
+    "mula-100b-a7b": ["recipes/strategies/aurora-xpu-moe.yaml"],
+    "mula-220b-a10b": ["recipes/strategies/aurora-xpu-moe.yaml"],
+}
+
+
+def recipe_table(nodes: int) -> str:
+    """Part 2a: each paper recipe with its strategy file, as `mula plan` reads them."""
+    lines = [
+        f"paper recipes on {nodes} Aurora nodes ({12 * nodes} tiles), `mula plan --machine aurora --nodes {nodes}`",
+        "",
+        *HEADER,
+    ]
+    for name, extra in RECIPES.items():
+        strategy = [a if a.startswith("--") else str(ROOT / a) for a in extra]
+        args = [
+            "-c",
+            str(ROOT / f"recipes/{name}.yaml"),
+            "-c",
+            *strategy,
+            "--machine=aurora",
+            f"--nodes={nodes}",
+        ]
+        r = _plan_recipe(args)
+        lay = r["layout"]
+        desc = f"E={lay['ep_size']}, {lay['precision']}, mb {lay['micro_batch']}, ckpt {lay['checkpointing']}"
+        lines.append(_row(name, desc, r["per_rank_bytes"], r["fits"], r["step_time_s"], r["mfu"]))
+    return "\n".join(lines)
+
+
+# Optimus' layouts (the paper): E inside a node, P stages of one node each, selective recomputation
+OPTIMUS = {
+    "mula-20b-a2b": {"ep_size": 12},
+    "mula-100b-a7b": {"ep_size": 12, "pp_size": 4, "checkpointing": ["moe"], "micro_batch": 4},
+    "mula-220b-a10b": {"ep_size": 12, "pp_size": 8, "checkpointing": "full", "micro_batch": 8},
+}
+
+
+def optimus_layout(name: str, nodes: int) -> Layout:
+    """The Optimus layout of `name` on `nodes` Aurora nodes (bf16 weights, sharded optimizer, ZeRO-1)."""
+    spec = {"micro_batch": 1, "checkpointing": "none", **OPTIMUS[name]}
+    world = 12 * nodes
+    dp = world // spec.get("pp_size", 1)
+    return Layout(
+        world_size=world, seq_len=2048, micro_batches=max(1, 3072 // (spec["micro_batch"] * dp)),
+        precision="bf16-true", device_type="xpu", shard_optimizer=True, **spec,
+    )  # fmt: skip
+
+
+def optimus_table(nodes: int) -> str:
+    """Part 2b: the paper's layouts through the Python API (pipeline settings are not recipe keys yet)."""
+    machine = load_machine("aurora")
+    lines = [
+        f"Optimus' layouts on {nodes} Aurora nodes ({12 * nodes} tiles), Python API (`benchmarks/memory.py`)",
+        "",
+        *HEADER,
+    ]
+    for name in OPTIMUS:
+        config, layout = MulaConfig.from_name(name), optimus_layout(name, nodes)
+        plan, time = plan_memory(config, layout), step_time(config, layout, machine, 3072)
+        desc = f"E={layout.ep_size}, P={layout.pp_size}, mb {layout.micro_batch}, ckpt {layout.checkpointing}"
+        fits = plan.total <= machine.device_bytes
+        lines.append(_row(name, desc, plan.per_rank_bytes(), fits, time.step_time_s, time.mfu))
+    return "\n".join(lines)
+
+
+def scaling_table(base_nodes: int, node_counts: list[int]) -> str:
+    """Part 3: Mula-220B-A10B at Optimus' layout, weak and strong scaling from `base_nodes`."""
+    machine = load_machine("aurora")
+    config = MulaConfig.from_name("mula-220b-a10b")
+    inputs = PlanInputs(
+        config, optimus_layout("mula-220b-a10b", base_nodes), 3072, machine.device_bytes, "", machine
+    )
+    lines = [
+        f"Mula-220B-A10B, Optimus' layout, scaling from {base_nodes} nodes ({12 * base_nodes} tiles); "
+        "weak: global batch 3072 sequences at the base, growing with the tiles; strong: 3072 fixed",
+        "",
+        "| nodes | tiles | weak efficiency | weak tokens/s | strong efficiency |",
+        "|---|---|---|---|---|",
+    ]
+    for row in scaling(inputs, base_nodes, node_counts):
+        strong = (
+            "n/a (batch < one micro-batch per rank)"
+            if row["strong_efficiency"] is None
+            else f"{100 * row['strong_efficiency']:.1f} %"
+        )
+        lines.append(
+            f"| {row['nodes']} | {row['ranks']} | {100 * row['weak_efficiency']:.1f} % | {row['weak_tokens_per_s']:,.0f} | {strong} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the measured runs")
+    parser.add_argument("--nodes", type=int, default=32, help="Aurora nodes for the paper presets")
+    parser.add_argument("--skip_measured", action="store_true", help="only the planned tables")
+    args = parser.parse_args()
+    if not args.skip_measured:
+        print(measured_table(args.ep), end="\n\n")
+    print(recipe_table(args.nodes), end="\n\n")
+    print(optimus_table(args.nodes), end="\n\n")
+    print(scaling_table(args.nodes, [32, 64, 128, 256, 512, 1024]))
+
+
+if __name__ == "__main__":
+    main()

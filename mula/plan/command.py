@@ -1,0 +1,253 @@
+"""`mula plan` and the start-of-run memory check of `mula fit`: read a parsed recipe, plan, print.
+
+    mula plan -c recipes/mula-220b-a10b.yaml -c recipes/strategies/aurora-xpu-moe.yaml \
+        --machine aurora --nodes 1024 [--format json] [--search] [--scaling_nodes '[32, 1024]']
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from jsonargparse import ActionYesNo
+
+from mula.plan.layout import Layout
+from mula.plan.machines import load_machine
+from mula.plan.memory import MemoryPlan, plan_memory
+from mula.plan.settings import PlanInputs, plan_inputs
+from mula.plan.step_time import step_time
+
+GB = 1e9
+
+
+def add_plan_arguments(parser: Any) -> None:
+    """The options `mula plan` adds to the trainer/model/data options of `mula fit`."""
+    parser.add_argument(
+        "--machine",
+        type=str | None,
+        default=None,
+        help="Plan for this machine (recipes/machines/<name>.yaml: aurora, h100, or a path); "
+        "default: the recipe's trainer settings on the machine running the command.",
+    )
+    parser.add_argument(
+        "--nodes", type=int | None, default=None, help="Nodes of --machine (default: trainer.num_nodes)."
+    )
+    parser.add_argument("--format", type=Literal["text", "json"], default="text", help="text or json.")
+    parser.add_argument(
+        "--search",
+        action=ActionYesNo,
+        default=False,
+        help="List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) that fit, fastest first.",
+    )
+    parser.add_argument(
+        "--scaling_nodes",
+        type=list[int] | None,
+        default=None,
+        help="Also print weak and strong scaling efficiency from --nodes to each of these node counts.",
+    )
+    parser.add_argument(
+        "--device_memory_gb",
+        type=float | None,
+        default=None,
+        help="Device memory to plan against, in GB (default: the machine's or this device's).",
+    )
+
+
+def run_plan(
+    trainer: dict[str, Any],
+    model: dict[str, Any],
+    data: dict[str, Any],
+    machine: str | None = None,
+    nodes: int | None = None,
+    format: str = "text",
+    search: bool = False,
+    scaling_nodes: list[int] | None = None,
+    device_memory_gb: float | None = None,
+    **_unused: Any,
+) -> dict[str, Any]:
+    """Plan the parsed recipe, print the result (text or JSON) and return it as a dict."""
+    inputs = plan_inputs(
+        trainer, model, data, machine=load_machine(machine) if machine else None, nodes=nodes
+    )
+    if device_memory_gb is not None:
+        inputs.device_bytes, inputs.device_note = int(device_memory_gb * GB), "--device_memory_gb"
+    result = plan_result(inputs)
+    if scaling_nodes:
+        result["scaling"] = scaling(inputs, nodes or int(trainer.get("num_nodes") or 1), scaling_nodes)
+    if search:
+        from mula.plan.search import search_layouts
+
+        result["search"] = search_layouts(inputs)
+    print(json.dumps(result, indent=2) if format == "json" else format_text(inputs, result))
+    return result
+
+
+def plan_result(inputs: PlanInputs) -> dict[str, Any]:
+    """The plan of `inputs` as the JSON object `mula plan --format json` prints."""
+    mem = plan_memory(inputs.config, inputs.layout)
+    time = (
+        step_time(inputs.config, inputs.layout, inputs.machine, inputs.global_batch)
+        if inputs.machine
+        else None
+    )
+    return {
+        "model": inputs.config.name,
+        "layout": layout_summary(inputs.layout),
+        "per_rank_bytes": mem.per_rank_bytes(),
+        "param_tensor_bytes": mem.param_tensor_bytes,
+        "host_bytes": mem.host_bytes,
+        "stage": mem.stage,
+        "activation_micro_batches": mem.activation_micro_batches,
+        "device_bytes": inputs.device_bytes,
+        "device": inputs.device_note,
+        "fits": mem.total <= inputs.device_bytes,
+        "step_time_s": time.step_time_s if time else None,
+        "tokens_per_s": time.tokens_per_s if time else None,
+        "mfu": time.mfu if time else None,
+        "step_time_parts_s": time.as_dict() if time else None,
+    }
+
+
+def layout_summary(layout: Layout) -> dict[str, Any]:
+    """The layout fields a reader compares (JSON-friendly)."""
+    keys = (
+        "world_size",
+        "ep_size",
+        "pp_size",
+        "pp_schedule",
+        "micro_batch",
+        "seq_len",
+        "micro_batches",
+        "precision",
+        "checkpointing",
+        "shard_optimizer",
+        "zero_stage",
+        "reduce_dtype",
+    )
+    return {k: getattr(layout, k) for k in keys}
+
+
+def scaling(inputs: PlanInputs, base_nodes: int, node_counts: list[int]) -> list[dict[str, Any]]:
+    """Weak (global batch grows with the ranks) and strong (fixed global batch) scaling efficiency from
+    `base_nodes` to each of `node_counts`, for the recipe's layout on its machine."""
+    if inputs.machine is None:
+        raise ValueError("--scaling_nodes needs --machine (bandwidths and peak FLOP/s come from it).")
+    per_node = inputs.machine.tiles_per_node
+    base_layout = inputs.layout.replace(world_size=base_nodes * per_node)
+    base = step_time(inputs.config, base_layout, inputs.machine, inputs.global_batch)
+    rows = []
+    for n in node_counts:
+        w = n * per_node
+        ratio = w / base_layout.world_size
+        weak_batch = int(inputs.global_batch * ratio)
+        weak = step_time(inputs.config, base_layout.replace(world_size=w), inputs.machine, weak_batch)
+        dp = w // base_layout.pp_size
+        m = inputs.global_batch // (base_layout.micro_batch * dp)
+        strong_eff = None
+        if m >= 1:
+            strong = step_time(
+                inputs.config,
+                base_layout.replace(world_size=w, micro_batches=m),
+                inputs.machine,
+                inputs.global_batch,
+            )
+            strong_eff = base.step_time_s / strong.step_time_s / ratio
+        rows.append(
+            {
+                "nodes": n,
+                "ranks": w,
+                "weak_efficiency": (weak.tokens_per_s / w) / (base.tokens_per_s / base_layout.world_size),
+                "weak_tokens_per_s": weak.tokens_per_s,
+                "strong_efficiency": strong_eff,
+            }
+        )
+    return rows
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.2f} GB"
+
+
+def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
+    """The human-readable plan."""
+    lay, per = inputs.layout, result["per_rank_bytes"]
+    opt = (
+        f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype})"
+        if lay.shard_optimizer
+        else "replicated AdamW"
+    )
+    lines = [
+        f"mula plan: {inputs.config.name}, {lay.world_size} ranks ({inputs.device_note}): E={lay.ep_size}, "
+        f"P={lay.pp_size} ({lay.pp_schedule}), micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
+        f"{lay.micro_batches} micro-batch(es) per step, {lay.precision}, checkpointing {lay.checkpointing}, {opt}",
+        f"per rank (pipeline stage {result['stage']}):",
+    ]
+    for key in ("params", "grads", "optimizer", "activations", "buffers"):
+        note = (
+            f"  ({result['activation_micro_batches']} micro-batch(es) in flight)"
+            if key == "activations"
+            else ""
+        )
+        lines.append(f"  {key:<12}{_gb(per[key])}{note}")
+    total, dev = per["total"], result["device_bytes"]
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    margin = f"{(dev - total) / GB:.2f} GB free" if result["fits"] else f"{(total - dev) / GB:.2f} GB over"
+    lines.append(f"  {'total':<12}{_gb(total)} of {dev / GB:.2f} GB: {verdict}, {margin}")
+    if result["host_bytes"]:
+        lines.append(f"  host (offloaded optimizer state): {_gb(result['host_bytes'])}")
+    if result["step_time_s"] is not None:
+        parts = result["step_time_parts_s"]
+        lines.append(
+            f"step time {result['step_time_s']:.3f} s (compute {parts['compute_s']:.3f}, all-to-all "
+            f"{parts['all_to_all_s']:.3f}, grad sync {parts['grad_sync_s']:.3f}, param gather "
+            f"{parts['param_gather_s']:.3f}, pipeline {parts['pipeline_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
+            f"MFU {100 * result['mfu']:.1f} %"
+        )
+    else:
+        lines.append("step time: give --machine (peak FLOP/s and bandwidths come from a machine file)")
+    for row in result.get("scaling", []):
+        strong = "n/a" if row["strong_efficiency"] is None else f"{100 * row['strong_efficiency']:.1f} %"
+        lines.append(
+            f"scaling to {row['nodes']} nodes ({row['ranks']} ranks): weak {100 * row['weak_efficiency']:.1f} %, strong {strong}"
+        )
+    for row in result.get("search", []):
+        lines.append("fits: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return "\n".join(lines)
+
+
+def memory_check_message(plan: MemoryPlan, device_bytes: int, device_note: str, layout: Layout) -> str | None:
+    """One sentence when the plan does not fit the device (None when it fits)."""
+    if plan.total <= device_bytes:
+        return None
+    parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in plan.per_rank_bytes().items() if k != "total")
+    tries = []
+    if layout.precision not in ("bf16-true", "16-true"):
+        tries.append("trainer.precision=bf16-true with the sharded optimizer")
+    if layout.checkpointing != "full":
+        tries.append("--model.activation_checkpointing=full (or [moe, attention])")
+    if layout.micro_batch > 1:
+        tries.append("a smaller data.micro_batch_size")
+    if layout.shard_optimizer and layout.zero_stage == 1:
+        tries.append("optimizer_options.zero_stage=2")
+    tries.append("more ranks or expert parallelism (`mula plan --search` lists layouts that fit)")
+    return (
+        f"predicted {plan.total / GB:.1f} GB per rank on a {device_bytes / GB:.1f} GB device ({device_note}; {parts} GB "
+        f"of params, grads, optimizer, activations, buffers): try {'; '.join(tries)}; or --memory_check=false to start anyway."
+    )
+
+
+def check_fit_memory(
+    trainer: dict[str, Any],
+    model: dict[str, Any],
+    data: dict[str, Any],
+    world_size: int,
+    device_memory_gb: float | None,
+) -> None:
+    """The start-of-run check of `mula fit`: raise ValueError (exit 2) when the plan exceeds the device."""
+    inputs = plan_inputs(trainer, model, data, world_size=world_size)
+    if device_memory_gb is not None:
+        inputs.device_bytes, inputs.device_note = int(device_memory_gb * GB), "--device_memory_gb"
+    plan = plan_memory(inputs.config, inputs.layout)
+    message = memory_check_message(plan, inputs.device_bytes, inputs.device_note, inputs.layout)
+    if message is not None:
+        raise ValueError(message)

@@ -1,0 +1,105 @@
+"""What the memory planner needs to know about a run besides the model: ranks, parallel sizes,
+micro-batch, precision, checkpointing and the sharded optimizer's options.
+
+`Layout` is plain data (no torch objects); `mula.plan.settings` builds one from a parsed `mula fit`
+configuration, tests and `--search` build them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+# trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
+# residual stream and runs the matmuls in 16 bits under autocast.
+PRECISIONS = {
+    "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8),
+    "bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2),
+    "bf16": (4, 2), "16": (4, 2), "64": (8, 8),
+}  # fmt: skip
+
+
+@dataclass
+class Layout:
+    """One rank's view of a training layout.
+
+    world_size: W ranks; ep_size: E (expert-parallel group size, divides W / P and the experts);
+    pp_size: P pipeline stages (one node per stage in Optimus' rank order); pp_schedule and
+    pp_virtual_stages: the pipeline schedule; pp_stage_layers: layers per stage (None: even split).
+    micro_batch, seq_len: one micro-batch's sequences and tokens per sequence; micro_batches: per
+    optimizer step on each data-parallel rank (gradient accumulation, or the pipeline's micro-batches).
+    precision: Lightning's `trainer.precision` string. checkpointing: `model.activation_checkpointing`.
+    device_type: "cpu" or an accelerator ("cuda", "xpu"): some kernels save different tensors.
+    shard_optimizer: the EP-aware sharded AdamW (`strategies.XPUMoEStrategy`); False: torch AdamW with
+    replicated state (DDP, single device). The optimizer fields mirror `ShardingOptions`.
+    collectives: "native" (reduce-scatter/all-gather: NCCL/XCCL) or "rooted" (gloo on CPU).
+    """
+
+    world_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_stage_layers: list[int] | None = None
+    micro_batch: int = 1
+    seq_len: int = 2048
+    micro_batches: int = 1
+    precision: str = "32-true"
+    checkpointing: str | list[str] = "none"
+    device_type: str = "cpu"
+    shard_optimizer: bool = False
+    zero_stage: int = 1
+    reduce_dtype: str = "fp32"
+    bucket_numel: int = 2**24
+    align: int = 16
+    ep_aware: bool = True
+    offload: bool = False
+    overlap_param_gather: bool = False
+    collectives: str = "native"
+    no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Unknown precision {self.precision!r}; known: {', '.join(PRECISIONS)}.")
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {self.pp_schedule!r}.")
+        for name in ("world_size", "ep_size", "pp_size", "pp_virtual_stages", "micro_batch", "seq_len"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.world_size % self.pp_size or (self.world_size // self.pp_size) % self.ep_size:
+            raise ValueError(
+                f"{self.world_size} ranks cannot form {self.pp_size} pipeline stages of expert-parallel "
+                f"groups of {self.ep_size}: W must be a multiple of P * E."
+            )
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}.")
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one parameter element on the device."""
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one element of a matmul input or output (the autocast dtype under mixed precision)."""
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of one gradient-buffer element of the sharded optimizer (`reduce_dtype`)."""
+        return 2 if self.reduce_dtype in ("bf16", "bfloat16", "fp16", "float16") else 4
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks of one pipeline stage (W / P): the dense parameters' data-parallel group."""
+        return self.world_size // self.pp_size
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks holding the same experts (W / (P * E))."""
+        return self.dp_size // self.ep_size
+
+    def replace(self, **changes: object) -> Layout:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)

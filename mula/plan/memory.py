@@ -1,0 +1,184 @@
+"""Per-rank memory of a training layout: parameters, gradients, optimizer state, activations and
+buffers, predicted from the config and the layout alone (nothing is allocated).
+
+Parameters, gradients and optimizer state are exact: they are laid out with the sharded optimizer's
+own layout function (`mula.flat_buffers.plan_buckets`) over the parameters in its registration order
+(`mula.plan.parameters`), so the numbers equal what `EPShardedAdamW` allocates (and what
+`MemoryMetrics` / `MoEMetrics` log: `mem/param_bytes`, `mem/grad_bytes`, `optim/state_bytes`,
+`optim/param_bytes`). Activations come from `mula.plan.activations` (an estimate of the bytes saved
+for backward); buffers are the communication buffers and the largest transient of a step.
+
+With pipeline stages every stage is planned and the per-rank numbers are those of the stage with the
+largest total (stage 0 keeps the most micro-batches in flight, the last one holds the LM head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mula.config import MulaConfig
+from mula.flat_buffers import ParamEntry, plan_buckets
+from mula.plan.activations import activation_bytes, in_flight_micro_batches, transient_bytes
+from mula.plan.layout import Layout
+from mula.plan.parameters import ParamSpec, model_parameters
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted bytes on one rank (the fullest pipeline stage's).
+
+    params/grads/optimizer/activations/buffers: device bytes per component (`COMPONENTS`), `total`
+    their sum. param_tensor_bytes: the parameters themselves without the flat buffers' alignment
+    padding (`mem/param_bytes`); host_bytes: optimizer state kept in host memory (`offload`).
+    stage: the pipeline stage these numbers belong to; activation_micro_batches: micro-batches whose
+    activations that stage holds at its peak.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    param_tensor_bytes: int
+    host_bytes: int = 0
+    stage: int = 0
+    activation_micro_batches: int = 1
+
+    @property
+    def total(self) -> int:
+        """Device bytes per rank."""
+        return sum(getattr(self, c) for c in COMPONENTS)
+
+    def per_rank_bytes(self) -> dict[str, int]:
+        """The components and their total, as `mula plan --format json` prints them."""
+        return {**{c: getattr(self, c) for c in COMPONENTS}, "total": self.total}
+
+
+def stage_layers(num_layers: int, layout: Layout) -> list[range]:
+    """The blocks of each pipeline stage: `pp_stage_layers` if given, else an even split (earlier
+    stages take the remainder)."""
+    p = layout.pp_size
+    if layout.pp_stage_layers is not None:
+        counts = list(layout.pp_stage_layers)
+        if len(counts) != p or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(
+                f"pipeline_stage_layers {counts} must give each of the {p} stages at least one layer "
+                f"and sum to the model's {num_layers} layers."
+            )
+    else:
+        if num_layers < p:
+            raise ValueError(f"{num_layers} layers cannot fill {p} pipeline stages.")
+        counts = [num_layers // p + (1 if s < num_layers % p else 0) for s in range(p)]
+    starts = [sum(counts[:s]) for s in range(p)]
+    return [range(a, a + c) for a, c in zip(starts, counts)]
+
+
+def stage_params(params: Sequence[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
+    """Parameters a stage holds: its blocks, the embedding on the first, final norm and head on the last."""
+    out = []
+    for p in params:
+        if p.layer is not None:
+            keep = p.layer in layers
+        else:
+            keep = first if ".embed." in f".{p.name}." else last
+        if keep:
+            out.append(p)
+    return out
+
+
+def _entries(params: Sequence[ParamSpec], layout: Layout) -> list[ParamEntry]:
+    """The optimizer's layout entries on one rank (expert stacks sliced to num_experts / E)."""
+    dtype = {4: "torch.float32", 2: "torch.bfloat16", 8: "torch.float64"}[layout.param_bytes]
+    out = []
+    for i, p in enumerate(params):
+        shape = p.shape
+        if p.is_expert:
+            shape = (shape[0] // layout.ep_size, *shape[1:])
+        n = 1
+        for d in shape:
+            n *= d
+        domain = "expert" if p.is_expert else "dense"
+        out.append(ParamEntry(i, p.name, shape, n, dtype, p.group, domain, 0, n, shape))
+    return out
+
+
+def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int, int, int, int]:
+    """(params, param tensors, grads, optimizer, buffers) bytes of one rank holding `params`."""
+    entries = _entries(params, layout)
+    tensors = sum(e.numel for e in entries) * layout.param_bytes
+    if not layout.shard_optimizer:
+        # torch AdamW: every rank holds its parameters, a gradient each (or the all-reduce buckets,
+        # the same elements) and exp_avg + exp_avg_sq in the parameters' dtype
+        return tensors, tensors, tensors, 2 * tensors, 0
+    # the domains of strategies.grad_reduce.make_domains: dense sharded over the stage's ranks (over
+    # EDP when not EP-aware), experts over EDP
+    dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
+    buckets = plan_buckets(
+        entries, {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel, layout.align
+    )
+    full = sum(b.numel for b in buckets)
+    shard = sum(b.shard_numel for b in buckets)
+    params_alloc = full * layout.param_bytes  # strategies.param_gather: one flat buffer per bucket
+    grads = (shard + (full if layout.zero_stage == 1 else 0)) * layout.reduce_bytes
+    optimizer = 12 * shard  # fp32 master + exp_avg + exp_avg_sq of the owned shard
+    buffers = 0
+    if layout.collectives == "native" and (layout.param_bytes != 4 or layout.offload):
+        # the all-gather's send buffer in the parameters' dtype, for every bucket with peers
+        buffers += sum(b.shard_numel for b in buckets if b.group_size > 1) * layout.param_bytes
+    if layout.zero_stage == 2 and buckets:
+        # a full bucket lives while its reduce-scatter is in flight: one reducing, one filling
+        buffers += 2 * max(b.numel for b in buckets) * layout.reduce_bytes
+    return params_alloc, tensors, grads, optimizer, buffers
+
+
+_STATE_FIELDS = ("ep_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
+                 "align", "ep_aware", "shard_optimizer", "collectives", "offload")  # fmt: skip
+
+
+def _stage_state(
+    config: MulaConfig, layout: Layout, layers: range, first: bool, last: bool
+) -> tuple[int, int, int, int, int]:
+    """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
+    key = (
+        repr(config), layers.start, layers.stop, first, last,
+        tuple(layout.no_decay), *(getattr(layout, f) for f in _STATE_FIELDS),
+    )  # fmt: skip
+    if key not in _STATE_CACHE:
+        if len(_STATE_CACHE) > 4096:  # bounded: a search visits a few hundred stages
+            _STATE_CACHE.clear()
+        params = model_parameters(config, tuple(layout.no_decay))
+        _STATE_CACHE[key] = _state_bytes(stage_params(params, layers, first, last), layout)
+    return _STATE_CACHE[key]
+
+
+_STATE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
+def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
+    """Predicted per-rank bytes of training `config` with `layout` (the fullest pipeline stage)."""
+    if config.is_moe and config.num_experts % layout.ep_size:
+        raise ValueError(
+            f"The model has {config.num_experts} experts, which is not divisible by expert_parallel_size="
+            f"{layout.ep_size}."
+        )
+    if not config.is_moe and layout.ep_size > 1:
+        raise ValueError(f"expert_parallel_size={layout.ep_size} needs an MoE model; this one is dense.")
+    stages = stage_layers(config.num_layers, layout)
+    best: MemoryPlan | None = None
+    for s, layers in enumerate(stages):
+        first, last = s == 0, s == len(stages) - 1
+        p_alloc, tensors, grads, optimizer, buffers = _stage_state(config, layout, layers, first, last)
+        in_flight = in_flight_micro_batches(layout, s)
+        act = in_flight * activation_bytes(config, layout, layers, first=first, last=last)
+        buffers += transient_bytes(config, layout, last=last)
+        host = 0
+        if layout.offload:
+            host, optimizer = optimizer, 0
+        plan = MemoryPlan(p_alloc, grads, optimizer, act, buffers, tensors, host, s, in_flight)
+        if best is None or plan.total > best.total:
+            best = plan
+    assert best is not None
+    return best

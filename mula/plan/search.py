@@ -1,0 +1,74 @@
+"""`mula plan --search`: the layouts that fit the device, fastest first.
+
+Varies the expert-parallel size E (divisors of the experts up to one node), pipeline stages P (1, 2, 4,
+8), the micro-batch (1, 2, 4, 8), activation checkpointing (none, moe, moe+attention, full), the ZeRO
+stage (1, 2) and bf16 weights (bf16-true with fp32 masters in the sharded optimizer, or the recipe's
+precision) at the recipe's ranks, sequence length and global batch. Without a machine (no step-time
+model) the layouts are sorted by memory instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from mula.plan.layout import Layout
+from mula.plan.memory import plan_memory
+from mula.plan.settings import PlanInputs
+from mula.plan.step_time import step_time
+
+CHECKPOINTING: list[Any] = ["none", ["moe"], ["moe", "attention"], "full"]
+MICRO_BATCHES = (1, 2, 4, 8)
+PIPELINE = (1, 2, 4, 8)
+
+
+def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
+    """Every valid layout of the search space for `inputs`' model, ranks and batch."""
+    config, base = inputs.config, inputs.layout
+    node = inputs.machine.tiles_per_node if inputs.machine else base.world_size
+    eps = [e for e in range(1, node + 1) if config.num_experts % e == 0] if config.is_moe else [1]
+    bf16 = "bf16-mixed" if base.precision == "bf16-true" else base.precision
+    out = []
+    for e, p, mb, ckpt, zero, precision in itertools.product(
+        eps, PIPELINE, MICRO_BATCHES, CHECKPOINTING, (1, 2), ("bf16-true", bf16)
+    ):
+        if base.world_size % (p * e) or p > config.num_layers:
+            continue
+        dp = base.world_size // p
+        micro_batches = inputs.global_batch // (mb * dp)
+        if micro_batches < 1:
+            continue
+        out.append(
+            base.replace(
+                ep_size=e,
+                pp_size=p,
+                micro_batch=mb,
+                micro_batches=micro_batches,
+                checkpointing=ckpt,
+                zero_stage=zero,
+                precision=precision,
+                shard_optimizer=True,
+                pp_stage_layers=None,
+            )  # fmt: skip
+        )
+    return out
+
+
+def search_layouts(inputs: PlanInputs, limit: int = 15) -> list[dict[str, Any]]:
+    """The `limit` fastest layouts that fit (smallest first without a machine), as table rows."""
+    rows = []
+    for layout in candidate_layouts(inputs):
+        mem = plan_memory(inputs.config, layout)
+        if mem.total > inputs.device_bytes:
+            continue
+        time = (
+            step_time(inputs.config, layout, inputs.machine, inputs.global_batch) if inputs.machine else None
+        )
+        rows.append({
+            "E": layout.ep_size, "P": layout.pp_size, "micro_batch": layout.micro_batch,
+            "checkpointing": layout.checkpointing, "zero_stage": layout.zero_stage,
+            "bf16_weights": layout.precision == "bf16-true", "total_gb": round(mem.total / 1e9, 2),
+            "step_time_s": None if time is None else round(time.step_time_s, 3),
+        })  # fmt: skip
+    rows.sort(key=lambda r: (r["step_time_s"] or 0.0, r["total_gb"]))
+    return rows[:limit]

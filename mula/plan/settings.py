@@ -1,0 +1,143 @@
+"""From a parsed `mula fit` configuration (the `trainer`, `model` and `data` sections, as plain dicts) to
+the planner's inputs: the model config, the `Layout`, the global batch and the device's memory.
+
+`mula plan` and the start-of-run check of `mula fit` both go through `plan_inputs`, so they read a
+recipe the same way. Strategy settings are read from `trainer.strategy`'s init_args with
+`XPUMoEStrategy`'s defaults (pipeline settings included, when a strategy has them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mula.config import MulaConfig
+from mula.plan.layout import Layout
+from mula.plan.machines import Machine
+
+# XPUMoEStrategy's defaults for what the planner reads (strategies/xpu_moe.py, sharding_options.py)
+_MOE_DEFAULTS: dict[str, Any] = {
+    "expert_parallel_size": 1, "shard_optimizer": True, "pipeline_parallel_size": 1,
+    "pipeline_schedule": "1f1b", "pipeline_virtual_stages": 1, "pipeline_stage_layers": None,
+}  # fmt: skip
+_OPTIONS = {
+    "zero_stage": "zero_stage", "reduce_dtype": "reduce_dtype", "bucket_numel": "bucket_numel",
+    "align": "align", "ep_aware": "ep_aware", "offload": "offload",
+    "overlap_param_gather": "overlap_param_gather", "collectives": "collectives",
+}  # fmt: skip
+
+
+@dataclass
+class PlanInputs:
+    """Everything a plan needs: model, layout, global batch (sequences), device memory and where it came from."""
+
+    config: MulaConfig
+    layout: Layout
+    global_batch: int
+    device_bytes: int
+    device_note: str
+    machine: Machine | None
+
+
+def _strategy(trainer: dict[str, Any]) -> dict[str, Any] | None:
+    """XPUMoEStrategy's settings (defaults filled in), or None for another strategy."""
+    strategy = trainer.get("strategy") or "auto"
+    if isinstance(strategy, str):
+        return dict(_MOE_DEFAULTS) if strategy == "xpu_moe" else None
+    if "XPUMoEStrategy" not in str(strategy.get("class_path", "")):
+        return None
+    return {**_MOE_DEFAULTS, **(strategy.get("init_args") or {})}
+
+
+def _local_device_type(accelerator: Any) -> str:
+    """The device `trainer.accelerator` resolves to on this machine."""
+    name = str(accelerator or "auto")
+    if name in ("cpu", "cuda", "xpu"):
+        return name
+    if name == "gpu":
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _devices_per_node(devices: Any, device_type: str) -> int:
+    """`trainer.devices` as a count ("auto": every device of this machine, one process on CPU)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if devices in (None, "auto", -1, "-1"):
+        if device_type == "cpu":
+            return 1
+        return getattr(torch, device_type).device_count()
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    return int(devices)
+
+
+def local_device_bytes(device_type: str, local_ranks: int) -> tuple[int, str]:
+    """(bytes, description) of one device of this machine; on CPU the host RAM shared by its ranks."""
+    if device_type in ("cuda", "xpu"):
+        props = getattr(torch, device_type).get_device_properties(0)
+        return int(props.total_memory), f"{device_type} device {props.name}"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, local_ranks), f"CPU: host RAM divided over {local_ranks} local rank(s)"
+
+
+def plan_inputs(
+    trainer: dict[str, Any],
+    model: dict[str, Any],
+    data: dict[str, Any],
+    *,
+    machine: Machine | None = None,
+    nodes: int | None = None,
+    world_size: int | None = None,
+) -> PlanInputs:
+    """Read a parsed recipe. With `machine`, plan for `nodes` of it (default: the recipe's num_nodes) at
+    one rank per device; without, for the recipe's own trainer settings on this machine (`world_size`
+    overrides the ranks, as a running Trainer knows them)."""
+    from mula.module import resolve_config  # Lightning import: only when a plan is made
+
+    config = resolve_config(model.get("config", "mula-tiny-moe"), model.get("overrides"))
+    num_nodes = int(nodes or trainer.get("num_nodes") or 1)
+    if machine is not None:
+        device_type, per_node = machine.device_type, machine.tiles_per_node
+        device_bytes, note = machine.device_bytes, f"{machine.name} tile"
+    else:
+        device_type = _local_device_type(trainer.get("accelerator"))
+        per_node = _devices_per_node(trainer.get("devices"), device_type)
+        device_bytes, note = local_device_bytes(device_type, per_node)
+    world = world_size or per_node * num_nodes
+    strategy = _strategy(trainer)
+    micro, seq = int(data.get("micro_batch_size") or 1), int(data.get("seq_len") or 2048)
+    global_batch = int(data.get("global_batch_size") or micro * world)
+    kwargs: dict[str, Any] = {}
+    if strategy is not None:
+        options = strategy.get("optimizer_options") or {}
+        kwargs = {
+            "ep_size": int(strategy["expert_parallel_size"]),
+            "shard_optimizer": bool(strategy["shard_optimizer"]),
+            "pp_size": int(strategy["pipeline_parallel_size"]),
+            "pp_schedule": strategy["pipeline_schedule"],
+            "pp_virtual_stages": int(strategy["pipeline_virtual_stages"]),
+            "pp_stage_layers": strategy["pipeline_stage_layers"],
+            **{field: options[key] for key, field in _OPTIONS.items() if key in options},
+        }
+        kwargs["reduce_dtype"] = str(kwargs.get("reduce_dtype", "fp32")).removeprefix("torch.")
+        if kwargs.get("collectives", "auto") == "auto":
+            kwargs["collectives"] = "rooted" if device_type == "cpu" else "native"
+    dp = world // int(kwargs.get("pp_size", 1))
+    layout = Layout(
+        world_size=world,
+        micro_batch=micro,
+        seq_len=seq,
+        micro_batches=max(1, global_batch // (micro * dp)),
+        precision=str(trainer.get("precision") or "32-true"),
+        checkpointing=model.get("activation_checkpointing") or "none",
+        device_type=device_type,
+        no_decay=list(model.get("no_decay") or ["embed.weight"]),
+        **kwargs,
+    )
+    return PlanInputs(config, layout, global_batch, device_bytes, note, machine)

@@ -1,0 +1,159 @@
+"""`mula plan` and the memory planner in one process: exact parameter/gradient/optimizer bytes and
+activations within 10 % of a measured fit (`MemoryMetrics`, `MoEMetrics`), the recipe parsing of
+`mula plan`, pipeline arithmetic, and the start-of-run check of `mula fit`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import MemoryMetrics
+from callbacks.moe_metrics import MoEMetrics
+from mula import MulaConfig
+from mula.cli import main
+from mula.module import MulaLightningModule
+from mula.plan import Layout, plan_memory
+from mula.plan.activations import in_flight_micro_batches
+from mula.plan.memory import stage_layers
+from mula.plan.settings import plan_inputs
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
+CONFIG = MulaConfig.from_name("mula-tiny-moe", vocab_size=512, num_layers=2, max_position_embeddings=256)
+B, T = 4, 128
+
+
+def _fit(tmp_path, checkpointing, precision: str) -> dict[str, float]:
+    """Two optimizer steps of 2 micro-batches each, logged every step; the last logged row."""
+    ids = torch.randint(0, CONFIG.vocab_size, (16, T + 1), generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(
+        TensorDataset(ids), batch_size=B, collate_fn=lambda rows: torch.stack([r[0] for r in rows])
+    )
+    torch.manual_seed(0)
+    module = MulaLightningModule(CONFIG, warmup_steps=1, activation_checkpointing=checkpointing)
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, precision=precision, logger=L.loggers.CSVLogger(tmp_path),
+        callbacks=[MemoryMetrics(), MoEMetrics()], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, log_every_n_steps=1, accumulate_grad_batches=2, max_epochs=-1,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader)
+    with open(trainer.logger.log_dir + "/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("mem/param_bytes")]
+    return {k: float(v) for k, v in rows[-1].items() if v}
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "precision"),
+    [("none", "32-true"), (["moe"], "32-true"), ("full", "bf16-true"), (["attention"], "bf16-mixed")],
+)
+def test_single_process_fit_matches_the_plan(tmp_path, checkpointing, precision) -> None:
+    logged = _fit(tmp_path, checkpointing, precision)
+    layout = Layout(
+        micro_batch=B, seq_len=T, micro_batches=2, precision=precision, checkpointing=checkpointing
+    )
+    plan = plan_memory(CONFIG, layout)
+    assert plan.param_tensor_bytes == plan.params == logged["mem/param_bytes"]
+    assert plan.grads == logged["mem/grad_bytes"]
+    # torch AdamW: MoEMetrics counts the parameters with their two moments
+    assert plan.params + plan.optimizer == logged["optim/state_bytes"]
+    assert plan.activations == pytest.approx(logged["mem/activation_bytes"], rel=0.10)
+
+
+def test_plan_reads_recipes_like_fit() -> None:
+    trainer = {"devices": 8, "num_nodes": 2, "precision": "bf16-true", "accelerator": "cpu", "strategy": {
+        "class_path": "strategies.XPUMoEStrategy",
+        "init_args": {"expert_parallel_size": 4, "optimizer_options": {"zero_stage": 2, "reduce_dtype": "bf16"}},
+    }}  # fmt: skip
+    model = {"config": "mula-tiny-moe", "activation_checkpointing": ["moe", "attention"]}
+    inputs = plan_inputs(trainer, model, {"micro_batch_size": 2, "seq_len": 64, "global_batch_size": 64})
+    lay = inputs.layout
+    assert (lay.world_size, lay.ep_size, lay.edp_size, lay.micro_batches) == (16, 4, 4, 2)
+    assert (lay.zero_stage, lay.reduce_bytes, lay.param_bytes, lay.shard_optimizer) == (2, 2, 2, True)
+    assert lay.collectives == "rooted" and lay.checkpointing == ["moe", "attention"]
+    # pipeline settings (issue 12's XPUMoEStrategy arguments) are read when a strategy has them
+    piped = {**trainer, "strategy": {"class_path": "strategies.XPUMoEStrategy", "init_args": {
+        "expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
+        "pipeline_stage_layers": [1, 3],
+    }}}  # fmt: skip
+    lay = plan_inputs(piped, model, {"micro_batch_size": 2, "seq_len": 64, "global_batch_size": 64}).layout
+    assert (lay.pp_size, lay.pp_schedule, lay.pp_stage_layers, lay.dp_size, lay.micro_batches) == (
+        2, "gpipe", [1, 3], 8, 4,
+    )  # fmt: skip
+    ddp = plan_inputs({"devices": 2, "strategy": "ddp"}, {"config": "mula-tiny-dense"}, {})
+    assert not ddp.layout.shard_optimizer and ddp.layout.world_size == 2
+
+
+def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> None:
+    cfg = MulaConfig.from_name("mula-tiny-moe", num_layers=8)
+    base = Layout(world_size=8, ep_size=2, micro_batch=2, seq_len=64, micro_batches=8, precision="bf16-true",
+                  shard_optimizer=True, collectives="rooted")  # fmt: skip
+    assert [len(r) for r in stage_layers(8, base.replace(pp_size=4))] == [2, 2, 2, 2]
+    assert [len(r) for r in stage_layers(7, base.replace(pp_size=2))] == [4, 3]
+    assert [len(r) for r in stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 5]))] == [3, 5]
+    with pytest.raises(ValueError, match="sum to the model's 8 layers"):
+        stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 3]))
+    one, four = plan_memory(cfg, base), plan_memory(cfg, base.replace(pp_size=4))
+    # a stage holds a quarter of the blocks (plus the embedding or head) on a quarter of the ranks: the
+    # sharded state per rank stays about the same, the replicated weights shrink
+    assert four.params < one.params / 2
+    assert four.optimizer == pytest.approx(one.optimizer, rel=0.5)
+    assert in_flight_micro_batches(base.replace(pp_size=4), 0) == 4  # 1F1B: P on stage 0
+    assert in_flight_micro_batches(base.replace(pp_size=4), 3) == 1
+    assert in_flight_micro_batches(base.replace(pp_size=4, pp_schedule="gpipe"), 0) == 8
+    inter = base.replace(pp_size=4, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)
+    assert in_flight_micro_batches(inter, 0) == 6
+    gpipe = plan_memory(cfg, base.replace(pp_size=4, pp_schedule="gpipe"))
+    assert gpipe.activations > four.activations and gpipe.activation_micro_batches == 8
+    with pytest.raises(ValueError, match="multiple of P \\* E"):
+        base.replace(pp_size=3)
+
+
+def test_plan_command_json_and_paper_recipe_on_aurora(capsys) -> None:
+    main(["plan", "-c", str(ROOT / "recipes/mula-20b-a2b.yaml"), "-c",
+          str(ROOT / "recipes/strategies/aurora-xpu-moe.yaml"), "--machine=aurora", "--nodes=32", "--format=json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert out["device_bytes"] == 64 * 10**9 and out["layout"]["world_size"] == 384
+    assert out["layout"]["ep_size"] == 12 and out["fits"] == (out["per_rank_bytes"]["total"] <= 64e9)
+    assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1
+    assert out["tokens_per_s"] == pytest.approx(3072 * 2048 / out["step_time_s"])
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["mula"])
+    monkeypatch.delenv("MULA_TRACEBACK", raising=False)
+    return tmp_path
+
+
+def test_fit_stops_when_the_plan_exceeds_the_device_and_the_flag_overrides(
+    capsys, sandbox, monkeypatch
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(TINY_MOE), "--device_memory_gb=0.01"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert re.match(
+        r"mula: error: predicted 0\.\d GB per rank on a 0\.0 GB device .* try .*--memory_check=false", err[0]
+    )
+    assert not (sandbox / "data").exists() and not (sandbox / "runs").exists()  # before any work
+
+    class Reached(Exception):
+        pass
+
+    def lock(*_args):
+        raise Reached
+
+    monkeypatch.setattr("mula.cli.lock_run_dir_before_launch", lock)
+    with pytest.raises(Reached):  # past the check: the next step of before_fit
+        main(["fit", "-c", str(TINY_MOE), "--device_memory_gb=0.01", "--memory_check=false"])
+    with pytest.raises(Reached):  # the demo fits the host's memory
+        main(["fit", "-c", str(TINY_MOE)])

@@ -1,0 +1,85 @@
+"""The step-time model and `--search`: the parts follow the formulas of mula/plan/step_time.py, the
+search lists only layouts that fit, fastest first."""
+
+from __future__ import annotations
+
+import pytest
+
+from mula import MulaConfig
+from mula.plan import Layout, plan_memory
+from mula.plan.command import scaling
+from mula.plan.machines import load_machine
+from mula.plan.search import search_layouts
+from mula.plan.settings import PlanInputs
+from mula.plan.step_time import step_time
+
+AURORA = load_machine("aurora")
+CONFIG = MulaConfig.from_name("mula-20b-a2b")
+BASE = Layout(world_size=384, ep_size=12, seq_len=2048, micro_batches=8, precision="bf16-true",
+              device_type="xpu", shard_optimizer=True)  # fmt: skip
+
+
+def test_compute_is_the_model_flops_at_the_assumed_efficiency() -> None:
+    t = step_time(CONFIG, BASE, AURORA, 3072)
+    tokens = 3072 * 2048
+    expected = (
+        CONFIG.flops_per_token(2048) * tokens / 384 / (AURORA.peak_bf16_tflops * 1e12 * AURORA.compute_mfu)
+    )
+    assert t.compute_s == pytest.approx(expected)
+    assert t.tokens_per_s == pytest.approx(tokens / t.step_time_s)
+    assert t.mfu == pytest.approx(t.compute_s / t.step_time_s * AURORA.compute_mfu)
+    assert t.pipeline_s == 0.0
+
+
+def test_all_to_all_grows_with_the_group_and_leaves_the_node() -> None:
+    assert step_time(CONFIG, BASE.replace(ep_size=1), AURORA, 3072).all_to_all_s == 0.0
+    e4, e12 = (step_time(CONFIG, BASE.replace(ep_size=e), AURORA, 3072).all_to_all_s for e in (4, 12))
+    assert e12 / e4 == pytest.approx((11 / 12) / (3 / 4))  # (E-1)/E of the rows leave the rank
+    off_node = step_time(CONFIG, BASE.replace(ep_size=24), AURORA, 3072).all_to_all_s
+    assert off_node > e12 * AURORA.intra_node_gbps / AURORA.inter_node_gbps * 0.9
+    recompute = step_time(CONFIG, BASE.replace(checkpointing=["moe"]), AURORA, 3072)
+    assert recompute.all_to_all_s == pytest.approx(e12 * 6 / 4)  # the recompute re-runs dispatch and combine
+
+
+def test_recompute_costs_a_forward_and_the_bubble_follows_1f1b() -> None:
+    plain, full = (step_time(CONFIG, BASE.replace(checkpointing=c), AURORA, 3072) for c in ("none", "full"))
+    assert 1.2 < full.compute_s / plain.compute_s < 1.34  # about one more forward of the blocks (< 1/3)
+    piped = step_time(CONFIG, BASE.replace(pp_size=4, micro_batches=32), AURORA, 3072)
+    bubble = 3 / 32 * (piped.compute_s + piped.all_to_all_s)
+    assert bubble < piped.pipeline_s < 1.1 * bubble + 1.0
+    inter = step_time(CONFIG, BASE.replace(pp_size=4, micro_batches=32, pp_schedule="interleaved-1f1b",
+                                           pp_virtual_stages=2), AURORA, 3072)  # fmt: skip
+    assert inter.pipeline_s < piped.pipeline_s
+
+
+def test_zero2_reduces_every_micro_batch() -> None:
+    one, two = (step_time(CONFIG, BASE.replace(zero_stage=z, micro_batches=8), AURORA, 3072) for z in (1, 2))
+    assert two.grad_sync_s >= one.grad_sync_s
+
+
+def test_weak_scaling_keeps_per_rank_work_and_strong_scaling_shrinks_it() -> None:
+    inputs = PlanInputs(CONFIG, BASE, 3072, AURORA.device_bytes, "", AURORA)
+    rows = scaling(inputs, 32, [64, 128, 512])
+    assert all(0.5 < r["weak_efficiency"] <= 1.0 for r in rows)
+    assert rows[0]["strong_efficiency"] is not None and rows[0]["strong_efficiency"] <= 1.0
+    assert rows[-1]["strong_efficiency"] is None  # 3072 sequences < one per rank of 6144
+
+
+def test_search_lists_fitting_layouts_fastest_first() -> None:
+    config = MulaConfig.from_name("mula-220b-a10b")
+    inputs = PlanInputs(config, BASE.replace(micro_batches=8), 3072, AURORA.device_bytes, "", AURORA)
+    rows = search_layouts(inputs, limit=50)
+    assert rows and all(r["total_gb"] * 1e9 <= AURORA.device_bytes + 1e7 for r in rows)
+    times = [r["step_time_s"] for r in rows]
+    assert times == sorted(times)
+    # the shipped layout (E=12, no stages, no recompute, ZeRO-1) does not fit, so it is not listed
+    assert plan_memory(config, BASE).total > AURORA.device_bytes
+    shipped = {
+        "E": 12,
+        "P": 1,
+        "micro_batch": 1,
+        "checkpointing": "none",
+        "zero_stage": 1,
+        "bf16_weights": True,
+    }
+    assert not any(all(r[k] == v for k, v in shipped.items()) for r in rows)
