@@ -384,6 +384,7 @@ class MulaDataModule(L.LightningDataModule):
             state[TOKENS_SEEN_KEY] = state["train_loader"]["samples"] * self.seq_len
         return state
 
+    @property
     def tokens_seen(self) -> int | None:
         """Training tokens of the completed global batches so far (None before training has a loader)."""
         return self.state_dict().get(TOKENS_SEEN_KEY)

@@ -156,4 +156,3 @@ class MulaLM(TemplateLM):
                 yield
         finally:
             self.model.train(was_training)
-

@@ -44,7 +44,9 @@ def resolve_tasks(tasks: str | Sequence[str], include_path: str | os.PathLike | 
 
     specs = split_tasks(tasks)
     if not specs:
-        raise ValueError("no task given; name lm-eval tasks (e.g. --tasks arc_easy,hellaswag) or task YAML files.")
+        raise ValueError(
+            "no task given; name lm-eval tasks (e.g. --tasks arc_easy,hellaswag) or task YAML files."
+        )
     if include_path is not None and not Path(include_path).is_dir():
         raise FileNotFoundError(f"include_path {include_path} is not a directory of task YAML files.")
     # lm-eval's own task index takes seconds to build: only when a task is named rather than given as a file
