@@ -270,11 +270,15 @@ def test_mula_eval_run_evaluates_each_kept_checkpoint_once_logs_and_plots(workdi
     assert set(reference_run.glob("version_*")) - versions_before == new_versions
 
 
-def test_mula_eval_bad_input_is_one_sentence_and_exit_2(workdir, reference_run, tmp_path):
+def test_mula_eval_bad_input_is_one_sentence_and_exit_2(
+    workdir, reference_run, tmp_path, capsys, monkeypatch
+):
     """Unknown task, missing checkpoint, a tokenizer larger than the model's vocabulary, --ckpt and --run both."""
     from mula import Mula, MulaConfig
     from mula.checkpoint import save_weights
+    from mula.cli import main
 
+    monkeypatch.setattr("sys.argv", ["mula"])  # main() gets its arguments, not pytest's
     mc = workdir / "tasks" / "tiny_mc.yaml"
     ckpt = _checkpoint(reference_run, 2)
     save_weights(
@@ -293,11 +297,12 @@ def test_mula_eval_bad_input_is_one_sentence_and_exit_2(workdir, reference_run, 
         ),
         "both": (["--ckpt", str(ckpt), "--run", str(reference_run), "--tasks", str(mc)], "exactly one of"),
     }
-    for name, (args, expected) in cases.items():
-        rc, log = _mula(workdir, "eval", *args)
-        errors = [line for line in log.splitlines() if line.startswith("mula: error:")]
-        assert rc == 2 and len(errors) == 1 and expected in errors[0], (name, log[-2000:])
-        assert "Traceback" not in log, name
+    for name, (args, expected) in cases.items():  # in-process: the errors come before any evaluation
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", *args])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("mula: error:")]
+        assert exit_info.value.code == 2 and len(errors) == 1 and expected in errors[0], (name, err[-2000:])
         if name == "unknown task":
             assert "did you mean arc_easy" in errors[0]
     assert not (tmp_path / "small.pt.eval.json").exists()
