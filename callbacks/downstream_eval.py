@@ -1,18 +1,18 @@
 """Downstream evaluation during training: lm-evaluation-harness tasks every N optimizer steps.
 
-Rank 0 evaluates the model it trains (`mula.downstream.MulaLM` over `pl_module.model`, under the
-trainer's precision) while the other ranks wait for it in a broadcast of the results; every rank then
-goes on with the same step. The metrics go to the trainer's loggers as `eval/<task>/<metric>`
-(`acc`, and `acc_norm` where the task has it) against the optimizer step, with `eval/tokens_seen`.
+Every rank evaluates the model it trains (`mula.downstream.MulaLM` over `pl_module.model`, under the
+trainer's precision) on its share of the documents: lm-eval splits them over the data-parallel ranks
+and gathers the results on rank 0, so every rank is busy (and its hang watchdog fed) and the time is
+1/W of one rank's. The metrics go to the trainer's loggers as `eval/<task>/<metric>` (`acc`, and
+`acc_norm` where the task has it) against the optimizer step, with `eval/tokens_seen`.
 
 Training is not disturbed: lm-eval seeds Python, NumPy and torch, so every generator a training step
 draws from (`callbacks.rng_state`: CPU and accelerator) is saved before and restored after; the
 model's train/eval mode is restored; no gradient is taken; the training data loader is not touched.
 A resumed run therefore continues exactly as an uninterrupted one.
 
-Not with expert parallelism: rank 0 alone cannot run a model whose experts are spread over ranks
-(use `mula eval --run` on the checkpoints instead). With several data-parallel ranks the evaluation
-is not split: its time is rank 0's, and the wait counts against the process group's timeout.
+Not with expert or pipeline parallelism (a rank that does not hold the whole model cannot score its
+documents alone): evaluate the checkpoints with `mula eval --run` instead.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as L
 
 from callbacks import _dist
+from callbacks._peers import heartbeat
 from callbacks.rng_state import capture_rng_state, restore_rng_state
 
 
@@ -59,16 +60,15 @@ class DownstreamEval(L.Callback):
         self._last_step = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Check the tasks, the tokenizer and the strategy on rank 0 before training; every rank stops on a problem."""
+        """Check the strategy, the tokenizer and the tasks before training; every rank stops on any rank's problem."""
         if stage != "fit":
             return
         problem = None
-        if trainer.is_global_zero:
-            try:
-                self._prepare(trainer, pl_module)
-            except (ValueError, FileNotFoundError) as err:
-                problem = str(err)
-        problem = _dist.broadcast_object(problem)
+        try:
+            self._prepare(trainer, pl_module)
+        except (ValueError, FileNotFoundError) as err:
+            problem = str(err)
+        problem = _dist.first_problem(_dist.all_gather_object(problem))
         if problem is not None:
             raise ValueError(problem)
 
@@ -77,11 +77,12 @@ class DownstreamEval(L.Callback):
         from mula.data.tokenizer import load_tokenizer
         from mula.downstream.tasks import resolve_tasks
 
-        if getattr(trainer.strategy, "expert_parallel_size", 1) > 1:
-            raise ValueError(
-                "DownstreamEval runs the model on rank 0 alone, which expert parallelism cannot (the experts "
-                "are spread over ranks); evaluate the checkpoints with `mula eval --run` instead."
-            )
+        for kind in ("expert", "pipeline"):
+            if getattr(trainer.strategy, f"{kind}_parallel_size", 1) > 1:
+                raise ValueError(
+                    f"DownstreamEval needs the whole model on every rank, which {kind} parallelism does not "
+                    "give; evaluate the checkpoints with `mula eval --run` instead."
+                )
         path = self.tokenizer or getattr(trainer.datamodule, "tokenizer_path", None)
         if path is None:
             raise ValueError("DownstreamEval cannot tell the run's tokenizer; give it as tokenizer=PATH.")
@@ -101,19 +102,13 @@ class DownstreamEval(L.Callback):
         if step == self._last_step or step % self.every_n_steps:
             return
         self._last_step = step
-        outcome: tuple[dict[str, float] | None, str | None] = (None, None)
+        metrics = self._evaluate(trainer, pl_module)
         if trainer.is_global_zero:
-            try:
-                outcome = (self._evaluate(trainer, pl_module), None)
-            except Exception as err:  # noqa: BLE001 (sent to the waiting ranks, then raised everywhere)
-                outcome = (None, f"DownstreamEval failed at step {step}: {type(err).__name__}: {err}")
-        metrics, problem = _dist.broadcast_object(outcome)  # the other ranks wait here for rank 0
-        if problem is not None:
-            raise RuntimeError(problem)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """This rank's share of the evaluation; the metrics on rank 0 ({} elsewhere), every RNG as before."""
         from mula import hf_tokenizer
         from mula.downstream.evaluate import evaluate, metric_keys
         from mula.downstream.lm import MulaLM
@@ -123,13 +118,20 @@ class DownstreamEval(L.Callback):
         try:
             bos = hf_tokenizer.special_token_ids(self._loaded_tokenizer)["bos_token_id"]
             lm = MulaLM(
-                pl_module.model, self._loaded_tokenizer, batch_size=self.batch_size, prefix_token_id=bos
+                pl_module.model,
+                self._loaded_tokenizer,
+                batch_size=self.batch_size,
+                prefix_token_id=bos,
+                data_parallel=True,
+                on_batch=lambda: heartbeat(trainer),  # a long evaluation is progress, not a hang
             )
             with trainer.precision_plugin.forward_context():  # the training precision (autocast or none)
                 results = evaluate(lm, self._resolved, self.limit)
         finally:
             restore_rng_state(saved, device)
         metrics = metric_keys(results)
+        if not metrics:
+            return metrics
         tokens = getattr(trainer.datamodule, "tokens_seen", None)
         if isinstance(tokens, int):
             metrics["eval/tokens_seen"] = float(tokens)

@@ -308,6 +308,40 @@ def test_mula_eval_bad_input_is_one_sentence_and_exit_2(
     assert not (tmp_path / "small.pt.eval.json").exists()
 
 
+def _evaluate_checkpoint(
+    rank: int, world_size: int, ckpt: Path, tokenizer: Path, tasks: list[str], env: dict
+) -> dict:
+    """MulaLM on `ckpt` with the documents split over the process group's ranks (run_distributed worker)."""
+    os.environ.update(env)  # before `datasets` is imported: offline, and this module's cache
+    from mula.checkpoint import load_weights
+    from mula.data.tokenizer import load_tokenizer
+    from mula.downstream.evaluate import evaluate
+    from mula.downstream.lm import MulaLM
+    from mula.downstream.tasks import resolve_tasks
+
+    lm = MulaLM(load_weights(ckpt), load_tokenizer(tokenizer), batch_size=3, data_parallel=world_size > 1)
+    assert (lm.rank, lm.world_size) == (rank, world_size)
+    return evaluate(lm, resolve_tasks(tasks))
+
+
+def test_mula_lm_splits_documents_over_data_parallel_ranks(workdir, reference_run):
+    """Two gloo ranks, each scoring its share of the documents (as DownstreamEval does under DDP): rank 0
+    gathers the same per-example log-likelihoods and metrics as one process scoring them all."""
+    from dist_helpers import run_distributed
+
+    tasks = [str(workdir / "tasks" / "tiny_mc.yaml"), str(workdir / "tasks" / "tiny_ppl.yaml")]
+    args = (_checkpoint(reference_run, 2), workdir / "data" / "stdlib-tokenizer.json", tasks, _env(workdir))
+    (single,) = run_distributed(_evaluate_checkpoint, 1, *args)
+    rank0, rank1 = run_distributed(_evaluate_checkpoint, 2, *args)
+    assert rank1 == {}
+    for task in ("tiny_mc", "tiny_ppl"):
+        ours = sorted(rank0[task]["samples"], key=lambda s: s["doc_id"])
+        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in single[task]["samples"]]
+        for mine, ref in zip(ours, single[task]["samples"]):
+            assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-4, rel=0)
+        assert rank0[task]["metrics"] == pytest.approx(single[task]["metrics"], rel=1e-5)
+
+
 def test_downstream_eval_callback_logs_and_sigkill_resume_is_exact(workdir, reference_run):
     """`callbacks.DownstreamEval` logs eval/tiny_mc/acc every 2 steps of `mula fit`; killed after the step-4
     checkpoint and re-run, the run matches the uninterrupted reference without the callback: losses, weights,

@@ -17,6 +17,7 @@ from mula.downstream.tasks import ResolvedTasks
 def evaluate(lm: MulaLM, tasks: ResolvedTasks, limit: int | float | None = None) -> dict[str, Any]:
     """{task: {"metrics": {name: value}, "samples": [{"doc_id", "target", "loglikelihoods"}]}}.
 
+    With a data-parallel `lm` every rank must call this; rank 0 gets the results, the others {}.
     `limit`: the first N documents of each task (a fraction below 1), for quick checks. lm-eval seeds
     Python, NumPy and torch here (its defaults, so that few-shot sampling repeats); callers that must not
     disturb those generators save and restore them around the call.
@@ -31,6 +32,8 @@ def evaluate(lm: MulaLM, tasks: ResolvedTasks, limit: int | float | None = None)
         bootstrap_iters=0,  # no standard errors: they cost minutes on large tasks and are not logged
         log_samples=True,
     )
+    if out is None:
+        return {}  # not rank 0 of a data-parallel evaluation
     samples = out.get("samples", {})
     return {
         task: {"metrics": _metrics(values), "samples": [_sample(s) for s in samples.get(task, [])]}

@@ -7,14 +7,19 @@ multiple-choice and perplexity tasks make (`loglikelihood`, `loglikelihood_rolli
 lm-eval's Hugging Face class does: the same context/continuation split, the same prefix token for an
 empty context (BOS when the tokenizer names one, else EOS, the token Mula's documents end with),
 the same left truncation to the model's positions. Generation tasks are refused.
+
+With `data_parallel=True` inside a torch.distributed process group, every rank holds the whole model
+and lm-eval splits the documents over the ranks (`rank`, `world_size`, and the `all_gather`,
+`gather_object` and `barrier` it calls); rank 0 receives the results.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 
@@ -38,6 +43,8 @@ class MulaLM(TemplateLM):
         batch_size: Sequences per forward pass.
         autocast_dtype: Run the forward under `torch.autocast(device, dtype)` (e.g. bf16 on a GPU); None: as stored.
         prefix_token_id: Token that stands for an empty context; default BOS if the tokenizer names one, else EOS.
+        data_parallel: Split the documents over the ranks of the default process group (when there is one).
+        on_batch: Called after every forward pass (e.g. to feed a hang watchdog during a long evaluation).
     """
 
     def __init__(
@@ -47,6 +54,8 @@ class MulaLM(TemplateLM):
         batch_size: int = 8,
         autocast_dtype: torch.dtype | None = None,
         prefix_token_id: int | None = None,
+        data_parallel: bool = False,
+        on_batch: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -57,6 +66,9 @@ class MulaLM(TemplateLM):
         self.autocast_dtype = autocast_dtype
         self._prefix_token_id = tokenizer.eos_id if prefix_token_id is None else prefix_token_id
         self._device = next(model.parameters()).device
+        self._on_batch = on_batch
+        if data_parallel and dist.is_available() and dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     @property
     def eot_token_id(self) -> int:
@@ -77,6 +89,27 @@ class MulaLM(TemplateLM):
     def tokenizer_name(self) -> str:
         """Identifies the tokenizer in lm-eval's request cache."""
         return str(self.mula_tokenizer.path).replace("/", "__")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, concatenated along a new first dimension (lm-eval gathers request counts)."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts)
+
+    def gather_object(self, obj: object, dst: int = 0) -> list[object] | None:
+        """Every rank's `obj` on rank `dst` (None elsewhere)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.world_size > 1:
+            dist.barrier()
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """Token ids of `string` as Mula's data preparation encodes text (no special tokens added)."""
@@ -125,6 +158,8 @@ class MulaLM(TemplateLM):
                     results[i] = answer
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                if self._on_batch is not None:
+                    self._on_batch()
         return results  # type: ignore[return-value]
 
     def _score_batch(self, requests: list[TokenRequest]) -> Iterator[tuple[float, bool]]:
