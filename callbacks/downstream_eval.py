@@ -75,6 +75,9 @@ class DownstreamEval(L.Callback):
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from mula import hf_tokenizer
         from mula.data.tokenizer import load_tokenizer
+        from mula.downstream import require_lm_eval
+
+        require_lm_eval()
         from mula.downstream.tasks import resolve_tasks
 
         for kind in ("expert", "pipeline"):

@@ -109,12 +109,16 @@ def evaluate(
     """
     from pathlib import Path
 
-    from mula.downstream.checkpoint_eval import EvalSettings
+    from mula.downstream import require_lm_eval
+
+    require_lm_eval()
+    from mula.downstream.checkpoint_eval import EvalSettings, check_options
     from mula.downstream.run_eval import evaluate_one, evaluate_run
     from mula.downstream.tasks import resolve_tasks
 
     if (ckpt is None) == (run is None):
         raise ValueError("give exactly one of --ckpt (one checkpoint) and --run (every checkpoint of a run).")
+    check_options(batch_size, device, dtype)
     target = Path(ckpt or run)  # type: ignore[arg-type]
     if not target.exists():
         raise FileNotFoundError(f"{'Checkpoint' if ckpt else 'Run directory'} {target} does not exist.")

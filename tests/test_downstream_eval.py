@@ -273,7 +273,8 @@ def test_mula_eval_run_evaluates_each_kept_checkpoint_once_logs_and_plots(workdi
 def test_mula_eval_bad_input_is_one_sentence_and_exit_2(
     workdir, reference_run, tmp_path, capsys, monkeypatch
 ):
-    """Unknown task, missing checkpoint, a tokenizer larger than the model's vocabulary, --ckpt and --run both."""
+    """Unknown task, missing checkpoint or task file, a tokenizer larger than the model's vocabulary, a bad
+    dtype or device, --ckpt and --run both."""
     from mula import Mula, MulaConfig
     from mula.checkpoint import save_weights
     from mula.cli import main
@@ -295,6 +296,8 @@ def test_mula_eval_bad_input_is_one_sentence_and_exit_2(
             ["--ckpt", str(tmp_path / "small.pt"), "--tasks", str(mc), "--tokenizer", str(tokenizer)],
             "has 4096 tokens but the model's vocab_size is 256",
         ),
+        "dtype": (["--ckpt", str(ckpt), "--tasks", str(mc), "--dtype", "float8"], "dtype must be auto"),
+        "device": (["--ckpt", str(ckpt), "--tasks", str(mc), "--device", "gpu0"], "is not a torch device"),
         "both": (["--ckpt", str(ckpt), "--run", str(reference_run), "--tasks", str(mc)], "exactly one of"),
     }
     for name, (args, expected) in cases.items():  # in-process: the errors come before any evaluation

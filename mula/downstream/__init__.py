@@ -6,3 +6,14 @@ lm-eval, keep metrics and per-example log-likelihoods), ``checkpoint_eval`` (one
 `<checkpoint>.eval.json`), ``run_eval`` (every checkpoint of a run, its loggers and the plot).
 lm-eval is imported only by these modules, so Mula works without the extra.
 """
+
+
+def require_lm_eval() -> None:
+    """Raise ValueError (one sentence; `mula` exits 2) when lm-evaluation-harness is not installed."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "downstream evaluation needs lm-evaluation-harness: install Mula's eval extra "
+            "(pip install -e '.[eval]', or bash scripts/setup.sh dev)."
+        ) from None

@@ -42,6 +42,24 @@ class EvalSettings:
     verify: bool = True
 
 
+def check_options(batch_size: int, device: str | None, dtype: str) -> None:
+    """Raise ValueError (one sentence) for a batch size, device or dtype that cannot work, before any work."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise ValueError(
+                f"device {device!r} is not a torch device (cpu, cuda, cuda:1, xpu, ...)."
+            ) from None
+        module = getattr(torch, kind, None)
+        if kind != "cpu" and not (module is not None and module.is_available()):
+            raise ValueError(f"device {device!r} is not available on this machine.")
+
+
 def results_path(ckpt: Path) -> Path:
     """Where the results of `ckpt` are written: `<checkpoint>.eval.json`, next to it."""
     return ckpt.with_name(ckpt.name + RESULTS_SUFFIX)
