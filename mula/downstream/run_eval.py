@@ -124,7 +124,9 @@ def run_loggers(run_dir: Path) -> list[Any]:
         cls = pydoc.locate(entry.get("class_path", "")) if isinstance(entry, dict) else None
         if not (isinstance(cls, type) and issubclass(cls, Logger)):
             continue
-        init_args = {**(entry.get("init_args") or {}), "save_dir": str(run_dir)}
+        # unset (None) arguments keep their defaults; W&B warns about some deprecated ones merely being passed
+        init_args = {k: v for k, v in (entry.get("init_args") or {}).items() if v is not None}
+        init_args["save_dir"] = str(run_dir)
         if issubclass(cls, WandbLogger):
             run_id = _latest_wandb_id(run_dir)
             if run_id is not None:
