@@ -5,11 +5,13 @@ auto-resume, RNG states), ``PreemptionHandler`` (signals -> checkpoint -> exit 7
 ``AnomalyGuard`` (skip non-finite/spiking steps, roll back), ``HangWatchdog`` (stacks + exit 124),
 ``StragglerDetector`` (slowest/median step-time ratio).
 Observation: ``Throughput`` (tokens/s, MFU), ``MoEMetrics`` (all-to-all bytes, global expert load),
-``MemoryMetrics`` (parameter, gradient, activation and peak bytes per rank).
+``MemoryMetrics`` (parameter, gradient, activation and peak bytes per rank), ``DownstreamEval``
+(lm-evaluation-harness tasks every N steps, ``eval/<task>/acc``; needs the ``eval`` extra).
 Recipes enable them by ``class_path``.
 """
 
 from callbacks.anomaly import AnomalyGuard
+from callbacks.downstream_eval import DownstreamEval
 from callbacks.exit_codes import ExitCode
 from callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from callbacks.memory_metrics import MemoryMetrics
@@ -21,6 +23,7 @@ from callbacks.watchdog import HangWatchdog
 
 __all__ = [
     "AnomalyGuard",
+    "DownstreamEval",
     "ExitCode",
     "FaultTolerantCheckpoint",
     "HangWatchdog",

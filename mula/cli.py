@@ -2,6 +2,7 @@
 
     mula fit -c recipes/mula-tiny-moe.yaml [-c recipes/strategies/ddp.yaml] [--trainer.max_steps=10]
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
+    mula eval --help
 
 Every subcommand is parsed by the same jsonargparse parser (so `-c file.yaml`, `--print_config` and
 `--help` work alike everywhere). A run's loggers write under its run directory,
@@ -74,6 +75,80 @@ def export_hf(
         )
 
 
+def evaluate(
+    tasks: str | None = None,
+    ckpt: str | None = None,
+    run: str | None = None,
+    include_path: str | None = None,
+    tokenizer: str | None = None,
+    batch_size: int = 8,
+    limit: int | float | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+    verify: bool = True,
+) -> None:
+    """Evaluate a checkpoint, or every checkpoint of a run, on lm-evaluation-harness tasks (the `eval` extra).
+
+    Results are printed, written as <checkpoint>.eval.json next to each checkpoint (tasks already
+    recorded there are not evaluated again) and logged to the run's loggers as eval/<task>/<metric>
+    against the checkpoint's step; --run also plots each task's accuracy over tokens seen
+    (<run>/downstream_eval.png).
+
+    Args:
+        tasks: Comma-separated lm-eval task names (arc_easy,hellaswag,...; downloaded on first use) and/or
+            local task YAML files in lm-eval's custom-task format (offline with local JSONL data).
+        ckpt: One checkpoint: a Lightning .ckpt, a Mula weights file or a sharded checkpoint directory.
+        run: A run directory (trainer.default_root_dir): every checkpoint in its checkpoints/, in step order.
+        include_path: A directory of task YAML files whose task names --tasks may then use.
+        tokenizer: The tokenizer.json to use (or a directory holding one); default: the one the run trained with.
+        batch_size: Sequences per forward pass.
+        limit: Evaluate only the first N documents of each task (a fraction of them below 1), for quick checks.
+        device: cpu, cuda, xpu, cuda:1, ...; default: the first accelerator present, else the CPU.
+        dtype: auto (bf16 autocast on an accelerator that has it, fp32 on the CPU), float32 or bfloat16.
+        verify: Check each checkpoint against its manifest first and refuse a corrupted one.
+    """
+    from pathlib import Path
+
+    from mula.downstream import require_lm_eval
+
+    require_lm_eval()
+    from mula.downstream.checkpoint_eval import EvalSettings, check_options
+    from mula.downstream.run_eval import evaluate_one, evaluate_run
+    from mula.downstream.tasks import resolve_tasks
+
+    if (ckpt is None) == (run is None):
+        raise ValueError("give exactly one of --ckpt (one checkpoint) and --run (every checkpoint of a run).")
+    check_options(batch_size, device, dtype)
+    target = Path(ckpt or run)  # type: ignore[arg-type]
+    if not target.exists():
+        raise FileNotFoundError(f"{'Checkpoint' if ckpt else 'Run directory'} {target} does not exist.")
+    settings = EvalSettings(
+        tasks=resolve_tasks(tasks or [], include_path),
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        limit=limit,
+        device=device,
+        dtype=dtype,
+        verify=verify,
+    )
+    if ckpt is not None:
+        evaluate_one(target, settings, _print_results)
+        return
+    plot = evaluate_run(target, settings, _print_results)
+    if plot is not None:
+        print(f"mula: wrote {plot}")
+
+
+def _print_results(ckpt: Any, record: dict[str, Any], evaluated: list[str]) -> None:
+    """One table per checkpoint: task, metric, value (tasks recorded by an earlier run marked as such)."""
+    tokens = record.get("tokens_seen")
+    print(f"{ckpt}: step {record.get('step')}" + (f", {tokens:,} tokens seen" if tokens is not None else ""))
+    for task, entry in record["tasks"].items():
+        note = "" if task in evaluated else "  (recorded earlier)"
+        for name, value in entry["metrics"].items():
+            print(f"  {task:<28} {name:<16} {value:.4f}{note}")
+
+
 def _tools() -> dict[str, Callable[..., Any]]:
     """Non-training subcommands: name -> function whose signature and docstring define the arguments."""
     from mula.data.prepare import prepare
@@ -84,6 +159,7 @@ def _tools() -> dict[str, Callable[..., Any]]:
         "train-tokenizer": train_tokenizer,
         "import-hf": import_hf,
         "export-hf": export_hf,
+        "eval": evaluate,
     }
 
 

@@ -32,12 +32,19 @@ def checkpoint_tokenizer_path(ckpt: Path) -> str | None:
     checkpoint written without MulaDataModule)."""
     from mula.data.datamodule import MulaDataModule  # imports Lightning: only needed here
 
+    obj = read_training_state(ckpt)
+    return MulaDataModule.tokenizer_path_in(obj) if obj is not None else None
+
+
+def read_training_state(ckpt: Path) -> dict[str, Any] | None:
+    """The checkpoint's top-level dict (global_step, the data module's state, ...; `meta.pt` of a sharded
+    directory), or None when it has none (a file torch cannot read as a dict: its weights are read elsewhere)."""
     path = ckpt / SHARDED_META_FILE if ckpt.is_dir() else ckpt
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError):
-        return None  # the weights were read already; a checkpoint without this metadata has no tokenizer
-    return MulaDataModule.tokenizer_path_in(obj) if isinstance(obj, dict) else None
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def check_fits(tokenizer: LoadedTokenizer, config: MulaConfig) -> None:
@@ -45,7 +52,7 @@ def check_fits(tokenizer: LoadedTokenizer, config: MulaConfig) -> None:
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocab_size "
-            f"is {config.vocab_size}; export with the tokenizer the model was trained with."
+            f"is {config.vocab_size}; use the tokenizer the model was trained with."
         )
 
 

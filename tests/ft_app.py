@@ -196,6 +196,27 @@ class StepRecorder(pl.Callback):
             self._file.close()
 
 
+class RngRecorder(pl.Callback):
+    """Append one JSON line per optimizer step: a digest of every RNG a training step can draw from
+    (Python, NumPy, torch CPU), taken after the callbacks listed before this one have run."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._last:
+            return
+        self._last = trainer.global_step
+        h = hashlib.sha256(repr((random.getstate(), np.random.get_state(legacy=False))).encode())
+        h.update(torch.get_rng_state().numpy().tobytes())
+        path = Path(trainer.default_root_dir) / f"rng-rank{trainer.global_rank}.jsonl"
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(
+                json.dumps({"pid": os.getpid(), "step": trainer.global_step, "rng": h.hexdigest()[:16]})
+                + "\n"
+            )
+
+
 class FaultInjector(pl.Callback):
     """Inject faults at given (1-based) optimizer steps on given ranks. Test-only."""
 

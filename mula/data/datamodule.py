@@ -31,6 +31,7 @@ from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
 
 log = logging.getLogger(__name__)
 TOKENIZER_STATE_KEY = "tokenizer_path"
+TOKENS_SEEN_KEY = "tokens_seen"
 # Lightning warns about every IterableDataset with a length; ours split work between DataLoader workers
 # explicitly (micro-batch k goes to worker k % num_workers), so the length is exact.
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
@@ -372,14 +373,21 @@ class MulaDataModule(L.LightningDataModule):
     # ---- checkpointing ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's position (Lightning also saves it with the loop state) and the
-        tokenizer.json of the data, which `mula export-hf` ships with the model."""
+        """The training loader's position (Lightning also saves it with the loop state), the
+        tokenizer.json of the data, which `mula export-hf` ships with the model, and the training
+        tokens seen so far (input tokens of completed global batches, which `mula eval` plots against)."""
         state: dict[str, Any] = {}
         if self._summary is not None:
             state[TOKENIZER_STATE_KEY] = os.path.abspath(self._summary["tokenizer"]["path"])
         if self._train_loader is not None:
             state["train_loader"] = self._train_loader.state_dict()
+            state[TOKENS_SEEN_KEY] = state["train_loader"]["samples"] * self.seq_len
         return state
+
+    @property
+    def tokens_seen(self) -> int | None:
+        """Training tokens of the completed global batches so far (None before training has a loader)."""
+        return self.state_dict().get(TOKENS_SEEN_KEY)
 
     @classmethod
     def tokenizer_path_in(cls, checkpoint: dict[str, Any]) -> str | None:
@@ -387,6 +395,13 @@ class MulaDataModule(L.LightningDataModule):
         state = checkpoint.get(cls.__qualname__)  # where Lightning keeps a data module's state_dict
         path = state.get(TOKENIZER_STATE_KEY) if isinstance(state, dict) else None
         return path if isinstance(path, str) else None
+
+    @classmethod
+    def tokens_seen_in(cls, checkpoint: dict[str, Any]) -> int | None:
+        """The training tokens seen recorded in a Lightning checkpoint dict by `state_dict` (None if absent)."""
+        state = checkpoint.get(cls.__qualname__)
+        tokens = state.get(TOKENS_SEEN_KEY) if isinstance(state, dict) else None
+        return tokens if isinstance(tokens, int) else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training loader at a saved position (applied when the loader is created)."""

@@ -1,0 +1,141 @@
+"""Downstream evaluation during training: lm-evaluation-harness tasks every N optimizer steps.
+
+Every rank evaluates the model it trains (`mula.downstream.MulaLM` over `pl_module.model`, under the
+trainer's precision) on its share of the documents: lm-eval splits them over the data-parallel ranks
+and gathers the results on rank 0, so every rank is busy (and its hang watchdog fed) and the time is
+1/W of one rank's. The metrics go to the trainer's loggers as `eval/<task>/<metric>` (`acc`, and
+`acc_norm` where the task has it) against the optimizer step, with `eval/tokens_seen`.
+
+Training is not disturbed: lm-eval seeds Python, NumPy and torch, so every generator a training step
+draws from (`callbacks.rng_state`: CPU and accelerator) is saved before and restored after; the
+model's train/eval mode is restored; no gradient is taken; the training data loader is not touched.
+A resumed run therefore continues exactly as an uninterrupted one.
+
+Not with expert or pipeline parallelism (a rank that does not hold the whole model cannot score its
+documents alone): evaluate the checkpoints with `mula eval --run` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+
+from callbacks import _dist
+from callbacks._peers import heartbeat
+from callbacks.rng_state import capture_rng_state, restore_rng_state
+
+
+class DownstreamEval(L.Callback):
+    """Evaluate lm-eval tasks every `every_n_steps` optimizer steps and log `eval/<task>/<metric>`.
+
+    Args:
+        tasks: lm-eval task names and/or local task YAML files (see `mula eval --help`).
+        every_n_steps: Evaluate after every this many optimizer steps.
+        limit: Only the first N documents of each task (a fraction below 1); None: all of them.
+        batch_size: Sequences per forward pass.
+        include_path: A directory of task YAML files whose task names `tasks` may use.
+        tokenizer: The tokenizer.json to evaluate with; default: the one the data module's data was prepared with.
+    """
+
+    def __init__(
+        self,
+        tasks: list[str],
+        every_n_steps: int,
+        limit: int | float | None = None,
+        batch_size: int = 8,
+        include_path: str | None = None,
+        tokenizer: str | None = None,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"DownstreamEval every_n_steps must be at least 1, got {every_n_steps}.")
+        self.tasks = list(tasks)
+        self.every_n_steps = every_n_steps
+        self.limit = limit
+        self.batch_size = batch_size
+        self.include_path = include_path
+        self.tokenizer = tokenizer
+        self._resolved: Any = None
+        self._loaded_tokenizer: Any = None
+        self._last_step = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Check the strategy, the tokenizer and the tasks before training; every rank stops on any rank's problem."""
+        if stage != "fit":
+            return
+        problem = None
+        try:
+            self._prepare(trainer, pl_module)
+        except (ValueError, FileNotFoundError) as err:
+            problem = str(err)
+        problem = _dist.first_problem(_dist.all_gather_object(problem))
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from mula import hf_tokenizer
+        from mula.data.tokenizer import load_tokenizer
+        from mula.downstream import require_lm_eval
+
+        require_lm_eval()
+        from mula.downstream.tasks import resolve_tasks
+
+        for kind in ("expert", "pipeline"):
+            if getattr(trainer.strategy, f"{kind}_parallel_size", 1) > 1:
+                raise ValueError(
+                    f"DownstreamEval needs the whole model on every rank, which {kind} parallelism does not "
+                    "give; evaluate the checkpoints with `mula eval --run` instead."
+                )
+        path = self.tokenizer or getattr(trainer.datamodule, "tokenizer_path", None)
+        if path is None:
+            raise ValueError("DownstreamEval cannot tell the run's tokenizer; give it as tokenizer=PATH.")
+        self._loaded_tokenizer = load_tokenizer(path)
+        hf_tokenizer.check_fits(self._loaded_tokenizer, pl_module.config)
+        self._resolved = resolve_tasks(self.tasks, self.include_path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A resumed run does not evaluate its checkpoint's step again."""
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After each `every_n_steps`-th optimizer step (not after every micro-batch of it)."""
+        step = trainer.global_step
+        if step == self._last_step or step % self.every_n_steps:
+            return
+        self._last_step = step
+        metrics = self._evaluate(trainer, pl_module)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """This rank's share of the evaluation; the metrics on rank 0 ({} elsewhere), every RNG as before."""
+        from mula import hf_tokenizer
+        from mula.downstream.evaluate import evaluate, metric_keys
+        from mula.downstream.lm import MulaLM
+
+        device = pl_module.device
+        saved = capture_rng_state(device)
+        try:
+            bos = hf_tokenizer.special_token_ids(self._loaded_tokenizer)["bos_token_id"]
+            lm = MulaLM(
+                pl_module.model,
+                self._loaded_tokenizer,
+                batch_size=self.batch_size,
+                prefix_token_id=bos,
+                data_parallel=True,
+                on_batch=lambda: heartbeat(trainer),  # a long evaluation is progress, not a hang
+            )
+            with trainer.precision_plugin.forward_context():  # the training precision (autocast or none)
+                results = evaluate(lm, self._resolved, self.limit)
+        finally:
+            restore_rng_state(saved, device)
+        metrics = metric_keys(results)
+        if not metrics:
+            return metrics
+        tokens = getattr(trainer.datamodule, "tokens_seen", None)
+        if isinstance(tokens, int):
+            metrics["eval/tokens_seen"] = float(tokens)
+        return metrics

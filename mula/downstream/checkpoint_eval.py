@@ -1,0 +1,158 @@
+"""Evaluate one checkpoint (any kind Mula reads) and record the results as JSON next to it.
+
+`<checkpoint>.eval.json` holds the checkpoint's step and training tokens seen, and per task the
+`limit` it was evaluated with, its metrics and per-example log-likelihoods (`mula.downstream.evaluate`).
+A task already recorded with the same limit is not evaluated again; new tasks are added to the file
+(written atomically, so an interrupted evaluation leaves the previous file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mula import hf_tokenizer
+from mula.checkpoint import atomic_write_text, model_from_state_dict, read_checkpoint, verify_for_reading
+from mula.config import MulaConfig
+from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
+from mula.downstream.evaluate import evaluate
+from mula.downstream.lm import MulaLM
+from mula.downstream.tasks import ResolvedTasks
+from mula.kernels.backends import resolve_backend
+
+RESULTS_SUFFIX = ".eval.json"
+_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EvalSettings:
+    """How to evaluate: the tasks, the tokenizer (None: the run's), batch size, limit, device and dtype."""
+
+    tasks: ResolvedTasks
+    tokenizer: str | None = None
+    batch_size: int = 8
+    limit: int | float | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    verify: bool = True
+
+
+def check_options(batch_size: int, device: str | None, dtype: str) -> None:
+    """Raise ValueError (one sentence) for a batch size, device or dtype that cannot work, before any work."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise ValueError(
+                f"device {device!r} is not a torch device (cpu, cuda, cuda:1, xpu, ...)."
+            ) from None
+        module = getattr(torch, kind, None)
+        if kind != "cpu" and not (module is not None and module.is_available()):
+            raise ValueError(f"device {device!r} is not available on this machine.")
+
+
+def results_path(ckpt: Path) -> Path:
+    """Where the results of `ckpt` are written: `<checkpoint>.eval.json`, next to it."""
+    return ckpt.with_name(ckpt.name + RESULTS_SUFFIX)
+
+
+def default_device() -> torch.device:
+    """The first accelerator present, XPU first, else the CPU."""
+    for kind in ("xpu", "cuda"):
+        module = getattr(torch, kind, None)
+        if module is not None and module.is_available():
+            return torch.device(kind)
+    return torch.device("cpu")
+
+
+def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
+    """The autocast dtype for `dtype` on `device`: "auto" is bf16 on an accelerator that has it, else fp32 (None)."""
+    if dtype == "auto":
+        if device.type == "cpu":
+            return None
+        module = torch.get_device_module(device.type)
+        return torch.bfloat16 if getattr(module, "is_bf16_supported", lambda: False)() else None
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+def checkpoint_progress(ckpt: Path) -> tuple[int | None, int | None]:
+    """(optimizer step, training tokens seen) recorded in a training checkpoint; None when not recorded."""
+    from mula.data.datamodule import MulaDataModule
+
+    state = hf_tokenizer.read_training_state(ckpt)
+    if state is None:
+        return None, None
+    step = state.get("global_step")
+    return (step if isinstance(step, int) else None), MulaDataModule.tokens_seen_in(state)
+
+
+def read_results(ckpt: Path) -> dict[str, Any] | None:
+    """The results recorded for `ckpt`, or None when it has none (or an unreadable file)."""
+    try:
+        record = json.loads(results_path(ckpt).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("tasks"), dict) else None
+
+
+def pending_tasks(ckpt: Path, settings: EvalSettings) -> ResolvedTasks:
+    """The tasks of `settings` not yet recorded for `ckpt` with the same limit."""
+    done = (read_results(ckpt) or {}).get("tasks", {})
+    todo = [
+        (spec, name)
+        for spec, name in zip(settings.tasks.specs, settings.tasks.names)
+        if name not in done or done[name].get("limit") != settings.limit
+    ]
+    return replace(settings.tasks, specs=[s for s, _ in todo], names=[n for _, n in todo])
+
+
+def load_tokenizer_for(ckpt: Path, config: MulaConfig, tokenizer: str | None) -> LoadedTokenizer:
+    """`tokenizer` or the one the checkpoint's run recorded; it must fit the model's vocabulary."""
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if tok is None:
+        tok, reason = hf_tokenizer.resolve_tokenizer(ckpt, None)
+        if tok is None:
+            raise ValueError(f"{reason}; name it with --tokenizer PATH/tokenizer.json.")
+    hf_tokenizer.check_fits(tok, config)
+    return tok
+
+
+def evaluate_checkpoint(ckpt: str | os.PathLike, settings: EvalSettings) -> tuple[dict[str, Any], list[str]]:
+    """Evaluate the tasks of `settings` not yet recorded for `ckpt`; returns (the record, tasks evaluated now).
+
+    Bad input (missing or corrupted checkpoint, a tokenizer larger than the model's vocabulary, a device or
+    dtype the model cannot run on) raises FileNotFoundError / ValueError before the model is built.
+    """
+    ckpt = Path(ckpt)
+    verify_for_reading(ckpt, settings.verify)
+    todo = pending_tasks(ckpt, settings)
+    record = read_results(ckpt) or {"checkpoint": ckpt.name, "tasks": {}}
+    if not todo.specs:
+        return record, []
+    config, state = read_checkpoint(ckpt, verify=False)  # verified above
+    tok = load_tokenizer_for(ckpt, config, settings.tokenizer)
+    device = torch.device(settings.device) if settings.device else default_device()
+    dtype = autocast_dtype(device, settings.dtype)
+    if config.is_moe:
+        resolve_backend(config.expert_backend, device, dtype or torch.float32)
+    model = model_from_state_dict(config, state, source=str(ckpt)).to(device)
+    bos = hf_tokenizer.special_token_ids(tok)["bos_token_id"]
+    lm = MulaLM(model, tok, batch_size=settings.batch_size, autocast_dtype=dtype, prefix_token_id=bos)
+    results = evaluate(lm, todo, settings.limit)
+    step, tokens = checkpoint_progress(ckpt)
+    record.update(step=step, tokens_seen=tokens)
+    for name, entry in results.items():
+        record["tasks"][name] = {"limit": settings.limit, **entry}
+    atomic_write_text(results_path(ckpt), json.dumps(record, indent=1) + "\n")
+    return record, list(results)
