@@ -153,3 +153,21 @@ def test_bias_balancing_fixes_a_skewed_router_that_the_aux_loss_alone_does_not()
     assert aux_only[0] > 3.0 and balanced[0] > 3.0  # the same skewed start
     assert max(balanced[-20:]) < 1.2, balanced[-20:]
     assert min(aux_only[-20:]) > 1.2, aux_only[-20:]
+
+
+def test_global_scope_under_activation_checkpointing_has_the_same_gradients():
+    """A recomputed MoE layer reuses its forward's global f (and counts its tokens once)."""
+    config = MulaConfig.from_name("mula-tiny-moe", **TINY, aux_loss_scope="global", router_aux_loss_coef=1.0)
+    batch = torch.randint(0, TINY["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for checkpointing in ("none", ["moe"]):
+        torch.manual_seed(0)
+        model = Mula(config)
+        model.set_activation_checkpointing(checkpointing)
+        out = model(batch[:, :-1])
+        (out.logits.square().mean() + out.aux_loss).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        layer = next(layer for _, layer in iter_moe_layers(model))
+        assert int(layer.global_load._sum[-1]) == batch[:, :-1].numel()  # tokens counted once
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
