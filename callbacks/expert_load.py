@@ -66,7 +66,8 @@ class ExpertLoad(L.Callback):
             pl_module.log(f"moe/layer_{i}/load_imbalance", imbalance[i], on_step=True, on_epoch=False)
             pl_module.log(f"moe/layer_{i}/dead_experts", dead[i].float(), on_step=True, on_epoch=False)
         if trainer.is_global_zero and self._dir is not None:
-            self._append(trainer.global_step, counts.cpu())
+            # the step index metrics.csv gives this step's row (Lightning logs optimizer step n as n - 1)
+            self._append(trainer.global_step - 1, counts.cpu())
             every = self.plot_every_n_steps
             if every and trainer.global_step - max(self._last_plotted, 0) >= every:
                 self._plot(trainer)
