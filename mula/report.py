@@ -135,7 +135,7 @@ def plot_expert_load(load_csv: str | os.PathLike, path: str | os.PathLike) -> Pa
         extent=(-0.5, flat.shape[1] - 0.5, steps[-1], steps[0]),
     )
     history.set(
-        title="Load over steps (column = layer x experts + expert)", xlabel="layer, expert", ylabel="step"
+        title="Load over steps (experts, layer by layer)", xlabel="layer x experts + expert", ylabel="step"
     )
     for j in range(1, len(layers)):
         history.axvline(j * len(experts) - 0.5, color="white", linewidth=0.5)
