@@ -4,6 +4,10 @@ W gloo CPU processes (default 4, one torch thread each) train the same Mula MoE 
 on the same fixed token batches, full training steps (forward, backward, gradient sync, AdamW):
 
   DDP         torch DistributedDataParallel + torch.optim.AdamW: every rank holds every expert;
+  (before)    the same EP layout with the previous all-to-all dispatcher, kept in this file
+              (`BeforeDispatcher`), so one run prints tokens/s before and after the fast path;
+  uniform     routing_mode="uniform": every expert gets the same number of tokens, which isolates
+              kernels and communication from routing skew;
   EP E=k      the strategy's path: experts sliced over EP groups of k ranks, all-to-all dispatch,
               bucketed EP-aware gradient all-reduce (strategies.grad_sync) + torch.optim.AdamW;
   EP E=k +S   the same with the EP-aware sharded optimizer (strategies.sharded_optimizer), which is
@@ -34,10 +38,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from torch import Tensor
 
 from mula import Mula, MulaConfig
 from mula.moe import iter_moe_layers
-from strategies.all_to_all import AllToAllDispatcher
+from strategies.all_to_all import AllToAllDispatcher, _AllToAll, wire_dtype
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer
 from strategies.topology import build_topology
@@ -53,6 +58,8 @@ class Case:
     name: str
     ep_size: int  # 0 = DDP
     sharded: bool = False
+    before: bool = False  # the previous all-to-all dispatcher (`BeforeDispatcher`)
+    routing: str = "learned"  # MulaConfig.routing_mode: "uniform" isolates kernels and communication
 
 
 @dataclasses.dataclass
@@ -65,6 +72,111 @@ class Spec:
     seq_len: int
     steps: int
     warmup: int
+
+
+# ----- the previous expert-parallel dispatcher (the "before" rows) -----------------------------------
+@dataclasses.dataclass
+class _BeforeState:
+    """What `combine` needs to undo `dispatch` for one call."""
+
+    inv_order: Tensor  # [N*K] position of each (token, k) pair in the expert-sorted send buffer
+    wire_dtype: torch.dtype  # dtype the token rows travel in
+    out_dtype: torch.dtype  # dtype of dispatch's input, which combine returns
+    regroup: Tensor | None  # [M] received-row index of each expert-ordered row (None: identity)
+    send_splits: list[int]
+    recv_splits: list[int]
+    topk_weight: Tensor  # [N, K]
+    num_tokens: int
+    top_k: int
+
+
+class BeforeDispatcher:
+    """The all-to-all dispatcher as it was before it moved onto the local path's plan and kernels (the
+    "before" rows): its own argsort and index_select, the counts copied to the host in two syncs, a
+    CPU-built regroup index, and an [N, K, H] gather + weighted sum to combine. Kept here, not in
+    the library, so that one run measures both."""
+
+    def __init__(self, current: AllToAllDispatcher) -> None:
+        self.num_experts, self.ep_size, self.ep_rank = current.num_experts, current.ep_size, current.ep_rank
+        self.ep_group, self.num_local_experts, self.bytes_sent = (
+            current.ep_group,
+            current.num_local_experts,
+            0,
+        )
+
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, Tensor, _BeforeState]:
+        """Send rows of x [N, H] to their top-k experts' ranks.
+
+        Returns (x_sorted [M, H] grouped by local expert, tokens_per_local_expert [E_local] long, state).
+        """
+        num_tokens, top_k = topk_idx.shape
+        flat_idx = topk_idx.reshape(-1)
+        # Stable sort keeps token order inside each expert, like the single-process dispatcher.
+        order = torch.argsort(flat_idx, stable=True)
+        inv_order = torch.empty_like(order)
+        inv_order[order] = torch.arange(order.numel(), device=order.device)
+        x_send = x.index_select(0, order // top_k)
+        counts = torch.bincount(flat_idx, minlength=self.num_experts)
+
+        if self.ep_size == 1:
+            state = _BeforeState(inv_order, x.dtype, x.dtype, None, [], [], topk_weight, num_tokens, top_k)
+            return x_send, counts, state
+        wire = wire_dtype(x)
+        x_send = x_send.to(wire)
+
+        # counts.view(ep, E_local)[p] goes to EP rank p: rows of recv_counts are source ranks.
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        self.bytes_sent += (self.ep_size - 1) * self.num_local_experts * counts.element_size()
+        send_splits = counts.view(self.ep_size, self.num_local_experts).sum(1).tolist()
+        recv_table = recv_counts.view(self.ep_size, self.num_local_experts).cpu()
+        recv_splits = recv_table.sum(1).tolist()
+
+        # Back in the layer's dtype: the experts get what they would get without expert parallelism
+        # (under autocast they cast to bf16 again, exactly, since the values are bf16 already).
+        x_recv = _AllToAll.apply(x_send, recv_splits, send_splits, self.ep_group, self).to(x.dtype)
+        regroup = _regroup_index(recv_table).to(x.device)
+        x_sorted = x_recv.index_select(0, regroup)
+        tokens_per_local_expert = recv_table.sum(0).to(device=x.device, dtype=torch.long)
+        state = _BeforeState(
+            inv_order, wire, x.dtype, regroup, send_splits, recv_splits, topk_weight, num_tokens, top_k
+        )
+        return x_sorted, tokens_per_local_expert, state
+
+    def combine(self, y_sorted: Tensor, state: _BeforeState) -> Tensor:
+        """Bring expert outputs back to their tokens and return the weighted sum y [N, H]."""
+        if state.regroup is not None:
+            # Undo the regrouping: the row at received position regroup[i] is y_sorted[i].
+            inv_regroup = torch.empty_like(state.regroup)
+            inv_regroup[state.regroup] = torch.arange(state.regroup.numel(), device=state.regroup.device)
+            y_recv = y_sorted.index_select(0, inv_regroup).to(state.wire_dtype)
+            y_send = _AllToAll.apply(y_recv, state.send_splits, state.recv_splits, self.ep_group, self)
+            y_send = y_send.to(state.out_dtype)
+        else:
+            y_send = y_sorted
+        y_pairs = y_send.index_select(0, state.inv_order).view(
+            state.num_tokens, state.top_k, y_send.shape[-1]
+        )
+        weights = state.topk_weight.to(y_pairs.dtype).unsqueeze(-1)
+        return (y_pairs * weights).sum(dim=1)
+
+
+def _regroup_index(recv_table: Tensor) -> Tensor:
+    """Index that reorders received rows from (source, local expert) blocks to (local expert, source).
+
+    recv_table [ep, E_local] holds the row count of each block in arrival order (source-major).
+    """
+    sizes = recv_table.reshape(-1)
+    starts = (torch.cumsum(sizes, 0) - sizes).view_as(recv_table)
+    # Visit blocks expert-major; each block contributes its consecutive received rows.
+    block_starts = starts.t().reshape(-1)
+    block_sizes = recv_table.t().reshape(-1)
+    out_starts = torch.cumsum(block_sizes, 0) - block_sizes
+    total = int(block_sizes.sum())
+    shift = torch.repeat_interleave(block_starts - out_starts, block_sizes, output_size=total)
+    return torch.arange(total, dtype=torch.long) + shift
 
 
 def _free_port() -> int:
@@ -80,7 +192,7 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor, config: MulaConfig) -> to
 
 
 def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
-    config = MulaConfig(**spec.config)
+    config = MulaConfig(**{**spec.config, "routing_mode": case.routing})
     torch.manual_seed(0)
     model = Mula(config)
     sync = None
@@ -90,6 +202,10 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
     else:
         topo = build_topology(case.ep_size)
         apply_expert_parallel(model, topo)
+        if case.before:
+            for _, layer in iter_moe_layers(model):
+                if isinstance(layer.dispatcher, AllToAllDispatcher):
+                    layer.dispatcher = BeforeDispatcher(layer.dispatcher)
         net = model
         named = list(model.named_parameters())
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -103,7 +219,7 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
     dispatchers = [
         layer.dispatcher
         for _, layer in iter_moe_layers(model)
-        if isinstance(layer.dispatcher, AllToAllDispatcher)
+        if isinstance(layer.dispatcher, (AllToAllDispatcher, BeforeDispatcher))
     ]
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [
@@ -180,10 +296,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def before_after(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: the all-to-all dispatcher before and after its fast path, per layout."""
+    lines = ["| layout | before tokens/s | after tokens/s | after / before |", "|---|---|---|---|"]
+    for r in rows:
+        prev = next((b for b in rows if b["case"] == f"{r['case']} (before)"), None)
+        if prev is not None:
+            speedup = r["tokens_per_s"] / prev["tokens_per_s"]
+            lines.append(
+                f"| {r['case']} | {prev['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {speedup:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
 def main(
     world: int = 4,
     ep_sizes: list[int] = [1, 2, 4],  # noqa: B006 (jsonargparse reads the default from the signature)
     sharded: bool = True,
+    before: bool = True,
+    uniform: bool = True,
     steps: int = 5,
     warmup: int = 2,
     micro_batch: int = 4,
@@ -196,7 +327,12 @@ def main(
     vocab_size: int = 4096,
     doc: str | None = None,
 ) -> str:
-    """Run DDP and EP (each E, plain and sharded optimizer) in one job of `world` CPU processes."""
+    """Run DDP and EP (each E, plain and sharded optimizer) in one job of `world` CPU processes.
+
+    `before`: also run each E > 1 with the previous all-to-all dispatcher (`BeforeDispatcher`) and
+    print tokens/s before and after; `uniform`: also run the largest E with uniform routing (every
+    expert the same number of tokens), which separates the kernels and communication from routing skew.
+    """
     bad = [e for e in ep_sizes if e < 1 or world % e or num_experts % e]
     if bad:
         raise ValueError(f"ep_sizes {bad} must divide both world={world} and num_experts={num_experts}.")
@@ -208,8 +344,15 @@ def main(
     cases = [Case("DDP", 0)]
     for e in ep_sizes:
         cases.append(Case(f"EP E={e}", e))
+        if before and e > 1:
+            cases.append(Case(f"EP E={e} (before)", e, before=True))
         if sharded:
             cases.append(Case(f"EP E={e} + sharded AdamW", e, sharded=True))
+    if uniform:
+        e = max(ep_sizes)
+        cases.append(Case(f"EP E={e} uniform routing", e, routing="uniform"))
+        if before and e > 1:
+            cases.append(Case(f"EP E={e} uniform routing (before)", e, before=True, routing="uniform"))
     spec = Spec(dataclasses.asdict(config), cases, micro_batch, seq_len, steps, warmup)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
@@ -223,6 +366,11 @@ def main(
         f"tokens per rank, median of {steps} full training steps (slowest rank) after {warmup} warm-up steps."
     )
     result = header + "\n\n" + table(rows)
+    if any(r["case"].endswith("(before)") for r in rows):
+        result += (
+            "\n\nThe all-to-all dispatcher before and after its fast path (same run):\n\n"
+            + before_after(rows)
+        )
     print(result)
     if doc is not None:
         write_section(Path(doc), SECTION, _doc_section(result, world))

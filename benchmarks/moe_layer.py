@@ -42,6 +42,7 @@ from mula.model import Mula
 from mula.moe import MoELayer
 
 SECTION = "## moe_layer"
+UNIFORM = "mula MoELayer [auto], uniform routing"
 NOTES = """
 How to read it.
 
@@ -49,6 +50,8 @@ How to read it.
   `LocalDispatcher` -> `GroupedExperts` -> combine) on that experts backend ("= auto" marks the one
   `auto` picks here; the summary uses it). "loop reference" is the same layer on the `loop` backend
   (one matmul per expert, autograd gradients). The whole-model rows are `Mula` as built.
+- "uniform routing" is the auto row with `routing_mode="uniform"`: every expert gets the same number
+  of tokens (within one), so the kernels run without routing skew; its output differs by design.
 - max abs diff: forward output against transformers' grouped_mm on identical weights and inputs.
 - TFLOP/s counts the expert GEMMs only; the dense row is one [T*K, hidden] x [hidden, 3*FFN] matmul
   and both of its backward products: the same FLOPs with no routing, the ceiling for the experts.
@@ -203,6 +206,8 @@ def bench_layer(
             layer.experts.gate_up.copy_(block.experts.gate_up_proj)
             layer.experts.down.copy_(block.experts.down_proj)
         layers[backend] = layer
+    uniform = MoELayer(dataclasses.replace(mcfg, routing_mode="uniform")).to(device=device, dtype=dtype)
+    uniform.load_state_dict(layers["auto"].state_dict())
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
     dy = torch.randn(1, tokens, hidden, generator=gen).to(device, dtype)
@@ -222,8 +227,10 @@ def bench_layer(
         if backend != auto:
             fwds[f"mula MoELayer [{backend}]"] = lambda b=backend: layers[b](x)[0]
     fwds["loop reference"] = lambda: layers["loop"](x)[0]
+    fwds[UNIFORM] = lambda: uniform(x)[0]
 
     params = [x, *block.parameters(), *layers["auto"].parameters(), *layers["loop"].parameters()]
+    params += list(uniform.parameters())
     outputs: dict[str, Tensor] = {}
 
     def step(name: str) -> Callable[[], None]:
@@ -247,7 +254,8 @@ def bench_layer(
     ref = outputs.get("transformers grouped_mm", next(iter(outputs.values())))
     rows = []
     for name, ts in times.items():
-        err = (outputs[name].float() - ref.float()).abs().max().item() if name in outputs else None
+        compared = name in outputs and name != UNIFORM  # uniform routing computes another function
+        err = (outputs[name].float() - ref.float()).abs().max().item() if compared else None
         rows.append(Row(name, ts, flops, err))
     rows += [Row(name, [float("nan")], flops, None, note) for name, note in notes.items()]
     return rows

@@ -6,7 +6,7 @@
   that traffic is real and counted.
 * `moe/load_imbalance_global`: max over mean tokens per expert of the step's tokens on *all* ranks
   (summed over ranks and micro-batches), averaged over MoE layers. The LightningModule's own
-  `moe/load_imbalance` is the same ratio for this rank's micro-batch.
+  `moe/load_imbalance` is the same ratio for this rank's micro-batch; `ExpertLoad` logs it per layer.
 * the optimizer's own `metrics()` (the EP-aware sharded optimizer reports `optim/state_bytes`,
   `optim/step_ms`, `optim/grad_norm`, ...); for another optimizer `optim/state_bytes` counts this
   rank's parameters plus their optimizer state.
@@ -20,8 +20,8 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-import torch.distributed as dist
 
+from mula.lightning_compat import ends_optimizer_step
 from mula.moe import iter_moe_layers
 
 
@@ -29,38 +29,17 @@ class MoEMetrics(L.Callback):
     """Logs moe/a2a_bytes, moe/load_imbalance_global and optimizer metrics every optimizer step.
 
     Args:
-        load_imbalance: also all-reduce the per-step expert counts (one tiny all-reduce per step)
-            to log the global load imbalance.
+        load_imbalance: also log the global load imbalance, from the step's counts on all ranks that
+            `MulaLightningModule` all-reduces once per step (`step_expert_counts`; no collective here).
     """
 
     def __init__(self, load_imbalance: bool = True) -> None:
         self.load_imbalance = load_imbalance
-        self._counts: torch.Tensor | None = None
-        self._hooks: list[Any] = []
         self._layers: list[torch.nn.Module] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Attach forward hooks that collect each MoE layer's tokens per expert."""
+        """Find the MoE layers (their dispatchers count the all-to-all bytes)."""
         self._layers = [layer for _, layer in iter_moe_layers(pl_module)]
-        if self.load_imbalance:
-            for index, layer in enumerate(self._layers):
-                self._hooks.append(layer.register_forward_hook(self._make_hook(index)))
-
-    def _make_hook(self, index: int):
-        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            counts = getattr(output[1], "tokens_per_expert", None) if isinstance(output, tuple) else None
-            if counts is None or not torch.is_grad_enabled():  # training steps only
-                return
-            if torch._C._current_graph_task_id() != -1:
-                # a forward run inside backward is activation checkpointing's recompute: counted already
-                return
-            if self._counts is None:
-                self._counts = torch.zeros(
-                    len(self._layers), counts.numel(), dtype=torch.long, device=counts.device
-                )
-            self._counts[index] += counts.detach()
-
-        return hook
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
@@ -74,16 +53,13 @@ class MoEMetrics(L.Callback):
             if hasattr(layer.dispatcher, "bytes_sent"):
                 layer.dispatcher.bytes_sent = 0
         pl_module.log("moe/a2a_bytes", float(sent), on_step=True, on_epoch=False, sync_dist=False)
-        if self._counts is not None:
-            counts = self._counts.clone()
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(counts)
-            ratio = counts.float().max(dim=1).values / counts.float().mean(dim=1).clamp_min(1e-9)
-            pl_module.log("moe/load_imbalance_global", ratio.mean(), on_step=True, on_epoch=False)
-            self._counts.zero_()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        """After an optimizer step: log the optimizer's metrics (step time, state bytes, ...)."""
+        """After an optimizer step: log the global load imbalance and the optimizer's metrics."""
+        counts = getattr(pl_module, "step_expert_counts", None)
+        if self.load_imbalance and counts is not None and ends_optimizer_step(trainer):
+            ratio = counts.float().max(dim=1).values / counts.float().mean(dim=1).clamp_min(1e-9)
+            pl_module.log("moe/load_imbalance_global", ratio.mean(), on_step=True, on_epoch=False)
         if not trainer.optimizers or trainer.global_step == 0:
             return
         optimizer = trainer.optimizers[0]
@@ -93,12 +69,6 @@ class MoEMetrics(L.Callback):
             values = {"optim/state_bytes": float(_state_bytes(optimizer))}
         for key, value in values.items():
             pl_module.log(key, float(value), on_step=True, on_epoch=False, sync_dist=False)
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Remove the forward hooks."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

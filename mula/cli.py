@@ -2,7 +2,7 @@
 
     mula fit -c recipes/mula-tiny-moe.yaml [-c recipes/strategies/ddp.yaml] [--trainer.max_steps=10]
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
-    mula eval --help
+    mula plan --help | mula eval --help | mula report RUN_DIR
 
 Every subcommand is parsed by the same jsonargparse parser (so `-c file.yaml`, `--print_config` and
 `--help` work alike everywhere). A run's loggers write under its run directory,
@@ -149,6 +149,20 @@ def _print_results(ckpt: Any, record: dict[str, Any], evaluated: list[str]) -> N
             print(f"  {task:<28} {name:<16} {value:.4f}{note}")
 
 
+def report(run_dir: str, output: str | None = None) -> None:
+    """Write a run's plots (losses, learning rate, tokens/s, MFU, expert load) as PNG files from its CSV files.
+
+    Args:
+        run_dir: The run directory (trainer.default_root_dir: its newest version_N/metrics.csv is read)
+            or the directory holding metrics.csv (and moe_load.csv, for the expert load).
+        output: Directory for the PNG files (default: plots/ next to metrics.csv).
+    """
+    from mula.report import write_report
+
+    for path in write_report(run_dir, output):
+        print(f"mula: wrote {path}")
+
+
 def _tools() -> dict[str, Callable[..., Any]]:
     """Non-training subcommands: name -> function whose signature and docstring define the arguments."""
     from mula.data.prepare import prepare
@@ -160,7 +174,12 @@ def _tools() -> dict[str, Callable[..., Any]]:
         "import-hf": import_hf,
         "export-hf": export_hf,
         "eval": evaluate,
+        "report": report,
     }
+
+
+# tools whose required arguments are positional (`mula report RUN_DIR`)
+POSITIONAL_TOOLS = ("report",)
 
 
 def _summary(fn: Callable[..., Any]) -> str:
@@ -212,7 +231,7 @@ class MulaCLI(LightningCLI):
         self._tool_fns = _tools()
         for name, fn in self._tool_fns.items():
             sub = self.init_parser(description=_summary(fn))
-            sub.add_function_arguments(fn, as_group=False)
+            sub.add_function_arguments(fn, as_group=False, as_positional=name in POSITIONAL_TOOLS)
             self._subcommand_parsers[name] = sub
             parser._subcommands_action.add_subcommand(name, sub, help=_summary(fn).splitlines()[0])
         self._subcommand_parsers["fit"].add_argument(

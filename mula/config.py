@@ -15,6 +15,9 @@ NORMS = ("rmsnorm", "layernorm")
 # Expert-kernel backends a recipe may name (`mula.kernels.backends` resolves them); kept here, free of
 # torch, so that reading a config never imports the kernels.
 BACKENDS = ("auto", "triton", "torch", "loop")
+# How the router's load-balancing loss counts expert frequencies, and how it picks experts.
+AUX_LOSS_SCOPES = ("micro_batch", "global")
+ROUTING_MODES = ("learned", "uniform")
 
 
 def check_backend_name(backend: str) -> None:
@@ -58,6 +61,10 @@ class MulaConfig:
     init_std: float = 0.02
     tie_embeddings: bool = False
     expert_backend: str = "auto"
+    # Router balancing (training settings, not architecture): see `mula.moe.balancing`.
+    router_bias_update_rate: float = 0.0
+    aux_loss_scope: str = "micro_batch"
+    routing_mode: str = "learned"
 
     # The fields that define the function the weights compute (shapes and structure): a checkpoint
     # loads into a model only when these agree. The others are training settings (loss weights, init,
@@ -96,6 +103,7 @@ class MulaConfig:
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
         check_backend_name(self.expert_backend)
+        self._check_routing()
         if self.is_moe:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}.")
@@ -107,6 +115,16 @@ class MulaConfig:
             raise ValueError(
                 f"intermediate_size must be positive for a dense model, got {self.intermediate_size}."
             )
+
+    def _check_routing(self) -> None:
+        if not self.router_bias_update_rate >= 0.0:  # also refuses NaN
+            raise ValueError(
+                f"router_bias_update_rate must be >= 0 (0 = no bias balancing), got {self.router_bias_update_rate}."
+            )
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"aux_loss_scope must be one of {AUX_LOSS_SCOPES}, got {self.aux_loss_scope!r}.")
+        if self.routing_mode not in ROUTING_MODES:
+            raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}.")
 
     # ----- resolved values ------------------------------------------------------------------
     @property

@@ -122,6 +122,16 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
+def check_router_bias(state_dict: dict[str, Tensor]) -> None:
+    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE has no such term."""
+    for key, value in state_dict.items():
+        if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
+            raise ValueError(
+                f"{key} is non-zero (router bias balancing, router_bias_update_rate > 0) and transformers' "
+                "OLMoE cannot express a router bias, so exporting would silently change the routing."
+            )
+
+
 def config_to_hf(
     config: MulaConfig, dtype: torch.dtype = torch.float32, token_ids: dict[str, int | None] | None = None
 ) -> dict[str, Any]:
@@ -178,6 +188,9 @@ _RENAMES = (  # Mula name piece -> transformers name piece, inside model.layers.
 )
 
 
+ROUTER_BIAS = ".mlp.router.bias"  # Mula's balancing bias buffer (router_bias_update_rate > 0)
+
+
 def _to_hf_key(key: str) -> str:
     if key == "embed.weight":
         return "model.embed_tokens.weight"
@@ -211,6 +224,8 @@ def iter_hf_tensors(
     for key, value in state_dict.items():
         if key == "lm_head.weight" and config.tie_embeddings:
             continue
+        if key.endswith(ROUTER_BIAS):
+            continue  # all zero (`check_router_bias`): OLMoE's routing without it is the same
         if ".mlp.experts." not in key:
             yield _to_hf_key(key), value
             continue
@@ -286,6 +301,7 @@ def to_hf(model: Mula) -> Any:
     import transformers  # optional dependency: only needed here
 
     config = model.config
+    check_router_bias(model.state_dict())
     dtype = next(model.parameters()).dtype
     d = config_to_hf(config, dtype)
     arch = d["architectures"][0]
@@ -376,6 +392,7 @@ def export_hf(
     verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt, verify=False)  # verified above
+    check_router_bias(state)
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)

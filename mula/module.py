@@ -28,6 +28,8 @@ from torchmetrics.aggregation import MeanMetric
 from mula.config import MulaConfig
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.model import Mula, parse_activation_checkpointing
+from mula.moe import iter_moe_layers
+from mula.moe.balancing import step_counts, update_router_bias
 
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
 STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
@@ -135,6 +137,9 @@ class MulaLightningModule(L.LightningModule):
         # Detached [loss, ce, aux, z] summed over the micro-batches of the current optimizer step.
         self._step_sums: Tensor | None = None
         self._step_micro_batches = 0
+        # [MoE layers, E] tokens per expert of this rank's micro-batches in the current step
+        self._step_counts: Tensor | None = None
+        self.step_expert_counts: Tensor | None = None  # the last step's, summed over all ranks
 
     # ----- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -187,6 +192,8 @@ class MulaLightningModule(L.LightningModule):
         loss, ce, out = self._losses(batch)
         self._log_step_losses(loss, ce, out.aux_loss, out.z_loss)
         if self.config.is_moe and out.tokens_per_expert is not None:
+            counts = out.tokens_per_expert.detach()
+            self._step_counts = counts if self._step_counts is None else self._step_counts + counts
             self.log("moe/load_imbalance", load_imbalance(out.tokens_per_expert))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
@@ -246,6 +253,25 @@ class MulaLightningModule(L.LightningModule):
         self.log("test/loss", loss)
         self.log("test/ppl", torch.exp(loss))
         self.val_loss.reset()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's micro-batches are done: global expert counts, router bias update, new global scope.
+
+        One all-reduce of the [layers, E] counts per step (no host sync); `step_expert_counts` keeps
+        them for the metrics callbacks. The bias changes only here, never between a micro-batch's
+        forward and its backward (an activation-checkpointing recompute must route the same way).
+        """
+        if self._step_counts is None:
+            return
+        self.step_expert_counts = step_counts(self._step_counts)
+        self._step_counts = None
+        layers = [layer for _, layer in iter_moe_layers(self.model)]
+        if self.config.router_bias_update_rate > 0:
+            rate = self.config.router_bias_update_rate
+            update_router_bias([layer.router for layer in layers], self.step_expert_counts, rate)
+        for layer in layers:
+            if layer.global_load is not None:
+                layer.global_load.reset()
 
     # ----- optimizer -----------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:

@@ -1,13 +1,19 @@
 """All-to-all token dispatcher for expert parallelism (dropless, uneven splits, autograd-correct).
 
-Implements `mula.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher. Per layer and step:
+Implements `mula.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher, on the local path's
+permutation plan and kernels (`mula.kernels.permute`: Triton on GPUs). Per layer and step:
 
-1. sort this rank's (token, k) assignments by global expert;
-2. exchange per-expert token counts over the EP group (one small all_to_all of E_total integers);
-3. `all_to_all_single` the token rows with the resulting uneven splits;
-4. regroup the received rows from (source rank, local expert) order into (local expert, source rank)
-   order, which is what the grouped experts want;
-5. `combine` runs the same steps backwards and forms each token's weighted sum of its K expert outputs.
+1. `plan_routing` sorts this rank's (token, k) assignments by global expert, i.e. by destination rank
+   (experts are rank-contiguous), and `permute` writes the send buffer (no [N, K, H] temporary);
+2. one small all_to_all of the E_total counts, then the layer's only host synchronisation: the send
+   and receive count tables copied to the host together (the splits `all_to_all_single` needs);
+3. `all_to_all_single` the token rows with those uneven splits;
+4. a second plan over the received rows' local expert ids (a stable sort keeps the source-rank order
+   within each expert) lays them out the way the local experts' backend runs them, as the local path
+   does; where that layout folds the combine weights into the experts (the CPU padded layout), the
+   weights travel with the rows (one fp32 per row);
+5. `combine` runs the same steps backwards: `unpermute` of the expert plan, the reverse all_to_all,
+   and `unpermute` of the send plan, which forms each token's sum of its K (weighted) expert outputs.
 
 Token rows travel in the compute dtype: the autocast dtype when autocast is on for the tokens'
 device (under bf16-mixed the residual stream reaching the MoE layer is fp32, but the experts compute
@@ -28,6 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from mula.kernels import RoutingPlan, permute, plan_routing, unpermute
+from mula.kernels.permute import experts_run_padded
+from mula.moe import LocalDispatcher
 
 
 class _AllToAll(torch.autograd.Function):
@@ -61,15 +71,12 @@ def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: Any
 class _DispatchState:
     """What `combine` needs to undo `dispatch` for one call."""
 
-    inv_order: Tensor  # [N*K] position of each (token, k) pair in the expert-sorted send buffer
+    send_plan: RoutingPlan  # this rank's assignments by global expert (its combine weights, unless folded)
+    expert_plan: RoutingPlan  # received rows -> the local experts' layout
     wire_dtype: torch.dtype  # dtype the token rows travel in
     out_dtype: torch.dtype  # dtype of dispatch's input, which combine returns
-    regroup: Tensor | None  # [M] received-row index of each expert-ordered row (None: identity)
     send_splits: list[int]
     recv_splits: list[int]
-    topk_weight: Tensor  # [N, K]
-    num_tokens: int
-    top_k: int
 
 
 class AllToAllDispatcher:
@@ -79,12 +86,15 @@ class AllToAllDispatcher:
     leaves the model's modules and state-dict keys as they were.
 
     num_experts: experts in the whole model (E_total); ep_size/ep_rank/ep_group: this rank's expert-
-    parallel group. Local expert j on EP rank p is global expert p * (E_total / ep_size) + j.
-    `bytes_sent` accumulates the bytes this rank sent to other ranks (forward and backward, token rows
-    and counts) until someone resets it (the MoE metrics callback does, once per optimizer step).
+    parallel group; backend: the experts' kernel backend (the plans lay rows out for it). Local expert
+    j on EP rank p is global expert p * (E_total / ep_size) + j. `bytes_sent` accumulates the bytes
+    this rank sent to other ranks (forward and backward: token rows, combine weights, counts) until
+    someone resets it (the MoE metrics callback does, once per optimizer step).
     """
 
-    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, ep_group: Any = None) -> None:
+    def __init__(
+        self, num_experts: int, ep_size: int, ep_rank: int, ep_group: Any = None, backend: str = "auto"
+    ) -> None:
         if ep_size < 1 or num_experts % ep_size != 0:
             raise ValueError(
                 f"The model has {num_experts} experts, which is not divisible by expert_parallel_size={ep_size}."
@@ -93,72 +103,61 @@ class AllToAllDispatcher:
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.ep_group = ep_group
+        self.backend = backend
         self.num_local_experts = num_experts // ep_size
         self.bytes_sent = 0
+        self._local = LocalDispatcher(num_experts, backend)  # ep_size 1: nothing to exchange
 
     def __repr__(self) -> str:
         return (
             f"AllToAllDispatcher(num_experts={self.num_experts}, ep_size={self.ep_size}, "
-            f"ep_rank={self.ep_rank})"
+            f"ep_rank={self.ep_rank}, backend={self.backend!r})"
         )
 
     def dispatch(
         self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
-    ) -> tuple[Tensor, Tensor, _DispatchState]:
+    ) -> tuple[Tensor, RoutingPlan, _DispatchState | RoutingPlan]:
         """Send rows of x [N, H] to their top-k experts' ranks.
 
-        Returns (x_sorted [M, H] grouped by local expert, tokens_per_local_expert [E_local] long, state).
+        Returns (x_grouped: the received rows in the local experts' layout, the `RoutingPlan` of that
+        layout (`plan.counts`: rows per local expert), state).
         """
-        num_tokens, top_k = topk_idx.shape
-        flat_idx = topk_idx.reshape(-1)
-        # Stable sort keeps token order inside each expert, like the single-process dispatcher.
-        order = torch.argsort(flat_idx, stable=True)
-        inv_order = torch.empty_like(order)
-        inv_order[order] = torch.arange(order.numel(), device=order.device)
-        x_send = x.index_select(0, order // top_k)
-        counts = torch.bincount(flat_idx, minlength=self.num_experts)
-
         if self.ep_size == 1:
-            state = _DispatchState(inv_order, x.dtype, x.dtype, None, [], [], topk_weight, num_tokens, top_k)
-            return x_send, counts, state
+            return self._local.dispatch(x, topk_idx, topk_weight)
         wire = wire_dtype(x)
-        x_send = x_send.to(wire)
+        fold = experts_run_padded(self.backend, x.device, x.dtype)  # the same answer on every rank
+        send_plan = plan_routing(topk_idx, self.num_experts, None if fold else topk_weight)
+        x_send = permute(x.to(wire), send_plan)
 
         # counts.view(ep, E_local)[p] goes to EP rank p: rows of recv_counts are source ranks.
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
-        self.bytes_sent += (self.ep_size - 1) * self.num_local_experts * counts.element_size()
-        send_splits = counts.view(self.ep_size, self.num_local_experts).sum(1).tolist()
-        recv_table = recv_counts.view(self.ep_size, self.num_local_experts).cpu()
-        recv_splits = recv_table.sum(1).tolist()
+        recv_counts = torch.empty_like(send_plan.counts)
+        dist.all_to_all_single(recv_counts, send_plan.counts, group=self.ep_group)
+        self.bytes_sent += (self.ep_size - 1) * self.num_local_experts * recv_counts.element_size()
+        tables = torch.stack((send_plan.counts, recv_counts)).view(2, self.ep_size, -1).cpu()  # the sync
+        send_splits, recv_splits = tables[0].sum(1).tolist(), tables[1].sum(1).tolist()
 
         # Back in the layer's dtype: the experts get what they would get without expert parallelism
         # (under autocast they cast to bf16 again, exactly, since the values are bf16 already).
         x_recv = _AllToAll.apply(x_send, recv_splits, send_splits, self.ep_group, self).to(x.dtype)
-        regroup = _regroup_index(recv_table).to(x.device)
-        x_sorted = x_recv.index_select(0, regroup)
-        tokens_per_local_expert = recv_table.sum(0).to(device=x.device, dtype=torch.long)
-        state = _DispatchState(
-            inv_order, wire, x.dtype, regroup, send_splits, recv_splits, topk_weight, num_tokens, top_k
+        local_ids = torch.arange(self.num_local_experts, device=x.device).repeat(self.ep_size)
+        local_ids = torch.repeat_interleave(local_ids, recv_counts, output_size=sum(recv_splits))
+        w_recv = None
+        if fold:
+            w_send = topk_weight.reshape(-1)[send_plan.order].float()
+            w_recv = _AllToAll.apply(w_send, recv_splits, send_splits, self.ep_group, self).unsqueeze(1)
+        expert_plan = plan_routing(
+            local_ids.unsqueeze(1), self.num_local_experts, w_recv, backend=self.backend, dtype=x.dtype
         )
-        return x_sorted, tokens_per_local_expert, state
+        state = _DispatchState(send_plan, expert_plan, wire, x.dtype, send_splits, recv_splits)
+        return permute(x_recv, expert_plan), expert_plan, state
 
-    def combine(self, y_sorted: Tensor, state: _DispatchState) -> Tensor:
+    def combine(self, y_grouped: Tensor, state: _DispatchState | RoutingPlan) -> Tensor:
         """Bring expert outputs back to their tokens and return the weighted sum y [N, H]."""
-        if state.regroup is not None:
-            # Undo the regrouping: the row at received position regroup[i] is y_sorted[i].
-            inv_regroup = torch.empty_like(state.regroup)
-            inv_regroup[state.regroup] = torch.arange(state.regroup.numel(), device=state.regroup.device)
-            y_recv = y_sorted.index_select(0, inv_regroup).to(state.wire_dtype)
-            y_send = _AllToAll.apply(y_recv, state.send_splits, state.recv_splits, self.ep_group, self)
-            y_send = y_send.to(state.out_dtype)
-        else:
-            y_send = y_sorted
-        y_pairs = y_send.index_select(0, state.inv_order).view(
-            state.num_tokens, state.top_k, y_send.shape[-1]
-        )
-        weights = state.topk_weight.to(y_pairs.dtype).unsqueeze(-1)
-        return (y_pairs * weights).sum(dim=1)
+        if isinstance(state, RoutingPlan):
+            return self._local.combine(y_grouped, state)
+        y_recv = unpermute(y_grouped, state.expert_plan).to(state.wire_dtype)
+        y_send = _AllToAll.apply(y_recv, state.send_splits, state.recv_splits, self.ep_group, self)
+        return unpermute(y_send.to(state.out_dtype), state.send_plan)
 
 
 def wire_dtype(x: Tensor) -> torch.dtype:
@@ -168,19 +167,3 @@ def wire_dtype(x: Tensor) -> torch.dtype:
     if x.is_floating_point() and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
-
-
-def _regroup_index(recv_table: Tensor) -> Tensor:
-    """Index that reorders received rows from (source, local expert) blocks to (local expert, source).
-
-    recv_table [ep, E_local] holds the row count of each block in arrival order (source-major).
-    """
-    sizes = recv_table.reshape(-1)
-    starts = (torch.cumsum(sizes, 0) - sizes).view_as(recv_table)
-    # Visit blocks expert-major; each block contributes its consecutive received rows.
-    block_starts = starts.t().reshape(-1)
-    block_sizes = recv_table.t().reshape(-1)
-    out_starts = torch.cumsum(block_sizes, 0) - block_sizes
-    total = int(block_sizes.sum())
-    shift = torch.repeat_interleave(block_starts - out_starts, block_sizes, output_size=total)
-    return torch.arange(total, dtype=torch.long) + shift

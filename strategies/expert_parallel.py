@@ -44,7 +44,8 @@ def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) ->
         if hasattr(experts, "num_experts"):
             experts.num_experts = len(local)
         if topology.ep_size > 1:
+            backend = getattr(layer.dispatcher, "backend", "auto")  # the experts' kernels, as before
             layer.dispatcher = AllToAllDispatcher(
-                total, topology.ep_size, topology.ep_rank, topology.ep_group
+                total, topology.ep_size, topology.ep_rank, topology.ep_group, backend
             )
     return total

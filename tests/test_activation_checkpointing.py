@@ -129,18 +129,18 @@ def test_expert_parallel_gradients_unchanged() -> None:
                 assert run["bytes_sent"] == plain
 
 
-def test_moe_metrics_does_not_count_a_recompute_twice() -> None:
-    """MoEMetrics' expert counts (a forward hook) are those of one forward, also with recompute."""
-    from callbacks import MoEMetrics
-
+def test_step_expert_counts_do_not_count_a_recompute_twice() -> None:
+    """The counts the module sums per step (and the metrics callbacks read) are those of one forward."""
     counts = {}
     for setting in ("none", "full", ["moe"]):
-        model = _model(setting)
-        cb = MoEMetrics()
-        cb.on_fit_start(None, model)
-        _loss(model, _batch())[0].backward()
-        counts[str(setting)] = cb._counts.clone()
-        cb.on_fit_end(None, model)
+        module = MulaLightningModule(CONFIG, activation_checkpointing=setting)
+        torch.manual_seed(0)
+        module.configure_model()
+        loss, out = _loss(module.model, _batch())
+        loss.backward()
+        module._step_counts = out.tokens_per_expert.detach()  # as training_step accumulates it
+        module.on_before_optimizer_step(None)
+        counts[str(setting)] = module.step_expert_counts
     assert counts["none"].sum() == CONFIG.num_layers * WORLD * MICRO * SEQ * CONFIG.top_k
     assert torch.equal(counts["full"], counts["none"]) and torch.equal(counts["['moe']"], counts["none"])
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from dist_helpers import run_distributed
 
-from strategies.all_to_all import AllToAllDispatcher, _regroup_index, wire_dtype
+from mula.kernels import RoutingPlan
+from strategies.all_to_all import AllToAllDispatcher, wire_dtype
 from strategies.topology import build_topology
 
 H, E_TOTAL, K = 8, 8, 2
@@ -26,9 +27,10 @@ def _expert_weights() -> torch.Tensor:
     return torch.randn(E_TOTAL, H, H, generator=torch.Generator().manual_seed(7))
 
 
-def _experts(x_sorted: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per-expert tanh(x @ W_e^T) on rows grouped by expert."""
-    chunks = torch.split(x_sorted, counts.tolist())
+def _experts(x_sorted: torch.Tensor, grouping: RoutingPlan, w: torch.Tensor) -> torch.Tensor:
+    """Per-expert tanh(x @ W_e^T) on rows grouped by expert (a plain sorted plan: the "loop" backend)."""
+    assert grouping.layout is None and grouping.row_weight is None
+    chunks = torch.split(x_sorted, grouping.counts.tolist())
     return torch.cat([torch.tanh(c @ w[e].t()) for e, c in enumerate(chunks)] + [x_sorted[:0]])
 
 
@@ -49,10 +51,11 @@ def _dispatch_worker(rank: int, world: int, ep_size: int, tokens: list[int], all
     x, idx, wt, upstream = _rank_inputs(rank, tokens[rank], allowed)
     x.requires_grad_(True)
     wt.requires_grad_(True)
-    dispatcher = AllToAllDispatcher(E_TOTAL, topo.ep_size, topo.ep_rank, topo.ep_group)
-    x_sorted, counts, state = dispatcher.dispatch(x, idx, wt)
+    dispatcher = AllToAllDispatcher(E_TOTAL, topo.ep_size, topo.ep_rank, topo.ep_group, backend="loop")
+    x_sorted, grouping, state = dispatcher.dispatch(x, idx, wt)
+    counts = grouping.counts
     assert counts.shape == (E_TOTAL // ep_size,) and int(counts.sum()) == x_sorted.shape[0]
-    y = dispatcher.combine(_experts(x_sorted, counts, w_local), state)
+    y = dispatcher.combine(_experts(x_sorted, grouping, w_local), state)
     (y * upstream).sum().backward()
 
     # Reference: this rank's output from its own data; expert gradient = sum over the EP group's data.
@@ -91,15 +94,6 @@ def test_rank_receiving_or_sending_no_tokens() -> None:
     assert results[2]["bytes_sent"] > 0  # counts still go out from an empty rank
 
 
-def test_regroup_index_orders_blocks_expert_major() -> None:
-    # 2 sources x 2 local experts; arrival order: (s0,e0)=2 rows, (s0,e1)=1, (s1,e0)=0, (s1,e1)=3.
-    table = torch.tensor([[2, 1], [0, 3]])
-    assert _regroup_index(table).tolist() == [0, 1, 2, 3, 4, 5]
-    table = torch.tensor([[1, 2], [3, 1]])
-    # rows: s0e0=[0], s0e1=[1,2], s1e0=[3,4,5], s1e1=[6] -> e0: 0,3,4,5 ; e1: 1,2,6
-    assert _regroup_index(table).tolist() == [0, 3, 4, 5, 1, 2, 6]
-
-
 def _autocast_worker(rank: int, world: int) -> dict:
     """fp32 tokens under bf16 autocast (what bf16-mixed hands the MoE layer): rows travel as bf16."""
     topo = build_topology(2)
@@ -107,11 +101,12 @@ def _autocast_worker(rank: int, world: int) -> dict:
     w_local = _expert_weights()[local.start : local.stop].clone().requires_grad_(True)
     x, idx, wt, upstream = _rank_inputs(rank, 6, E_TOTAL)
     x.requires_grad_(True)
-    dispatcher = AllToAllDispatcher(E_TOTAL, topo.ep_size, topo.ep_rank, topo.ep_group)
+    dispatcher = AllToAllDispatcher(E_TOTAL, topo.ep_size, topo.ep_rank, topo.ep_group, backend="loop")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        x_sorted, counts, state = dispatcher.dispatch(x, idx, wt)
+        x_sorted, grouping, state = dispatcher.dispatch(x, idx, wt)
+        counts = grouping.counts
         dispatch_bytes = dispatcher.bytes_sent
-        y = dispatcher.combine(_experts(x_sorted, counts, w_local), state)
+        y = dispatcher.combine(_experts(x_sorted, grouping, w_local), state)
     combine_bytes = dispatcher.bytes_sent - dispatch_bytes
     (y * upstream).sum().backward()
     # Rows whose expert lives on the other EP rank leave this rank (in dispatch and again in combine).

@@ -86,7 +86,7 @@ def plan_routing(
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     plan = RoutingPlan(order, unsort, order // max(top_k, 1), counts, top_k)
-    if dtype is not None and _experts_run_padded(backend, topk_idx.device, dtype):
+    if dtype is not None and experts_run_padded(backend, topk_idx.device, dtype):
         plan = _pad_plan(plan, padded.plan_buckets(counts))
         if topk_weight is not None:
             plan.row_weight = _RowWeights.apply(topk_weight, plan.order, plan.unsort)
@@ -95,8 +95,9 @@ def plan_routing(
     return plan
 
 
-def _experts_run_padded(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """True when `grouped_swiglu` for this backend/device/dtype runs on the bucketed padded layout."""
+def experts_run_padded(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """True when `grouped_swiglu` for this backend/device/dtype runs on the bucketed padded layout
+    (and `plan_routing` then folds the combine weights into the experts)."""
     return device.type in padded.DEVICES and resolve_backend(backend, device, dtype) == "torch"
 
 
@@ -204,7 +205,8 @@ class _Unpermute(torch.autograd.Function):
         # torch path: keep the gathered [N,K,H] rows for the weight gradient (no second gather)
         gathered = _gather_slots(ys, plan)
         ctx.save_for_backward(gathered, weight)
-        return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
+        with torch.autocast(ys.device.type, enabled=False):  # in the rows' dtype, as the kernels do
+            return torch.bmm(weight.to(ys.dtype).unsqueeze(1), gathered).squeeze(1)
 
     @staticmethod
     @once_differentiable

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from mula.config import MulaConfig
+from mula.moe.balancing import GlobalLoad
 from mula.moe.dispatcher import Dispatcher, LocalDispatcher
 from mula.moe.experts import GroupedExperts
 from mula.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss
@@ -31,11 +33,20 @@ class MoELayer(nn.Module):
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
         self.num_experts = config.num_experts
-        self.router = Router(config.hidden_size, config.num_experts, config.top_k, config.norm_topk_prob)
+        self.router = Router(
+            config.hidden_size,
+            config.num_experts,
+            config.top_k,
+            config.norm_topk_prob,
+            use_bias=config.router_bias_update_rate > 0,
+            mode=config.routing_mode,
+        )
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_backend
         )
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
+        # aux_loss_scope="global": f over the step's global batch (training only; eval stays local)
+        self.global_load = GlobalLoad() if config.aux_loss_scope == "global" else None
 
     def extra_repr(self) -> str:
         return f"dispatcher={self.dispatcher!r}"
@@ -48,5 +59,9 @@ class MoELayer(nn.Module):
         x_grouped, grouping, state = self.dispatcher.dispatch(x, route.topk_idx, route.topk_weight)
         y = self.dispatcher.combine(self.experts(x_grouped, grouping), state)
         counts = expert_counts(route.topk_idx, self.num_experts)
-        stats = MoEStats(load_balancing_loss(route.probs, counts), router_z_loss(route.logits), counts)
+        f = None
+        if self.global_load is not None and torch.is_grad_enabled():
+            f = self.global_load.frequencies(counts, x.shape[0])
+        aux = load_balancing_loss(route.probs, counts, f)
+        stats = MoEStats(aux, router_z_loss(route.logits), counts)
         return y.view(shape), stats

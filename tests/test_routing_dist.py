@@ -1,0 +1,147 @@
+"""Router balancing on 4 gloo processes against one process over the same global batch (fp32).
+
+* aux_loss_scope="global": the loss and every gradient of 4 data-parallel ranks (one micro-batch
+  each) equal those of one process running the whole global batch, also with expert parallelism
+  (E=2: the loss and the dense gradients); the micro-batch scope does not.
+* router bias balancing under `XPUMoEStrategy` (W=4, E=2): after every step the bias is the same on
+  all ranks and equals the single-process run's; a checkpoint of it resumes at (W=2, E=1) with the
+  bias the uninterrupted run has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_helpers import run_distributed
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_strategy import MICROS_PER_STEP, OVERRIDES, _lightning_env, _StepBatches
+
+from mula import Mula, MulaConfig
+from mula.module import MulaLightningModule
+from mula.moe import is_expert_param, iter_moe_layers
+from strategies import XPUMoEStrategy
+from strategies.expert_parallel import apply_expert_parallel
+from strategies.topology import build_topology
+
+WORLD, MICRO, SEQ = 4, 2, 16
+CONFIG = MulaConfig.from_name("mula-tiny-moe", **OVERRIDES, aux_loss_scope="global", router_aux_loss_coef=0.5)
+
+
+def _global_batch() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, CONFIG.vocab_size, (WORLD * MICRO, SEQ + 1), generator=g)
+
+
+def _loss_and_grads(config: MulaConfig, batch: torch.Tensor, world: int, ep_size: int = 1) -> dict:
+    """Loss and gradients of `batch` as data parallelism computes them: each rank's mean, averaged.
+    With expert parallelism (`ep_size` > 1) only the dense (replicated) parameters' gradients."""
+    torch.manual_seed(0)
+    model = Mula(config)
+    if ep_size > 1:
+        apply_expert_parallel(model, build_topology(ep_size))
+    out = model(batch[:, :-1])
+    ce = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss = ce + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+    (loss / world).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if ep_size == 1 or not is_expert_param(n)}
+    values = torch.stack([loss.detach(), out.aux_loss.detach()]) / world
+    if world > 1:
+        for g in [values, *grads.values()]:
+            dist.all_reduce(g)
+    return {"loss": values[0], "aux": values[1], "grads": grads}
+
+
+def _rank_losses(rank: int, world: int) -> dict:
+    micro = _global_batch().split(MICRO)[rank]
+    local = MulaConfig(**{**CONFIG.__dict__, "aux_loss_scope": "micro_batch"})
+    return {
+        "global": _loss_and_grads(CONFIG, micro, world),
+        "global_ep2": _loss_and_grads(CONFIG, micro, world, ep_size=2),
+        "micro_batch": _loss_and_grads(local, micro, world),
+    }
+
+
+def test_global_scope_loss_and_gradients_equal_one_process_over_the_global_batch() -> None:
+    ref = _loss_and_grads(CONFIG, _global_batch(), 1)
+    result = run_distributed(_rank_losses, WORLD)
+    for rank, key in itertools.product(range(WORLD), ("global", "global_ep2")):
+        got = result[rank][key]
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got["aux"], ref["aux"], rtol=1e-6, atol=1e-6)
+        assert len(got["grads"]) >= len(ref["grads"]) // 2
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-6, atol=1e-6, msg=f"{key} {name}")
+    # the per-micro-batch f is another loss: the comparison above can fail
+    assert abs(float(result[0]["micro_batch"]["aux"]) - float(ref["aux"])) > 1e-4
+
+
+class _Biases(L.Callback):
+    """Every router's bias [layers, E] after each optimizer step; counts the loader's consumed batches."""
+
+    def __init__(self, loader: _StepBatches) -> None:
+        self.biases: list[torch.Tensor] = []
+        self.loader = loader
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.loader.consumed += 1
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            routers = [layer.router for _, layer in iter_moe_layers(pl_module)]
+            self.biases.append(torch.stack([r.bias.detach().clone() for r in routers]))
+
+
+def _fit(world: int, strategy, max_steps: int, ckpt_path=None, save_dir=None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    module = MulaLightningModule(
+        "mula-tiny-moe",
+        overrides={**OVERRIDES, "router_bias_update_rate": 0.01},
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=1,
+        decay_steps=10,
+    )
+    loader = _StepBatches(int(os.environ.get("LOCAL_RANK", 0)), world, max_steps)
+    record = _Biases(loader)
+    callbacks: list[L.Callback] = [record]
+    if save_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world if strategy is not None else 1,
+        strategy=strategy if strategy is not None else "auto",
+        max_steps=max_steps,
+        accumulate_grad_batches=MICROS_PER_STEP // world,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=save_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return record.biases
+
+
+def _run(rank: int, world: int, ep_size: int, max_steps: int, ckpt: str | None, save_dir: str | None):
+    _lightning_env(rank, world)
+    return _fit(world, XPUMoEStrategy(expert_parallel_size=ep_size), max_steps, ckpt, save_dir)
+
+
+def test_router_bias_is_the_same_on_every_rank_and_survives_resharding() -> None:
+    reference = _fit(1, None, max_steps=4)
+    assert reference[-1].abs().sum() > 0  # the bias moved
+    with tempfile.TemporaryDirectory() as root:
+        w4 = run_distributed(_run, 4, 2, 2, None, root)
+        for rank_biases in w4:
+            for got, want in zip(rank_biases, reference[:2]):
+                assert torch.equal(got, want)
+        resumed = run_distributed(_run, 2, 1, 4, f"{root}/epoch=0-step=2.ckpt", None)
+        for rank_biases in resumed:
+            assert len(rank_biases) == 2
+            for got, want in zip(rank_biases, reference[2:]):
+                assert torch.equal(got, want)
