@@ -11,9 +11,10 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   (4*b*q + 4*heads; the output projection reads SDPA's output in place);
 * router: logits and probabilities in fp32, z-loss log-sum-exp, top-k indices: 8E + 4 + 8K;
 * experts, per routed row: input, gate and up (b*(h + 2I)); the combine keeps the expert outputs
-  (b*h) and weights; under expert parallelism also the all-to-all dispatcher's index tensors (and on
-  CPU the received rows before padding). On CPU without expert parallelism the bucketed padded
-  layout (`mula.kernels.padded`) carries the combine weights per row instead; on CPU the layout
+  (b*h) and weights; under expert parallelism the all-to-all dispatcher's send-plan index, and the
+  combine weight riding with each row (CPU) or the returned rows and weights (GPU). On CPU without
+  expert parallelism the bucketed padded layout (`mula.kernels.padded`) carries the combine weights
+  per row instead; on CPU the layout
   also keeps gathered copies of the local expert weights (3*h*I*E_local elements). Routing is
   assumed balanced: every rank's experts receive tokens * K rows;
 * dense MLP: gate, silu(gate), up and their product (4*b*I);
@@ -58,10 +59,11 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
     router = 8 * e + 4 + 8 * k
     rows = b * (h + 2 * i)  # expert input, gate and up pre-activations
     if layout.ep_size > 1:
-        # all-to-all dispatcher: send/regroup/un-regroup/un-sort indices, and the combine's rows and weights
-        rows += 4 * 8 + r * h + r
+        rows += 8  # the all-to-all dispatcher's send plan: its index, for the un-permute's backward
         if layout.device_type == "cpu":
-            rows += 8 + b * h  # padding the received rows into the layout keeps them and the index
+            rows += b  # the padded layout folds the combine weight, which travels with the row
+        else:  # the weighted un-permute keeps the returned rows (layer dtype) and weights; expert-plan index
+            rows += r * h + 4 + 8
     elif layout.device_type == "cpu":
         rows += b  # combine weight per row, riding along in the padded layout
     else:
