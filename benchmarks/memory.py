@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LEVELS: list[Any] = ["none", ["norms"], ["attention"], ["moe"], ["moe", "attention"], "full"]
 SETUPS = {"fp32 / ZeRO-1": ("32-true", 1, "fp32"), "bf16-true / ZeRO-2": ("bf16-true", 2, "bf16")}
 WORLD, MICRO, SEQ = 4, 8, 256
-MB, GB = 2**20, 1e9
+GB = 1e9
 
 
 def _worker(rank: int, port: int, ep: int, out_dir: str) -> None:
@@ -100,7 +100,7 @@ def measured_table(ep: int) -> str:
         ranks = [torch.load(Path(d) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     config = MulaConfig.from_name("mula-tiny-moe")
     lines = [
-        f"tiny MoE, {WORLD} CPU ranks, E={ep}, micro-batch {MICRO} x {SEQ}: per-rank MB, measured (largest rank) / planned",
+        f"tiny MoE, {WORLD} CPU ranks, E={ep}, micro-batch {MICRO} x {SEQ}: per-rank bytes, exact, measured (largest rank) / planned",
         "",
         "| setup | checkpointing | params | grads | optimizer state | activations |",
         "|---|---|---|---|---|---|",
@@ -117,7 +117,7 @@ def measured_table(ep: int) -> str:
         predicted = {"params": plan.param_tensor_bytes, "grads": plan.grads, "optimizer": plan.optimizer,
                      "activations": plan.activations}  # fmt: skip
         cells = [
-            f"{max(r[key][c] for r in ranks) / MB:.2f} / {predicted[c] / MB:.2f}"
+            f"{int(max(r[key][c] for r in ranks)):,} / {int(predicted[c]):,}"
             for c in ("params", "grads", "optimizer", "activations")
         ]
         lines.append(f"| {setup} | {level} | " + " | ".join(cells) + " |")
