@@ -173,12 +173,18 @@ class MulaLightningModule(L.LightningModule):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         self._batch_shape = (inputs.shape[0], inputs.shape[1])
         out = self.model(inputs)
-        # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
-        loss = (
-            ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
-        )
+        loss, ce = self.combine_losses(out.logits, targets, out.aux_loss, out.z_loss)
         return loss, ce, out
+
+    def combine_losses(
+        self, logits: Tensor, targets: Tensor, aux_loss: Tensor, z_loss: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(total loss, cross-entropy) of logits [B, T, V] against targets [B, T] and the router losses
+        (one place for the loss, also used by a pipeline's last stage)."""
+        # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = ce + self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * z_loss
+        return loss, ce
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """One micro-batch: its loss (for backward), and the train/* (and moe/*) metrics of this step."""
@@ -201,9 +207,13 @@ class MulaLightningModule(L.LightningModule):
         world size. Sums stay on the device (no host sync per micro-batch); one all-reduce of
         [sums, count] per logged step.
         """
-        losses = torch.stack([t.detach().float() for t in losses])
-        self._step_sums = losses if self._step_sums is None else self._step_sums + losses
-        self._step_micro_batches += 1
+        self.record_step_losses(torch.stack([t.detach().float() for t in losses]), 1)
+
+    def record_step_losses(self, sums: Tensor, count: int) -> None:
+        """Add `count` micro-batches' summed [loss, ce, aux, z] to this step; log the step's global
+        mean when it ends (see `_log_step_losses`). A pipeline stage without the loss adds zeros and 0."""
+        self._step_sums = sums if self._step_sums is None else self._step_sums + sums
+        self._step_micro_batches += count
         if not ends_optimizer_step(self.trainer):
             return
         sums, count = self._step_sums, self._step_micro_batches

@@ -10,6 +10,13 @@ over all W ranks, experts over their EDP group) -> Lightning's clipping (re-poin
 that counts each element once) -> optimizer step. Gradient-accumulation micro-batches do not
 communicate (`block_backward_sync`).
 
+With `pipeline_parallel_size` P > 1 the model's blocks are split into P stages (strategies/
+pipeline_split.py) and each optimizer step runs as one `torch.distributed.pipelining` schedule
+(strategies/pipeline_schedule.py) inside `training_step`: the data module hands over the step's whole
+per-rank batch, whose accumulation micro-batches become the pipeline's micro-batches. Gradients are
+then reduced per stage (dense over the stage's W/P ranks, experts over its EDP group) and clipped by
+the norm over all stages.
+
 YAML: `trainer.strategy: {class_path: strategies.XPUMoEStrategy, init_args: {expert_parallel_size: 4}}`
 or `trainer.strategy: xpu_moe` (E = 1).
 """
@@ -52,6 +59,8 @@ from strategies.accelerator import fix_mixed_precision_device, process_group_bac
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.pipeline_schedule import PipelineRunner
+from strategies.pipeline_split import split_model, stage_layer_counts, stage_layers, validate_schedule
 from strategies.sharded_state import (
     expert_mesh,
     load_sharded,
@@ -83,6 +92,12 @@ class XPUMoEStrategy(ParallelStrategy):
             `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
+        pipeline_parallel_size: P, pipeline stages (rank order: EP innermost, then stages, data
+            parallel outermost; W must be divisible by P x E). Each stage is one contiguous run of blocks.
+        pipeline_schedule: "1f1b", "interleaved-1f1b" or "gpipe" (torch.distributed.pipelining).
+        pipeline_virtual_stages: V, stages per rank with "interleaved-1f1b" (P x V stages in all).
+        pipeline_stage_layers: blocks per stage (P x V numbers summing to the model's layers); default
+            an even split.
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -100,6 +115,10 @@ class XPUMoEStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         overlap_grad_reduce: bool = True,
         meta_init: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1f1b",
+        pipeline_virtual_stages: int = 1,
+        pipeline_stage_layers: list[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Any = None,
@@ -121,7 +140,20 @@ class XPUMoEStrategy(ParallelStrategy):
             raise ValueError(f"expert_parallel_size must be at least 1, got {expert_parallel_size}.")
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
+        if int(pipeline_parallel_size) < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {pipeline_parallel_size}.")
+        validate_schedule(pipeline_schedule, int(pipeline_parallel_size), int(pipeline_virtual_stages))
         self.expert_parallel_size = int(expert_parallel_size)
+        self.pipeline_parallel_size = int(pipeline_parallel_size)
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_virtual_stages = int(pipeline_virtual_stages)
+        self.pipeline_stage_layers = (
+            list(pipeline_stage_layers) if pipeline_stage_layers is not None else None
+        )
+        # Micro-batches per optimizer step, set by the data module (P > 1: it hands over whole steps).
+        self.pipeline_microbatches: int | None = None
+        self._pipeline: PipelineRunner | None = None
+        self._keep_grads = False
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = _parse_optimizer_options(optimizer_options or {})
         self.bucket_size_mb = bucket_size_mb
@@ -159,8 +191,23 @@ class XPUMoEStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank is a data-parallel rank: experts are split, tokens are not."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Every rank of a stage is a data-parallel rank: experts are split, tokens are not."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel index: its rank inside its pipeline stage (the global rank when P = 1)."""
+        return self.topology.rank if self.topology is not None else self.global_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: W / P (the ranks of one pipeline stage)."""
+        return self.topology.world_size if self.topology is not None else self.world_size
+
+    @property
+    def consumes_whole_step(self) -> bool:
+        """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
+        return self.pipeline_parallel_size > 1
 
     @property
     def process_group_backend(self) -> str | None:
@@ -203,7 +250,7 @@ class XPUMoEStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":  # NCCL: bind the communicator to this GPU eagerly
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.topology = build_topology(self.expert_parallel_size)
+        self.topology = build_topology(self.expert_parallel_size, self.pipeline_parallel_size)
         self._mesh = expert_mesh(self.topology, self.root_device.type)
 
     @contextmanager
@@ -232,6 +279,8 @@ class XPUMoEStrategy(ParallelStrategy):
                 "precision='bf16-true' with shard_optimizer=False: plain AdamW on bf16 weights, no fp32 master weights."
             )
         module = self.lightning_module
+        if self.pipeline_parallel_size > 1:
+            self._split_into_stages(module)
         if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:
             raise ValueError(
                 f"expert_parallel_size={self.expert_parallel_size} needs an MoE model, but this model has no experts; "
@@ -249,6 +298,27 @@ class XPUMoEStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _split_into_stages(self, module: Any) -> None:
+        """Keep this rank's pipeline stages of the model (validated first) and build their runner."""
+        topo = self.topology
+        assert topo is not None
+        model = getattr(module, "model", None)
+        if model is None or not hasattr(model, "layers"):
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs a MulaLightningModule (a model with `layers`)."
+            )
+        if self._pipeline is not None:
+            return  # Lightning calls setup again for validate/test after fit
+        num_stages = topo.pp_size * self.pipeline_virtual_stages
+        counts = stage_layer_counts(model.config.num_layers, num_stages, self.pipeline_stage_layers)
+        mine = [s for s in range(num_stages) if s % topo.pp_size == topo.pp_rank]
+        split_model(
+            model, [i for s in mine for i in stage_layers(counts, s)], 0 in mine, num_stages - 1 in mine
+        )
+        self._pipeline = PipelineRunner(
+            module, topo, self.pipeline_schedule, self.pipeline_virtual_stages, counts, self.root_device
+        )
 
     def _materialize(self, module: nn.Module) -> None:
         """Meta-built model: allocate on the device and initialise with the model's own init."""
@@ -274,22 +344,29 @@ class XPUMoEStrategy(ParallelStrategy):
             if is_expert_param(name):
                 if topo.edp_size > 1:
                     dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
-            else:
-                dist.broadcast(tensor.data, src=0)
+            else:  # from the first rank of this pipeline stage (rank 0 when P = 1)
+                dist.broadcast(tensor.data, src=topo.to_global(0), group=topo.world_group)
 
     def setup_optimizers(self, trainer: Any) -> None:
         """The module's optimizer, made EP-aware: sharded, or with EP-aware gradient averaging."""
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        self._make_optimizers_aware()
+        if self._pipeline is not None:
+            for optimizer in self.optimizers:
+                _skip_zero_grad_after_pipeline_step(optimizer, self)
+
+    def _make_optimizers_aware(self) -> None:
+        """Replace the AdamW by `EPShardedAdamW`, or attach the EP-aware gradient synchroniser."""
         assert self.topology is not None
         named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()
             self._grad_sync = None
         if not self.shard_optimizer:
-            self._grad_sync = GradientSynchronizer(
-                named, self.topology, self.bucket_size_mb, self.overlap_grad_reduce
-            )
+            # A pipeline step's backward passes interleave with forwards: reduce once after all of them.
+            overlap = self.overlap_grad_reduce and self._pipeline is None
+            self._grad_sync = GradientSynchronizer(named, self.topology, self.bucket_size_mb, overlap)
             return
         if len(self.optimizers) != 1:
             raise ValueError(
@@ -304,6 +381,11 @@ class XPUMoEStrategy(ParallelStrategy):
                 f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
             )
         options = dict(self.optimizer_options)
+        if self._pipeline is not None and options.get("zero_stage", 1) == 2:
+            raise ValueError(
+                "optimizer_options.zero_stage=2 reduces after every backward pass, which a pipeline step "
+                "interleaves with forwards; use zero_stage 1 with pipeline_parallel_size > 1."
+            )
         if options.get("overlap_param_gather"):
             options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
         sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **options)
@@ -312,6 +394,41 @@ class XPUMoEStrategy(ParallelStrategy):
                 config.scheduler.optimizer = sharded
                 _track_step_calls(sharded)
         self.optimizers = [sharded]
+
+    # ----- pipelined steps ---------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline stages: one schedule step over the whole step's batch, returning the step's
+        global mean loss on every rank (what the loggers and the anomaly guard see)."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs["batch"]
+        if self.pipeline_microbatches is None:
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs the data module to set the strategy's pipeline_microbatches "
+                "(MulaDataModule does; other data modules must set it to the micro-batches per step)."
+            )
+        module = self.lightning_module
+        self._keep_grads = False
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        with self.precision_plugin.train_step_context(), self.block_backward_sync():
+            sums, count = self._pipeline.step(batch, self.pipeline_microbatches)
+        self._keep_grads = True  # Lightning zeroes gradients between training_step and backward
+        module._batch_shape = (batch.shape[0], batch.shape[1] - 1)  # the step's tokens, for throughput
+        module.record_step_losses(sums, count)
+        module.log("train/lr", self.optimizers[0].param_groups[0]["lr"])
+        total = self.reduce(torch.cat([sums[:1], sums.new_tensor([count])]), reduce_op="sum")
+        return total[0] / total[1]
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The pipeline step already ran backward: run the hooks around it and reduce the gradients."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     # ----- gradients -------------------------------------------------------------------------
     @contextmanager
@@ -426,6 +543,7 @@ class XPUMoEStrategy(ParallelStrategy):
         checkpoint["xpu_moe_layout"] = {
             "world_size": self.world_size,
             "expert_parallel_size": self.expert_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
         }
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
@@ -470,6 +588,21 @@ class XPUMoEStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True
         )
+
+
+def _skip_zero_grad_after_pipeline_step(optimizer: Any, strategy: XPUMoEStrategy) -> None:
+    """Lightning calls `zero_grad` after `training_step` and before `backward`; a pipeline step has
+    already run backward by then (and zeroed gradients before it), so that one call must do nothing."""
+    zero_grad = optimizer.zero_grad
+
+    @functools.wraps(zero_grad)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if strategy._keep_grads:
+            strategy._keep_grads = False
+            return None
+        return zero_grad(*args, **kwargs)
+
+    optimizer.zero_grad = guarded
 
 
 def _launched_by_mpiexec() -> bool:
