@@ -257,7 +257,8 @@ class MulaLightningModule(L.LightningModule):
 
     # ----- optimizer -----------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0)."""
+        """AdamW parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0;
+        present whenever `no_decay` names patterns)."""
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
@@ -265,7 +266,8 @@ class MulaLightningModule(L.LightningModule):
             skip = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.no_decay)
             (no_decay if skip else decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay}]
-        if no_decay:
+        if self.no_decay:
+            # kept when empty: every pipeline stage then has the same groups (the embedding is on one)
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return groups
 

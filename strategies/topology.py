@@ -189,3 +189,35 @@ def reduce_over_stages(tensor: Any, topology: ExpertParallelTopology, op: Any = 
     if topology.pp_size > 1:
         dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=topology.pp_group)
     return tensor
+
+
+def gather_groups_over_stages(
+    groups: list[dict[str, Any]], topology: ExpertParallelTopology
+) -> list[dict[str, Any]]:
+    """Optimizer param groups (hyperparameters plus "param_names") of the whole model: per group
+    index, the hyperparameters of the first stage that has it and the names of every stage, in stage
+    order. What a checkpoint records, so that any stage of any layout can check itself against it
+    (collective over the pipeline group; the identity with one stage)."""
+    if topology.pp_size == 1:
+        return groups
+    every: list[Any] = [None] * topology.pp_size
+    dist.all_gather_object(every, groups, group=topology.pp_group)
+    merged: list[dict[str, Any]] = []
+    for stage_groups in every:
+        for i, group in enumerate(stage_groups):
+            if i == len(merged):
+                merged.append({**group, "param_names": []})
+            merged[i]["param_names"] = [*merged[i]["param_names"], *group["param_names"]]
+    return merged
+
+
+def names_cover(saved: list[list[str]], mine: list[list[str]]) -> bool:
+    """True if every param group of `mine` is, in order, part of the same group of `saved` (a stage's
+    groups hold some of the whole model's parameters, an unsplit model's all of them)."""
+    if len(saved) < len(mine):
+        return False
+    for theirs, ours in zip(saved, mine):
+        wanted = set(ours)
+        if [n for n in theirs if n in wanted] != list(ours):
+            return False
+    return True

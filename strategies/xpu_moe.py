@@ -529,7 +529,7 @@ class XPUMoEStrategy(ParallelStrategy):
         if hasattr(optimizer, "sharded_state_dict"):
             return optimizer.sharded_state_dict()
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        return plain_optimizer_state(optimizer, names, self._mesh)
+        return plain_optimizer_state(optimizer, names, self._mesh, self.topology)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint directory at `filepath` (collective)."""
