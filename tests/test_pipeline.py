@@ -195,7 +195,11 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
             assert set().union(*ranks) == set(ref_params), key
             for name, expected in ref_params.items():
                 torch.testing.assert_close(
-                    _assemble(ranks, name), expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key} {name} {m}"
+                    _assemble(ranks, name),
+                    expected,
+                    rtol=1e-4,
+                    atol=5e-5,
+                    msg=lambda m, k=key, n=name: f"{k} {n} {m}",
                 )
         saved = f"{root}/p2e2/epoch=0-step=2.ckpt"
         # (W=4, P=2, E=2) -> (W=4, P=1, E=4) and -> one process: the uninterrupted run's losses
