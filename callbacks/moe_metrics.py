@@ -6,7 +6,8 @@
   that traffic is real and counted.
 * `moe/load_imbalance_global`: max over mean tokens per expert of the step's tokens on *all* ranks
   (summed over ranks and micro-batches), averaged over MoE layers. The LightningModule's own
-  `moe/load_imbalance` is the same ratio for this rank's micro-batch.
+  `moe/load_imbalance` is the same ratio for this rank's micro-batch. Layers are counted by their
+  global index (`layers.<i>`), so pipeline stages, each holding some layers, add up correctly.
 * the optimizer's own `metrics()` (the EP-aware sharded optimizer reports `optim/state_bytes`,
   `optim/step_ms`, `optim/grad_norm`, ...); for another optimizer `optim/state_bytes` counts this
   rank's parameters plus their optimizer state.
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning.pytorch as L
@@ -38,13 +40,20 @@ class MoEMetrics(L.Callback):
         self._counts: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._layers: list[torch.nn.Module] = []
+        self._rows: list[int] = []
+        self._num_rows = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Attach forward hooks that collect each MoE layer's tokens per expert."""
-        self._layers = [layer for _, layer in iter_moe_layers(pl_module)]
+        named = list(iter_moe_layers(pl_module))
+        self._layers = [layer for _, layer in named]
+        self._rows = _global_rows([name for name, _ in named])
+        # the same number of rows on every rank (they are all-reduced): the whole model's layers
+        num_layers = getattr(getattr(pl_module, "config", None), "num_layers", None)
+        self._num_rows = max([*self._rows, (num_layers or 0) - 1], default=-1) + 1
         if self.load_imbalance:
-            for index, layer in enumerate(self._layers):
-                self._hooks.append(layer.register_forward_hook(self._make_hook(index)))
+            for row, layer in zip(self._rows, self._layers):
+                self._hooks.append(layer.register_forward_hook(self._make_hook(row)))
 
     def _make_hook(self, index: int):
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
@@ -56,7 +65,7 @@ class MoEMetrics(L.Callback):
                 return
             if self._counts is None:
                 self._counts = torch.zeros(
-                    len(self._layers), counts.numel(), dtype=torch.long, device=counts.device
+                    self._num_rows, counts.numel(), dtype=torch.long, device=counts.device
                 )
             self._counts[index] += counts.detach()
 
@@ -99,6 +108,14 @@ class MoEMetrics(L.Callback):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def _global_rows(names: list[str]) -> list[int]:
+    """Each MoE layer's global block index (`...layers.<i>...`), or its position when names have none."""
+    found = [re.search(r"(?:^|\.)layers\.(\d+)\.", name) for name in names]
+    if all(found):
+        return [int(m.group(1)) for m in found]  # type: ignore[union-attr]
+    return list(range(len(names)))
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

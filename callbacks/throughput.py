@@ -115,7 +115,7 @@ class Throughput(L.Callback):
         if tokens is None:
             tokens = batch.numel() if isinstance(batch, torch.Tensor) else 0
         # data-parallel ranks, not all ranks: pipeline stages of one data-parallel rank share its tokens
-        dp_size = getattr(trainer.strategy, "data_parallel_size", None)
+        dp_size = getattr(getattr(trainer, "strategy", None), "data_parallel_size", None)
         dp_size = dp_size if isinstance(dp_size, int) else trainer.world_size
         self._tokens.append(tokens * dp_size)
         flops = getattr(pl_module, "flops_per_batch", None)

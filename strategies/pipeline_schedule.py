@@ -10,6 +10,8 @@ has already consumed).
 
 Stage shapes are given statically (one micro-batch's meta tensors): torch then skips its metadata
 warm-up, which would run a real forward and backward through the model and its gradient hooks.
+Validation batches (one micro-batch each) run forward only, through a GPipe (one stage per rank) or
+looped-BFS (virtual stages) schedule of one micro-batch over the same stage modules.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from strategies.pipeline_split import MulaStage, rank_stages, stage_layers
 from strategies.topology import ExpertParallelTopology
@@ -64,8 +72,10 @@ class PipelineRunner:
         self.has_last = last in self.stage_ids
         self._schedule: Any = None
         self._key: tuple[int, int, int] | None = None
+        self._eval_schedules: dict[tuple[int, int], Any] = {}
         self._n = 1
         self._sums: list[Tensor] = []
+        self._eval_ce: list[Tensor] = []
 
     def step(self, batch: Tensor, n_microbatches: int) -> tuple[Tensor, int]:
         """Forward and backward of one optimizer step's batch [rows, T + 1] in `n_microbatches`.
@@ -87,6 +97,32 @@ class PipelineRunner:
         count = len(self._sums)
         self._sums = []
         return sums, count
+
+    def evaluate(self, batch: Tensor) -> tuple[Tensor, int]:
+        """Forward-only cross-entropy of a batch [rows, T + 1] as one micro-batch: (ce, target tokens)
+        on ranks with the last stage, (0, 0) elsewhere."""
+        rows, seq_len = batch.shape[0], batch.shape[1] - 1
+        key = (rows, seq_len)
+        if key not in self._eval_schedules:
+            cls = ScheduleGPipe if len(self.stages) == 1 else ScheduleLoopedBFS
+            stages = self._build_stages(rows, seq_len)
+            self._eval_schedules[key] = cls(
+                stages[0] if len(stages) == 1 else stages, 1, loss_fn=self._eval_loss
+            )
+        self._eval_ce = []
+        args = (batch[:, :-1],) if self.has_first else ()
+        target = batch[:, 1:] if self.has_last else None
+        self._eval_schedules[key].eval(*args, target=target)
+        if not self._eval_ce:
+            return torch.zeros((), device=self.device), 0
+        return self._eval_ce.pop(), rows * seq_len
+
+    def _eval_loss(self, output: Any, target: Tensor) -> Tensor:
+        logits = output[0] if self.module.config.is_moe else output
+        zero = torch.zeros((), device=logits.device)
+        ce = self.module.combine_losses(logits, target, zero, zero)[1]
+        self._eval_ce.append(ce.detach())
+        return ce
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
         """The module's loss of one micro-batch on the last stage, scaled for the step's mean."""
@@ -110,6 +146,14 @@ class PipelineRunner:
                 f"{self.topology.pp_size} micro-batches per step, but the step has {n_microbatches}; "
                 "lower data.micro_batch_size or use gpipe."
             )
+        stages = self._build_stages(micro_batch, seq_len)
+        cls = _SCHEDULE_CLASSES[self.schedule_name]
+        target = stages if self.schedule_name == "interleaved-1f1b" else stages[0]
+        self._schedule = cls(target, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._key = key
+
+    def _build_stages(self, micro_batch: int, seq_len: int) -> list[PipelineStage]:
+        """torch's stages over this rank's stage modules, with static shapes for one micro-batch."""
         dtype = next(p.dtype for s in self.stages for p in s.parameters() if p.is_floating_point())
         stages = []
         for stage_id, mod in zip(self.stage_ids, self.stages):
@@ -125,7 +169,4 @@ class PipelineRunner:
                     group=self.topology.pp_group,
                 )
             )
-        cls = _SCHEDULE_CLASSES[self.schedule_name]
-        target = stages if self.schedule_name == "interleaved-1f1b" else stages[0]
-        self._schedule = cls(target, n_microbatches, loss_fn=self._loss, scale_grads=False)
-        self._key = key
+        return stages

@@ -96,6 +96,9 @@ def validate_pipeline_layout(world_size: int, ep_size: int, pp_size: int) -> Non
     """Raise one ValueError sentence naming the numbers if W ranks cannot hold P stages of E-rank EP groups."""
     if pp_size < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp_size}.")
+    if pp_size == 1:
+        validate_layout(world_size, ep_size)
+        return
     if world_size % (pp_size * ep_size) != 0:
         raise ValueError(
             f"The world size {world_size} is not divisible by pipeline_parallel_size={pp_size} x "

@@ -420,6 +420,25 @@ class XPUMoEStrategy(ParallelStrategy):
         total = self.reduce(torch.cat([sums[:1], sums.new_tensor([count])]), reduce_op="sum")
         return total[0] / total[1]
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline stages: the batch's cross-entropy through the stages, counted on the last."""
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipelined_eval(args[0] if args else kwargs["batch"])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline stages: as `validation_step`."""
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipelined_eval(args[0] if args else kwargs["batch"])
+
+    def _pipelined_eval(self, batch: Tensor) -> None:
+        assert self._pipeline is not None
+        with self.precision_plugin.val_step_context():
+            ce, tokens = self._pipeline.evaluate(batch)
+        # other stages add weight 0: torchmetrics' sync over all ranks then averages the last stage's
+        self.lightning_module.val_loss.update(ce, weight=tokens)
+
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The pipeline step already ran backward: run the hooks around it and reduce the gradients."""
         if self._pipeline is None:
