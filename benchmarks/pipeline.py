@@ -221,11 +221,12 @@ def main(
     doc: str | None = None,
 ) -> str:
     """Run the unsplit model and every (P, schedule) in one job of `world` CPU processes."""
-    bad = [p for p in pp_sizes if p < 2 or world % p or num_layers < 2 * p]
+    per_rank = 2 if "interleaved-1f1b" in schedules else 1  # virtual stages of a rank
+    bad = [p for p in pp_sizes if p < 2 or world % p or num_layers < per_rank * p]
     if bad:
         raise ValueError(
-            f"pp_sizes {bad} must be at least 2, divide world={world} and leave 2 layers per stage "
-            f"(interleaved: 2 virtual stages) of the {num_layers}."
+            f"pp_sizes {bad} must be at least 2, divide world={world} and leave {per_rank} of the "
+            f"{num_layers} layers per rank."
         )
     if global_batch % (world * micro_batch):
         raise ValueError(

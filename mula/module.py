@@ -301,6 +301,11 @@ class MulaLightningModule(L.LightningModule):
         """Training FLOPs (forward + backward) of one micro-batch of `batch_size` sequences of `seq_len`."""
         return self.config.flops_per_token(seq_len) * batch_size * seq_len
 
+    def set_batch_shape(self, batch_size: int, seq_len: int) -> None:
+        """Record the shape of the batch just trained on, for `tokens_per_batch` / `flops_per_batch`
+        (a strategy that runs the model itself, e.g. through pipeline stages, calls this)."""
+        self._batch_shape = (batch_size, seq_len)
+
     @property
     def tokens_per_batch(self) -> int | None:
         """Input tokens in the last micro-batch seen (None before the first)."""

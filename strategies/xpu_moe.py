@@ -59,8 +59,8 @@ from strategies.accelerator import fix_mixed_precision_device, process_group_bac
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
-from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model, stage_layer_counts, stage_layers, validate_schedule
+from strategies.pipeline_split import validate_schedule
+from strategies.pipeline_steps import PipelineSteps
 from strategies.sharded_state import (
     expert_mesh,
     load_sharded,
@@ -72,7 +72,7 @@ from strategies.sharded_state import (
 from strategies.topology import ExpertParallelTopology, build_topology
 
 
-class XPUMoEStrategy(ParallelStrategy):
+class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
 
     W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
@@ -152,7 +152,7 @@ class XPUMoEStrategy(ParallelStrategy):
         )
         # Micro-batches per optimizer step, set by the data module (P > 1: it hands over whole steps).
         self.pipeline_microbatches: int | None = None
-        self._pipeline: PipelineRunner | None = None
+        self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
         self._keep_grads = False
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = _parse_optimizer_options(optimizer_options or {})
@@ -203,11 +203,6 @@ class XPUMoEStrategy(ParallelStrategy):
     def data_parallel_size(self) -> int:
         """Data-parallel ranks: W / P (the ranks of one pipeline stage)."""
         return self.topology.world_size if self.topology is not None else self.world_size
-
-    @property
-    def consumes_whole_step(self) -> bool:
-        """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
-        return self.pipeline_parallel_size > 1
 
     @property
     def process_group_backend(self) -> str | None:
@@ -299,27 +294,6 @@ class XPUMoEStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _split_into_stages(self, module: Any) -> None:
-        """Keep this rank's pipeline stages of the model (validated first) and build their runner."""
-        topo = self.topology
-        assert topo is not None
-        model = getattr(module, "model", None)
-        if model is None or not hasattr(model, "layers"):
-            raise ValueError(
-                "pipeline_parallel_size > 1 needs a MulaLightningModule (a model with `layers`)."
-            )
-        if self._pipeline is not None:
-            return  # Lightning calls setup again for validate/test after fit
-        num_stages = topo.pp_size * self.pipeline_virtual_stages
-        counts = stage_layer_counts(model.config.num_layers, num_stages, self.pipeline_stage_layers)
-        mine = [s for s in range(num_stages) if s % topo.pp_size == topo.pp_rank]
-        split_model(
-            model, [i for s in mine for i in stage_layers(counts, s)], 0 in mine, num_stages - 1 in mine
-        )
-        self._pipeline = PipelineRunner(
-            module, topo, self.pipeline_schedule, self.pipeline_virtual_stages, counts, self.root_device
-        )
-
     def _materialize(self, module: nn.Module) -> None:
         """Meta-built model: allocate on the device and initialise with the model's own init."""
         for child in module.children():
@@ -352,9 +326,7 @@ class XPUMoEStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         self._make_optimizers_aware()
-        if self._pipeline is not None:
-            for optimizer in self.optimizers:
-                _skip_zero_grad_after_pipeline_step(optimizer, self)
+        self._guard_zero_grad()
 
     def _make_optimizers_aware(self) -> None:
         """Replace the AdamW by `EPShardedAdamW`, or attach the EP-aware gradient synchroniser."""
@@ -394,60 +366,6 @@ class XPUMoEStrategy(ParallelStrategy):
                 config.scheduler.optimizer = sharded
                 _track_step_calls(sharded)
         self.optimizers = [sharded]
-
-    # ----- pipelined steps ---------------------------------------------------------------------
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """With pipeline stages: one schedule step over the whole step's batch, returning the step's
-        global mean loss on every rank (what the loggers and the anomaly guard see)."""
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        batch = args[0] if args else kwargs["batch"]
-        if self.pipeline_microbatches is None:
-            raise ValueError(
-                "pipeline_parallel_size > 1 needs the data module to set the strategy's pipeline_microbatches "
-                "(MulaDataModule does; other data modules must set it to the micro-batches per step)."
-            )
-        module = self.lightning_module
-        self._keep_grads = False
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
-        with self.precision_plugin.train_step_context(), self.block_backward_sync():
-            sums, count = self._pipeline.step(batch, self.pipeline_microbatches)
-        self._keep_grads = True  # Lightning zeroes gradients between training_step and backward
-        module._batch_shape = (batch.shape[0], batch.shape[1] - 1)  # the step's tokens, for throughput
-        module.record_step_losses(sums, count)
-        module.log("train/lr", self.optimizers[0].param_groups[0]["lr"])
-        total = self.reduce(torch.cat([sums[:1], sums.new_tensor([count])]), reduce_op="sum")
-        return total[0] / total[1]
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """With pipeline stages: the batch's cross-entropy through the stages, counted on the last."""
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        return self._pipelined_eval(args[0] if args else kwargs["batch"])
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """With pipeline stages: as `validation_step`."""
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        return self._pipelined_eval(args[0] if args else kwargs["batch"])
-
-    def _pipelined_eval(self, batch: Tensor) -> None:
-        assert self._pipeline is not None
-        with self.precision_plugin.val_step_context():
-            ce, tokens = self._pipeline.evaluate(batch)
-        # other stages add weight 0: torchmetrics' sync over all ranks then averages the last stage's
-        self.lightning_module.val_loss.update(ce, weight=tokens)
-
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The pipeline step already ran backward: run the hooks around it and reduce the gradients."""
-        if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
 
     # ----- gradients -------------------------------------------------------------------------
     @contextmanager
@@ -607,21 +525,6 @@ class XPUMoEStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True
         )
-
-
-def _skip_zero_grad_after_pipeline_step(optimizer: Any, strategy: XPUMoEStrategy) -> None:
-    """Lightning calls `zero_grad` after `training_step` and before `backward`; a pipeline step has
-    already run backward by then (and zeroed gradients before it), so that one call must do nothing."""
-    zero_grad = optimizer.zero_grad
-
-    @functools.wraps(zero_grad)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if strategy._keep_grads:
-            strategy._keep_grads = False
-            return None
-        return zero_grad(*args, **kwargs)
-
-    optimizer.zero_grad = guarded
 
 
 def _launched_by_mpiexec() -> bool:
