@@ -10,6 +10,8 @@ has already consumed).
 
 Stage shapes are given statically (one micro-batch's meta tensors): torch then skips its metadata
 warm-up, which would run a real forward and backward through the model and its gradient hooks.
+Loss sums are fp32 with an explicit dtype (under bf16-true the default dtype is bf16, and every rank
+must all-reduce the same dtype).
 Validation batches (one micro-batch each) run forward only, through a GPipe (one stage per rank) or
 looped-BFS (virtual stages) schedule of one micro-batch over the same stage modules.
 """
@@ -93,7 +95,11 @@ class PipelineRunner:
         args = (batch[:, :-1],) if self.has_first else ()
         target = batch[:, 1:] if self.has_last else None
         self._schedule.step(*args, target=target, return_outputs=False)
-        sums = torch.stack(self._sums).sum(0) if self._sums else torch.zeros(4, device=self.device)
+        sums = (
+            torch.stack(self._sums).sum(0)
+            if self._sums
+            else torch.zeros(4, dtype=torch.float32, device=self.device)
+        )
         count = len(self._sums)
         self._sums = []
         return sums, count
@@ -114,12 +120,12 @@ class PipelineRunner:
         target = batch[:, 1:] if self.has_last else None
         self._eval_schedules[key].eval(*args, target=target)
         if not self._eval_ce:
-            return torch.zeros((), device=self.device), 0
+            return torch.zeros((), dtype=torch.float32, device=self.device), 0
         return self._eval_ce.pop(), rows * seq_len
 
     def _eval_loss(self, output: Any, target: Tensor) -> Tensor:
         logits = output[0] if self.module.config.is_moe else output
-        zero = torch.zeros((), device=logits.device)
+        zero = torch.zeros((), dtype=torch.float32, device=logits.device)
         ce = self.module.combine_losses(logits, target, zero, zero)[1]
         self._eval_ce.append(ce.detach())
         return ce
@@ -131,7 +137,7 @@ class PipelineRunner:
             aux, z = (router / self.module.config.num_layers).unbind()
         else:
             logits = output
-            aux = z = torch.zeros((), device=logits.device)
+            aux = z = torch.zeros((), dtype=torch.float32, device=logits.device)
         loss, ce = self.module.combine_losses(logits, target, aux, z)
         self._sums.append(torch.stack([loss, ce, aux, z]).detach().float())
         return loss / self._n

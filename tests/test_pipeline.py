@@ -5,7 +5,9 @@ the same micro-batches. Checked on 4 ranks for (P=2, E=2), (P=4, E=1) and (P=2, 
 schedule (gpipe, 1f1b, interleaved-1f1b): per-step losses for 6 steps within 1e-5 relative, the
 gradient norm (clipping by the norm over all stages) and every parameter afterwards. Checkpoints
 saved at (W=4, P=2, E=2) resume at (W=4, P=1, E=4) and at W=1 with the uninterrupted run's next
-losses, and one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2). Layout errors are one sentence.
+losses, one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2), and the pipelined checkpoint reads
+as one whole model (export to Hugging Face). Composes with activation checkpointing (exact) and
+bf16-true with fp32 masters (within bf16 rounding). Layout errors are one sentence.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from dist_helpers import run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from mula.checkpoint import load_weights
+from mula.hf import export_hf
 from mula.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 from strategies.pipeline_split import stage_layer_counts, validate_schedule
@@ -37,11 +41,12 @@ LAYOUTS = [
 ]
 
 
-def _module() -> MulaLightningModule:
+def _module(activation_checkpointing: str = "none") -> MulaLightningModule:
     torch.manual_seed(0)
     return MulaLightningModule(
-        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
-    )
+        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
 
 
 def _global_batch(step: int) -> torch.Tensor:
@@ -94,7 +99,16 @@ class _StepLosses(L.Callback):
                 self.norms.append(float(trainer.strategy.last_grad_norm))
 
 
-def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_dir=None):
+def _fit(
+    world: int,
+    strategy,
+    *,
+    max_steps: int = STEPS,
+    ckpt_path=None,
+    save_dir=None,
+    precision="32-true",
+    activation_checkpointing="none",
+):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
     dp_size = world // pp
@@ -111,6 +125,7 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
         devices=world if strategy is not None else 1,
         strategy=strategy if strategy is not None else "auto",
         max_steps=max_steps,
+        precision=precision,
         accumulate_grad_batches=1 if pp > 1 else MICROS_PER_STEP // world,
         gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
         use_distributed_sampler=False,
@@ -120,7 +135,7 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(_module(), loader, ckpt_path=ckpt_path)
+    trainer.fit(_module(activation_checkpointing), loader, ckpt_path=ckpt_path)
     return losses, trainer
 
 
@@ -160,6 +175,19 @@ def _run_layouts(rank: int, world: int, root: str) -> dict:
             "norms": losses.norms,
             "params": _local_params(trainer),
         }
+    # composes with activation checkpointing (exact) and bf16 weights with fp32 masters
+    recompute, _ = _fit(
+        world,
+        XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2),
+        activation_checkpointing="full",
+    )
+    out["recompute"] = recompute.losses
+    bf16, trainer = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2), precision="bf16-true"
+    )
+    out["bf16"] = bf16.losses
+    out["bf16_dtypes"] = {p.dtype for p in trainer.lightning_module.parameters()}
+    out["bf16_master"] = trainer.strategy._sharded_optimizer().master.dtype
     # the reverse direction's checkpoint: saved without pipeline stages
     _fit(world, XPUMoEStrategy(expert_parallel_size=4), max_steps=2, save_dir=f"{root}/p1e4")
     return out
@@ -201,7 +229,16 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
                     atol=5e-5,
                     msg=lambda m, k=key, n=name: f"{k} {n} {m}",
                 )
+        r0 = runs[0]
+        torch.testing.assert_close(torch.tensor(r0["recompute"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r0["bf16"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
+        assert r0["bf16_dtypes"] == {torch.bfloat16} and r0["bf16_master"] == torch.float32
         saved = f"{root}/p2e2/epoch=0-step=2.ckpt"
+        # every stage's part, by global layer and expert index: one process reads the whole model
+        whole = load_weights(saved).state_dict()
+        assert {f"model.{k}" for k in whole} == set(ref_params)
+        assert whole["layers.3.mlp.experts.gate_up"].shape[0] == OVERRIDES["num_experts"]
+        export_hf(saved, f"{root}/hf")
         # (W=4, P=2, E=2) -> (W=4, P=1, E=4) and -> one process: the uninterrupted run's losses
         w4 = run_distributed(_resume, 4, 4, 1, saved, 4)[0]
         torch.testing.assert_close(torch.tensor(w4), torch.tensor(ref.losses[2:4]), rtol=1e-5, atol=0)
