@@ -12,6 +12,7 @@ so parameter names (and therefore checkpoint keys) are those of the unsplit mode
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +64,19 @@ def stage_layer_counts(num_layers: int, num_stages: int, explicit: Sequence[int]
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
+def validate_split(
+    config: Any, pp_size: int, virtual_stages: int, explicit: Sequence[int] | None
+) -> list[int]:
+    """Blocks per stage for a model config (`num_layers`, `tie_embeddings`); one ValueError sentence
+    for a split that cannot work."""
+    if pp_size > 1 and config.tie_embeddings:
+        raise ValueError(
+            "tie_embeddings shares the embedding with the LM head, which sit on different pipeline stages; "
+            "use pipeline_parallel_size=1 or an untied model."
+        )
+    return stage_layer_counts(config.num_layers, pp_size * virtual_stages, explicit)
+
+
 def stage_layers(counts: Sequence[int], stage: int) -> range:
     """Global indices of the blocks of `stage` for per-stage block `counts`."""
     start = sum(counts[:stage])
@@ -84,11 +98,6 @@ class StageLayers(nn.ModuleDict):
 
 def split_model(model: Mula, layers: Sequence[int], first: bool, last: bool) -> None:
     """Keep only `layers` (global indices), the embedding if `first`, norm and LM head if `last`; in place."""
-    if model.config.tie_embeddings and not (first and last):
-        raise ValueError(
-            "tie_embeddings shares the embedding with the LM head, which sit on different pipeline stages; "
-            "use pipeline_parallel_size=1 or an untied model."
-        )
     if isinstance(model.layers, StageLayers):
         return  # already split (Lightning may call setup again)
     model.layers = StageLayers({str(i): model.layers[i] for i in layers})

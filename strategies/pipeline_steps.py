@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model, stage_layer_counts, stage_layers
+from strategies.pipeline_split import split_model, stage_layers, validate_split
 
 
 class PipelineSteps:
@@ -37,6 +37,14 @@ class PipelineSteps:
         """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
         return self.pipeline_parallel_size > 1
 
+    def _validate_stages(self) -> None:
+        """Check the stage split against the module's config before any model is built (one sentence)."""
+        config = getattr(self.lightning_module, "config", None)
+        if self.pipeline_parallel_size > 1 and hasattr(config, "num_layers"):
+            validate_split(
+                config, self.pipeline_parallel_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
+            )
+
     def _split_into_stages(self, module: Any) -> None:
         """Keep this rank's pipeline stages of the model (validated first) and build their runner."""
         topo = self.topology
@@ -49,7 +57,9 @@ class PipelineSteps:
         if self._pipeline is not None:
             return  # Lightning calls setup again for validate/test after fit
         num_stages = topo.pp_size * self.pipeline_virtual_stages
-        counts = stage_layer_counts(model.config.num_layers, num_stages, self.pipeline_stage_layers)
+        counts = validate_split(
+            model.config, topo.pp_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
+        )
         mine = [s for s in range(num_stages) if s % topo.pp_size == topo.pp_rank]
         split_model(
             model, [i for s in mine for i in stage_layers(counts, s)], 0 in mine, num_stages - 1 in mine

@@ -245,6 +245,7 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         if self.root_device.type == "cuda":  # NCCL: bind the communicator to this GPU eagerly
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._validate_stages()
         self.topology = build_topology(self.expert_parallel_size, self.pipeline_parallel_size)
         self._mesh = expert_mesh(self.topology, self.root_device.type)
 

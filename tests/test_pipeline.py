@@ -7,7 +7,8 @@ gradient norm (clipping by the norm over all stages) and every parameter afterwa
 saved at (W=4, P=2, E=2) resume at (W=4, P=1, E=4) and at W=1 with the uninterrupted run's next
 losses, one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2), and the pipelined checkpoint reads
 as one whole model (export to Hugging Face). Composes with activation checkpointing (exact) and
-bf16-true with fp32 masters (within bf16 rounding). Layout errors are one sentence.
+bf16-true with fp32 masters (within bf16 rounding); meta_init builds each rank's stage only, with
+agreeing replicas. Layout errors are one sentence, at start.
 """
 
 from __future__ import annotations
@@ -188,6 +189,18 @@ def _run_layouts(rank: int, world: int, root: str) -> dict:
     out["bf16"] = bf16.losses
     out["bf16_dtypes"] = {p.dtype for p in trainer.lightning_module.parameters()}
     out["bf16_master"] = trainer.strategy._sharded_optimizer().master.dtype
+    # meta_init (as the Aurora recipe): each rank materialises only its stage; replicas of a stage agree
+    _, trainer = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2, meta_init=True), max_steps=1
+    )
+    topo = trainer.strategy.topology
+    dense = next(p for n, p in trainer.lightning_module.named_parameters() if "attn.q_proj" in n).detach()
+    gathered = [torch.empty_like(dense) for _ in range(topo.world_size)]
+    torch.distributed.all_gather(gathered, dense, group=topo.world_group)
+    out["meta_replicas_agree"] = all(torch.equal(g, dense) for g in gathered)
+    out["meta_layers"] = sorted(
+        {n.split(".")[2] for n, _ in trainer.lightning_module.named_parameters() if ".layers." in n}
+    )
     # the reverse direction's checkpoint: saved without pipeline stages
     _fit(world, XPUMoEStrategy(expert_parallel_size=4), max_steps=2, save_dir=f"{root}/p1e4")
     return out
@@ -233,6 +246,8 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         torch.testing.assert_close(torch.tensor(r0["recompute"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r0["bf16"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
         assert r0["bf16_dtypes"] == {torch.bfloat16} and r0["bf16_master"] == torch.float32
+        assert all(r["meta_replicas_agree"] for r in runs)
+        assert [r["meta_layers"] for r in runs] == [["0", "1"], ["0", "1"], ["2", "3"], ["2", "3"]]
         saved = f"{root}/p2e2/epoch=0-step=2.ckpt"
         # every stage's part, by global layer and expert index: one process reads the whole model
         whole = load_weights(saved).state_dict()
@@ -247,6 +262,29 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         # ... and the reverse: (W=4, P=1, E=4) -> (W=4, P=2, E=2)
         back = run_distributed(_resume, 4, 2, 2, f"{root}/p1e4/epoch=0-step=2.ckpt", 4)[0]
         torch.testing.assert_close(torch.tensor(back), torch.tensor(ref.losses[2:4]), rtol=1e-5, atol=0)
+
+
+def _fit_errors(rank: int, world: int) -> list[str]:
+    _lightning_env(rank, world)
+    messages = []
+    for strategy in (
+        XPUMoEStrategy(pipeline_parallel_size=2, pipeline_stage_layers=[1, 2]),
+        XPUMoEStrategy(pipeline_parallel_size=2, expert_parallel_size=2),
+    ):
+        try:
+            _fit(world, strategy, max_steps=1)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_invalid_pipeline_layouts_fail_at_start() -> None:
+    for messages in run_distributed(_fit_errors, 2):
+        assert messages == [
+            "pipeline_stage_layers [1, 2] sums to 3 but the model has 4 layers.",
+            "The world size 2 is not divisible by pipeline_parallel_size=2 x expert_parallel_size=2 = 4; "
+            "choose sizes whose product divides the number of ranks.",
+        ]
 
 
 def test_layout_errors_are_one_sentence_naming_the_numbers() -> None:
