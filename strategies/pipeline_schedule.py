@@ -152,6 +152,13 @@ class PipelineRunner:
                 f"{self.topology.pp_size} micro-batches per step, but the step has {n_microbatches}; "
                 "lower data.micro_batch_size or use gpipe."
             )
+        rounds = max(1, n_microbatches // self.topology.pp_size)
+        if self.schedule_name == "interleaved-1f1b" and n_microbatches % rounds:
+            raise ValueError(
+                f"pipeline_schedule 'interleaved-1f1b' runs micro-batches in rounds of pipeline_parallel_size="
+                f"{self.topology.pp_size}; {n_microbatches} micro-batches per step are not a whole number of "
+                f"{rounds} rounds."
+            )
         stages = self._build_stages(micro_batch, seq_len)
         cls = _SCHEDULE_CLASSES[self.schedule_name]
         target = stages if self.schedule_name == "interleaved-1f1b" else stages[0]
