@@ -3,7 +3,8 @@
 Reference: one process, the same MulaLightningModule and global batches, gradient accumulation over
 the same micro-batches. Checked on 4 ranks for (P=2, E=2), (P=4, E=1) and (P=2, E=1, DP=2) with each
 schedule (gpipe, 1f1b, interleaved-1f1b): per-step losses for 6 steps within 1e-5 relative, the
-gradient norm (clipping by the norm over all stages) and every parameter afterwards. Checkpoints
+gradient norm (clipping by the norm over all stages), every parameter afterwards and the validation
+loss (forward only through the stages). Checkpoints
 saved at (W=4, P=2, E=2) resume at (W=4, P=1, E=4) and at W=1 with the uninterrupted run's next
 losses, one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2), and the pipelined checkpoint reads
 as one whole model (export to Hugging Face). Composes with activation checkpointing (exact) and
@@ -140,6 +141,33 @@ def _fit(
     return losses, trainer
 
 
+class _Batches:
+    """A loader of fixed batches (a plain list would be taken as one loader per element)."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+VAL_BATCHES = 4  # validation batches of MICRO sequences, split over the data-parallel ranks
+
+
+def _validate(trainer, dp_rank: int, dp_size: int) -> float:
+    """val/loss of the trained model on the same held-out batches for every layout."""
+    batches = [
+        torch.randint(
+            0, OVERRIDES["vocab_size"], (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(7 + k)
+        )
+        for k in range(VAL_BATCHES)
+    ]
+    per_rank = VAL_BATCHES // dp_size
+    mine = batches[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    trainer.validate(trainer.lightning_module, _Batches(mine), verbose=False)
+    return float(trainer.callback_metrics["val/loss"])
+
+
 def _lightning_env(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
 
@@ -171,7 +199,9 @@ def _run_layouts(rank: int, world: int, root: str) -> dict:
         )
         save = f"{root}/p2e2" if i == 0 else None
         losses, trainer = _fit(world, strategy, save_dir=save)
+        dp_rank = (rank // (pp * ep)) * ep + rank % ep
         out[(pp, ep, schedule)] = {
+            "val_loss": _validate(trainer, dp_rank, world // pp),
             "losses": losses.losses,
             "norms": losses.norms,
             "params": _local_params(trainer),
@@ -220,12 +250,14 @@ def _assemble(ranks: list[dict], name: str) -> torch.Tensor:
 
 def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
     ref, ref_trainer = _fit(1, None)
-    ref_params = {n: p.detach() for n, p in ref_trainer.lightning_module.named_parameters()}
+    ref_params = {n: p.detach().clone() for n, p in ref_trainer.lightning_module.named_parameters()}
+    ref_val = _validate(ref_trainer, 0, 1)
     with tempfile.TemporaryDirectory() as root:
         runs = run_distributed(_run_layouts, 4, root)
         for pp, ep, schedule, _ in LAYOUTS:
             key = (pp, ep, schedule)
-            for r in runs:  # every rank sees the global loss
+            for r in runs:  # every rank sees the global loss; validation runs forward through the stages
+                assert r[key]["val_loss"] == pytest.approx(ref_val, rel=1e-5), key
                 torch.testing.assert_close(
                     torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
                 )
