@@ -7,6 +7,8 @@
 * `moe/load_imbalance_global`: max over mean tokens per expert of the step's tokens on *all* ranks
   (summed over ranks and micro-batches), averaged over MoE layers. The LightningModule's own
   `moe/load_imbalance` is the same ratio for this rank's micro-batch; `ExpertLoad` logs it per layer.
+  The counts are the module's `step_expert_counts`, rows by global layer index, so pipeline stages,
+  each holding some layers, add up correctly.
 * the optimizer's own `metrics()` (the EP-aware sharded optimizer reports `optim/state_bytes`,
   `optim/step_ms`, `optim/grad_norm`, ...); for another optimizer `optim/state_bytes` counts this
   rank's parameters plus their optimizer state.

@@ -114,9 +114,12 @@ class Throughput(L.Callback):
         tokens = getattr(pl_module, "tokens_per_batch", None)
         if tokens is None:
             tokens = batch.numel() if isinstance(batch, torch.Tensor) else 0
-        self._tokens.append(tokens * trainer.world_size)
+        # data-parallel ranks, not all ranks: pipeline stages of one data-parallel rank share its tokens
+        dp_size = getattr(getattr(trainer, "strategy", None), "data_parallel_size", None)
+        dp_size = dp_size if isinstance(dp_size, int) else trainer.world_size
+        self._tokens.append(tokens * dp_size)
         flops = getattr(pl_module, "flops_per_batch", None)
-        self._flops.append(float(flops or 0) * trainer.world_size)
+        self._flops.append(float(flops or 0) * dp_size)
         elapsed = self._times[-1] - self._times[0]
         if elapsed <= 0:
             return

@@ -180,12 +180,18 @@ class MulaLightningModule(L.LightningModule):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         self._batch_shape = (inputs.shape[0], inputs.shape[1])
         out = self.model(inputs)
-        # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
-        loss = (
-            ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
-        )
+        loss, ce = self.combine_losses(out.logits, targets, out.aux_loss, out.z_loss)
         return loss, ce, out
+
+    def combine_losses(
+        self, logits: Tensor, targets: Tensor, aux_loss: Tensor, z_loss: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(total loss, cross-entropy) of logits [B, T, V] against targets [B, T] and the router losses
+        (one place for the loss, also used by a pipeline's last stage)."""
+        # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = ce + self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * z_loss
+        return loss, ce
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """One micro-batch: its loss (for backward), and the train/* (and moe/*) metrics of this step."""
@@ -210,9 +216,21 @@ class MulaLightningModule(L.LightningModule):
         world size. Sums stay on the device (no host sync per micro-batch); one all-reduce of
         [sums, count] per logged step.
         """
-        losses = torch.stack([t.detach().float() for t in losses])
-        self._step_sums = losses if self._step_sums is None else self._step_sums + losses
-        self._step_micro_batches += 1
+        self.record_step_losses(torch.stack([t.detach().float() for t in losses]), 1)
+
+    def add_expert_counts(self, layer: int, counts: Tensor) -> None:
+        """Add MoE block `layer`'s (global index) tokens per expert [E] of one micro-batch to the step's
+        counts: how a pipeline stage, which holds only some blocks, reports them. The rows of the other
+        stages' blocks stay zero here, so the step's one all-reduce adds every stage's rows in place."""
+        if self._step_counts is None:
+            self._step_counts = counts.new_zeros(self.config.num_layers, counts.numel())
+        self._step_counts[layer] += counts.detach()
+
+    def record_step_losses(self, sums: Tensor, count: int) -> None:
+        """Add `count` micro-batches' summed [loss, ce, aux, z] to this step; log the step's global
+        mean when it ends (see `_log_step_losses`). A pipeline stage without the loss adds zeros and 0."""
+        self._step_sums = sums if self._step_sums is None else self._step_sums + sums
+        self._step_micro_batches += count
         if not ends_optimizer_step(self.trainer):
             return
         sums, count = self._step_sums, self._step_micro_batches
@@ -265,17 +283,21 @@ class MulaLightningModule(L.LightningModule):
             return
         self.step_expert_counts = step_counts(self._step_counts)
         self._step_counts = None
-        layers = [layer for _, layer in iter_moe_layers(self.model)]
+        named = list(iter_moe_layers(self.model))
+        layers = [layer for _, layer in named]
         if self.config.router_bias_update_rate > 0:
             rate = self.config.router_bias_update_rate
-            update_router_bias([layer.router for layer in layers], self.step_expert_counts, rate)
+            # rows by global block index ("layers.<i>.mlp"): a pipeline stage holds only some blocks
+            rows = self.step_expert_counts[[int(name.split(".")[1]) for name, _ in named]]
+            update_router_bias([layer.router for layer in layers], rows, rate)
         for layer in layers:
             if layer.global_load is not None:
                 layer.global_load.reset()
 
     # ----- optimizer -----------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0)."""
+        """AdamW parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0;
+        present whenever `no_decay` names patterns)."""
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
@@ -283,7 +305,8 @@ class MulaLightningModule(L.LightningModule):
             skip = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.no_decay)
             (no_decay if skip else decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay}]
-        if no_decay:
+        if self.no_decay:
+            # kept when empty: every pipeline stage then has the same groups (the embedding is on one)
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return groups
 
@@ -316,6 +339,11 @@ class MulaLightningModule(L.LightningModule):
     def flops(self, batch_size: int, seq_len: int) -> int:
         """Training FLOPs (forward + backward) of one micro-batch of `batch_size` sequences of `seq_len`."""
         return self.config.flops_per_token(seq_len) * batch_size * seq_len
+
+    def set_batch_shape(self, batch_size: int, seq_len: int) -> None:
+        """Record the shape of the batch just trained on, for `tokens_per_batch` / `flops_per_batch`
+        (a strategy that runs the model itself, e.g. through pipeline stages, calls this)."""
+        self._batch_shape = (batch_size, seq_len)
 
     @property
     def tokens_per_batch(self) -> int | None:

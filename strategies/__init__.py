@@ -1,4 +1,5 @@
-"""Parallelism for Mula: expert parallelism and EP-aware optimizer sharding as a Lightning strategy.
+"""Parallelism for Mula: expert parallelism, pipeline stages and EP-aware optimizer sharding as a
+Lightning strategy.
 
 Importing this package registers `XPUMoEStrategy` as `strategy: xpu_moe` and `XPUAccelerator` as
 `accelerator: xpu` with Lightning, so recipes can name them.
@@ -12,6 +13,8 @@ from strategies.all_to_all import AllToAllDispatcher
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.pipeline_schedule import PipelineRunner
+from strategies.pipeline_split import split_model
 from strategies.topology import ExpertParallelTopology, build_topology, validate_layout
 from strategies.xpu_moe import XPUMoEStrategy
 
@@ -23,11 +26,13 @@ __all__ = [
     "ExpertParallelTopology",
     "GradientSynchronizer",
     "PALSEnvironment",
+    "PipelineRunner",
     "XPUAccelerator",
     "XPUMoEStrategy",
     "apply_expert_parallel",
     "build_topology",
     "clip_grad_norm_",
     "process_group_backend",
+    "split_model",
     "validate_layout",
 ]

@@ -102,7 +102,7 @@ def make_domains(
     edp_ranks = t.edp_group_ranks()
     expert = Domain("expert", t.edp_group, t.edp_size, t.edp_rank, scale, edp_ranks)
     if ep_aware:
-        dense = Domain("dense", world, t.world_size, t.rank, scale, list(range(t.world_size)))
+        dense = Domain("dense", world, t.world_size, t.rank, scale, t.world_ranks())
     else:
         dense = Domain(
             "dense", t.edp_group, t.edp_size, t.edp_rank, scale, edp_ranks,

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from mula.moe import is_expert_param
 from strategies.grad_reduce import GradReducer, param_entry
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import ExpertParallelTopology, reduce_over_stages
 
 
 class GradientSynchronizer:
@@ -104,7 +104,7 @@ def clip_grad_norm_(
     expert_sq = _sum_sq(experts, device)
     if topology.ep_size > 1:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=topology.ep_group)
-    total = (dense_sq + expert_sq).sqrt()
+    total = reduce_over_stages(dense_sq + expert_sq, topology).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in dense + experts:
         g.mul_(coef.to(g.dtype))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mula.flat_buffers import ParamEntry, Segment
+from strategies.topology import gather_groups_over_stages, names_cover
 
 if TYPE_CHECKING:
     from strategies.sharded_optimizer import EPShardedAdamW
@@ -39,11 +40,14 @@ def sharded_state_dict(opt: EPShardedAdamW) -> dict[str, Any]:
         state[entry.name] = {kind: _global_tensor(opt, getattr(opt, kind), entry, mesh) for kind in _KINDS}
     # Param groups keyed by index (strings), not a list of dicts: if DCP ever falls back to its
     # pre-2.4 key format (it does when a saved key is missing here), the keys stay the same.
-    groups = {}
-    for i, group in enumerate(opt.param_groups):
-        g = {k: v for k, v in group.items() if k != "params"}
-        g["param_names"] = [opt.name_of(p) for p in group["params"]]
-        groups[str(i)] = g
+    mine = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "param_names": [opt.name_of(p) for p in g["params"]],
+        }
+        for g in opt.param_groups
+    ]
+    groups = {str(i): g for i, g in enumerate(gather_groups_over_stages(mine, opt.topology))}
     return {"state": state, "param_groups": groups, "step": opt.step_count.detach().clone()}
 
 
@@ -53,14 +57,12 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
     groups = state_dict.get("param_groups")
     if isinstance(groups, dict):
         groups = [groups.get(str(i)) for i in range(len(groups))]
-    if groups is None or len(groups) != len(opt.param_groups) or None in groups:
+    if groups is None or len(groups) < len(opt.param_groups) or None in groups:
         raise ValueError("The optimizer checkpoint has a different number of param groups.")
+    names = [[opt.name_of(p) for p in g["params"]] for g in opt.param_groups]
+    if not names_cover([list(g["param_names"]) for g in groups], names):
+        raise ValueError("The optimizer checkpoint's param groups name other parameters than this model's.")
     for mine, saved in zip(opt.param_groups, groups):
-        names = [opt.name_of(p) for p in mine["params"]]
-        if list(saved["param_names"]) != names:
-            raise ValueError(
-                "The optimizer checkpoint's param groups name other parameters than this model's."
-            )
         for k, v in saved.items():
             if k not in ("params", "param_names"):
                 mine[k] = tuple(v) if k == "betas" else v

@@ -57,7 +57,7 @@ from strategies.adamw import adamw_update
 from strategies.grad_reduce import GradReducer, param_entry
 from strategies.param_gather import ParamGather
 from strategies.sharding_options import ShardingOptions
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import ExpertParallelTopology, reduce_over_stages
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
 
@@ -315,9 +315,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
                     sq = sq / self.topology.ep_size  # each dense element is held by E ranks
                 parts.append(sq)
         total = torch.stack(parts).max() if norm_type == float("inf") else torch.stack(parts).sum()
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
         if self.topology.world_size > 1:
-            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             dist.all_reduce(total, op=op, group=self.topology.world_group)
+        reduce_over_stages(total, self.topology, op)  # each stage holds its part of the model
         norm = total if norm_type == float("inf") else total.sqrt()
         self._p.last_norm = norm
         return norm

@@ -34,19 +34,30 @@ from mula.checkpoint.sharded import (
     write_sharded_checkpoint,
 )
 from mula.moe import is_expert_param
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import ExpertParallelTopology, gather_groups_over_stages, names_cover
 
 
 def expert_mesh(topology: ExpertParallelTopology, device_type: str) -> Any:
     """The 2-D (edp, ep) device mesh describing where expert rows live (None when E = 1: experts are whole).
 
-    Collective: every rank must call it. Rank r sits at (r // E, r % E), matching `build_topology`.
+    Collective: every rank must call it. Rank r sits at (r // E, r % E) of its stage, matching
+    `build_topology`; expert g of a layer is row g whatever (W, E, P).
     """
     if topology.ep_size == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (topology.edp_size, topology.ep_size), mesh_dim_names=("edp", "ep"))
+    if topology.pp_size == 1:
+        return init_device_mesh(
+            device_type, (topology.edp_size, topology.ep_size), mesh_dim_names=("edp", "ep")
+        )
+    # P stages: rank d*P*E + s*E + e; this rank's stage is the (edp, ep) sub-mesh at its stage index
+    mesh = init_device_mesh(
+        device_type,
+        (topology.edp_size, topology.pp_size, topology.ep_size),
+        mesh_dim_names=("edp", "pp", "ep"),
+    )
+    return mesh["edp", "ep"]
 
 
 def _as_global(tensor: Tensor, mesh: Any) -> Any:
@@ -69,7 +80,7 @@ def model_state(module: nn.Module, mesh: Any) -> dict[str, Any]:
 
 
 def plain_optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any
+    optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any, topology: ExpertParallelTopology
 ) -> dict[str, Any]:
     """A torch optimizer's per-parameter state keyed by parameter name, expert moments as global tensors."""
     state: dict[str, Any] = {}
@@ -85,8 +96,16 @@ def plain_optimizer_state(
                 state[name] = entry
     # A tuple is a leaf for DCP: the hyperparameters are stored as one small pickled object.
     groups = tuple(
-        {**{k: v for k, v in g.items() if k != "params"}, "param_names": [names[id(p)] for p in g["params"]]}
-        for g in optimizer.param_groups
+        gather_groups_over_stages(
+            [
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "param_names": [names[id(p)] for p in g["params"]],
+                }
+                for g in optimizer.param_groups
+            ],
+            topology,
+        )
     )
     return {"state": state, "param_groups": groups}
 
@@ -187,13 +206,12 @@ def _apply_param_groups(
     optimizer: torch.optim.Optimizer, groups: Any, path: Path, names: dict[int, str]
 ) -> None:
     """Restore a plain optimizer's hyperparameters (lr, betas, ...) saved next to its state."""
-    if groups is None or len(groups) != len(optimizer.param_groups):
+    if groups is None or len(groups) < len(optimizer.param_groups):
         raise ValueError(f"Checkpoint {path} has a different number of optimizer param groups.")
+    mine_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if not names_cover([list(g["param_names"]) for g in groups], mine_names):
+        raise ValueError(f"Checkpoint {path} optimizer param groups name other parameters than this model's.")
     for mine, theirs in zip(optimizer.param_groups, groups):
-        if list(theirs["param_names"]) != [names[id(p)] for p in mine["params"]]:
-            raise ValueError(
-                f"Checkpoint {path} optimizer param groups name other parameters than this model's."
-            )
         mine.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
 
 

@@ -10,6 +10,13 @@ over all W ranks, experts over their EDP group) -> Lightning's clipping (re-poin
 that counts each element once) -> optimizer step. Gradient-accumulation micro-batches do not
 communicate (`block_backward_sync`).
 
+With `pipeline_parallel_size` P > 1 the model's blocks are split into P stages (strategies/
+pipeline_split.py) and each optimizer step runs as one `torch.distributed.pipelining` schedule
+(strategies/pipeline_schedule.py) inside `training_step`: the data module hands over the step's whole
+per-rank batch, whose accumulation micro-batches become the pipeline's micro-batches. Gradients are
+then reduced per stage (dense over the stage's W/P ranks, experts over its EDP group) and clipped by
+the norm over all stages.
+
 YAML: `trainer.strategy: {class_path: strategies.XPUMoEStrategy, init_args: {expert_parallel_size: 4}}`
 or `trainer.strategy: xpu_moe` (E = 1).
 """
@@ -52,6 +59,8 @@ from strategies.accelerator import fix_mixed_precision_device, process_group_bac
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.pipeline_split import validate_schedule
+from strategies.pipeline_steps import PipelineSteps
 from strategies.sharded_state import (
     expert_mesh,
     load_sharded,
@@ -63,7 +72,7 @@ from strategies.sharded_state import (
 from strategies.topology import ExpertParallelTopology, build_topology
 
 
-class XPUMoEStrategy(ParallelStrategy):
+class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
 
     W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
@@ -83,6 +92,12 @@ class XPUMoEStrategy(ParallelStrategy):
             `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
+        pipeline_parallel_size: P, pipeline stages (rank order: EP innermost, then stages, data
+            parallel outermost; W must be divisible by P x E). Each stage is one contiguous run of blocks.
+        pipeline_schedule: "1f1b", "interleaved-1f1b" or "gpipe" (torch.distributed.pipelining).
+        pipeline_virtual_stages: V, stages per rank with "interleaved-1f1b" (P x V stages in all).
+        pipeline_stage_layers: blocks per stage (P x V numbers summing to the model's layers); default
+            an even split.
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -100,6 +115,10 @@ class XPUMoEStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         overlap_grad_reduce: bool = True,
         meta_init: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1f1b",
+        pipeline_virtual_stages: int = 1,
+        pipeline_stage_layers: list[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Any = None,
@@ -121,7 +140,20 @@ class XPUMoEStrategy(ParallelStrategy):
             raise ValueError(f"expert_parallel_size must be at least 1, got {expert_parallel_size}.")
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
+        if int(pipeline_parallel_size) < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {pipeline_parallel_size}.")
+        validate_schedule(pipeline_schedule, int(pipeline_parallel_size), int(pipeline_virtual_stages))
         self.expert_parallel_size = int(expert_parallel_size)
+        self.pipeline_parallel_size = int(pipeline_parallel_size)
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_virtual_stages = int(pipeline_virtual_stages)
+        self.pipeline_stage_layers = (
+            list(pipeline_stage_layers) if pipeline_stage_layers is not None else None
+        )
+        # Micro-batches per optimizer step, set by the data module (P > 1: it hands over whole steps).
+        self.pipeline_microbatches: int | None = None
+        self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
+        self._keep_grads = False
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = _parse_optimizer_options(optimizer_options or {})
         self.bucket_size_mb = bucket_size_mb
@@ -159,8 +191,18 @@ class XPUMoEStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank is a data-parallel rank: experts are split, tokens are not."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Every rank of a stage is a data-parallel rank: experts are split, tokens are not."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel index: its rank inside its pipeline stage (the global rank when P = 1)."""
+        return self.topology.rank if self.topology is not None else self.global_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: W / P (the ranks of one pipeline stage)."""
+        return self.topology.world_size if self.topology is not None else self.world_size
 
     @property
     def process_group_backend(self) -> str | None:
@@ -203,7 +245,8 @@ class XPUMoEStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":  # NCCL: bind the communicator to this GPU eagerly
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.topology = build_topology(self.expert_parallel_size)
+        self._validate_stages()
+        self.topology = build_topology(self.expert_parallel_size, self.pipeline_parallel_size)
         self._mesh = expert_mesh(self.topology, self.root_device.type)
 
     @contextmanager
@@ -233,6 +276,8 @@ class XPUMoEStrategy(ParallelStrategy):
                 "use precision='bf16-mixed' or shard_optimizer=False."
             )
         module = self.lightning_module
+        if self.pipeline_parallel_size > 1:
+            self._split_into_stages(module)
         if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:
             raise ValueError(
                 f"expert_parallel_size={self.expert_parallel_size} needs an MoE model, but this model has no experts; "
@@ -275,22 +320,27 @@ class XPUMoEStrategy(ParallelStrategy):
             if is_expert_param(name):
                 if topo.edp_size > 1:
                     dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
-            else:
-                dist.broadcast(tensor.data, src=0)
+            else:  # from the first rank of this pipeline stage (rank 0 when P = 1)
+                dist.broadcast(tensor.data, src=topo.to_global(0), group=topo.world_group)
 
     def setup_optimizers(self, trainer: Any) -> None:
         """The module's optimizer, made EP-aware: sharded, or with EP-aware gradient averaging."""
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        self._make_optimizers_aware()
+        self._guard_zero_grad()
+
+    def _make_optimizers_aware(self) -> None:
+        """Replace the AdamW by `EPShardedAdamW`, or attach the EP-aware gradient synchroniser."""
         assert self.topology is not None
         named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()
             self._grad_sync = None
         if not self.shard_optimizer:
-            self._grad_sync = GradientSynchronizer(
-                named, self.topology, self.bucket_size_mb, self.overlap_grad_reduce
-            )
+            # A pipeline step's backward passes interleave with forwards: reduce once after all of them.
+            overlap = self.overlap_grad_reduce and self._pipeline is None
+            self._grad_sync = GradientSynchronizer(named, self.topology, self.bucket_size_mb, overlap)
             return
         if len(self.optimizers) != 1:
             raise ValueError(
@@ -305,6 +355,11 @@ class XPUMoEStrategy(ParallelStrategy):
                 f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
             )
         options = dict(self.optimizer_options)
+        if self._pipeline is not None and options.get("zero_stage", 1) == 2:
+            raise ValueError(
+                "optimizer_options.zero_stage=2 reduces after every backward pass, which a pipeline step "
+                "interleaves with forwards; use zero_stage 1 with pipeline_parallel_size > 1."
+            )
         if options.get("overlap_param_gather"):
             options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
         sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **options)
@@ -413,7 +468,7 @@ class XPUMoEStrategy(ParallelStrategy):
         if hasattr(optimizer, "sharded_state_dict"):
             return optimizer.sharded_state_dict()
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        return plain_optimizer_state(optimizer, names, self._mesh)
+        return plain_optimizer_state(optimizer, names, self._mesh, self.topology)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint directory at `filepath` (collective)."""
@@ -427,6 +482,7 @@ class XPUMoEStrategy(ParallelStrategy):
         checkpoint["xpu_moe_layout"] = {
             "world_size": self.world_size,
             "expert_parallel_size": self.expert_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
         }
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)

@@ -389,3 +389,21 @@ def test_prepare_on_first_use(tmp_path):
     dm.prepare_data()  # prepared already: nothing to do
     assert (tmp_path / "data" / "summary.json").stat().st_mtime_ns == mtime
     assert dm.prepare_spec.sources[1].weight == 0.5
+
+
+def test_a_pipeline_strategy_gets_each_step_whole(data):
+    """A strategy with pipeline stages (`consumes_whole_step`) gets a data-parallel rank's share of each
+    global batch as one batch -- the rows of its accumulation micro-batches, in order -- and learns the
+    number of micro-batches per step; Lightning then accumulates nothing."""
+    strategy = SimpleNamespace(
+        consumes_whole_step=True, pipeline_microbatches=None, data_parallel_rank=1, data_parallel_size=2
+    )
+    dm = make_dm(data)
+    dm.trainer = SimpleNamespace(strategy=strategy, accumulate_grad_batches=1, lightning_module=None)
+    dm.setup("fit")
+    assert strategy.pipeline_microbatches == 2 and dm.trainer.accumulate_grad_batches == 1
+    it = iter(dm.train_dataloader())
+    whole = [next(it) for _ in range(3)]
+    micro = rank_batches(data, 1, 2, 3)  # the same rank without stages: 2 micro-batches per step
+    for step in range(3):
+        assert torch.equal(whole[step], torch.cat(micro[2 * step : 2 * step + 2]))

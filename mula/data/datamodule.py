@@ -300,7 +300,14 @@ class MulaDataModule(L.LightningDataModule):
                 f"global_batch_size {self.global_batch_size} is not divisible by data-parallel world size {world} "
                 f"x micro_batch_size {self.micro_batch_size}; choose sizes so that it is."
             )
-        self.layout = BatchLayout(self.global_batch_size, self.micro_batch_size, rank, world)
+        micro = self.micro_batch_size
+        strategy = getattr(self.trainer, "strategy", None)
+        if getattr(strategy, "consumes_whole_step", False) is True:
+            # Pipeline stages: one batch per step (this rank's whole share of the global batch); its
+            # accumulation micro-batches become the pipeline's micro-batches.
+            strategy.pipeline_microbatches = self.global_batch_size // (world * micro)
+            micro = self.global_batch_size // world
+        self.layout = BatchLayout(self.global_batch_size, micro, rank, world)
         trainer = self.trainer
         if trainer is not None:
             current = trainer.accumulate_grad_batches

@@ -1,0 +1,291 @@
+"""Training throughput and measured bubble of the pipeline schedules against the same model unsplit.
+
+W gloo CPU processes (default 4, one torch thread each) train the same Mula MoE from the same seed on
+the same global batches, full optimizer steps (forward, backward, gradient all-reduce, AdamW):
+
+  no pipeline      W data-parallel ranks, each accumulating its share of the global batch in
+                   micro-batches (what XPUMoEStrategy runs with pipeline_parallel_size=1, E=1);
+  P=k <schedule>   the blocks split into k stages (strategies/pipeline_split.py), W/k data-parallel
+                   ranks, one torch.distributed.pipelining schedule per step over the same
+                   micro-batches (strategies/pipeline_schedule.py): gpipe, 1f1b, interleaved-1f1b
+                   (2 virtual stages per rank).
+
+Reported per layout: global tokens/s (slowest rank's step time, median over steps), step time, the
+measured bubble -- 1 - (time a rank spends computing its stages' forward and backward chunks) /
+(step time), averaged over ranks, so idle time and point-to-point waits both count -- next to the
+textbook bubble of the schedule ((P-1)/(m+P-1), with m micro-batches; (P-1)/(V m+P-1) interleaved),
+and the parameters each rank holds. Benchmarks print tables and never assert.
+
+    python benchmarks/pipeline.py --doc docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from torch.distributed.pipelining import PipelineStage
+
+from mula import MulaConfig
+from mula.module import MulaLightningModule
+from strategies.grad_sync import GradientSynchronizer
+from strategies.pipeline_schedule import PipelineRunner
+from strategies.pipeline_split import rank_stages, split_model, stage_layer_counts, stage_layers
+from strategies.topology import build_topology
+
+MiB = 2**20
+SECTION = "## pipeline"
+
+
+@dataclasses.dataclass
+class Case:
+    """One row of the table."""
+
+    name: str
+    pp_size: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+
+
+@dataclasses.dataclass
+class Spec:
+    """What every worker runs (picklable)."""
+
+    config: dict[str, Any]
+    cases: list[Case]
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    steps: int
+    warmup: int
+
+
+class _ComputeClock:
+    """Seconds spent inside torch's stage forward/backward chunks (patched into PipelineStage)."""
+
+    seconds = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            original = getattr(PipelineStage, name)
+
+            def timed(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _original(self, *args, **kwargs)
+                finally:
+                    cls.seconds += time.perf_counter() - start
+
+            setattr(PipelineStage, name, timed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
+    config = MulaConfig(**spec.config)
+    topo = build_topology(1, case.pp_size)
+    torch.manual_seed(0)
+    module = MulaLightningModule(config)
+    module.configure_model()
+    runner = None
+    if case.pp_size > 1:
+        num_stages = case.pp_size * case.virtual
+        counts = stage_layer_counts(config.num_layers, num_stages)
+        mine = rank_stages(topo.pp_rank, case.pp_size, case.virtual)
+        layers = [i for s in mine for i in stage_layers(counts, s)]
+        split_model(module.model, layers, 0 in mine, num_stages - 1 in mine)
+        runner = PipelineRunner(module, topo, case.schedule, case.virtual, counts, torch.device("cpu"))
+    named = list(module.named_parameters())
+    optimizer = torch.optim.AdamW(module.param_groups(), lr=1e-4, weight_decay=0.1)
+    sync = GradientSynchronizer(named, topo, bucket_size_mb=16.0, overlap=False)
+    rows = spec.global_batch // topo.world_size  # this data-parallel rank's share of a step
+    micro_batches = rows // spec.micro_batch
+    g = torch.Generator().manual_seed(1000 + topo.rank)
+    batches = [
+        torch.randint(0, config.vocab_size, (rows, spec.seq_len + 1), generator=g)
+        for _ in range(spec.warmup + spec.steps)
+    ]
+    times, busy = [], []
+    for i, batch in enumerate(batches):
+        dist.barrier()
+        _ComputeClock.seconds = 0.0
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if runner is not None:
+            runner.step(batch, micro_batches)
+        else:
+            for micro in batch.split(spec.micro_batch):
+                out = module.model(micro[:, :-1])
+                loss = module.combine_losses(out.logits, micro[:, 1:], out.aux_loss, out.z_loss)[0]
+                (loss / micro_batches).backward()
+        sync.finish()
+        optimizer.step()
+        own = time.perf_counter() - start
+        elapsed = torch.tensor(own, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+        if i >= spec.warmup:
+            times.append(float(elapsed))
+            busy.append(_ComputeClock.seconds / float(elapsed))
+    sync.remove_hooks()
+    step_s = statistics.median(times)
+    if runner is None:
+        bubble, textbook = None, None
+    else:
+        bubble = 1.0 - statistics.median(busy)
+        work = micro_batches * (case.virtual if case.schedule == "interleaved-1f1b" else 1)
+        textbook = (case.pp_size - 1) / (work + case.pp_size - 1)
+    return {
+        "case": case.name,
+        "pp_size": case.pp_size,
+        "micro_batches": micro_batches,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": spec.global_batch * spec.seq_len / step_s,
+        "bubble": bubble,
+        "textbook": textbook,
+        "param_mib": sum(p.numel() * p.element_size() for _, p in named) / MiB,
+    }
+
+
+def _worker(rank: int, world: int, port: int, out: str, spec: Spec) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _ComputeClock.install()
+    rows = [_run_case(case, spec, rank, world) for case in spec.cases]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:  # bubble: the mean over ranks; parameters: the largest rank
+        merged = []
+        for i, row in enumerate(rows):
+            bubbles = [g[i]["bubble"] for g in gathered]
+            merged.append(
+                {
+                    **row,
+                    "bubble": None if row["bubble"] is None else sum(bubbles) / world,
+                    "param_mib": max(g[i]["param_mib"] for g in gathered),
+                }
+            )
+        Path(out).write_text(json.dumps(merged))
+    dist.destroy_process_group()
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table; speedups relative to the row without pipeline stages."""
+    base = next(r for r in rows if r["pp_size"] == 1)
+    lines = [
+        "| layout | micro-batches/step | tokens/s | vs no pipeline | step ms | bubble (measured) | bubble (textbook) | params MiB/rank |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bubble = "-" if r["bubble"] is None else f"{100 * r['bubble']:.0f}%"
+        textbook = "-" if r["textbook"] is None else f"{100 * r['textbook']:.0f}%"
+        lines.append(
+            f"| {r['case']} | {r['micro_batches']} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['step_ms']:.0f} | {bubble} | {textbook} | "
+            f"{r['param_mib']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(
+    world: int = 4,
+    pp_sizes: list[int] = [2, 4],  # noqa: B006 (jsonargparse reads the default from the signature)
+    schedules: list[str] = ["gpipe", "1f1b", "interleaved-1f1b"],  # noqa: B006
+    steps: int = 5,
+    warmup: int = 2,
+    global_batch: int = 32,
+    micro_batch: int = 2,
+    seq_len: int = 256,
+    hidden_size: int = 256,
+    num_layers: int = 8,
+    num_experts: int = 16,
+    top_k: int = 4,
+    expert_intermediate_size: int = 256,
+    vocab_size: int = 4096,
+    doc: str | None = None,
+) -> str:
+    """Run the unsplit model and every (P, schedule) in one job of `world` CPU processes."""
+    per_rank = 2 if "interleaved-1f1b" in schedules else 1  # virtual stages of a rank
+    bad = [p for p in pp_sizes if p < 2 or world % p or num_layers < per_rank * p]
+    if bad:
+        raise ValueError(
+            f"pp_sizes {bad} must be at least 2, divide world={world} and leave {per_rank} of the "
+            f"{num_layers} layers per rank."
+        )
+    if global_batch % (world * micro_batch):
+        raise ValueError(
+            f"global_batch {global_batch} must be divisible by world x micro_batch = {world * micro_batch}."
+        )
+    config = MulaConfig.from_name(
+        "mula-tiny-moe", hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_experts=num_experts,
+        top_k=top_k, expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max(seq_len, 64),
+    )  # fmt: skip
+    cases = [Case("no pipeline", 1)]
+    for p in pp_sizes:
+        for schedule in schedules:
+            virtual = 2 if schedule == "interleaved-1f1b" else 1
+            suffix = f", V={virtual}" if virtual > 1 else ""
+            cases.append(Case(f"P={p} {schedule}{suffix}", p, schedule, virtual))
+    spec = Spec(dataclasses.asdict(config), cases, global_batch, micro_batch, seq_len, steps, warmup)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.start_processes(_worker, args=(world, _free_port(), out, spec), nprocs=world, start_method="spawn")
+        rows = json.loads(Path(out).read_text())
+    header = (
+        f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
+        f"(FFN {expert_intermediate_size}), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M parameters. fp32, gloo, "
+        f"W={world} processes on {os.cpu_count()} CPU cores (1 torch thread each), global batch {global_batch} x "
+        f"{seq_len} tokens in micro-batches of {micro_batch}, median of {steps} optimizer steps (slowest rank) "
+        f"after {warmup} warm-up steps."
+    )
+    result = header + "\n\n" + table(rows)
+    print(result)
+    if doc is not None:
+        write_section(Path(doc), SECTION, _doc_section(result, world))
+    return result
+
+
+def _doc_section(result: str, world: int) -> str:
+    return f"""{SECTION}
+
+Pipeline stages (`XPUMoEStrategy(pipeline_parallel_size=P, pipeline_schedule=...)`) against the same
+model without stages, all in one job. Made with:
+
+    .venv/bin/python benchmarks/pipeline.py --world {world} --doc docs/benchmarks.md
+
+{result}
+
+How to read it.
+
+- Every layout does the same arithmetic on the same global batch; P stages give each rank 1/P of the
+  blocks and W/P data-parallel ranks, so each rank runs P times more micro-batches through fewer layers.
+- The bubble is the share of a step a rank is not computing: ramp-up and drain of the schedule plus
+  point-to-point waits. 1F1B has GPipe's bubble but keeps only P micro-batches' activations alive
+  (GPipe keeps all of them); interleaving V virtual stages divides the ramp by V for V times the
+  messages. More micro-batches per step shrink every schedule's bubble.
+- On shared CPU cores a pipeline cannot beat the unsplit model: its gain is memory (params MiB/rank
+  falls by P), which is what lets Mula-220B-A10B fit a 64 GB tile; the bubble column is the price.
+"""
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main)

@@ -1,0 +1,187 @@
+"""Driving `torch.distributed.pipelining` schedules over the stages of a split Mula model.
+
+One `PipelineRunner.step` is one optimizer step's forward and backward: the rank's whole share of the
+global batch goes in, torch's schedule cuts it into the step's micro-batches (the same micro-batches
+gradient accumulation would run, in the same order) and runs them through the stages with GPipe,
+1F1B or interleaved 1F1B. The last stage's loss per micro-batch is the module's loss divided by the
+number of micro-batches (what Lightning's accumulation does), so gradients sum to the step's mean;
+torch's own gradient scaling is therefore off (it would touch `.grad`, which the sharded optimizer
+has already consumed).
+
+Stage shapes are given statically (one micro-batch's meta tensors): torch then skips its metadata
+warm-up, which would run a real forward and backward through the model and its gradient hooks.
+Loss sums are fp32 with an explicit dtype (under bf16-true the default dtype is bf16, and every rank
+must all-reduce the same dtype).
+Validation batches (one micro-batch each) run forward only, through a GPipe (one stage per rank) or
+looped-BFS (virtual stages) schedule of one micro-batch over the same stage modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from strategies.pipeline_split import MulaStage, rank_stages, stage_layers
+from strategies.topology import ExpertParallelTopology
+
+_SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+}
+
+
+class PipelineRunner:
+    """This rank's pipeline stages of `module.model` (already split) and the schedule that runs them.
+
+    Args:
+        module: the `MulaLightningModule` (its `combine_losses` is the loss; its model is split).
+        topology: the layout (`pp_rank`, `pp_size`, `pp_group`).
+        schedule: "gpipe", "1f1b" or "interleaved-1f1b".
+        virtual_stages: stages per rank (V).
+        layer_counts: blocks per stage, P x V entries.
+        device: this rank's device.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        topology: ExpertParallelTopology,
+        schedule: str,
+        virtual_stages: int,
+        layer_counts: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.module, self.topology, self.schedule_name, self.device = module, topology, schedule, device
+        self.num_stages = topology.pp_size * virtual_stages
+        self.stage_ids = rank_stages(topology.pp_rank, topology.pp_size, virtual_stages)
+        last = self.num_stages - 1
+        model = module.model
+        self.stages = [
+            MulaStage(model, stage_layers(layer_counts, s), s == 0, s == last) for s in self.stage_ids
+        ]
+        for stage in self.stages:  # expert counts by global block (router bias, ExpertLoad, MoEMetrics)
+            stage.count_sink = getattr(module, "add_expert_counts", None)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = last in self.stage_ids
+        self._schedule: Any = None
+        self._key: tuple[int, int, int] | None = None
+        self._eval_schedules: dict[tuple[int, int], Any] = {}
+        self._n = 1
+        self._sums: list[Tensor] = []
+        self._eval_ce: list[Tensor] = []
+
+    def step(self, batch: Tensor, n_microbatches: int) -> tuple[Tensor, int]:
+        """Forward and backward of one optimizer step's batch [rows, T + 1] in `n_microbatches`.
+
+        Returns this rank's summed [loss, ce, aux, z] over the micro-batches it computed the loss of,
+        and their number (zeros and 0 on ranks without the last stage)."""
+        rows, seq_len = batch.shape[0], batch.shape[1] - 1
+        if rows % n_microbatches:
+            raise ValueError(
+                f"The step's batch of {rows} sequences per data-parallel rank does not split into "
+                f"{n_microbatches} pipeline micro-batches."
+            )
+        self._ensure_schedule(n_microbatches, rows // n_microbatches, seq_len)
+        self._n, self._sums = n_microbatches, []
+        args = (batch[:, :-1],) if self.has_first else ()
+        target = batch[:, 1:] if self.has_last else None
+        self._schedule.step(*args, target=target, return_outputs=False)
+        sums = (
+            torch.stack(self._sums).sum(0)
+            if self._sums
+            else torch.zeros(4, dtype=torch.float32, device=self.device)
+        )
+        count = len(self._sums)
+        self._sums = []
+        return sums, count
+
+    def evaluate(self, batch: Tensor) -> tuple[Tensor, int]:
+        """Forward-only cross-entropy of a batch [rows, T + 1] as one micro-batch: (ce, target tokens)
+        on ranks with the last stage, (0, 0) elsewhere."""
+        rows, seq_len = batch.shape[0], batch.shape[1] - 1
+        key = (rows, seq_len)
+        if key not in self._eval_schedules:
+            cls = ScheduleGPipe if len(self.stages) == 1 else ScheduleLoopedBFS
+            stages = self._build_stages(rows, seq_len)
+            self._eval_schedules[key] = cls(
+                stages[0] if len(stages) == 1 else stages, 1, loss_fn=self._eval_loss
+            )
+        self._eval_ce = []
+        args = (batch[:, :-1],) if self.has_first else ()
+        target = batch[:, 1:] if self.has_last else None
+        self._eval_schedules[key].eval(*args, target=target)
+        if not self._eval_ce:
+            return torch.zeros((), dtype=torch.float32, device=self.device), 0
+        return self._eval_ce.pop(), rows * seq_len
+
+    def _eval_loss(self, output: Any, target: Tensor) -> Tensor:
+        logits = output[0] if self.module.config.is_moe else output
+        zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+        ce = self.module.combine_losses(logits, target, zero, zero)[1]
+        self._eval_ce.append(ce.detach())
+        return ce
+
+    def _loss(self, output: Any, target: Tensor) -> Tensor:
+        """The module's loss of one micro-batch on the last stage, scaled for the step's mean."""
+        if self.module.config.is_moe:
+            logits, router = output
+            aux, z = (router / self.module.config.num_layers).unbind()
+        else:
+            logits = output
+            aux = z = torch.zeros((), dtype=torch.float32, device=logits.device)
+        loss, ce = self.module.combine_losses(logits, target, aux, z)
+        self._sums.append(torch.stack([loss, ce, aux, z]).detach().float())
+        return loss / self._n
+
+    def _ensure_schedule(self, n_microbatches: int, micro_batch: int, seq_len: int) -> None:
+        key = (n_microbatches, micro_batch, seq_len)
+        if self._schedule is not None and self._key == key:
+            return
+        if self.schedule_name != "gpipe" and n_microbatches < self.topology.pp_size:
+            raise ValueError(
+                f"pipeline_schedule {self.schedule_name!r} needs at least pipeline_parallel_size="
+                f"{self.topology.pp_size} micro-batches per step, but the step has {n_microbatches}; "
+                "lower data.micro_batch_size or use gpipe."
+            )
+        rounds = max(1, n_microbatches // self.topology.pp_size)
+        if self.schedule_name == "interleaved-1f1b" and n_microbatches % rounds:
+            raise ValueError(
+                f"pipeline_schedule 'interleaved-1f1b' runs micro-batches in rounds of pipeline_parallel_size="
+                f"{self.topology.pp_size}; {n_microbatches} micro-batches per step are not a whole number of "
+                f"{rounds} rounds."
+            )
+        stages = self._build_stages(micro_batch, seq_len)
+        cls = _SCHEDULE_CLASSES[self.schedule_name]
+        target = stages if self.schedule_name == "interleaved-1f1b" else stages[0]
+        self._schedule = cls(target, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._key = key
+
+    def _build_stages(self, micro_batch: int, seq_len: int) -> list[PipelineStage]:
+        """torch's stages over this rank's stage modules, with static shapes for one micro-batch."""
+        dtype = next(p.dtype for s in self.stages for p in s.parameters() if p.is_floating_point())
+        stages = []
+        for stage_id, mod in zip(self.stage_ids, self.stages):
+            inputs, outputs = mod.example_io(micro_batch, seq_len, dtype, dtype)
+            stages.append(
+                PipelineStage(
+                    mod,
+                    stage_id,
+                    self.num_stages,
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.topology.pp_group,
+                )
+            )
+        return stages

@@ -1,0 +1,173 @@
+"""Splitting a plain `Mula` model into pipeline stages, from the outside (as torchtitan does).
+
+S = P x V stages (V virtual stages per rank with the interleaved schedule); stage s holds a contiguous
+run of blocks, the first also the embedding, the last the final norm and the LM head. Rank p of the
+pipeline group holds stages p, p + P, ..., p + (V - 1) P (torch's looped placement).
+
+Every rank builds the whole model with the same seed and then keeps only its stages' modules, in
+place, under their original names: the blocks live in a `StageLayers` keyed by global layer index,
+so parameter names (and therefore checkpoint keys) are those of the unsplit model whatever P is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mula.model import Mula, rope_cos_sin
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+
+
+def validate_schedule(schedule: str, pp_size: int, virtual_stages: int) -> None:
+    """Raise one ValueError sentence for an unknown schedule or virtual stages it cannot run."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
+    if virtual_stages < 1:
+        raise ValueError(f"pipeline_virtual_stages must be at least 1, got {virtual_stages}.")
+    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+        raise ValueError(
+            f"pipeline_virtual_stages={virtual_stages} needs pipeline_schedule 'interleaved-1f1b' "
+            f"(got {schedule!r}, which runs one stage per rank)."
+        )
+    if pp_size == 1 and virtual_stages > 1:
+        raise ValueError(f"pipeline_virtual_stages={virtual_stages} needs pipeline_parallel_size > 1.")
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, explicit: Sequence[int] | None = None) -> list[int]:
+    """Blocks per stage: `explicit` (checked), else an even split with the remainder on the first stages."""
+    if explicit is not None:
+        counts = [int(c) for c in explicit]
+        if len(counts) != num_stages:
+            raise ValueError(
+                f"pipeline_stage_layers has {len(counts)} entries but the pipeline has {num_stages} stages "
+                "(pipeline_parallel_size x pipeline_virtual_stages); give one layer count per stage."
+            )
+        if min(counts) < 1:
+            raise ValueError(
+                f"pipeline_stage_layers {counts} has a stage without layers; every stage needs one."
+            )
+        if sum(counts) != num_layers:
+            raise ValueError(
+                f"pipeline_stage_layers {counts} sums to {sum(counts)} but the model has {num_layers} layers."
+            )
+        return counts
+    if num_layers < num_stages:
+        raise ValueError(
+            f"The model has {num_layers} layers, fewer than its {num_stages} pipeline stages "
+            "(pipeline_parallel_size x pipeline_virtual_stages); use fewer stages."
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def validate_split(
+    config: Any, pp_size: int, virtual_stages: int, explicit: Sequence[int] | None
+) -> list[int]:
+    """Blocks per stage for a model config (`num_layers`, `tie_embeddings`); one ValueError sentence
+    for a split that cannot work."""
+    if pp_size > 1 and config.tie_embeddings:
+        raise ValueError(
+            "tie_embeddings shares the embedding with the LM head, which sit on different pipeline stages; "
+            "use pipeline_parallel_size=1 or an untied model."
+        )
+    return stage_layer_counts(config.num_layers, pp_size * virtual_stages, explicit)
+
+
+def stage_layers(counts: Sequence[int], stage: int) -> range:
+    """Global indices of the blocks of `stage` for per-stage block `counts`."""
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+def rank_stages(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds (looped placement)."""
+    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+
+
+class StageLayers(nn.ModuleDict):
+    """The blocks a rank keeps, keyed by global layer index, so parameter names stay `layers.<i>.*`;
+    iterates over its blocks like the `nn.ModuleList` it replaces."""
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+
+def split_model(model: Mula, layers: Sequence[int], first: bool, last: bool) -> None:
+    """Keep only `layers` (global indices), the embedding if `first`, norm and LM head if `last`; in place."""
+    if isinstance(model.layers, StageLayers):
+        return  # already split (Lightning may call setup again)
+    model.layers = StageLayers({str(i): model.layers[i] for i in layers})
+    if not first:
+        model.embed = None
+    if not last:
+        model.norm = None
+        model.lm_head = None
+
+
+class MulaStage(nn.Module):
+    """One pipeline stage of a split `Mula` model (torch's `PipelineStage` runs it).
+
+    Inputs: token ids [B, T] on the first stage, else (hidden [B, T, H], router losses [2]).
+    Outputs: (hidden or, on the last stage, logits [B, T, V], router losses [2]); a dense model has no
+    router losses. The router losses are the running sums of every MoE layer's (aux, z) loss so far:
+    they travel with the activations, so the last stage's loss contains all of them and backward
+    brings each stage its share of their gradient -- the same loss as the unsplit model's.
+    """
+
+    def __init__(self, model: Mula, layers: Sequence[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleList(model.layers[str(i)] for i in layers)
+        self.layer_ids = list(layers)  # global block indices
+        # set by the runner: receives (global block index, tokens per expert) of each training forward
+        self.count_sink: Callable[[int, Tensor], None] | None = None
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: Tensor, router: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Run this stage's part of `Mula.forward`."""
+        if self.embed is not None:
+            if x.shape[1] > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"Sequence length {x.shape[1]} exceeds max_position_embeddings "
+                    f"{self.config.max_position_embeddings}."
+                )
+            x = self.embed(x)
+        cos, sin = rope_cos_sin(self.config, x.shape[1], x.device)
+        losses = []
+        for index, block in zip(self.layer_ids, self.blocks):
+            x, stats = block(x, cos, sin)
+            if stats is not None:
+                losses.append(torch.stack([stats.aux_loss, stats.z_loss]).float())
+                if self.count_sink is not None and torch.is_grad_enabled():  # training forwards only
+                    self.count_sink(index, stats.tokens_per_expert)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        if not self.config.is_moe:
+            return x
+        here = torch.stack(losses).sum(0)
+        return x, here if router is None else router + here
+
+    def example_io(self, micro_batch: int, seq_len: int, dtype: torch.dtype, logits_dtype: torch.dtype):
+        """(inputs, outputs) as meta tensors of one micro-batch: the static shapes `PipelineStage` needs."""
+        c = self.config
+
+        def meta(*shape: int, dt: torch.dtype = dtype, grad: bool = True) -> Tensor:
+            return torch.empty(shape, dtype=dt, device="meta").requires_grad_(grad)
+
+        router = (meta(2, dt=torch.float32),) if c.is_moe else ()
+        hidden = meta(micro_batch, seq_len, c.hidden_size)
+        inputs = (
+            (meta(micro_batch, seq_len, dt=torch.long, grad=False),) if self.embed is not None else (hidden,)
+        )
+        if self.embed is None:
+            inputs = inputs + router
+        out = (
+            meta(micro_batch, seq_len, c.vocab_size, dt=logits_dtype) if self.lm_head is not None else hidden
+        )
+        return inputs, (out, *router)

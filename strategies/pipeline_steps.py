@@ -1,0 +1,153 @@
+"""The Lightning side of pipeline stages in `XPUMoEStrategy` (a mixin, kept apart from the EP code).
+
+With P > 1 each optimizer step is one `PipelineRunner.step` inside `training_step`: the data module
+hands over the step's whole per-rank batch (`consumes_whole_step`; Lightning accumulates nothing),
+the schedule runs every forward and backward with gradient communication held back, and the
+strategy's `backward` only runs the hooks around backward and reduces the gradients. Lightning zeroes
+gradients between `training_step` and `backward`; that one call is skipped (`_guard_zero_grad`),
+gradients are zeroed before the schedule instead. The returned loss is the step's global mean on
+every rank, so loggers and the anomaly guard see the same value everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from strategies.pipeline_schedule import PipelineRunner
+from strategies.pipeline_split import split_model, stage_layers, validate_split
+
+
+class PipelineSteps:
+    """Training, validation and backward hooks of a strategy with pipeline stages (no-ops at P = 1).
+
+    Expects the host strategy to set `topology`, `pipeline_parallel_size`, `pipeline_schedule`,
+    `pipeline_virtual_stages`, `pipeline_stage_layers`, `pipeline_microbatches`, `_pipeline` (None)
+    and `_keep_grads` (False), and to provide `block_backward_sync` and `post_backward`.
+    """
+
+    _pipeline: PipelineRunner | None
+    _keep_grads: bool
+
+    @property
+    def consumes_whole_step(self) -> bool:
+        """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
+        return self.pipeline_parallel_size > 1
+
+    def _validate_stages(self) -> None:
+        """Check the stage split against the module's config before any model is built (one sentence)."""
+        config = getattr(self.lightning_module, "config", None)
+        if self.pipeline_parallel_size > 1 and hasattr(config, "num_layers"):
+            validate_split(
+                config, self.pipeline_parallel_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
+            )
+            if getattr(config, "aux_loss_scope", "micro_batch") == "global":
+                # its all-reduce runs inside each MoE layer's forward over all ranks, but stages run their
+                # layers at different times: the ranks would wait on each other's different collectives
+                raise ValueError(
+                    f"aux_loss_scope='global' is not available with pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size}; use aux_loss_scope='micro_batch' (or "
+                    "router_bias_update_rate, which works with pipeline stages)."
+                )
+
+    def _split_into_stages(self, module: Any) -> None:
+        """Keep this rank's pipeline stages of the model (validated first) and build their runner."""
+        topo = self.topology
+        assert topo is not None
+        model = getattr(module, "model", None)
+        if model is None or not hasattr(model, "layers"):
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs a MulaLightningModule (a model with `layers`)."
+            )
+        if self._pipeline is not None:
+            return  # Lightning calls setup again for validate/test after fit
+        num_stages = topo.pp_size * self.pipeline_virtual_stages
+        counts = validate_split(
+            model.config, topo.pp_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
+        )
+        mine = [s for s in range(num_stages) if s % topo.pp_size == topo.pp_rank]
+        split_model(
+            model, [i for s in mine for i in stage_layers(counts, s)], 0 in mine, num_stages - 1 in mine
+        )
+        self._pipeline = PipelineRunner(
+            module, topo, self.pipeline_schedule, self.pipeline_virtual_stages, counts, self.root_device
+        )
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline stages: one schedule step over the whole step's batch, returning the step's
+        global mean loss on every rank (what the loggers and the anomaly guard see)."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs["batch"]
+        if self.pipeline_microbatches is None:
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs the data module to set the strategy's pipeline_microbatches "
+                "(MulaDataModule does; other data modules must set it to the micro-batches per step)."
+            )
+        module = self.lightning_module
+        self._keep_grads = False
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        with self.precision_plugin.train_step_context(), self.block_backward_sync():
+            sums, count = self._pipeline.step(batch, self.pipeline_microbatches)
+        self._keep_grads = True  # Lightning zeroes gradients between training_step and backward
+        module.set_batch_shape(batch.shape[0], batch.shape[1] - 1)  # the step's tokens, for throughput
+        module.record_step_losses(sums, count)
+        module.log("train/lr", self.optimizers[0].param_groups[0]["lr"])
+        total = self.reduce(torch.cat([sums[:1], sums.new_tensor([count])]), reduce_op="sum")
+        return total[0] / total[1]
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline stages: the batch's cross-entropy through the stages, counted on the last."""
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipelined_eval(args[0] if args else kwargs["batch"])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline stages: as `validation_step`."""
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipelined_eval(args[0] if args else kwargs["batch"])
+
+    def _pipelined_eval(self, batch: Tensor) -> None:
+        assert self._pipeline is not None
+        with self.precision_plugin.val_step_context():
+            ce, tokens = self._pipeline.evaluate(batch)
+        # other stages add weight 0: torchmetrics' sync over all ranks then averages the last stage's
+        self.lightning_module.val_loss.update(ce, weight=tokens)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The pipeline step already ran backward: run the hooks around it and reduce the gradients."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _guard_zero_grad(self) -> None:
+        """With stages, make each optimizer's `zero_grad` skip the one call Lightning makes after
+        `training_step` (the schedule has run backward by then)."""
+        if self._pipeline is None:
+            return
+        for optimizer in self.optimizers:  # type: ignore[attr-defined]
+            _skip_zero_grad_after_pipeline_step(optimizer, self)
+
+
+def _skip_zero_grad_after_pipeline_step(optimizer: Any, strategy: PipelineSteps) -> None:
+    """Lightning calls `zero_grad` after `training_step` and before `backward`; a pipeline step has
+    already run backward by then (and zeroed gradients before it), so that one call must do nothing."""
+    zero_grad = optimizer.zero_grad
+
+    @functools.wraps(zero_grad)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if strategy._keep_grads:
+            strategy._keep_grads = False
+            return None
+        return zero_grad(*args, **kwargs)
+
+    optimizer.zero_grad = guarded

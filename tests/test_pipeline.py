@@ -1,0 +1,348 @@
+"""Pipeline stages in XPUMoEStrategy against one process (gloo CPU processes, Lightning's Trainer).
+
+Reference: one process, the same MulaLightningModule and global batches, gradient accumulation over
+the same micro-batches. Checked on 4 ranks for (P=2, E=2), (P=4, E=1) and (P=2, E=1, DP=2) with each
+schedule (gpipe, 1f1b, interleaved-1f1b): per-step losses for 6 steps within 1e-5 relative, the
+gradient norm (clipping by the norm over all stages), every parameter afterwards and the validation
+loss (forward only through the stages). Checkpoints
+saved at (W=4, P=2, E=2) resume at (W=4, P=1, E=4) and at W=1 with the uninterrupted run's next
+losses, one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2), and the pipelined checkpoint reads
+as one whole model (export to Hugging Face). Composes with activation checkpointing (exact) and
+bf16-true with fp32 masters (within bf16 rounding); meta_init builds each rank's stage only, with
+agreeing replicas. Layout errors are one sentence, at start.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import lightning.pytorch as L
+import pytest
+import torch
+from dist_helpers import run_distributed
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from mula.checkpoint import load_weights
+from mula.hf import export_hf
+from mula.module import MulaLightningModule
+from strategies import XPUMoEStrategy
+from strategies.pipeline_split import stage_layer_counts, validate_schedule
+from strategies.topology import stage_ranks, validate_pipeline_layout
+
+MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 6
+OVERRIDES = dict(
+    vocab_size=256, hidden_size=32, num_layers=4, num_heads=2, num_experts=8, top_k=2,
+    expert_intermediate_size=32, max_position_embeddings=64,
+)  # fmt: skip
+# (P, E, schedule, virtual stages) on 4 ranks; DP = 4 / (P * E) x E data-parallel ranks per stage
+LAYOUTS = [
+    (p, e, schedule, 2 if schedule == "interleaved-1f1b" and p == 2 else 1)
+    for p, e in ((2, 2), (4, 1), (2, 1))
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+]
+
+
+def _module(activation_checkpointing: str = "none") -> MulaLightningModule:
+    torch.manual_seed(0)
+    return MulaLightningModule(
+        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, OVERRIDES["vocab_size"], (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
+
+
+class _StepBatches:
+    """A data-parallel rank's batches, step after step: its contiguous share of each global batch, in
+    micro-batches (accumulated by Lightning) or whole (a pipeline step). Resumable by steps consumed."""
+
+    def __init__(self, dp_rank: int, dp_size: int, whole_steps: bool, total_steps: int) -> None:
+        self.dp_rank, self.dp_size, self.total_steps = dp_rank, dp_size, total_steps
+        self.per_step = 1 if whole_steps else MICROS_PER_STEP // dp_size
+        self.start_step = 0
+        self.consumed = 0
+
+    def __iter__(self):
+        rows = MICROS_PER_STEP * MICRO // self.dp_size
+        for step in range(self.start_step, self.total_steps):
+            mine = _global_batch(step)[self.dp_rank * rows : (self.dp_rank + 1) * rows]
+            yield from mine.split(rows // self.per_step)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.start_step + self.consumed // self.per_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start_step = state["steps"]
+
+
+class _StepLosses(L.Callback):
+    """Per optimizer step: the global-batch loss and the gradient norm before clipping."""
+
+    def __init__(self, loader: _StepBatches) -> None:
+        self.loader, self.losses, self.norms, self._acc = loader, [], [], 0.0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not isinstance(trainer.strategy, XPUMoEStrategy):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.loader.consumed += 1
+        self._acc += float(outputs["loss"])  # divided by accumulate_grad_batches (1 with a pipeline)
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            # a pipeline returns the global mean on every rank; otherwise each rank its own mean
+            self.losses.append(float(trainer.strategy.reduce(torch.tensor(self._acc), reduce_op="mean")))
+            self._acc = 0.0
+            if isinstance(trainer.strategy, XPUMoEStrategy):
+                self.norms.append(float(trainer.strategy.last_grad_norm))
+
+
+def _fit(
+    world: int,
+    strategy,
+    *,
+    max_steps: int = STEPS,
+    ckpt_path=None,
+    save_dir=None,
+    precision="32-true",
+    activation_checkpointing="none",
+):
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
+    dp_size = world // pp
+    dp_rank = (rank // (pp * ep)) * ep + rank % ep  # rank inside its stage (EP innermost)
+    loader = _StepBatches(dp_rank, dp_size, pp > 1, max_steps)
+    if pp > 1:  # what MulaDataModule sets: the step's accumulation micro-batches
+        strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
+    losses = _StepLosses(loader)
+    callbacks: list[L.Callback] = [losses]
+    if save_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world if strategy is not None else 1,
+        strategy=strategy if strategy is not None else "auto",
+        max_steps=max_steps,
+        precision=precision,
+        accumulate_grad_batches=1 if pp > 1 else MICROS_PER_STEP // world,
+        gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=save_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(_module(activation_checkpointing), loader, ckpt_path=ckpt_path)
+    return losses, trainer
+
+
+class _Batches:
+    """A loader of fixed batches (a plain list would be taken as one loader per element)."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+VAL_BATCHES = 4  # validation batches of MICRO sequences, split over the data-parallel ranks
+
+
+def _validate(trainer, dp_rank: int, dp_size: int) -> float:
+    """val/loss of the trained model on the same held-out batches for every layout."""
+    batches = [
+        torch.randint(
+            0, OVERRIDES["vocab_size"], (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(7 + k)
+        )
+        for k in range(VAL_BATCHES)
+    ]
+    per_rank = VAL_BATCHES // dp_size
+    mine = batches[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    trainer.validate(trainer.lightning_module, _Batches(mine), verbose=False)
+    return float(trainer.callback_metrics["val/loss"])
+
+
+def _lightning_env(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+
+
+def _local_params(trainer) -> dict:
+    """This rank's parameters (expert stacks with the global index of their first row)."""
+    strategy = trainer.strategy
+    opt = strategy._sharded_optimizer()
+    if opt is not None:
+        opt.wait_for_params()
+    topo = strategy.topology
+    out = {}
+    for name, p in trainer.lightning_module.named_parameters():
+        first = topo.ep_rank * p.shape[0] if ".experts." in name else 0
+        out[name] = (first, p.detach().clone())
+    return out
+
+
+def _run_layouts(rank: int, world: int, root: str) -> dict:
+    _lightning_env(rank, world)
+    out = {}
+    for i, (pp, ep, schedule, virtual) in enumerate(LAYOUTS):
+        strategy = XPUMoEStrategy(
+            expert_parallel_size=ep,
+            pipeline_parallel_size=pp,
+            pipeline_schedule=schedule,
+            pipeline_virtual_stages=virtual,
+            shard_optimizer=(pp, ep) != (2, 1),  # the plain AdamW path too
+        )
+        save = f"{root}/p2e2" if i == 0 else None
+        losses, trainer = _fit(world, strategy, save_dir=save)
+        dp_rank = (rank // (pp * ep)) * ep + rank % ep
+        out[(pp, ep, schedule)] = {
+            "val_loss": _validate(trainer, dp_rank, world // pp),
+            "losses": losses.losses,
+            "norms": losses.norms,
+            "params": _local_params(trainer),
+        }
+    # composes with activation checkpointing (exact) and bf16 weights with fp32 masters
+    recompute, _ = _fit(
+        world,
+        XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2),
+        activation_checkpointing="full",
+    )
+    out["recompute"] = recompute.losses
+    bf16, trainer = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2), precision="bf16-true"
+    )
+    out["bf16"] = bf16.losses
+    out["bf16_dtypes"] = {p.dtype for p in trainer.lightning_module.parameters()}
+    out["bf16_master"] = trainer.strategy._sharded_optimizer().master.dtype
+    # meta_init (as the Aurora recipe): each rank materialises only its stage; replicas of a stage agree
+    _, trainer = _fit(
+        world, XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2, meta_init=True), max_steps=1
+    )
+    topo = trainer.strategy.topology
+    dense = next(p for n, p in trainer.lightning_module.named_parameters() if "attn.q_proj" in n).detach()
+    gathered = [torch.empty_like(dense) for _ in range(topo.world_size)]
+    torch.distributed.all_gather(gathered, dense, group=topo.world_group)
+    out["meta_replicas_agree"] = all(torch.equal(g, dense) for g in gathered)
+    out["meta_layers"] = sorted(
+        {n.split(".")[2] for n, _ in trainer.lightning_module.named_parameters() if ".layers." in n}
+    )
+    # the reverse direction's checkpoint: saved without pipeline stages
+    _fit(world, XPUMoEStrategy(expert_parallel_size=4), max_steps=2, save_dir=f"{root}/p1e4")
+    return out
+
+
+def _resume(rank: int, world: int, ep: int, pp: int, ckpt: str, max_steps: int) -> list[float]:
+    _lightning_env(rank, world)
+    strategy = XPUMoEStrategy(expert_parallel_size=ep, pipeline_parallel_size=pp)
+    return _fit(world, strategy, max_steps=max_steps, ckpt_path=ckpt)[0].losses
+
+
+def _assemble(ranks: list[dict], name: str) -> torch.Tensor:
+    """A full parameter from the ranks holding it (expert rows placed at their global index)."""
+    pieces = {first: t for r in ranks if name in r for first, t in [r[name]]}
+    return torch.cat([pieces[k] for k in sorted(pieces)]) if len(pieces) > 1 else next(iter(pieces.values()))
+
+
+def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
+    ref, ref_trainer = _fit(1, None)
+    ref_params = {n: p.detach().clone() for n, p in ref_trainer.lightning_module.named_parameters()}
+    ref_val = _validate(ref_trainer, 0, 1)
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(_run_layouts, 4, root)
+        for pp, ep, schedule, _ in LAYOUTS:
+            key = (pp, ep, schedule)
+            for r in runs:  # every rank sees the global loss; validation runs forward through the stages
+                assert r[key]["val_loss"] == pytest.approx(ref_val, rel=1e-5), key
+                torch.testing.assert_close(
+                    torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
+                )
+                torch.testing.assert_close(
+                    torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
+                )
+            ranks = [r[key]["params"] for r in runs]
+            assert set().union(*ranks) == set(ref_params), key
+            for name, expected in ref_params.items():
+                torch.testing.assert_close(
+                    _assemble(ranks, name),
+                    expected,
+                    rtol=1e-4,
+                    atol=5e-5,
+                    msg=lambda m, k=key, n=name: f"{k} {n} {m}",
+                )
+        r0 = runs[0]
+        torch.testing.assert_close(torch.tensor(r0["recompute"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r0["bf16"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
+        assert r0["bf16_dtypes"] == {torch.bfloat16} and r0["bf16_master"] == torch.float32
+        assert all(r["meta_replicas_agree"] for r in runs)
+        assert [r["meta_layers"] for r in runs] == [["0", "1"], ["0", "1"], ["2", "3"], ["2", "3"]]
+        saved = f"{root}/p2e2/epoch=0-step=2.ckpt"
+        # every stage's part, by global layer and expert index: one process reads the whole model
+        whole = load_weights(saved).state_dict()
+        assert {f"model.{k}" for k in whole} == set(ref_params)
+        assert whole["layers.3.mlp.experts.gate_up"].shape[0] == OVERRIDES["num_experts"]
+        export_hf(saved, f"{root}/hf")
+        # (W=4, P=2, E=2) -> (W=4, P=1, E=4) and -> one process: the uninterrupted run's losses
+        w4 = run_distributed(_resume, 4, 4, 1, saved, 4)[0]
+        torch.testing.assert_close(torch.tensor(w4), torch.tensor(ref.losses[2:4]), rtol=1e-5, atol=0)
+        w1 = run_distributed(_resume, 1, 1, 1, saved, 4)[0]
+        torch.testing.assert_close(torch.tensor(w1), torch.tensor(ref.losses[2:4]), rtol=1e-5, atol=0)
+        # ... and the reverse: (W=4, P=1, E=4) -> (W=4, P=2, E=2)
+        back = run_distributed(_resume, 4, 2, 2, f"{root}/p1e4/epoch=0-step=2.ckpt", 4)[0]
+        torch.testing.assert_close(torch.tensor(back), torch.tensor(ref.losses[2:4]), rtol=1e-5, atol=0)
+
+
+def _fit_errors(rank: int, world: int) -> list[str]:
+    _lightning_env(rank, world)
+    messages = []
+    for strategy in (
+        XPUMoEStrategy(pipeline_parallel_size=2, pipeline_stage_layers=[1, 2]),
+        XPUMoEStrategy(pipeline_parallel_size=2, expert_parallel_size=2),
+    ):
+        try:
+            _fit(world, strategy, max_steps=1)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_invalid_pipeline_layouts_fail_at_start() -> None:
+    for messages in run_distributed(_fit_errors, 2):
+        assert messages == [
+            "pipeline_stage_layers [1, 2] sums to 3 but the model has 4 layers.",
+            "The world size 2 is not divisible by pipeline_parallel_size=2 x expert_parallel_size=2 = 4; "
+            "choose sizes whose product divides the number of ranks.",
+        ]
+
+
+def test_layout_errors_are_one_sentence_naming_the_numbers() -> None:
+    with pytest.raises(
+        ValueError,
+        match="world size 4 is not divisible by pipeline_parallel_size=4 x expert_parallel_size=2 = 8",
+    ):
+        validate_pipeline_layout(4, 2, 4)
+    with pytest.raises(ValueError, match="4 layers, fewer than its 8 pipeline stages"):
+        stage_layer_counts(4, 8)
+    with pytest.raises(ValueError, match=r"\[1, 2\] sums to 3 but the model has 4 layers"):
+        stage_layer_counts(4, 2, [1, 2])
+    with pytest.raises(ValueError, match="has 3 entries but the pipeline has 2 stages"):
+        stage_layer_counts(4, 2, [1, 1, 2])
+    with pytest.raises(ValueError, match="must be one of"):
+        validate_schedule("zero-bubble", 2, 1)
+    with pytest.raises(
+        ValueError, match="pipeline_virtual_stages=2 needs pipeline_schedule 'interleaved-1f1b'"
+    ):
+        XPUMoEStrategy(pipeline_parallel_size=2, pipeline_virtual_stages=2)
+    assert stage_layer_counts(10, 4) == [3, 3, 2, 2]
+    assert stage_layer_counts(4, 2, [1, 3]) == [1, 3]
+
+
+def test_stage_ranks_put_experts_innermost_and_data_parallel_outermost() -> None:
+    # W=8, P=2, E=2: rank = d*4 + s*2 + e
+    assert stage_ranks(8, 2, 2, 0) == [0, 1, 4, 5]
+    assert stage_ranks(8, 2, 2, 1) == [2, 3, 6, 7]
+    assert stage_ranks(4, 1, 4, 3) == [3]

@@ -1,0 +1,74 @@
+"""A pipelined `mula fit` (tiny MoE recipe, 2 stages on 2 gloo ranks) SIGKILLed after a checkpoint:
+the same command resumes exactly. The killed run is its own reference: the steps it recorded after
+its newest checkpoint (loss, parameter and batch digests on both ranks, from tests/ft_app.py's
+StepRecorder) must come out bit for bit the same when the resumed run repeats them. Both ranks
+record the same global loss (the loss is visible on every stage)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from test_fault_tolerance import (
+    REPO,
+    _assert_same_as,
+    _env,
+    _finish,
+    _rows,
+    _runs,
+    _tiny_moe_command,
+    _wait_for_step,
+)
+
+from mula.checkpoint import list_checkpoints, verify_checkpoint
+
+PIPELINE = [
+    "-c",
+    str(REPO / "recipes" / "strategies" / "pipeline.yaml"),
+    "--trainer.devices=2",
+    "--trainer.accelerator=cpu",
+    "--trainer.strategy.init_args.expert_parallel_size=1",
+]
+
+
+def _start(command: list[str], workdir: Path) -> subprocess.Popen:
+    """`mula fit` in its own session, so that killing the session kills every rank (a node failure)."""
+    env = {**_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    log_path = workdir / f"mula.{time.monotonic_ns()}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
+
+
+def test_pipelined_mula_fit_killed_and_rerun_resumes_exactly(tmp_path):
+    command = [
+        *_tiny_moe_command(tmp_path, "run", injector={"step_sleep_s": 0.3, "module_path": "model"}),
+        *PIPELINE,
+    ]
+    proc = _start(command, tmp_path)
+    _wait_for_step(tmp_path / "run", 5, proc, timeout=300)  # checkpoints at steps 2 and 4 exist
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    killed = {rank: _rows(tmp_path / "run", rank) for rank in (0, 1)}
+    valid = [
+        e for e in list_checkpoints(tmp_path / "run" / "checkpoints") if verify_checkpoint(e.path) is None
+    ]
+    newest = valid[0]
+    repeated = [r for r in killed[0] if r["step"] > newest.step]
+    assert repeated, "the killed run recorded no step after its newest checkpoint"
+
+    rc, log = _finish(_start(command, tmp_path), timeout=420)
+    assert rc == 0, log[-3000:]
+    assert f"Auto-resuming from {newest.path}" in " ".join(log.split())
+    for rank in (0, 1):
+        resumed = _runs(tmp_path / "run", rank)[-1]
+        assert resumed[0]["step"] == newest.step + 1
+        _assert_same_as([r for r in resumed if r["step"] <= repeated[-1]["step"]], killed[rank])
+    # every stage saw the same (global) loss at every step
+    assert [r["loss"] for r in _rows(tmp_path / "run", 0)] == [r["loss"] for r in _rows(tmp_path / "run", 1)]
