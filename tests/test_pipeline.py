@@ -9,7 +9,8 @@ saved at (W=4, P=2, E=2) resume at (W=4, P=1, E=4) and at W=1 with the uninterru
 losses, one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2), and the pipelined checkpoint reads
 as one whole model (export to Hugging Face). Composes with activation checkpointing (exact) and
 bf16-true with fp32 masters (within bf16 rounding); meta_init builds each rank's stage only, with
-agreeing replicas. Layout errors are one sentence, at start.
+agreeing replicas; the auxiliary-loss-free router bias, counted per stage by global block, equals the
+one-process bias. Layout errors are one sentence, at start.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ LAYOUTS = [
 ]
 
 
-def _module(activation_checkpointing: str = "none") -> MulaLightningModule:
+def _module(activation_checkpointing: str = "none", bias_rate: float = 0.0) -> MulaLightningModule:
     torch.manual_seed(0)
     return MulaLightningModule(
-        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
-        activation_checkpointing=activation_checkpointing,
+        "mula-tiny-moe", overrides={**OVERRIDES, "router_bias_update_rate": bias_rate}, lr=1e-2,
+        min_lr=1e-3, warmup_steps=1, decay_steps=10, activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
 
 
@@ -110,6 +111,7 @@ def _fit(
     save_dir=None,
     precision="32-true",
     activation_checkpointing="none",
+    bias_rate: float = 0.0,
 ):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
@@ -137,7 +139,7 @@ def _fit(
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(_module(activation_checkpointing), loader, ckpt_path=ckpt_path)
+    trainer.fit(_module(activation_checkpointing, bias_rate), loader, ckpt_path=ckpt_path)
     return losses, trainer
 
 
@@ -219,6 +221,15 @@ def _run_layouts(rank: int, world: int, root: str) -> dict:
     out["bf16"] = bf16.losses
     out["bf16_dtypes"] = {p.dtype for p in trainer.lightning_module.parameters()}
     out["bf16_master"] = trainer.strategy._sharded_optimizer().master.dtype
+    # auxiliary-loss-free balancing: each stage reports its blocks' counts by global index
+    biased, trainer = _fit(
+        world,
+        XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2),
+        bias_rate=BIAS_RATE,
+        max_steps=3,
+    )
+    out["bias_losses"] = biased.losses
+    out["bias"] = _router_biases(trainer)
     # meta_init (as the Aurora recipe): each rank materialises only its stage; replicas of a stage agree
     _, trainer = _fit(
         world, XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2, meta_init=True), max_steps=1
@@ -234,6 +245,17 @@ def _run_layouts(rank: int, world: int, root: str) -> dict:
     # the reverse direction's checkpoint: saved without pipeline stages
     _fit(world, XPUMoEStrategy(expert_parallel_size=4), max_steps=2, save_dir=f"{root}/p1e4")
     return out
+
+
+BIAS_RATE = 1e-2
+
+
+def _router_biases(trainer) -> dict[str, torch.Tensor]:
+    return {
+        n: b.detach().clone()
+        for n, b in trainer.lightning_module.named_buffers()
+        if n.endswith("router.bias")
+    }
 
 
 def _resume(rank: int, world: int, ep: int, pp: int, ckpt: str, max_steps: int) -> list[float]:
@@ -278,6 +300,16 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         torch.testing.assert_close(torch.tensor(r0["recompute"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r0["bf16"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
         assert r0["bf16_dtypes"] == {torch.bfloat16} and r0["bf16_master"] == torch.float32
+        biased, biased_trainer = _fit(1, None, bias_rate=BIAS_RATE, max_steps=3)
+        ref_bias = _router_biases(biased_trainer)
+        assert len(ref_bias) == OVERRIDES["num_layers"] and any(b.abs().sum() > 0 for b in ref_bias.values())
+        for r in runs:  # the same loss, and each rank's blocks carry the one-process bias
+            torch.testing.assert_close(
+                torch.tensor(r["bias_losses"]), torch.tensor(biased.losses), rtol=1e-5, atol=0
+            )
+            assert r["bias"] and set(r["bias"]) < set(ref_bias)
+            for name, bias in r["bias"].items():
+                torch.testing.assert_close(bias, ref_bias[name], rtol=0, atol=0, msg=name)
         assert all(r["meta_replicas_agree"] for r in runs)
         assert [r["meta_layers"] for r in runs] == [["0", "1"], ["0", "1"], ["2", "3"], ["2", "3"]]
         saved = f"{root}/p2e2/epoch=0-step=2.ckpt"
