@@ -148,16 +148,19 @@ HEADER = [
     "| model | layout | params | grads | optimizer | activations | buffers | total GB | fits 64 GB | step s | MFU % |",
     "|---|---|---|---|---|---|---|---|---|---|---|",
 ]
+# The shipped layouts, as each paper recipe's header gives them (tests/test_recipes.py runs those lines)
 RECIPES = {
-    "mula-1b": ["recipes/strategies/ddp.yaml"],
+    "mula-1b": [],  # the paper recipes' default strategy: data parallel, sharded optimizer (ZeRO-1)
     "mula-7b-a1b": [
-        "recipes/strategies/aurora-xpu-moe.yaml",
-        "--trainer.strategy.init_args.expert_parallel_size=4",
+        "-c", "recipes/strategies/aurora-xpu-moe.yaml", "--trainer.strategy.init_args.expert_parallel_size=4",
     ],
-    "mula-20b-a2b": ["recipes/strategies/aurora-xpu-moe.yaml"],
-    "mula-100b-a7b": ["recipes/strategies/aurora-xpu-moe.yaml"],
-    "mula-220b-a10b": ["recipes/strategies/aurora-xpu-moe.yaml"],
-}
+    "mula-20b-a2b": ["-c", "recipes/strategies/aurora-xpu-moe.yaml"],
+    "mula-100b-a7b": [
+        "-c", "recipes/strategies/aurora-pipeline.yaml", "--trainer.strategy.init_args.pipeline_parallel_size=4",
+        "--model.activation_checkpointing=[moe]", "--data.micro_batch_size=2",
+    ],
+    "mula-220b-a10b": ["-c", "recipes/strategies/aurora-pipeline.yaml"],
+}  # fmt: skip
 
 
 def recipe_table(nodes: int) -> str:
@@ -168,18 +171,14 @@ def recipe_table(nodes: int) -> str:
         *HEADER,
     ]
     for name, extra in RECIPES.items():
-        strategy = [a if a.startswith("--") else str(ROOT / a) for a in extra]
-        args = [
-            "-c",
-            str(ROOT / f"recipes/{name}.yaml"),
-            "-c",
-            *strategy,
-            "--machine=aurora",
-            f"--nodes={nodes}",
-        ]
+        layout = [a if a.startswith("-") else str(ROOT / a) for a in extra]
+        args = ["-c", str(ROOT / f"recipes/{name}.yaml"), *layout, "--machine=aurora", f"--nodes={nodes}"]
         r = _plan_recipe(args)
         lay = r["layout"]
-        desc = f"E={lay['ep_size']}, {lay['precision']}, mb {lay['micro_batch']}, ckpt {lay['checkpointing']}"
+        desc = (
+            f"E={lay['ep_size']}, P={lay['pp_size']}, {lay['precision']}, mb {lay['micro_batch']}, "
+            f"ckpt {lay['checkpointing']}"
+        )
         lines.append(_row(name, desc, r["per_rank_bytes"], r["fits"], r["step_time_s"], r["mfu"]))
     return "\n".join(lines)
 
@@ -204,7 +203,7 @@ def optimus_layout(name: str, nodes: int) -> Layout:
 
 
 def optimus_table(nodes: int) -> str:
-    """Part 2b: the paper's layouts through the Python API (pipeline settings are not recipe keys yet)."""
+    """Part 2b: the paper's layouts through the Python API (micro-batches as Optimus ran them)."""
     machine = load_machine("aurora")
     lines = [
         f"Optimus' layouts on {nodes} Aurora nodes ({12 * nodes} tiles), Python API (`benchmarks/memory.py`)",
