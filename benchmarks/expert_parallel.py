@@ -297,16 +297,42 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def before_after(rows: list[dict[str, Any]]) -> str:
-    """Markdown table: the all-to-all dispatcher before and after its fast path, per layout."""
-    lines = ["| layout | before tokens/s | after tokens/s | after / before |", "|---|---|---|---|"]
+    """Markdown table: the all-to-all dispatcher before and after its fast path, per layout; the ratio is
+    taken within each interleaved round (median [min-max] over rounds)."""
+    lines = [
+        "| layout | before tokens/s | after tokens/s | after / before (median [min-max] of rounds) |",
+        "|---|---|---|---|",
+    ]
+    by_case: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        prev = next((b for b in rows if b["case"] == f"{r['case']} (before)"), None)
-        if prev is not None:
-            speedup = r["tokens_per_s"] / prev["tokens_per_s"]
-            lines.append(
-                f"| {r['case']} | {prev['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {speedup:.2f}x |"
-            )
+        by_case.setdefault(r["case"], []).append(r)
+    for case, after in by_case.items():
+        prev = by_case.get(f"{case} (before)")
+        if prev is None:
+            continue
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(after, prev)]
+        med = statistics.median
+        lines.append(
+            f"| {case} | {med(b['tokens_per_s'] for b in prev):.0f} | {med(a['tokens_per_s'] for a in after):.0f} "
+            f"| {med(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] |"
+        )
     return "\n".join(lines)
+
+
+def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per case (first-seen order): the median over rounds of every numeric field."""
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], []).append(r)
+    return [
+        {
+            k: statistics.median(r[k] for r in rs)
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            else v
+            for k, v in rs[0].items()
+        }
+        for rs in by_case.values()
+    ]
 
 
 def main(
@@ -325,6 +351,7 @@ def main(
     top_k: int = 4,
     expert_intermediate_size: int = 256,
     vocab_size: int = 4096,
+    rounds: int = 3,
     doc: str | None = None,
 ) -> str:
     """Run DDP and EP (each E, plain and sharded optimizer) in one job of `world` CPU processes.
@@ -353,7 +380,8 @@ def main(
         cases.append(Case(f"EP E={e} uniform routing", e, routing="uniform"))
         if before and e > 1:
             cases.append(Case(f"EP E={e} uniform routing (before)", e, before=True, routing="uniform"))
-    spec = Spec(dataclasses.asdict(config), cases, micro_batch, seq_len, steps, warmup)
+    runs = [case for _ in range(rounds) for case in cases]  # interleaved rounds: drift hits every layout
+    spec = Spec(dataclasses.asdict(config), runs, micro_batch, seq_len, steps, warmup)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         mp.start_processes(_worker, args=(world, _free_port(), out, spec), nprocs=world, start_method="spawn")
@@ -363,9 +391,10 @@ def main(
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
         f"(FFN {expert_intermediate_size}), vocab {vocab_size}: {p_total / 1e6:.1f}M parameters. fp32, gloo, W={world} "
         f"processes on {os.cpu_count()} CPU cores (1 torch thread each), micro-batch {micro_batch} x {seq_len} "
-        f"tokens per rank, median of {steps} full training steps (slowest rank) after {warmup} warm-up steps."
+        f"tokens per rank, median of {steps} full training steps (slowest rank) after {warmup} warm-up steps; "
+        f"every number is the median of {rounds} interleaved rounds."
     )
-    result = header + "\n\n" + table(rows)
+    result = header + "\n\n" + table(_medians(rows))
     if any(r["case"].endswith("(before)") for r in rows):
         result += (
             "\n\nThe all-to-all dispatcher before and after its fast path (same run):\n\n"

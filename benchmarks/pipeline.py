@@ -185,20 +185,32 @@ def _worker(rank: int, world: int, port: int, out: str, spec: Spec) -> None:
     dist.destroy_process_group()
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table; speedups relative to the row without pipeline stages."""
-    base = next(r for r in rows if r["pp_size"] == 1)
+def table(rows: list[dict[str, Any]], rounds: int) -> str:
+    """Markdown table over `rounds` interleaved rounds (every layout once per round, in order):
+    medians, and each layout's tokens/s ratio to the unsplit model of the same round (median [min-max])."""
+    per_round = len(rows) // rounds
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for i, r in enumerate(rows):
+        base = next(
+            b
+            for b in rows[(i // per_round) * per_round : (i // per_round + 1) * per_round]
+            if b["pp_size"] == 1
+        )
+        by_case.setdefault(r["case"], []).append({**r, "ratio": r["tokens_per_s"] / base["tokens_per_s"]})
     lines = [
-        "| layout | micro-batches/step | tokens/s | vs no pipeline | step ms | bubble (measured) | bubble (textbook) | params MiB/rank |",
+        "| layout | micro-batches/step | tokens/s | vs no pipeline (median [min-max] of rounds) | step ms | bubble (measured) | bubble (textbook) | params MiB/rank |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        bubble = "-" if r["bubble"] is None else f"{100 * r['bubble']:.0f}%"
-        textbook = "-" if r["textbook"] is None else f"{100 * r['textbook']:.0f}%"
+    for case, rs in by_case.items():
+        med = statistics.median
+        ratios = [r["ratio"] for r in rs]
+        bubbles = [r["bubble"] for r in rs if r["bubble"] is not None]
+        bubble = "-" if not bubbles else f"{100 * med(bubbles):.0f}%"
+        textbook = "-" if rs[0]["textbook"] is None else f"{100 * rs[0]['textbook']:.0f}%"
         lines.append(
-            f"| {r['case']} | {r['micro_batches']} | {r['tokens_per_s']:.0f} | "
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['step_ms']:.0f} | {bubble} | {textbook} | "
-            f"{r['param_mib']:.1f} |"
+            f"| {case} | {rs[0]['micro_batches']} | {med(r['tokens_per_s'] for r in rs):.0f} | "
+            f"{med(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] | {med(r['step_ms'] for r in rs):.0f} | "
+            f"{bubble} | {textbook} | {rs[0]['param_mib']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -218,6 +230,7 @@ def main(
     top_k: int = 4,
     expert_intermediate_size: int = 256,
     vocab_size: int = 4096,
+    rounds: int = 3,
     doc: str | None = None,
 ) -> str:
     """Run the unsplit model and every (P, schedule) in one job of `world` CPU processes."""
@@ -243,7 +256,8 @@ def main(
             virtual = 2 if schedule == "interleaved-1f1b" else 1
             suffix = f", V={virtual}" if virtual > 1 else ""
             cases.append(Case(f"P={p} {schedule}{suffix}", p, schedule, virtual))
-    spec = Spec(dataclasses.asdict(config), cases, global_batch, micro_batch, seq_len, steps, warmup)
+    runs = [case for _ in range(rounds) for case in cases]  # interleaved rounds: drift hits every layout
+    spec = Spec(dataclasses.asdict(config), runs, global_batch, micro_batch, seq_len, steps, warmup)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         mp.start_processes(_worker, args=(world, _free_port(), out, spec), nprocs=world, start_method="spawn")
@@ -253,9 +267,9 @@ def main(
         f"(FFN {expert_intermediate_size}), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M parameters. fp32, gloo, "
         f"W={world} processes on {os.cpu_count()} CPU cores (1 torch thread each), global batch {global_batch} x "
         f"{seq_len} tokens in micro-batches of {micro_batch}, median of {steps} optimizer steps (slowest rank) "
-        f"after {warmup} warm-up steps."
+        f"after {warmup} warm-up steps, {rounds} interleaved rounds."
     )
-    result = header + "\n\n" + table(rows)
+    result = header + "\n\n" + table(rows, rounds)
     print(result)
     if doc is not None:
         write_section(Path(doc), SECTION, _doc_section(result, world))
