@@ -109,6 +109,9 @@ class DownstreamEval(L.Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+                # on disk now: CSVLogger buffers until Lightning's next train-metrics flush, which a
+                # crash before it would lose, and an evaluation costs too much to lose
+                logger.save()
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """This rank's share of the evaluation; the metrics on rank 0 ({} elsewhere), every RNG as before."""
