@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from rounds import by_case, free_port, spread
 from torch import Tensor
 
 from mula import Mula, MulaConfig
@@ -179,12 +179,6 @@ def _regroup_index(recv_table: Tensor) -> Tensor:
     return torch.arange(total, dtype=torch.long) + shift
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _loss(model: torch.nn.Module, batch: torch.Tensor, config: MulaConfig) -> torch.Tensor:
     out = model(batch[:, :-1])
     ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
@@ -303,27 +297,22 @@ def before_after(rows: list[dict[str, Any]]) -> str:
         "| layout | before tokens/s | after tokens/s | after / before (median [min-max] of rounds) |",
         "|---|---|---|---|",
     ]
-    by_case: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_case.setdefault(r["case"], []).append(r)
-    for case, after in by_case.items():
-        prev = by_case.get(f"{case} (before)")
+    grouped = by_case(rows)
+    for case, after in grouped.items():
+        prev = grouped.get(f"{case} (before)")
         if prev is None:
             continue
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(after, prev)]
         med = statistics.median
         lines.append(
             f"| {case} | {med(b['tokens_per_s'] for b in prev):.0f} | {med(a['tokens_per_s'] for a in after):.0f} "
-            f"| {med(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] |"
+            f"| {spread(ratios)} |"
         )
     return "\n".join(lines)
 
 
 def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per case (first-seen order): the median over rounds of every numeric field."""
-    by_case: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_case.setdefault(r["case"], []).append(r)
     return [
         {
             k: statistics.median(r[k] for r in rs)
@@ -331,7 +320,7 @@ def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else v
             for k, v in rs[0].items()
         }
-        for rs in by_case.values()
+        for rs in by_case(rows).values()
     ]
 
 
@@ -384,7 +373,7 @@ def main(
     spec = Spec(dataclasses.asdict(config), runs, micro_batch, seq_len, steps, warmup)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(world, _free_port(), out, spec), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), out, spec), nprocs=world, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     p_total = config.num_params()
     header = (

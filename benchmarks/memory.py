@@ -25,7 +25,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rounds import free_port  # benchmarks/ is on sys.path when run as a script
 
 from mula import MulaConfig
 from mula.plan import Layout, plan_memory
@@ -92,9 +92,7 @@ def _worker(rank: int, port: int, ep: int, out_dir: str) -> None:
 
 def measured_table(ep: int) -> str:
     """Part 1: measured (largest rank) vs planned bytes per component."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_worker, args=(port, ep, d), nprocs=WORLD, join=True, start_method="spawn")
         ranks = [torch.load(Path(d) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]

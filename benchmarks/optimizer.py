@@ -27,7 +27,6 @@ import dataclasses
 import gc
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from rounds import free_port
 
 from mula import Mula, MulaConfig
 from mula.moe import is_expert_param
@@ -56,12 +56,6 @@ class BenchSpec:
     iters: int
     warmup: int
     bucket_mb: float
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -306,7 +300,7 @@ def main(
     with tempfile.TemporaryDirectory() as tmp:
         for w in worlds:
             out = str(Path(tmp) / f"w{w}.json")
-            mp.start_processes(_worker, args=(w, _free_port(), out, spec), nprocs=w, start_method="spawn")
+            mp.start_processes(_worker, args=(w, free_port(), out, spec), nprocs=w, start_method="spawn")
             rows += json.loads(Path(out).read_text())
     header = (
         f"Model: {model} shape shrunk to hidden {hidden_size}, {num_layers} layers, {cfg.num_experts} experts "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from rounds import by_case, free_port, spread
 from torch.distributed.pipelining import PipelineStage
 
 from mula import MulaConfig
@@ -89,12 +89,6 @@ class _ComputeClock:
                     cls.seconds += time.perf_counter() - start
 
             setattr(PipelineStage, name, timed)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
@@ -189,27 +183,24 @@ def table(rows: list[dict[str, Any]], rounds: int) -> str:
     """Markdown table over `rounds` interleaved rounds (every layout once per round, in order):
     medians, and each layout's tokens/s ratio to the unsplit model of the same round (median [min-max])."""
     per_round = len(rows) // rounds
-    by_case: dict[str, list[dict[str, Any]]] = {}
-    for i, r in enumerate(rows):
-        base = next(
-            b
-            for b in rows[(i // per_round) * per_round : (i // per_round + 1) * per_round]
-            if b["pp_size"] == 1
-        )
-        by_case.setdefault(r["case"], []).append({**r, "ratio": r["tokens_per_s"] / base["tokens_per_s"]})
+    bases = [
+        next(b for b in rows[k : k + per_round] if b["pp_size"] == 1) for k in range(0, len(rows), per_round)
+    ]
+    rated = [
+        {**r, "ratio": r["tokens_per_s"] / bases[i // per_round]["tokens_per_s"]} for i, r in enumerate(rows)
+    ]
     lines = [
         "| layout | micro-batches/step | tokens/s | vs no pipeline (median [min-max] of rounds) | step ms | bubble (measured) | bubble (textbook) | params MiB/rank |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for case, rs in by_case.items():
+    for case, rs in by_case(rated).items():
         med = statistics.median
-        ratios = [r["ratio"] for r in rs]
         bubbles = [r["bubble"] for r in rs if r["bubble"] is not None]
         bubble = "-" if not bubbles else f"{100 * med(bubbles):.0f}%"
         textbook = "-" if rs[0]["textbook"] is None else f"{100 * rs[0]['textbook']:.0f}%"
         lines.append(
             f"| {case} | {rs[0]['micro_batches']} | {med(r['tokens_per_s'] for r in rs):.0f} | "
-            f"{med(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] | {med(r['step_ms'] for r in rs):.0f} | "
+            f"{spread([r['ratio'] for r in rs])} | {med(r['step_ms'] for r in rs):.0f} | "
             f"{bubble} | {textbook} | {rs[0]['param_mib']:.1f} |"
         )
     return "\n".join(lines)
@@ -260,7 +251,7 @@ def main(
     spec = Spec(dataclasses.asdict(config), runs, global_batch, micro_batch, seq_len, steps, warmup)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(world, _free_port(), out, spec), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), out, spec), nprocs=world, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "

@@ -27,6 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lightning_env(rank: int, world: int) -> None:
+    """Tell Lightning this process is rank `rank` of `world`, already started (it must not launch its own)."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+
+
 # Only effective before the first forkserver launch in this interpreter; later calls are harmless.
 multiprocessing.set_forkserver_preload(
     ["torch", "torch.distributed", "lightning.pytorch", "mula", "strategies"]

@@ -21,7 +21,7 @@ import tempfile
 import lightning.pytorch as L
 import pytest
 import torch
-from dist_helpers import run_distributed
+from dist_helpers import lightning_env, run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mula.checkpoint import load_weights
@@ -170,10 +170,6 @@ def _validate(trainer, dp_rank: int, dp_size: int) -> float:
     return float(trainer.callback_metrics["val/loss"])
 
 
-def _lightning_env(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
-
-
 def _local_params(trainer) -> dict:
     """This rank's parameters (expert stacks with the global index of their first row)."""
     strategy = trainer.strategy
@@ -189,7 +185,7 @@ def _local_params(trainer) -> dict:
 
 
 def _run_layouts(rank: int, world: int, root: str) -> dict:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     out = {}
     for i, (pp, ep, schedule, virtual) in enumerate(LAYOUTS):
         strategy = XPUMoEStrategy(
@@ -259,7 +255,7 @@ def _router_biases(trainer) -> dict[str, torch.Tensor]:
 
 
 def _resume(rank: int, world: int, ep: int, pp: int, ckpt: str, max_steps: int) -> list[float]:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     strategy = XPUMoEStrategy(expert_parallel_size=ep, pipeline_parallel_size=pp)
     return _fit(world, strategy, max_steps=max_steps, ckpt_path=ckpt)[0].losses
 
@@ -329,7 +325,7 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
 
 
 def _fit_errors(rank: int, world: int) -> list[str]:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     messages = []
     for strategy in (
         XPUMoEStrategy(pipeline_parallel_size=2, pipeline_stage_layers=[1, 2]),

@@ -18,9 +18,9 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_helpers import run_distributed
+from dist_helpers import lightning_env, run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_strategy import MICROS_PER_STEP, OVERRIDES, _lightning_env, _StepBatches
+from test_strategy import MICROS_PER_STEP, OVERRIDES, _StepBatches
 
 from mula import Mula, MulaConfig
 from mula.module import MulaLightningModule
@@ -128,7 +128,7 @@ def _fit(world: int, strategy, max_steps: int, ckpt_path=None, save_dir=None) ->
 
 
 def _run(rank: int, world: int, ep_size: int, max_steps: int, ckpt: str | None, save_dir: str | None):
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     return _fit(world, XPUMoEStrategy(expert_parallel_size=ep_size), max_steps, ckpt, save_dir)
 
 

@@ -8,12 +8,11 @@ Before, each run logged rank 0's last micro-batch, which differs with the world 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning.pytorch as L
 import torch
-from dist_helpers import run_distributed
+from dist_helpers import lightning_env, run_distributed
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
@@ -85,8 +84,7 @@ def _fit(rank: int, world: int, strategy: Any, log_every_n_steps: int = 1) -> L.
 
 
 def _two_ranks(rank: int, world: int) -> dict[str, dict[int, list[float]]]:
-    # The processes exist already (started by the test): Lightning must not launch its own.
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    lightning_env(rank, world)
     ddp = _fit(rank, world, "ddp")
     ep = _fit(rank, world, XPUMoEStrategy(expert_parallel_size=2))
     return {"ddp": ddp.logger.losses(), "ep": ep.logger.losses()}

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from dist_helpers import run_distributed
+from dist_helpers import lightning_env, run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from callbacks import MoEMetrics
@@ -129,13 +129,8 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
     return losses, trainer
 
 
-def _lightning_env(rank: int, world: int) -> None:
-    # Processes are already started (by the test): Lightning must not launch its own.
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
-
-
 def _run_w4(rank: int, world: int, root: str) -> dict:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     sharded, trainer = _fit(world, XPUMoEStrategy(expert_parallel_size=4), save_dir=f"{root}/w4e4")
     assert type(trainer.optimizers[0]).__name__ == "EPShardedAdamW"
     assert float(trainer.callback_metrics["moe/a2a_bytes"]) > 0
@@ -160,7 +155,7 @@ def _run_w4(rank: int, world: int, root: str) -> dict:
 def _resume(
     rank: int, world: int, ep_size: int, ckpt: str, max_steps: int, save_dir: str | None, precision="32-true"
 ) -> dict:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     strategy = XPUMoEStrategy(expert_parallel_size=ep_size)
     losses, _ = _fit(
         world, strategy, max_steps=max_steps, ckpt_path=ckpt, save_dir=save_dir, precision=precision
@@ -214,7 +209,7 @@ def test_strategy_matches_single_process_and_reshards_checkpoints() -> None:
 
 
 def _run_bf16_true(rank: int, world: int, root: str) -> dict:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     losses, trainer = _fit(
         world, XPUMoEStrategy(expert_parallel_size=2), precision="bf16-true", save_dir=f"{root}/bf16"
     )
@@ -272,7 +267,7 @@ def test_bf16_true_keeps_fp32_masters_resumes_and_exports() -> None:
 def _plain_bf16_true_error(rank: int, world: int, strategy: str) -> str:
     from lightning.pytorch.strategies import DDPStrategy
 
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     chosen = XPUMoEStrategy(shard_optimizer=False) if strategy == "xpu_moe" else DDPStrategy()
     try:
         _fit(world, chosen, max_steps=1, precision="bf16-true")
@@ -290,7 +285,7 @@ def test_bf16_true_without_fp32_master_weights_is_refused(strategy: str) -> None
 
 
 def _invalid(rank: int, world: int, ep_size: int) -> str:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     try:
         _fit(world, XPUMoEStrategy(expert_parallel_size=ep_size), max_steps=1)
     except ValueError as error:
@@ -308,7 +303,7 @@ def test_invalid_layouts_fail_at_start(ep_size: int, needle: str) -> None:
 
 
 def _invalid_experts(rank: int, world: int) -> str:
-    _lightning_env(rank, world)
+    lightning_env(rank, world)
     try:
         torch.manual_seed(0)
         module = MulaLightningModule("mula-tiny-moe", overrides={**OVERRIDES, "num_experts": 6})
