@@ -21,15 +21,15 @@ Benchmarks print tables and never assert.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from mula import MulaConfig
 from mula.plan import Layout, plan_memory
 from mula.plan.command import scaling
 from mula.plan.machines import load_machine
+from mula.plan.recipe_reader import header_command
 from mula.plan.settings import PlanInputs
 from mula.plan.step_time import step_time
 
@@ -122,14 +123,17 @@ def measured_table(ep: int) -> str:
     return "\n".join(lines)
 
 
-def _plan_recipe(args: list[str]) -> dict[str, Any]:
-    """`mula plan ... --format json` in this process."""
-    from mula.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["mula"]):
-        main(["plan", *args, "--format=json"])
-    return json.loads(out.getvalue())
+def _plan_recipe(name: str, nodes: int) -> tuple[dict[str, Any], list[float]]:
+    """The `mula plan` command of a paper recipe's header (`--format=json --nodes N` added), run
+    PLAN_RUNS times as the `mula` command in a fresh process: the plan, and each run's wall seconds."""
+    args = header_command((ROOT / f"recipes/{name}.yaml").read_text(), "mula plan")
+    command = [sys.executable, "-m", "mula", "plan", *args, "--format=json", f"--nodes={nodes}"]
+    seconds = []
+    for _ in range(PLAN_RUNS):
+        start = time.perf_counter()
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+        seconds.append(time.perf_counter() - start)
+    return json.loads(run.stdout), seconds
 
 
 def _row(
@@ -146,38 +150,29 @@ HEADER = [
     "| model | layout | params | grads | optimizer | activations | buffers | total GB | fits 64 GB | step s | MFU % |",
     "|---|---|---|---|---|---|---|---|---|---|---|",
 ]
-# The shipped layouts, as each paper recipe's header gives them (tests/test_recipes.py runs those lines)
-RECIPES = {
-    "mula-1b": [],  # the paper recipes' default strategy: data parallel, sharded optimizer (ZeRO-1)
-    "mula-7b-a1b": [
-        "-c", "recipes/strategies/aurora-xpu-moe.yaml", "--trainer.strategy.init_args.expert_parallel_size=4",
-    ],
-    "mula-20b-a2b": ["-c", "recipes/strategies/aurora-xpu-moe.yaml"],
-    "mula-100b-a7b": [
-        "-c", "recipes/strategies/aurora-pipeline.yaml", "--trainer.strategy.init_args.pipeline_parallel_size=4",
-        "--model.activation_checkpointing=[moe]", "--data.micro_batch_size=2",
-    ],
-    "mula-220b-a10b": ["-c", "recipes/strategies/aurora-pipeline.yaml"],
-}  # fmt: skip
+PAPER = ["mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"]
+PLAN_RUNS = 3
 
 
 def recipe_table(nodes: int) -> str:
-    """Part 2a: each paper recipe with its strategy file, as `mula plan` reads them."""
+    """Part 2a: each paper recipe at the layout its header gives, as the `mula` command plans it, with
+    the command's wall time (median [min-max] of PLAN_RUNS fresh processes)."""
     lines = [
-        f"paper recipes on {nodes} Aurora nodes ({12 * nodes} tiles), `mula plan --machine aurora --nodes {nodes}`",
+        f"paper recipes on {nodes} Aurora nodes ({12 * nodes} tiles): the `mula plan` command of each "
+        f"recipe's header with `--nodes {nodes}`; plan s = that command's wall time",
         "",
-        *HEADER,
+        HEADER[0] + " plan s |",
+        HEADER[1] + "---|",
     ]
-    for name, extra in RECIPES.items():
-        layout = [a if a.startswith("-") else str(ROOT / a) for a in extra]
-        args = ["-c", str(ROOT / f"recipes/{name}.yaml"), *layout, "--machine=aurora", f"--nodes={nodes}"]
-        r = _plan_recipe(args)
+    for name in PAPER:
+        r, seconds = _plan_recipe(name, nodes)
         lay = r["layout"]
         desc = (
             f"E={lay['ep_size']}, P={lay['pp_size']}, {lay['precision']}, mb {lay['micro_batch']}, "
             f"ckpt {lay['checkpointing']}"
         )
-        lines.append(_row(name, desc, r["per_rank_bytes"], r["fits"], r["step_time_s"], r["mfu"]))
+        row = _row(name, desc, r["per_rank_bytes"], r["fits"], r["step_time_s"], r["mfu"])
+        lines.append(f"{row} {statistics.median(seconds):.2f} [{min(seconds):.2f}-{max(seconds):.2f}] |")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
 from mula.config import MulaConfig
 from mula.data import MulaDataModule
+from mula.entry import report_bad_input
 from mula.kernels.backends import resolve_backend
 from mula.module import MulaLightningModule, check_master_weights
 
@@ -415,13 +416,7 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the `mula` console script."""
     # W&B offline unless the user asks otherwise (WANDB_MODE=online, or `mode: online` in the recipe)
     os.environ.setdefault("WANDB_MODE", "offline")
-    try:
-        MulaCLI(args=args)
-    except (ValueError, FileNotFoundError) as e:
-        if os.environ.get("MULA_TRACEBACK"):
-            raise
-        print(f"mula: error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+    report_bad_input(MulaCLI, args)
 
 
 if __name__ == "__main__":

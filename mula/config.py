@@ -209,6 +209,54 @@ class MulaConfig:
         emb = self.vocab_size * self.hidden_size
         return emb * (1 if self.tie_embeddings else 2) + self._norm_params(self.hidden_size)
 
+    def parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter of the `Mula` model, in its `named_parameters()` order.
+
+        Stacked experts are one [num_experts, ...] tensor per weight; a tied LM head is the embedding
+        (listed once, as PyTorch lists shared parameters). The planner lays out the optimizer's flat
+        buffers from this list without building a module; `tests/test_config.py` checks it against the
+        real module on the meta device.
+        """
+        h, v = self.hidden_size, self.vocab_size
+        q, kv = self.num_heads * self.head_size, self.kv_heads * self.head_size
+        shapes: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (v, h))]
+
+        def norm(name: str, dim: int) -> None:
+            if self._norm_params(dim):
+                shapes.append((f"{name}.weight", (dim,)))
+
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            norm(p + "attn_norm", h)
+            shapes += [
+                (p + "attn.q_proj.weight", (q, h)),
+                (p + "attn.k_proj.weight", (kv, h)),
+                (p + "attn.v_proj.weight", (kv, h)),
+                (p + "attn.o_proj.weight", (h, q)),
+            ]
+            if self.qk_norm:
+                norm(p + "attn.q_norm", q)
+                norm(p + "attn.k_norm", kv)
+            norm(p + "mlp_norm", h)
+            if self.is_moe:
+                e, f = self.num_experts, self.expert_intermediate_size
+                shapes += [
+                    (p + "mlp.router.weight", (e, h)),
+                    (p + "mlp.experts.gate_up", (e, 2 * f, h)),
+                    (p + "mlp.experts.down", (e, h, f)),
+                ]
+            else:
+                f = self.intermediate_size
+                shapes += [
+                    (p + "mlp.gate_proj.weight", (f, h)),
+                    (p + "mlp.up_proj.weight", (f, h)),
+                    (p + "mlp.down_proj.weight", (h, f)),
+                ]
+        norm("norm", h)
+        if not self.tie_embeddings:
+            shapes.append(("lm_head.weight", (v, h)))
+        return shapes
+
     def num_params(self) -> int:
         """Total number of parameters (tied embeddings counted once)."""
         return self.num_layers * self._layer_params(self.num_experts) + self._outer_params()
@@ -236,6 +284,23 @@ class MulaConfig:
         matmul = self.num_layers * per_layer + self.vocab_size * h
         attn = 12 * self.num_layers * self.num_heads * self.head_size * seq_len
         return 6 * matmul + attn
+
+
+def resolve_config(
+    config: str | MulaConfig | dict[str, Any], overrides: dict[str, Any] | None = None
+) -> MulaConfig:
+    """A `MulaConfig` from a preset name, a config or a dict of its fields, with `overrides` applied."""
+    overrides = dict(overrides or {})
+    if isinstance(config, str):
+        return MulaConfig.from_name(config, **overrides)
+    if isinstance(config, dict):
+        config = MulaConfig.from_dict(config)
+    if not isinstance(config, MulaConfig):
+        raise TypeError(f"model config must be a preset name or a MulaConfig, got {type(config).__name__}.")
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(MulaConfig)})
+    if unknown:
+        raise ValueError(f"Unknown MulaConfig field(s) {unknown} in overrides.")
+    return dataclasses.replace(config, **overrides)
 
 
 _OLMOE: dict[str, Any] = {

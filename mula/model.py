@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
 from mula.moe import GroupedExperts, MoELayer, Router
 
@@ -125,26 +126,6 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [B,T,H] -> [B,T,H]."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-# Parts of a block that `activation_checkpointing` may recompute selectively ("full": the whole block).
-CHECKPOINT_PARTS = ("moe", "attention", "norms")
-
-
-def parse_activation_checkpointing(value: str | Sequence[str] | None) -> frozenset[str]:
-    """The set of checkpointed parts for `value`: "none"/None (empty), "full", or a list of `CHECKPOINT_PARTS`."""
-    if value is None or value == "none":
-        return frozenset()
-    if value == "full":
-        return frozenset({"full"})
-    parts = [value] if isinstance(value, str) else list(value)
-    unknown = [p for p in parts if p not in CHECKPOINT_PARTS]
-    if unknown or not parts:
-        raise ValueError(
-            f"activation_checkpointing must be 'none', 'full' or a list of {list(CHECKPOINT_PARTS)}, "
-            f"got {value!r}."
-        )
-    return frozenset(parts)
 
 
 def _recompute(fn: Callable[..., Any], *args: Any) -> Any:

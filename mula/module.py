@@ -13,7 +13,6 @@ recipes use the same single weight decay of 0.1.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import math
 from collections.abc import Sequence
@@ -25,11 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
-from mula.config import MulaConfig
+from mula.config import MulaConfig, resolve_config
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.model import Mula, parse_activation_checkpointing
 from mula.moe import iter_moe_layers
 from mula.moe.balancing import step_counts, update_router_bias
+from mula.param_names import is_no_decay
 
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
 STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
@@ -50,23 +50,6 @@ def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, dec
 def _lr_factor(step: int, **kwargs: Any) -> float:
     """`warmup_cosine` as a multiple of the base lr (what `LambdaLR` wants)."""
     return warmup_cosine(step, **kwargs) / kwargs["lr"]
-
-
-def resolve_config(
-    config: str | MulaConfig | dict[str, Any], overrides: dict[str, Any] | None = None
-) -> MulaConfig:
-    """A `MulaConfig` from a preset name, a config or a dict of its fields, with `overrides` applied."""
-    overrides = dict(overrides or {})
-    if isinstance(config, str):
-        return MulaConfig.from_name(config, **overrides)
-    if isinstance(config, dict):
-        config = MulaConfig.from_dict(config)
-    if not isinstance(config, MulaConfig):
-        raise TypeError(f"model config must be a preset name or a MulaConfig, got {type(config).__name__}.")
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(MulaConfig)})
-    if unknown:
-        raise ValueError(f"Unknown MulaConfig field(s) {unknown} in overrides.")
-    return dataclasses.replace(config, **overrides)
 
 
 class MulaLightningModule(L.LightningModule):
@@ -302,8 +285,7 @@ class MulaLightningModule(L.LightningModule):
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
-            skip = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.no_decay)
-            (no_decay if skip else decay).append(p)
+            (no_decay if is_no_decay(name, self.no_decay) else decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay}]
         if self.no_decay:
             # kept when empty: every pipeline stage then has the same groups (the embedding is on one)

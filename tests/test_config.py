@@ -73,6 +73,27 @@ def test_counts_for_variants(kw):
     assert (cfg.num_params(), cfg.num_active_params()) == meta_counts(cfg)
 
 
+@pytest.mark.parametrize(
+    "name, kw",
+    [(name, {}) for name in PRESETS]
+    + [
+        (
+            "mula-7b-a1b",
+            {"num_layers": 2, "num_kv_heads": 4, "head_dim": 64, "expert_intermediate_size": 768},
+        ),
+        ("mula-7b-a1b", {"num_layers": 2, "tie_embeddings": True}),
+        ("mula-1b", {"num_layers": 2, "norm": "rmsnorm", "qk_norm": True, "num_kv_heads": 8}),
+        ("mula-tiny-dense", {"norm": "layernorm", "qk_norm": True, "intermediate_size": 320}),
+    ],
+)
+def test_parameter_shapes_are_the_modules(name, kw):
+    """The planner's torch-free parameter list equals the module's named_parameters, order included."""
+    cfg = MulaConfig.from_name(name, **kw)
+    with torch.device("meta"):
+        model = Mula(cfg)
+    assert cfg.parameter_shapes() == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
 @pytest.mark.parametrize("name", ["mula-7b-a1b", "mula-1b", "mula-tiny-moe"])
 def test_flops_formula(name):
     cfg = MulaConfig.from_name(name)

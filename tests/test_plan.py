@@ -66,6 +66,31 @@ def test_single_process_fit_matches_the_plan(tmp_path, checkpointing, precision)
     assert plan.activations == pytest.approx(logged["mem/activation_bytes"], rel=0.10)
 
 
+@pytest.mark.parametrize(
+    ("name", "kw", "no_decay"),
+    [
+        ("mula-tiny-moe", {}, ["embed.weight"]),
+        ("mula-tiny-moe", {"tie_embeddings": True}, ["embed.weight", "*norm*"]),
+        ("mula-tiny-dense", {}, []),
+    ],
+)
+def test_planned_parameters_are_the_optimizers_in_its_order(name, kw, no_decay) -> None:
+    """The planner's torch-free parameter list (names, shapes, groups, order) is what the module hands
+    the optimizer, so the flat buffers it lays out are the optimizer's."""
+    from mula.plan.parameters import model_parameters
+
+    config = MulaConfig.from_name(name, **kw)
+    with torch.device("meta"):
+        module = MulaLightningModule(config, no_decay=no_decay)
+        module.configure_model()
+    names = {id(p): n for n, p in module.named_parameters()}
+    real = [
+        (names[id(p)], tuple(p.shape), gi) for gi, g in enumerate(module.param_groups()) for p in g["params"]
+    ]
+    planned = [(p.name, p.shape, p.group) for p in model_parameters(config, tuple(no_decay))]
+    assert planned == real and len({g for _, _, g in real}) == (2 if no_decay else 1)
+
+
 def test_plan_reads_recipes_like_fit() -> None:
     trainer = {"devices": 8, "num_nodes": 2, "precision": "bf16-true", "accelerator": "cpu", "strategy": {
         "class_path": "strategies.XPUMoEStrategy",

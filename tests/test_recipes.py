@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
 from mula.cli import MulaCLI, main
+from mula.plan.recipe_reader import header_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -179,18 +179,6 @@ def test_print_config_round_trips(capsys, tmp_path):
     assert cli.model.config.num_layers == 2 and cli.model.config.num_experts == 16
 
 
-def _header_command(text: str, program: str) -> list[str]:
-    """The shell words of the `#   <program> ...` command in a recipe's header (backslash continuations joined)."""
-    lines = [line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("#")]
-    start = next(i for i, line in enumerate(lines) if line.startswith(program))
-    command = ""
-    for line in lines[start:]:
-        command += " " + line.removesuffix("\\")
-        if not line.endswith("\\"):
-            break
-    return shlex.split(command)[len(program.split()) :]
-
-
 @pytest.mark.parametrize("name", PAPER)
 def test_paper_recipe_header_layout_fits_as_planned(name, capsys, monkeypatch):
     """Each paper recipe's header names a layout, the `mula plan` command that prices it and the
@@ -199,10 +187,12 @@ def test_paper_recipe_header_layout_fits_as_planned(name, capsys, monkeypatch):
     import json
     import re
 
+    from mula.entry import main as mula_command  # what `mula` runs: the plan is read without Lightning
+
     monkeypatch.chdir(ROOT)
     text = (RECIPES / f"{name}.yaml").read_text()
-    plan_args = _header_command(text, "mula plan")
-    main(["plan", *plan_args, "--format=json"])
+    plan_args = header_command(text, "mula plan")
+    mula_command(["plan", *plan_args, "--format=json"])
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["device_bytes"] == 64 * 10**9
     said = re.search(
@@ -211,7 +201,7 @@ def test_paper_recipe_header_layout_fits_as_planned(name, capsys, monkeypatch):
     assert said, "the header states the planned memory and step time"
     assert float(said.group(1)) == round(plan["per_rank_bytes"]["total"] / 1e9, 1)
     assert float(said.group(2)) == round(plan["step_time_s"], 2)
-    fit_args = _header_command(text, "mpiexec -n $((NNODES * 12)) --ppn 12 mula fit")
+    fit_args = header_command(text, "mpiexec -n $((NNODES * 12)) --ppn 12 mula fit")
     launcher = {"--trainer.num_nodes=$NNODES", "--trainer.accelerator=xpu", "--trainer.devices=12"}
     assert [a for a in fit_args if a not in launcher] == [
         a for a in plan_args if a not in ("--machine=aurora", "--nodes=32")

@@ -12,18 +12,9 @@ from collections.abc import Iterator
 from torch import nn
 
 from mula.moe.layer import MoELayer
+from mula.param_names import EXPERTS_MODULE, is_expert_param
 
-EXPERTS_MODULE = "experts"  # the attribute of `MoELayer` that holds the stacked expert weights
-
-
-def is_expert_param(name: str) -> bool:
-    """True for a parameter (or state-dict entry) that belongs to an MoE layer's stacked experts.
-
-    Expert tensors are the ones below a module named ``experts`` (``layers.3.mlp.experts.gate_up``),
-    whatever prefix a wrapper adds (``model.``, ``_orig_mod.``, an optimizer-state key). They are split
-    over the expert-parallel group; every other parameter is replicated.
-    """
-    return EXPERTS_MODULE in name.split(".")[:-1]
+__all__ = ["EXPERTS_MODULE", "is_expert_param", "iter_moe_layers", "num_global_experts"]
 
 
 def iter_moe_layers(model: nn.Module) -> Iterator[tuple[str, MoELayer]]:

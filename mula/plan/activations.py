@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from math import ceil
 
+from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
-from mula.model import parse_activation_checkpointing
 from mula.plan.layout import Layout
 
 

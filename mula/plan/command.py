@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from jsonargparse import ActionYesNo
-
 from mula.plan.layout import Layout
 from mula.plan.machines import load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
@@ -20,37 +18,57 @@ from mula.plan.step_time import step_time
 GB = 1e9
 
 
-def add_plan_arguments(parser: Any) -> None:
-    """The options `mula plan` adds to the trainer/model/data options of `mula fit`."""
-    parser.add_argument(
-        "--machine",
-        type=str | None,
-        default=None,
-        help="Plan for this machine (recipes/machines/<name>.yaml: aurora, h100, or a path); "
+# The options `mula plan` adds to the trainer/model/data options of `mula fit`: name -> (type, default,
+# help). The full parser declares them (`add_plan_arguments`); the light reader checks them
+# (`plan_without_lightning`). A bool option is a yes/no flag (--search, --no_search).
+PLAN_OPTIONS: dict[str, tuple[Any, Any, str]] = {
+    "machine": (
+        str | None,
+        None,
+        "Plan for this machine (recipes/machines/<name>.yaml: aurora, h100, or a path); "
         "default: the recipe's trainer settings on the machine running the command.",
-    )
-    parser.add_argument(
-        "--nodes", type=int | None, default=None, help="Nodes of --machine (default: trainer.num_nodes)."
-    )
-    parser.add_argument("--format", type=Literal["text", "json"], default="text", help="text or json.")
-    parser.add_argument(
-        "--search",
-        action=ActionYesNo,
-        default=False,
-        help="List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) that fit, fastest first.",
-    )
-    parser.add_argument(
-        "--scaling_nodes",
-        type=list[int] | None,
-        default=None,
-        help="Also print weak and strong scaling efficiency from --nodes to each of these node counts.",
-    )
-    parser.add_argument(
-        "--device_memory_gb",
-        type=float | None,
-        default=None,
-        help="Device memory to plan against, in GB (default: the machine's or this device's).",
-    )
+    ),
+    "nodes": (int | None, None, "Nodes of --machine (default: trainer.num_nodes)."),
+    "format": (Literal["text", "json"], "text", "text or json."),
+    "search": (
+        bool,
+        False,
+        "List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) that fit, fastest first.",
+    ),
+    "scaling_nodes": (
+        list[int] | None,
+        None,
+        "Also print weak and strong scaling efficiency from --nodes to each of these node counts.",
+    ),
+    "device_memory_gb": (
+        float | None,
+        None,
+        "Device memory to plan against, in GB (default: the machine's or this device's).",
+    ),
+}
+
+
+def add_plan_arguments(parser: Any) -> None:
+    """Declare `PLAN_OPTIONS` on the full (jsonargparse) parser of `mula plan`."""
+    from jsonargparse import ActionYesNo
+
+    for name, (tp, default, help) in PLAN_OPTIONS.items():
+        if tp is bool:
+            parser.add_argument(f"--{name}", action=ActionYesNo, default=default, help=help)
+        else:
+            parser.add_argument(f"--{name}", type=tp, default=default, help=help)
+
+
+def plan_without_lightning(argv: list[str]) -> bool:
+    """Run `mula plan ARGV` from the light reader (`mula.plan.recipe_reader`: no Lightning, no torch
+    with --machine); False, having done nothing, when the full parser must read ARGV."""
+    from mula.plan.recipe_reader import read_plan_command
+
+    kwargs = read_plan_command(argv, {name: (tp, default) for name, (tp, default, _) in PLAN_OPTIONS.items()})
+    if kwargs is None:
+        return False
+    run_plan(**kwargs)
+    return True
 
 
 def run_plan(

@@ -12,9 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from mula.config import MulaConfig
+from mula.config import MulaConfig, resolve_config
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 
@@ -59,6 +57,8 @@ def _local_device_type(accelerator: Any) -> str:
         return name
     if name == "gpu":
         return "cuda"
+    import torch  # only to look for this machine's devices: a plan for --machine never imports it
+
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return "xpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,6 +71,8 @@ def _devices_per_node(devices: Any, device_type: str) -> int:
     if devices in (None, "auto", -1, "-1"):
         if device_type == "cpu":
             return 1
+        import torch
+
         return getattr(torch, device_type).device_count()
     if isinstance(devices, str) and "," in devices:
         return len([d for d in devices.split(",") if d.strip()])
@@ -80,6 +82,8 @@ def _devices_per_node(devices: Any, device_type: str) -> int:
 def local_device_bytes(device_type: str, local_ranks: int) -> tuple[int, str]:
     """(bytes, description) of one device of this machine; on CPU the host RAM shared by its ranks."""
     if device_type in ("cuda", "xpu"):
+        import torch
+
         props = getattr(torch, device_type).get_device_properties(0)
         return int(props.total_memory), f"{device_type} device {props.name}"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -98,8 +102,6 @@ def plan_inputs(
     """Read a parsed recipe. With `machine`, plan for `nodes` of it (default: the recipe's num_nodes) at
     one rank per device; without, for the recipe's own trainer settings on this machine (`world_size`
     overrides the ranks, as a running Trainer knows them)."""
-    from mula.module import resolve_config  # Lightning import: only when a plan is made
-
     config = resolve_config(model.get("config", "mula-tiny-moe"), model.get("overrides"))
     num_nodes = int(nodes or trainer.get("num_nodes") or 1)
     if machine is not None:

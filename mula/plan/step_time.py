@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
-from mula.model import parse_activation_checkpointing
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import stage_layers, stage_params

@@ -1,0 +1,5 @@
+"""`python -m mula ...` is the `mula` command."""
+
+from mula.entry import main
+
+main()
