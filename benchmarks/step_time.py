@@ -335,6 +335,7 @@ def main(
     }
     runs = [case for _ in range(rounds) for case in CASES]  # interleaved rounds: drift hits every layout
     spec = Spec(overrides, precision, runs, global_batch, micro_batch, seq_len, steps, warmup)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         mp.start_processes(
