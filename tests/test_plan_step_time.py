@@ -83,3 +83,20 @@ def test_search_lists_fitting_layouts_fastest_first() -> None:
         "bf16_weights": True,
     }
     assert not any(all(r[k] == v for k, v in shipped.items()) for r in rows)
+
+
+def test_communication_times_are_the_measured_volumes_over_the_bandwidths() -> None:
+    """The time parts price `comm_volumes` (checked against real runs in test_plan_volumes.py)."""
+    from mula.plan.step_time import comm_volumes
+
+    layout = BASE.replace(pp_size=4, micro_batches=32)
+    t = step_time(CONFIG, layout, AURORA, 3072)
+    volumes = comm_volumes(CONFIG, layout)
+    assert len(volumes) == 4
+    intra, inter = AURORA.intra_node_gbps * 1e9, AURORA.inter_node_gbps * 1e9
+    assert t.all_to_all_s == pytest.approx(max(v.all_to_all for v in volumes) / intra)  # E=12: one node
+    assert t.param_gather_s == pytest.approx(max(v.param_gather for v in volumes) / inter)  # 96 ranks
+    bubble = 3 / 32 * (t.compute_s + t.all_to_all_s)
+    assert t.pipeline_s == pytest.approx(bubble + max(v.pipeline for v in volumes) / inter)
+    # the end stages send one way, the middle ones both: activations forward, gradients backward
+    assert volumes[1].pipeline == volumes[2].pipeline == 2 * volumes[0].pipeline == 2 * volumes[3].pipeline

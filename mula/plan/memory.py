@@ -89,7 +89,7 @@ def stage_params(params: Sequence[ParamSpec], layers: range, first: bool, last: 
     return out
 
 
-def _entries(params: Sequence[ParamSpec], layout: Layout) -> list[ParamEntry]:
+def optimizer_entries(params: Sequence[ParamSpec], layout: Layout) -> list[ParamEntry]:
     """The optimizer's layout entries on one rank (expert stacks sliced to num_experts / E)."""
     dtype = {4: "torch.float32", 2: "torch.bfloat16", 8: "torch.float64"}[layout.param_bytes]
     out = []
@@ -107,7 +107,7 @@ def _entries(params: Sequence[ParamSpec], layout: Layout) -> list[ParamEntry]:
 
 def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int, int, int, int]:
     """(params, param tensors, grads, optimizer, buffers) bytes of one rank holding `params`."""
-    entries = _entries(params, layout)
+    entries = optimizer_entries(params, layout)
     tensors = sum(e.numel for e in entries) * layout.param_bytes
     if not layout.shard_optimizer:
         # torch AdamW: every rank holds its parameters, a gradient each (or the all-reduce buckets,

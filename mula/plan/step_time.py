@@ -4,18 +4,27 @@ Per optimizer step, on one rank of the slowest pipeline stage (one stage per nod
 
 * compute: `flops_per_token` of the step's tokens over W ranks (plus the forward of what activation
   checkpointing recomputes), at `peak * compute_mfu` of the machine;
-* expert all-to-all: per MoE layer and micro-batch, tokens * top_k * hidden rows leave each rank with
-  probability (E-1)/E, twice in forward (dispatch, combine), twice in backward, twice more when the MoE
-  block is recomputed; at the intra-node bandwidth when the EP group fits a node, else inter-node;
-* gradient reduce-scatter and parameter all-gather (sharded optimizer) or all-reduce (replicated
-  AdamW), dense over the stage's W/P ranks and experts over their EDP group, ring volumes
-  (n-1)/n per element; the reduce-scatter overlaps the last micro-batch's backward, the all-gather
-  overlaps nothing unless `overlap_param_gather`;
-* pipeline: bubble (P-1)/(v*m) of the stage's compute and all-to-all time, and the activations sent
-  between stages (inter-node).
+* communication volumes (`comm_volumes`, bytes one rank sends per step, per pipeline rank), each over
+  its bandwidth:
+  - expert all-to-all: per MoE layer and micro-batch, tokens * top_k rows of `hidden` elements in the
+    compute dtype leave each rank with probability (E-1)/E, twice in forward (dispatch, combine),
+    twice in backward, twice more when the MoE block is recomputed; at the intra-node bandwidth when
+    the EP group fits a node, else inter-node;
+  - gradient reduce-scatter and parameter all-gather of the sharded optimizer's flat buckets (padding
+    included), dense over the stage's W/P ranks and experts over their EDP group, (n-1)/n of each
+    bucket (ZeRO-2: once per micro-batch), or the all-reduce of replicated AdamW (twice that, in the
+    parameters' dtype); the reduction overlaps the last micro-batch's backward, the all-gather
+    overlaps nothing unless `overlap_param_gather`;
+  - pipeline: the activations and their gradients each rank sends to its neighbouring stages (the
+    residual stream in the parameters' dtype, plus the two fp32 router-loss sums of an MoE model),
+    inter-node; and the bubble (P-1)/(v*m) of the stage's compute and all-to-all time.
 
-The all-to-all is not overlapped with compute (Mula's dispatcher is synchronous). Everything else
-that is real but small (router, norms, optimizer update, kernel launch latency) is not modelled.
+Volumes are counted as a bandwidth-optimal algorithm moves them (the "bus bytes" of nccl-tests): what
+an all-to-all sends to other ranks, (n-1)/n of a reduce-scatter's or all-gather's buffer, 2(n-1)/n of
+an all-reduce's. tests/test_plan_volumes.py checks them against the bytes real runs hand to these
+collectives. The all-to-all is not overlapped with compute (Mula's dispatcher is synchronous).
+Everything else that is real but small (router, norms, optimizer update, the all-to-all's expert
+counts, kernel launch latency) is not modelled.
 """
 
 from __future__ import annotations
@@ -24,9 +33,10 @@ from dataclasses import dataclass
 
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
+from mula.flat_buffers import plan_buckets
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
-from mula.plan.memory import stage_layers, stage_params
+from mula.plan.memory import optimizer_entries, stage_layers, stage_params
 from mula.plan.parameters import model_parameters
 
 
@@ -81,20 +91,86 @@ def _recompute_flops_per_token(config: MulaConfig, layout: Layout) -> float:
     return (attn if "attention" in parts else 0) + (mlp if "moe" in parts and config.is_moe else 0)
 
 
-def _ring_s(elements: int, elem_bytes: int, group: int, bandwidth: float) -> float:
-    """One reduce-scatter or all-gather of `elements` over `group` ranks (ring volume)."""
-    return 0.0 if group <= 1 else elements * elem_bytes * (group - 1) / group / bandwidth
+@dataclass
+class Volumes:
+    """Bytes one pipeline rank sends per optimizer step, by collective (bus bytes, module docstring).
+
+    all_to_all: expert token rows (every pass); grad_reduce: the gradient reduce-scatters (sharded
+    optimizer) or all-reduces (replicated AdamW), dense and expert buckets; param_gather: the sharded
+    optimizer's parameter all-gathers; pipeline: activations and gradients sent to neighbouring stages;
+    grad_rounds: gradient reductions per step (the micro-batches under ZeRO-2, else 1).
+    """
+
+    all_to_all: float = 0.0
+    grad_reduce: float = 0.0
+    param_gather: float = 0.0
+    pipeline: float = 0.0
+    grad_rounds: int = 1
 
 
-def _stage_elements(config: MulaConfig, layout: Layout, stages: list[range]) -> tuple[int, int]:
-    """The largest stage's dense elements and its local expert elements (one EP rank's share)."""
+def _ring(numel: int, elem_bytes: int, group: int) -> float:
+    """Bus bytes of one reduce-scatter or all-gather of `numel` elements over `group` ranks."""
+    return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
+
+
+def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float]:
+    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`."""
+    if not layout.shard_optimizer:
+        # torch AdamW: every gradient is all-reduced once, unpadded, in the parameters' dtype
+        dense = sum(q.numel for q in params if not q.is_expert)
+        expert = sum(q.numel for q in params if q.is_expert) // layout.ep_size
+        pb = layout.param_bytes
+        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0
+    # the sharded optimizer's own buckets (strategies.grad_reduce.make_domains): dense sharded over the
+    # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
+    dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
+    buckets = plan_buckets(
+        optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel,
+        layout.align,
+    )  # fmt: skip
+    reduce = gather = 0.0
+    for b in buckets:
+        if b.domain == "dense" and not layout.ep_aware:
+            reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.dp_size)
+        else:
+            reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
+        gather += _ring(b.numel, layout.param_bytes, b.group_size)
+    return reduce, gather
+
+
+def _pipeline_sends(config: MulaConfig, layout: Layout, pp_rank: int) -> float:
+    """Bytes pipeline rank `pp_rank` sends to other stages per step: for each of its (virtual) stages,
+    every micro-batch's output forward (not from the last stage) and input gradient backward (not from
+    the first), the residual stream in the parameters' dtype plus an MoE model's router-loss sums."""
+    if layout.pp_size == 1:
+        return 0.0
+    message = layout.micro_batch * layout.seq_len * config.hidden_size * layout.param_bytes
+    message += 2 * 4 if config.is_moe else 0  # (aux, z) running sums, fp32
+    last = layout.pp_size * layout.pp_virtual_stages - 1
+    stages = range(pp_rank, last + 1, layout.pp_size)
+    sends = sum((s < last) + (s > 0) for s in stages)
+    return sends * max(1, layout.micro_batches) * message
+
+
+def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
+    """Bytes each pipeline rank (one entry per rank of the pipeline, the first first) sends per step."""
     params = model_parameters(config, tuple(layout.no_decay))
-    dense = expert = 0
-    for s, rng in enumerate(stages):
-        held = stage_params(params, rng, s == 0, s == len(stages) - 1)
-        dense = max(dense, sum(q.numel for q in held if not q.is_expert))
-        expert = max(expert, sum(q.numel for q in held if q.is_expert) // layout.ep_size)
-    return dense, expert
+    stages = stage_layers(config.num_layers, layout)
+    e, m = layout.ep_size, max(1, layout.micro_batches)
+    rank_tokens = m * layout.micro_batch * layout.seq_len  # tokens one rank of a stage processes
+    recompute = parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"}
+    passes = 4 + (2 if recompute else 0)
+    row = config.top_k * config.hidden_size * layout.compute_bytes
+    rounds = m if layout.shard_optimizer and layout.zero_stage == 2 else 1
+    out = []
+    for s, layers in enumerate(stages):
+        a2a = 0.0
+        if config.is_moe and e > 1:
+            a2a = passes * len(layers) * rank_tokens * row * (e - 1) / e
+        held = stage_params(params, layers, s == 0, s == len(stages) - 1)
+        reduce, gather = _optimizer_volumes(held, layout)
+        out.append(Volumes(a2a, rounds * reduce, gather, _pipeline_sends(config, layout, s), rounds))
+    return out
 
 
 def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch: int) -> StepTime:
@@ -110,39 +186,22 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
 
     intra, inter = machine.intra_node_gbps * 1e9, machine.inter_node_gbps * 1e9
     node = machine.tiles_per_node
-    rank_tokens = tokens / (w / p)  # tokens each rank of a stage processes per step
-    a2a = 0.0
-    if config.is_moe and e > 1:
-        passes = 4 + (2 if parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"} else 0)
-        volume = rank_tokens * config.top_k * config.hidden_size * layout.compute_bytes * (e - 1) / e
-        a2a = passes * layers * volume / (intra if e <= node else inter)
-
-    # per-stage parameters: the largest stage's dense and local expert elements
-    dense, expert = _stage_elements(config, layout, stages)
-    dp, edp = layout.dp_size, layout.edp_size
+    # each volume of the pipeline rank that sends the most of it
+    per_rank = comm_volumes(config, layout)
+    vol = Volumes(*(max(getattr(v, f) for v in per_rank) for f in Volumes.__dataclass_fields__))
+    a2a = vol.all_to_all / (intra if e <= node else inter)
     # a stage's ranks fill whole nodes before spanning more; EDP ranks are E apart, so both groups
     # leave the node once the stage does
-    bw = intra if dp <= node else inter
-    rb = layout.reduce_bytes if layout.shard_optimizer else layout.param_bytes
-    reduce = _ring_s(dense, rb, dp, bw) + _ring_s(expert, rb, edp, bw)
-    gather = _ring_s(dense, layout.param_bytes, dp, bw) + _ring_s(expert, layout.param_bytes, edp, bw)
-    if (
-        not layout.shard_optimizer
-    ):  # an all-reduce moves both volumes, overlapping backward like a reduce-scatter
-        reduce, gather = reduce + gather, 0.0
+    bw = intra if layout.dp_size <= node else inter
     m = max(1, layout.micro_batches)
-    backward = compute * 2 / 3 / m  # one micro-batch's backward, which a reduce-scatter overlaps
-    if layout.shard_optimizer and layout.zero_stage == 2:
-        grad_sync = m * max(0.0, reduce - backward)  # ZeRO-2 reduce-scatters after every micro-batch
-    else:
-        grad_sync = max(0.0, reduce - backward)  # once, during the last micro-batch's backward
+    backward = compute * 2 / 3 / m  # one micro-batch's backward, which a gradient reduction overlaps
+    # ZeRO-2 reduces after every micro-batch, everything else once, during the last backward
+    grad_sync = vol.grad_rounds * max(0.0, vol.grad_reduce / vol.grad_rounds / bw - backward)
+    gather = vol.param_gather / bw
     if layout.overlap_param_gather:
         gather = max(0.0, gather - compute / 3 / m)
 
     pipeline = 0.0
     if p > 1:
-        v = layout.pp_virtual_stages
-        pipeline = (p - 1) / (v * m) * (compute + a2a)
-        per_mb = layout.micro_batch * layout.seq_len * config.hidden_size * layout.compute_bytes
-        pipeline += 2 * m * v * per_mb / inter  # activations forward, gradients backward
+        pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + vol.pipeline / inter
     return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak)

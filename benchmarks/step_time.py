@@ -1,0 +1,395 @@
+"""The planner's step time (`mula.plan.step_time`) against measured step times on this CPU host.
+
+Two gloo CPU processes (one torch thread each) first measure the host's machine description: the
+peak matmul FLOP/s of one thread in the run's dtype (square matmuls, the best size), and the bus
+bandwidth of the collectives the runs issue between the two processes at the runs' message sizes
+(all_to_all_single of one micro-batch's expert rows, reduce_scatter_tensor and all_gather_into_tensor
+of the whole parameter buffer, the point-to-point send of one micro-batch's activations). The machine
+file (written to a temporary YAML file, read by `mula.plan.machines.load_machine`) has one intra-node
+bandwidth: the harmonic mean of the three collectives' (the rate at which equal volumes of the three
+move); its inter-node bandwidth, which prices only the pipeline sends here (both ranks sit on one
+"node"), is the point-to-point one.
+
+Then, in interleaved rounds (every layout once per round), a small MoE (uniform routing, the model's
+balanced-routing assumption) trains full optimizer steps of one global batch -- forward, backward,
+gradient reduction, the sharded AdamW (native collectives) -- in each layout:
+
+  1 rank          calibrates `compute_mfu`: the planner's compute time at MFU 1 over the measured
+                  step time (the median over rounds), so this row's ratio is 1 by construction;
+  DP=2 ZeRO-1/2   two data-parallel ranks with the sharded optimizer;
+  E=2             expert parallelism (all-to-all dispatch), also with every block recomputed;
+  P=2             two pipeline stages, 1F1B and GPipe.
+
+Each row: the planner's prediction (`step_time` with the measured machine), the measured seconds
+per step (slowest rank, median of the steps of each round; median [min-max] over rounds) and
+measured / predicted (median [min-max] over rounds), and the predicted parts. Benchmarks print
+tables and never assert.
+
+    python benchmarks/step_time.py --doc docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from rounds import by_case, free_port, spread
+
+from mula import MulaConfig
+from mula.module import MulaLightningModule
+from mula.plan import Layout
+from mula.plan.machines import Machine, load_machine
+from mula.plan.step_time import step_time
+from strategies.expert_parallel import apply_expert_parallel
+from strategies.pipeline_schedule import PipelineRunner
+from strategies.pipeline_split import rank_stages, split_model, stage_layer_counts, stage_layers
+from strategies.sharded_optimizer import EPShardedAdamW
+from strategies.topology import ExpertParallelTopology, build_topology
+
+SECTION = "## step time"
+PARTS = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
+# torch >= 2.10 renamed the tensor collectives (as strategies/grad_reduce.py and param_gather.py)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Case:
+    """One row of the table: a layout of `world` ranks (1: the calibration run, on rank 0 alone)."""
+
+    name: str
+    world: int = 2
+    ep: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    zero: int = 1
+    checkpointing: Any = "none"
+
+
+CASES = [
+    Case("1 rank (calibration)", world=1),
+    Case("DP=2 ZeRO-1"),
+    Case("DP=2 ZeRO-2", zero=2),
+    Case("E=2", ep=2),
+    Case("E=2, full recompute", ep=2, checkpointing="full"),
+    Case("P=2 1f1b", pp=2),
+    Case("P=2 gpipe", pp=2, schedule="gpipe"),
+]
+
+
+@dataclasses.dataclass
+class Spec:
+    """What every worker runs (picklable)."""
+
+    overrides: dict[str, Any]
+    precision: str
+    cases: list[Case]
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    steps: int
+    warmup: int
+
+
+def peak_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (512, 1024, 2048), reps: int = 3) -> float:
+    """FLOP/s of the fastest square matmul on this thread (the best of `reps` per size)."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def _timed(fn: Any, reps: int) -> float:
+    """The fastest of `reps` calls of the collective `fn` (every rank starts together)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bandwidths(message: dict[str, int], dtype: torch.dtype, reps: int = 5) -> dict[str, float]:
+    """Bus bandwidth (bytes/s, nccl-tests' convention: the bytes each rank sends) of each collective
+    between the ranks of the world at `message[kind]` bytes per call."""
+    n, rank, item = dist.get_world_size(), dist.get_rank(), torch.empty((), dtype=dtype).element_size()
+    numel = {k: max(n, v // item // n * n) for k, v in message.items()}
+    x = torch.ones(numel["all_to_all"], dtype=dtype)
+    a2a = _timed(lambda: dist.all_to_all_single(torch.empty_like(x), x), reps)
+    full = torch.ones(numel["reduce_scatter"], dtype=dtype)
+    shard = torch.empty(full.numel() // n, dtype=dtype)
+    rs = _timed(lambda: _reduce_scatter(shard, full), reps)
+    ag = _timed(lambda: _all_gather(full, shard), reps)
+    p2p_x = torch.ones(numel["send"], dtype=dtype)
+
+    def p2p() -> None:  # rank 0 sends, rank 1 receives (a pipeline's activations)
+        if rank == 0:
+            dist.send(p2p_x, dst=1)
+        elif rank == 1:
+            dist.recv(p2p_x, src=0)
+
+    send = _timed(p2p, reps)
+    ring = (n - 1) / n
+    return {
+        "all_to_all": x.numel() * item * ring / a2a,
+        "reduce_scatter": full.numel() * item * ring / rs,
+        "all_gather": full.numel() * item * ring / ag,
+        "send": p2p_x.numel() * item / send,
+    }
+
+
+def _single_topology() -> ExpertParallelTopology:
+    """One process's layout, for the calibration run on rank 0 while rank 1 waits."""
+    return ExpertParallelTopology(world_size=1, rank=0, ep_size=1, edp_size=1, ep_rank=0, edp_rank=0)
+
+
+def _build(case: Case, spec: Spec) -> tuple[MulaLightningModule, PipelineRunner | None, EPShardedAdamW]:
+    """The module, its pipeline runner and its sharded optimizer, in XPUMoEStrategy.setup's order."""
+    topo = _single_topology() if case.world == 1 else build_topology(case.ep, case.pp)
+    torch.manual_seed(0)
+    module = MulaLightningModule(
+        "mula-tiny-moe",
+        overrides=spec.overrides,
+        activation_checkpointing=case.checkpointing,
+        decay_steps=100,
+    )
+    module.configure_model()
+    runner = None
+    if case.pp > 1:
+        counts = stage_layer_counts(module.config.num_layers, case.pp)
+        mine = rank_stages(topo.pp_rank, case.pp, 1)
+        layers = [i for s in mine for i in stage_layers(counts, s)]
+        split_model(module.model, layers, 0 in mine, case.pp - 1 in mine)
+        runner = PipelineRunner(module, topo, case.schedule, 1, counts, torch.device("cpu"))
+    apply_expert_parallel(module, topo)
+    module.to(DTYPES[spec.precision])
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    adamw = module.configure_optimizers()["optimizer"]
+    opt = EPShardedAdamW.from_adamw(adamw, named, topo, zero_stage=case.zero, collectives="native")
+    return module, runner, opt
+
+
+def _step(module: MulaLightningModule, runner: PipelineRunner | None, opt: EPShardedAdamW, batch: torch.Tensor,
+          micro: int) -> None:  # fmt: skip
+    """One optimizer step over this rank's share of the global batch, as the strategy runs it."""
+    opt.zero_grad()
+    if runner is not None:
+        with opt.no_sync():
+            runner.step(batch, batch.shape[0] // micro)
+    else:
+        micro_batches = batch.split(micro)
+        for i, mb in enumerate(micro_batches):
+            sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else opt.no_sync()
+            with sync:
+                (module._losses(mb)[0] / len(micro_batches)).backward()
+    opt.reduce_gradients()
+    opt.step()
+
+
+def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
+    """Seconds per step (the slowest rank's) after the warm-up steps; None on a rank left out."""
+    dist.barrier()
+    if rank >= case.world:
+        dist.barrier()  # wait for the calibration run
+        return None
+    module, runner, opt = _build(case, spec)
+    dp = case.world // case.pp
+    dp_rank = (rank // (case.pp * case.ep)) * case.ep + rank % case.ep
+    rows = spec.global_batch // dp
+    g = torch.Generator().manual_seed(1000 + dp_rank)
+    vocab = module.config.vocab_size
+    times = []
+    for i in range(spec.warmup + spec.steps):
+        batch = torch.randint(0, vocab, (rows, spec.seq_len + 1), generator=g)
+        if case.world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        _step(module, runner, opt, batch, spec.micro_batch)
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        if case.world > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+        if i >= spec.warmup:
+            times.append(float(elapsed))
+    opt.close()
+    if case.world == 1:
+        dist.barrier()
+    return times
+
+
+def _worker(rank: int, world: int, port: int, out: str, spec: Spec, message: dict[str, int]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dtype = DTYPES[spec.precision]
+    peak = peak_flops(dtype) if rank == 0 else 0.0  # one thread; the other rank waits
+    dist.barrier()
+    bw = bandwidths(message, dtype)
+    rows = []
+    for case in spec.cases:
+        times = _run_case(case, spec, rank)
+        if rank == 0:
+            rows.append({"case": case.name, "step_s": statistics.median(times)})
+    if rank == 0:
+        Path(out).write_text(json.dumps({"peak_flops": peak, "bandwidth": bw, "rows": rows}))
+    dist.destroy_process_group()
+
+
+def layout_of(case: Case, spec: Spec) -> Layout:
+    """The planner's layout of a case."""
+    dp = case.world // case.pp
+    return Layout(
+        world_size=case.world, ep_size=case.ep, pp_size=case.pp, pp_schedule=case.schedule,
+        micro_batch=spec.micro_batch, seq_len=spec.seq_len,
+        micro_batches=spec.global_batch // (spec.micro_batch * dp), precision=spec.precision,
+        checkpointing=case.checkpointing, shard_optimizer=True, zero_stage=case.zero, collectives="native",
+    )  # fmt: skip
+
+
+def host_machine(peak: float, bw: dict[str, float], compute_mfu: float, path: Path) -> Machine:
+    """This host as a machine file (two "tiles" on one node), written to `path` and read back."""
+    intra = 3 / sum(1 / bw[k] for k in ("all_to_all", "reduce_scatter", "all_gather"))
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    data = {
+        "name": "this-cpu-host", "device_type": "cpu", "tiles_per_node": 2, "memory_per_tile_gb": ram_gb / 2,
+        "peak_bf16_tflops": peak / 1e12, "intra_node_gbps": intra / 1e9, "inter_node_gbps": bw["send"] / 1e9,
+        "compute_mfu": compute_mfu,
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(data))
+    return load_machine(str(path))
+
+
+def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machine: Machine) -> str:
+    """Markdown table: predicted and measured seconds per step, their ratio per round, predicted parts."""
+    lines = [
+        "| layout | predicted s/step | measured s/step (median [min-max] of rounds) | measured / predicted | "
+        "predicted compute / all-to-all / grad / gather / pipeline ms |",
+        "|---|---|---|---|---|",
+    ]
+    cases = {c.name: c for c in spec.cases}
+    for name, rs in by_case(rows).items():
+        t = step_time(config, layout_of(cases[name], spec), machine, spec.global_batch)
+        measured = [r["step_s"] for r in rs]
+        parts = " / ".join(f"{1e3 * getattr(t, k):.0f}" for k in PARTS)
+        lines.append(
+            f"| {name} | {t.step_time_s:.3f} | {statistics.median(measured):.3f} [{min(measured):.3f}-"
+            f"{max(measured):.3f}] | {spread([m / t.step_time_s for m in measured])} | {parts} |"
+        )
+    return "\n".join(lines)
+
+
+def main(
+    steps: int = 4,
+    warmup: int = 2,
+    rounds: int = 3,
+    global_batch: int = 8,
+    micro_batch: int = 2,
+    seq_len: int = 128,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_experts: int = 8,
+    top_k: int = 2,
+    expert_intermediate_size: int = 256,
+    vocab_size: int = 2048,
+    precision: str = "32-true",
+    doc: str | None = None,
+) -> str:
+    """Measure the host, then run every layout in `rounds` interleaved rounds in one 2-process job."""
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}.")
+    if global_batch % (2 * micro_batch) or num_layers < 2 or num_experts % 2:
+        raise ValueError(
+            f"global_batch {global_batch} must be a multiple of 2 x micro_batch {micro_batch}, num_layers "
+            f"{num_layers} at least 2 and num_experts {num_experts} even (2 ranks, 2 stages, E=2)."
+        )
+    overrides = dict(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=max(1, hidden_size // 64), num_experts=num_experts,
+        top_k=top_k, expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max(seq_len, 64), routing_mode="uniform",
+    )  # fmt: skip
+    config = MulaConfig.from_name("mula-tiny-moe", **overrides)
+    item = DTYPES[precision].itemsize
+    message = {
+        "all_to_all": micro_batch * seq_len * top_k * hidden_size * item,  # one dispatch's rows
+        "reduce_scatter": config.num_params() * item,  # the whole parameter buffer (one bucket)
+        "send": micro_batch * seq_len * hidden_size * item,  # one micro-batch's activations
+    }
+    runs = [case for _ in range(rounds) for case in CASES]  # interleaved rounds: drift hits every layout
+    spec = Spec(overrides, precision, runs, global_batch, micro_batch, seq_len, steps, warmup)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        mp.start_processes(
+            _worker, args=(2, free_port(), str(out), spec, message), nprocs=2, start_method="spawn"
+        )
+        result = json.loads(out.read_text())
+        calibration = statistics.median(r["step_s"] for r in result["rows"] if r["case"] == CASES[0].name)
+        unit = host_machine(result["peak_flops"], result["bandwidth"], 1.0, Path(tmp) / "unit.yaml")
+        at_peak = step_time(config, layout_of(CASES[0], spec), unit, global_batch).step_time_s
+        machine = host_machine(result["peak_flops"], result["bandwidth"], at_peak / calibration,
+                               Path(tmp) / "host.yaml")  # fmt: skip
+    bw = result["bandwidth"]
+    header = (
+        f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
+        f"(FFN {expert_intermediate_size}, uniform routing), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M "
+        f"parameters, {precision}; global batch {global_batch} x {seq_len} tokens in micro-batches of {micro_batch}; "
+        f"2 gloo processes on {os.cpu_count()} CPU cores, 1 torch thread each; median of {steps} optimizer steps "
+        f"after {warmup} warm-up steps, {rounds} interleaved rounds.\n\n"
+        f"Measured machine: peak matmul {machine.peak_bf16_tflops * 1e3:.1f} GFLOP/s (1 thread, {precision}); bus "
+        f"bandwidth all_to_all {bw['all_to_all'] / 1e9:.2f}, reduce_scatter {bw['reduce_scatter'] / 1e9:.2f}, "
+        f"all_gather {bw['all_gather'] / 1e9:.2f} GB/s (intra-node {machine.intra_node_gbps:.2f} GB/s, their "
+        f"harmonic mean), send {bw['send'] / 1e9:.2f} GB/s (inter-node: the pipeline's sends); calibrated "
+        f"compute_mfu {machine.compute_mfu:.3f}."
+    )
+    text = header + "\n\n" + table(result["rows"], config, spec, machine)
+    print(text)
+    if doc is not None:
+        write_section(Path(doc), SECTION, _doc_section(text))
+    return text
+
+
+def _doc_section(result: str) -> str:
+    return f"""{SECTION}
+
+The planner's step time (`mula plan`'s `step_time_s`) against measured steps on this CPU host, with a
+machine description measured on it and `compute_mfu` calibrated on one rank. Made with:
+
+    .venv/bin/python benchmarks/step_time.py --doc docs/benchmarks.md
+
+{result}
+
+How to read it.
+
+- The 1-rank row calibrates `compute_mfu`, so its ratio is 1 up to the spread between rounds; every
+  other row is a prediction: compute scaled by the layout's share of the tokens (and the recomputed
+  forward), plus the communication volumes (checked byte for byte in tests/test_plan_volumes.py) over
+  the measured bandwidths, plus the pipeline bubble.
+- A ratio above 1 is time the model leaves out: two ranks sharing the host's memory bandwidth and
+  caches (one rank computes alone during calibration), collective latency and synchronisation on
+  small messages, the optimizer update and framework work that does not shrink with the ranks.
+"""
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main)
