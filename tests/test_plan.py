@@ -149,6 +149,8 @@ def test_plan_command_json_and_paper_recipe_on_aurora(capsys) -> None:
     assert out["layout"]["ep_size"] == 12 and out["fits"] == (out["per_rank_bytes"]["total"] <= 64e9)
     assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1
     assert out["tokens_per_s"] == pytest.approx(3072 * 2048 / out["step_time_s"])
+    (sent,) = out["comm_bytes_per_step"]  # one pipeline stage; the volumes are tests/test_plan_volumes.py's
+    assert sent["all_to_all"] > 0 and sent["grad_reduce"] > 0 and sent["pipeline"] == 0
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -13,7 +14,7 @@ from mula.plan.layout import Layout
 from mula.plan.machines import load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
 from mula.plan.settings import PlanInputs, plan_inputs
-from mula.plan.step_time import step_time
+from mula.plan.step_time import comm_volumes, step_time
 
 GB = 1e9
 
@@ -123,6 +124,8 @@ def plan_result(inputs: PlanInputs) -> dict[str, Any]:
         "tokens_per_s": time.tokens_per_s if time else None,
         "mfu": time.mfu if time else None,
         "step_time_parts_s": time.as_dict() if time else None,
+        # bytes each pipeline rank (first stage first) sends per step, by collective (needs no machine)
+        "comm_bytes_per_step": [dataclasses.asdict(v) for v in comm_volumes(inputs.config, inputs.layout)],
     }
 
 
@@ -213,6 +216,12 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     lines.append(f"  {'total':<12}{_gb(total)} of {dev / GB:.2f} GB: {verdict}, {margin}")
     if result["host_bytes"]:
         lines.append(f"  host (offloaded optimizer state): {_gb(result['host_bytes'])}")
+    sent = [{k: v for k, v in r.items() if k != "grad_rounds"} for r in result["comm_bytes_per_step"]]
+    busiest = max(sent, key=lambda r: sum(r.values()))
+    lines.append(
+        "sent per step (busiest rank): "
+        + ", ".join(f"{k.replace('_', ' ')} {_gb(v).strip()}" for k, v in busiest.items())
+    )
     if result["step_time_s"] is not None:
         parts = result["step_time_parts_s"]
         lines.append(
