@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,26 +36,32 @@ def _local(t: Tensor) -> Tensor:
 
 class _Window:
     """Live saved-tensor bytes of one metering window: storages held by autograd's saved tensors, each
-    counted once however many saved tensors refer to it, and the most held at any one time."""
+    counted once however many saved tensors refer to it, and the most held at any one time. Locked:
+    on accelerators autograd's engine releases saved tensors from its own threads."""
 
     def __init__(self) -> None:
         self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [saved tensors alive, bytes]
         self.current = 0
         self.peak = 0
+        self._lock = threading.Lock()
 
     def hold(self, key: tuple[str, int], nbytes: int) -> None:
-        entry = self.live.setdefault(key, [0, nbytes])
-        if entry[0] == 0:
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
+        """One more saved tensor refers to storage `key` of `nbytes` bytes."""
+        with self._lock:
+            entry = self.live.setdefault(key, [0, nbytes])
+            if entry[0] == 0:
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
+            entry[0] += 1
 
     def release(self, key: tuple[str, int]) -> None:
-        entry = self.live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self.live[key]
+        """Autograd let go of one saved tensor referring to storage `key`."""
+        with self._lock:
+            entry = self.live[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self.live[key]
 
 
 class _Saved:

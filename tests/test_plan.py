@@ -100,6 +100,11 @@ def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> No
     assert [len(r) for r in stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 5]))] == [3, 5]
     with pytest.raises(ValueError, match="sum to the model's 8 layers"):
         stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 3]))
+    # interleaved: P x V stage counts as the strategy takes them, stage s holding stages s, s + P
+    looped = base.replace(pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)
+    assert stage_layers(8, looped.replace(pp_stage_layers=[3, 2, 2, 1])) == [[0, 1, 2, 5, 6], [3, 4, 7]]
+    with pytest.raises(ValueError, match="each of the 4 stages"):
+        stage_layers(8, looped.replace(pp_stage_layers=[4, 4]))
     one, four = plan_memory(cfg, base), plan_memory(cfg, base.replace(pp_size=4))
     # a stage holds a quarter of the blocks (plus the embedding or head) on a quarter of the ranks: the
     # sharded state per rank stays about the same, the replicated weights shrink

@@ -12,10 +12,14 @@ of every holder of it (after the backward that used it), and reports the largest
 add, backwards free, in the schedule's order, so it is what the stage holds at its fullest: all
 micro-batches under GPipe, P - s under 1F1B, the virtual stages' own counts under interleaved 1F1B.
 
-Layouts: (P, E, DP) = (2, 2, 1), (2, 1, 2), (4, 1, 1); 1F1B, GPipe and interleaved 1F1B (2 virtual
-stages); fp32 and bf16-true weights; checkpointing none, `moe`, `attention`, `full`; an uneven split;
-the sharded optimizer and torch's AdamW. The comparison is not vacuous: stages and layouts differ,
-and the planner's in-flight micro-batches are checked to matter (another schedule's count misses).
+Layouts: (P, E) = (2, 2), (2, 1) with two data-parallel ranks per stage, (4, 1); 1F1B, GPipe and
+interleaved 1F1B (2 virtual stages); fp32 and bf16-true weights; checkpointing none, `moe`,
+`attention`, `full`; an uneven split; the sharded optimizer and torch's AdamW. The comparison is not
+vacuous: stages and layouts differ, and the planner's in-flight micro-batches are checked to matter
+(another schedule's count misses). Routing is the real (learned, randomly initialised) router's: the
+planner assumes balanced routing, so under expert parallelism a rank's measured activations move with
+the rows it happens to receive: up to 8 % here; a stage of a single MoE block reached 12 %, so the
+expert-parallel layouts keep two blocks per stage.
 """
 
 from __future__ import annotations
