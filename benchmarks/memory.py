@@ -187,7 +187,7 @@ def pipeline_table() -> str:
         f"tiny MoE, {WORLD} CPU ranks, pipeline stages, {PIPE_STEPS_MB} micro-batches of {PIPE_MICRO} x {SEQ} "
         "per step: per-rank bytes of each stage, measured (largest rank of the stage) / planned",
         "",
-        "| layout | stage | params | grads | optimizer state | activations (peak) | act. ratio | in flight |",
+        "| layout | stage | params | grads | optimizer state | activations (peak) | activations planned / measured | micro-batches in flight (planned) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, (pp, ep, schedule, virtual, precision, level) in enumerate(PIPELINES):
