@@ -25,6 +25,10 @@ per token and layer, with h the hidden size, q/kv the attention projection width
 
 Outside the blocks: the token ids, the final norm and LM head input, the cross-entropy's fp32
 log-softmax (4V per token) and targets, and the RoPE tables.
+
+With pipeline stages a stage holds several micro-batches at once: `peak_activations` walks the
+stage's forwards and backwards in the schedule's order (`schedule_order`, torch's) and keeps the
+largest sum (tests/test_plan_measured_pipeline.py compares it with measured runs).
 """
 
 from __future__ import annotations
