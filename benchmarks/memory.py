@@ -8,11 +8,17 @@ checkpointing level. Each rank builds the model as `XPUMoEStrategy` does, runs o
 and reads its bytes with the functions `MemoryMetrics` and `MoEMetrics` log (`mem/param_bytes`,
 `mem/grad_bytes`, `mem/activation_bytes`, `optim/state_bytes`); the table shows the largest rank.
 
+Part 1b (measured, pipeline stages): the same model on 4 gloo CPU ranks in one launch, one real
+optimizer step of 8 micro-batches (4 x 256 tokens) per layout with Lightning's Trainer and
+`XPUMoEStrategy` (1F1B, GPipe and interleaved 1F1B at (P, E) = (2, 2), (4, 1), (2, 1) with DP = 2),
+read from what `MemoryMetrics` and `MoEMetrics` log; each stage's largest rank against
+`plan_stage` for that stage. Activations are the peak saved-tensor bytes over the step's schedule.
+
 Part 2 (planned): the five paper presets at their recipe layouts on Aurora (`mula plan` on the recipe
 files, 32 nodes = 384 tiles), and at the layouts Optimus used (20B: E=12; 100B: E=12, P=4, MoE recomputed,
 micro-batch 4; 220B: E=12, P=8, everything recomputed, micro-batch 8) through the Python API.
 
-    python benchmarks/memory.py            # both parts (part 1: about a minute on 2 cores)
+    python benchmarks/memory.py            # every part (parts 1 and 1b: about two minutes on 2 cores)
     python benchmarks/memory.py --skip_measured
 
 Benchmarks print tables and never assert.
@@ -35,11 +41,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rounds import free_port  # benchmarks/ is on sys.path when run as a script
+from torch.utils.data import DataLoader
 
 from mula import MulaConfig
 from mula.plan import Layout, plan_memory
 from mula.plan.command import scaling
 from mula.plan.machines import load_machine
+from mula.plan.memory import plan_stage
 from mula.plan.recipe_reader import header_command
 from mula.plan.settings import PlanInputs
 from mula.plan.step_time import step_time
@@ -134,6 +142,89 @@ def _plan_recipe(name: str, nodes: int) -> tuple[dict[str, Any], list[float]]:
         run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         seconds.append(time.perf_counter() - start)
     return json.loads(run.stdout), seconds
+
+
+# (P, E, schedule, virtual stages, precision, checkpointing) on 4 ranks; DP = 4 / P
+PIPELINES = [
+    (2, 2, "1f1b", 1, "32-true", "none"),
+    (2, 2, "gpipe", 1, "32-true", "none"),
+    (2, 2, "interleaved-1f1b", 2, "32-true", "none"),
+    (4, 1, "1f1b", 1, "32-true", ["attention"]),
+    (2, 1, "1f1b", 1, "bf16-true", ["moe"]),
+]
+PIPE_MICRO, PIPE_STEPS_MB = 4, 8  # micro-batch sequences, micro-batches per step and data-parallel rank
+PIPE_KEYS = ("mem/param_bytes", "mem/grad_bytes", "optim/state_bytes", "mem/activation_bytes")
+
+
+def _pipeline_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    import lightning.pytorch as L
+
+    from callbacks import MemoryMetrics, MoEMetrics
+    from mula.module import MulaLightningModule
+    from strategies import XPUMoEStrategy
+
+    rows = []
+    for pp, ep, schedule, virtual, precision, level in PIPELINES:
+        strategy = XPUMoEStrategy(expert_parallel_size=ep, pipeline_parallel_size=pp, pipeline_schedule=schedule,
+                                  pipeline_virtual_stages=virtual)  # fmt: skip
+        strategy.pipeline_microbatches = PIPE_STEPS_MB
+        torch.manual_seed(0)
+        module = MulaLightningModule("mula-tiny-moe", decay_steps=10, activation_checkpointing=level)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=1, precision=precision,
+            log_every_n_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, use_distributed_sampler=False, callbacks=[MemoryMetrics(), MoEMetrics()],
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(rank)
+        batch = torch.randint(
+            0, module.config.vocab_size, (PIPE_STEPS_MB * PIPE_MICRO, SEQ + 1), generator=gen
+        )
+        trainer.fit(module, DataLoader([batch], batch_size=None))  # the step's whole batch
+        logged = {k: float(trainer.callback_metrics[k]) for k in PIPE_KEYS}
+        rows.append({**logged, "stage": strategy.topology.pp_rank})
+    torch.save(rows, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def pipeline_table() -> str:
+    """Part 1b: per pipeline stage, measured (the stage's largest rank) vs planned bytes."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_pipeline_worker, args=(port, d), nprocs=WORLD, join=True, start_method="spawn")
+        ranks = [torch.load(Path(d) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    config = MulaConfig.from_name("mula-tiny-moe")
+    lines = [
+        f"tiny MoE, {WORLD} CPU ranks, pipeline stages, {PIPE_STEPS_MB} micro-batches of {PIPE_MICRO} x {SEQ} "
+        "per step: per-rank bytes of each stage, measured (largest rank of the stage) / planned",
+        "",
+        "| layout | stage | params | grads | optimizer state | activations (peak) | activations planned / measured | micro-batches in flight (planned) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, (pp, ep, schedule, virtual, precision, level) in enumerate(PIPELINES):
+        layout = Layout(
+            world_size=WORLD, ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
+            micro_batch=PIPE_MICRO, seq_len=SEQ, micro_batches=PIPE_STEPS_MB, precision=precision,
+            checkpointing=level, shard_optimizer=True, collectives="rooted",
+        )  # fmt: skip
+        desc = f"P={pp}, E={ep}, DP={WORLD // pp}, {schedule}" + (f" V={virtual}" if virtual > 1 else "")
+        desc += f", {precision}, ckpt {json.dumps(level)}"
+        for stage in range(pp):
+            plan = plan_stage(config, layout, stage)
+            mine = [r[i] for r in ranks if r[i]["stage"] == stage]
+            got = {k: int(max(r[k] for r in mine)) for k in PIPE_KEYS}
+            planned = (plan.param_tensor_bytes, plan.grads, plan.optimizer, plan.activations)
+            cells = [f"{got[k]:,} / {v:,}" for k, v in zip(PIPE_KEYS, planned)]
+            ratio = plan.activations / got["mem/activation_bytes"]
+            lines.append(
+                f"| {desc} | {stage} | "
+                + " | ".join(cells)
+                + f" | {ratio:.3f} | {plan.activation_micro_batches} |"
+            )
+    return "\n".join(lines)
 
 
 def _row(
@@ -247,6 +338,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.skip_measured:
         print(measured_table(args.ep), end="\n\n")
+        print(pipeline_table(), end="\n\n")
     print(recipe_table(args.nodes), end="\n\n")
     print(optimus_table(args.nodes), end="\n\n")
     print(scaling_table(args.nodes, [32, 64, 128, 256, 512, 1024]))

@@ -3,14 +3,17 @@
 * `mem/param_bytes`: bytes of this rank's parameters (its local shards under expert parallelism).
 * `mem/grad_bytes`: gradient bytes held when the optimizer steps: the optimizer's gradient buffer
   when it has one (`grad_buffer_bytes()`, the EP-aware sharded optimizer), else the `.grad` tensors.
-* `mem/activation_bytes`: bytes autograd saved for backward in one micro-batch's forward (the most
-  over the logged step's micro-batches), each storage counted once and parameters excluded
-  (`SavedTensorMeter`). Measured only on logged steps: other steps run without the hooks.
+* `mem/activation_bytes`: the most bytes autograd holds saved for backward at one time during a
+  micro-batch's forward (the most over the logged step's micro-batches), each storage counted once and
+  parameters excluded (`SavedTensorMeter`). With pipeline stages a step's whole schedule runs in one
+  `training_step`: it is then the peak over the schedule, whose backwards free micro-batches while
+  later forwards save more. Measured only on logged steps: other steps run without the hooks.
 * `mem/peak_allocated_bytes` (CUDA/XPU only): the allocator's peak since the previous logged step.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,16 +34,66 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class SavedTensorMeter:
-    """Counts the bytes of distinct storages autograd saves for backward while the meter is entered.
+class _Window:
+    """Live saved-tensor bytes of one metering window: storages held by autograd's saved tensors, each
+    counted once however many saved tensors refer to it, and the most held at any one time. Locked:
+    on accelerators autograd's engine releases saved tensors from its own threads."""
 
-    Saved tensors are passed through unchanged (numerics are untouched); storages of `exclude` (the
-    parameters, which exist anyway) are not counted. Re-entering starts a new count.
+    def __init__(self) -> None:
+        self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [saved tensors alive, bytes]
+        self.current = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def hold(self, key: tuple[str, int], nbytes: int) -> None:
+        """One more saved tensor refers to storage `key` of `nbytes` bytes."""
+        with self._lock:
+            entry = self.live.setdefault(key, [0, nbytes])
+            if entry[0] == 0:
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
+            entry[0] += 1
+
+    def release(self, key: tuple[str, int]) -> None:
+        """Autograd let go of one saved tensor referring to storage `key`."""
+        with self._lock:
+            entry = self.live[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self.live[key]
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor while a meter is active: the tensor itself, and a count
+    in its window that ends when autograd lets go of it (its backward ran, or its graph was freed)."""
+
+    __slots__ = ("tensor", "_window", "_key")
+
+    def __init__(self, tensor: Tensor, window: _Window, key: tuple[str, int] | None) -> None:
+        self.tensor, self._window, self._key = tensor, window, key
+
+    def __del__(self) -> None:
+        if self._key is not None:
+            self._window.release(self._key)
+
+
+class SavedTensorMeter:
+    """The most bytes autograd holds saved for backward at any one time while the meter is entered.
+
+    Every tensor saved while entered is wrapped (`saved_tensors_hooks`) in a small holder that autograd
+    keeps in its place: a storage's bytes count from the first save referring to it until autograd has
+    released every holder referring to it -- after the backward that used it (or when its graph is
+    freed). `bytes` is the peak of that sum, so one forward gives everything it saves, and a pipeline
+    schedule, whose backwards free micro-batches while later forwards save more, gives what the stage
+    holds at its fullest. Views of one storage count once; storages of `exclude` (the parameters, which
+    exist anyway) not at all. Saved tensors are handed back unchanged (numerics are untouched).
+    Re-entering starts a new count; holders of an earlier window release into that window only.
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self._exclude = {_storage_key(_local(t)) for t in exclude}
-        self._seen: dict[tuple[str, int], int] = {}
+        self._window = _Window()
         self._hooks: Any = None
 
     @property
@@ -50,19 +103,24 @@ class SavedTensorMeter:
 
     @property
     def bytes(self) -> int:
-        """Bytes saved since the meter was last entered."""
-        return sum(self._seen.values())
+        """The peak of saved-tensor bytes held since the meter was last entered."""
+        return self._window.peak
 
-    def _pack(self, t: Tensor) -> Tensor:
+    def _pack(self, t: Tensor) -> _Saved:
         local = _local(t)
         key = _storage_key(local)
-        if key not in self._exclude:
-            self._seen.setdefault(key, local.untyped_storage().nbytes())
-        return t
+        if key in self._exclude:
+            return _Saved(t.detach(), self._window, None)
+        self._window.hold(key, local.untyped_storage().nbytes())
+        return _Saved(t.detach(), self._window, key)
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> Tensor:
+        return saved.tensor
 
     def __enter__(self) -> SavedTensorMeter:
-        self._seen = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._window = _Window()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 

@@ -69,6 +69,30 @@ def test_norms_drop_their_normalised_outputs(saved) -> None:
     assert saved["none"] - saved["['norms']"] >= L_ * 2 * ACT
 
 
+def test_meter_reports_the_peak_of_bytes_held() -> None:
+    """A saved storage counts while autograd holds it: its backward, or its graph being freed, ends it.
+    So micro-batches run one after the other peak at one's bytes, overlapping ones (a pipeline
+    schedule's) at their sum; views of one storage count once."""
+    x = torch.randn(1000, requires_grad=True)  # excluded, as the parameters are
+    one = 1000 * F32  # exp saves its output
+    with SavedTensorMeter(exclude=[x]) as meter:
+        for _ in range(3):
+            x.exp().sum().backward()
+        assert meter.bytes == one
+        a, b = x.exp(), x.exp()
+        assert meter.bytes == 2 * one
+        del a, b  # freed without a backward
+        c = x.exp()
+        c[:500].sin().sum().backward()  # sin saves a view of c's storage: no new bytes
+        assert meter.bytes == 2 * one
+        held = [x.exp() for _ in range(3)]
+        assert meter.bytes == 3 * one
+    assert x.grad is not None and len(held) == 3
+    with SavedTensorMeter(exclude=[x]) as again:  # a new window
+        x.exp()
+    assert again.bytes == one
+
+
 def test_param_and_grad_bytes_are_exact_sums() -> None:
     config = MulaConfig.from_name("mula-tiny-dense", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2,
                                   intermediate_size=32, tie_embeddings=True)  # fmt: skip

@@ -5,6 +5,7 @@ activations within 10 % of a measured fit (`MemoryMetrics`, `MoEMetrics`), the r
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 
@@ -19,7 +20,7 @@ from mula import MulaConfig
 from mula.cli import main
 from mula.module import MulaLightningModule
 from mula.plan import Layout, plan_memory
-from mula.plan.activations import in_flight_micro_batches
+from mula.plan.activations import in_flight_micro_batches, peak_activations, schedule_order
 from mula.plan.memory import stage_layers
 from mula.plan.settings import plan_inputs
 
@@ -124,6 +125,11 @@ def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> No
     assert [len(r) for r in stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 5]))] == [3, 5]
     with pytest.raises(ValueError, match="sum to the model's 8 layers"):
         stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 3]))
+    # interleaved: P x V stage counts as the strategy takes them, stage s holding stages s, s + P
+    looped = base.replace(pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)
+    assert stage_layers(8, looped.replace(pp_stage_layers=[3, 2, 2, 1])) == [[0, 1, 2, 5, 6], [3, 4, 7]]
+    with pytest.raises(ValueError, match="each of the 4 stages"):
+        stage_layers(8, looped.replace(pp_stage_layers=[4, 4]))
     one, four = plan_memory(cfg, base), plan_memory(cfg, base.replace(pp_size=4))
     # a stage holds a quarter of the blocks (plus the embedding or head) on a quarter of the ranks: the
     # sharded state per rank stays about the same, the replicated weights shrink
@@ -133,11 +139,46 @@ def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> No
     assert in_flight_micro_batches(base.replace(pp_size=4), 3) == 1
     assert in_flight_micro_batches(base.replace(pp_size=4, pp_schedule="gpipe"), 0) == 8
     inter = base.replace(pp_size=4, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)
-    assert in_flight_micro_batches(inter, 0) == 6
+    assert in_flight_micro_batches(inter, 0) == 5.5  # P + (P - 1) / V: 11 virtual-stage micro-batches
     gpipe = plan_memory(cfg, base.replace(pp_size=4, pp_schedule="gpipe"))
     assert gpipe.activations > four.activations and gpipe.activation_micro_batches == 8
     with pytest.raises(ValueError, match="multiple of P \\* E"):
         base.replace(pp_size=3)
+
+
+def test_interleaved_schedule_order_is_torchs() -> None:
+    """The planner walks interleaved 1F1B in the order torch builds it (`ScheduleInterleaved1F1B`'s
+    per-rank op list; 1F1B and GPipe: tests/test_plan_measured_pipeline.py against measured runs)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    for p, v, m in itertools.product((2, 3, 4), (1, 2, 3), (4, 6, 8, 12)):
+        if m < p or m % max(1, m // p):
+            continue  # torch's own constraints: at least P micro-batches, whole rounds
+        torch_sizes = SimpleNamespace(
+            n_local_stages=v, microbatches_per_round=m // max(1, m // p), pp_group_size=p, _n_microbatches=m
+        )
+        layout = Layout(world_size=p, pp_size=p, pp_schedule="interleaved-1f1b", pp_virtual_stages=v,
+                        micro_batches=m)  # fmt: skip
+        for rank in range(p):
+            ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(torch_sizes, rank)
+            expected = [
+                (a.stage_index // p, 1 if a.computation_type == _ComputationType.FORWARD else -1)
+                for a in ops
+                if a is not None
+            ]
+            assert schedule_order(layout, rank) == expected, (p, v, m, rank)
+    # P = 2, V = 2, 4 micro-batches: stage 0 holds 3 micro-batches of its first virtual stage and 2 of
+    # its second, later 4 and 1; stage 1 at most 2 and 1. Which is the peak depends on the virtual
+    # stages' own bytes; 5 virtual-stage micro-batches make 2.5 whole ones
+    layout = Layout(world_size=2, pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2,
+                    micro_batches=4)  # fmt: skip
+    assert peak_activations(layout, 0, [10, 1]) == (40 + 1, 2.5)
+    assert peak_activations(layout, 0, [1, 10]) == (3 + 20, 2.5)
+    assert peak_activations(layout, 1, [1, 10]) == (2 + 10, 1.5)
+    assert peak_activations(layout.replace(pp_schedule="gpipe", pp_virtual_stages=1), 1, [7]) == (28, 4)
+    assert peak_activations(layout.replace(pp_schedule="1f1b", pp_virtual_stages=1), 1, [7]) == (7, 1)
 
 
 def test_plan_command_json_and_paper_recipe_on_aurora(capsys) -> None:

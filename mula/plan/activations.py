@@ -25,11 +25,15 @@ per token and layer, with h the hidden size, q/kv the attention projection width
 
 Outside the blocks: the token ids, the final norm and LM head input, the cross-entropy's fp32
 log-softmax (4V per token) and targets, and the RoPE tables.
+
+With pipeline stages a stage holds several micro-batches at once: `peak_activations` walks the
+stage's forwards and backwards in the schedule's order (`schedule_order`, torch's) and keeps the
+largest sum (tests/test_plan_measured_pipeline.py compares it with measured runs).
 """
 
 from __future__ import annotations
 
-from math import ceil
+from collections.abc import Sequence
 
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
@@ -125,20 +129,59 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
     return total
 
 
-def in_flight_micro_batches(layout: Layout, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak under the pipeline schedule.
+def schedule_order(layout: Layout, stage: int) -> list[tuple[int, int]]:
+    """Pipeline rank `stage`'s forwards (+1) and backwards (-1) of one optimizer step, as (virtual stage
+    of the rank, +1 or -1), in the order `torch.distributed.pipelining` runs them. Without a pipeline:
+    one forward (accumulation micro-batches run one after the other)."""
+    p, m, v = layout.pp_size, layout.micro_batches, layout.pp_virtual_stages
+    if p == 1:
+        return [(0, 1)]
+    if layout.pp_schedule == "gpipe":
+        return [(0, 1)] * m + [(0, -1)] * m
+    if layout.pp_schedule == "1f1b":  # Schedule1F1B: a warmup of P - s forwards, then backward-first pairs
+        warm = min(m, p - stage)
+        return [(0, 1)] * warm + [(0, -1), (0, 1)] * (m - warm) + [(0, -1)] * warm
+    # ScheduleInterleaved1F1B: micro-batches in rounds of about P, each virtual stage in turn; a warmup
+    # two forwards longer per hop from the last rank, then ops of one forward and one backward
+    # (forward first), then the remaining backwards
+    per_round = m // max(1, m // p)
+    warm = min((v - 1) * per_round + 2 * (p - 1 - stage), m * v)
+    order = []
+    for k in range(m * v + warm):
+        if k < m * v:
+            order.append(((k // per_round) % v, 1))
+        if k >= warm:
+            order.append((v - 1 - ((k - warm) // per_round) % v, -1))
+    return order
+
+
+def peak_activations(layout: Layout, stage: int, per_micro_batch: Sequence[int]) -> tuple[int, int | float]:
+    """(bytes, micro-batches) pipeline rank `stage` holds at its fullest under the schedule.
+
+    `per_micro_batch[v]`: bytes one micro-batch saves on the rank's virtual stage v (one entry per
+    virtual stage). Walking `schedule_order`, each forward adds its micro-batch's bytes and each
+    backward frees them; the result is the largest sum, and the micro-batches alive then, counted in
+    whole ranks' worth (V virtual-stage micro-batches make one; a fraction only when interleaved).
+    """
+    live = [0] * len(per_micro_batch)
+    best, count = 0, 0
+    for v, change in schedule_order(layout, stage):
+        live[v] += change
+        held = sum(n * b for n, b in zip(live, per_micro_batch))
+        if held > best:
+            best, count = held, sum(live)
+    v = len(per_micro_batch)
+    return best, (count // v if count % v == 0 else count / v)
+
+
+def in_flight_micro_batches(layout: Layout, stage: int) -> int | float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak under the schedule.
 
     No pipeline: one. GPipe: every micro-batch of the step. 1F1B: stage s holds up to P - s.
-    Interleaved 1F1B with v virtual stages: about P - s + (P - 1) / v (Narayanan et al., 2021).
+    Interleaved 1F1B with v virtual stages and rounds of P micro-batches: ((v - 1) P + 2 (P - 1 - s) + 1)
+    virtual-stage micro-batches, P + (P - 1) / v micro-batches on the first stage (Narayanan et al., 2021).
     """
-    p, m = layout.pp_size, layout.micro_batches
-    if p == 1:
-        return 1
-    if layout.pp_schedule == "gpipe":
-        return m
-    if layout.pp_schedule == "interleaved-1f1b":
-        return min(m, p - stage + ceil((p - 1) / layout.pp_virtual_stages))
-    return min(m, p - stage)
+    return peak_activations(layout, stage, [1] * layout.pp_virtual_stages)[1]
 
 
 def transient_bytes(config: MulaConfig, layout: Layout, *, last: bool) -> int:

@@ -8,8 +8,9 @@ own layout function (`mula.flat_buffers.plan_buckets`) over the parameters in it
 `optim/param_bytes`). Activations come from `mula.plan.activations` (an estimate of the bytes saved
 for backward); buffers are the communication buffers and the largest transient of a step.
 
-With pipeline stages every stage is planned and the per-rank numbers are those of the stage with the
-largest total (stage 0 keeps the most micro-batches in flight, the last one holds the LM head).
+With pipeline stages every stage is planned (`plan_stage`: the ranks of one stage, with their virtual
+stages under interleaving) and the per-rank numbers are those of the stage with the largest total
+(stage 0 keeps the most micro-batches in flight, the last one holds the LM head).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from mula.config import MulaConfig
 from mula.flat_buffers import ParamEntry, plan_buckets
-from mula.plan.activations import activation_bytes, in_flight_micro_batches, transient_bytes
+from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
 from mula.plan.parameters import ParamSpec, model_parameters
 
@@ -34,7 +35,8 @@ class MemoryPlan:
     their sum. param_tensor_bytes: the parameters themselves without the flat buffers' alignment
     padding (`mem/param_bytes`); host_bytes: optimizer state kept in host memory (`offload`).
     stage: the pipeline stage these numbers belong to; activation_micro_batches: micro-batches whose
-    activations that stage holds at its peak.
+    activations that stage holds at its peak (fractional under interleaving: a virtual stage's
+    micro-batch counts 1 / V).
     """
 
     params: int
@@ -45,7 +47,7 @@ class MemoryPlan:
     param_tensor_bytes: int
     host_bytes: int = 0
     stage: int = 0
-    activation_micro_batches: int = 1
+    activation_micro_batches: int | float = 1
 
     @property
     def total(self) -> int:
@@ -57,26 +59,35 @@ class MemoryPlan:
         return {**{c: getattr(self, c) for c in COMPONENTS}, "total": self.total}
 
 
-def stage_layers(num_layers: int, layout: Layout) -> list[range]:
-    """The blocks of each pipeline stage: `pp_stage_layers` if given, else an even split (earlier
-    stages take the remainder)."""
-    p = layout.pp_size
+def virtual_stage_layers(num_layers: int, layout: Layout) -> list[range]:
+    """The blocks of each of the P x V pipeline stages (V virtual stages per rank): `pp_stage_layers`
+    (P x V counts) if given, else an even split, earlier stages taking the remainder (the strategy's split)."""
+    n = layout.pp_size * layout.pp_virtual_stages
     if layout.pp_stage_layers is not None:
         counts = list(layout.pp_stage_layers)
-        if len(counts) != p or sum(counts) != num_layers or min(counts) < 1:
+        if len(counts) != n or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(
-                f"pipeline_stage_layers {counts} must give each of the {p} stages at least one layer "
+                f"pipeline_stage_layers {counts} must give each of the {n} stages at least one layer "
                 f"and sum to the model's {num_layers} layers."
             )
     else:
-        if num_layers < p:
-            raise ValueError(f"{num_layers} layers cannot fill {p} pipeline stages.")
-        counts = [num_layers // p + (1 if s < num_layers % p else 0) for s in range(p)]
-    starts = [sum(counts[:s]) for s in range(p)]
+        if num_layers < n:
+            raise ValueError(f"{num_layers} layers cannot fill {n} pipeline stages.")
+        counts = [num_layers // n + (1 if s < num_layers % n else 0) for s in range(n)]
+    starts = [sum(counts[:s]) for s in range(n)]
     return [range(a, a + c) for a, c in zip(starts, counts)]
 
 
-def stage_params(params: Sequence[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
+def stage_layers(num_layers: int, layout: Layout) -> list[list[int]]:
+    """The blocks each pipeline stage's ranks hold: their virtual stages s, s + P, ... (torch's looped
+    placement; one contiguous run without interleaving)."""
+    chunks, p = virtual_stage_layers(num_layers, layout), layout.pp_size
+    return [[i for c in chunks[s::p] for i in c] for s in range(p)]
+
+
+def stage_params(
+    params: Sequence[ParamSpec], layers: Sequence[int], first: bool, last: bool
+) -> list[ParamSpec]:
     """Parameters a stage holds: its blocks, the embedding on the first, final norm and head on the last."""
     out = []
     for p in params:
@@ -139,11 +150,11 @@ _STATE_FIELDS = ("ep_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes"
 
 
 def _stage_state(
-    config: MulaConfig, layout: Layout, layers: range, first: bool, last: bool
+    config: MulaConfig, layout: Layout, layers: tuple[int, ...], first: bool, last: bool
 ) -> tuple[int, int, int, int, int]:
     """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
     key = (
-        repr(config), layers.start, layers.stop, first, last,
+        repr(config), layers, first, last,
         tuple(layout.no_decay), *(getattr(layout, f) for f in _STATE_FIELDS),
     )  # fmt: skip
     if key not in _STATE_CACHE:
@@ -157,8 +168,8 @@ def _stage_state(
 _STATE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
-def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
-    """Predicted per-rank bytes of training `config` with `layout` (the fullest pipeline stage)."""
+def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
+    """Predicted bytes on a rank of pipeline stage `stage` (0 without a pipeline) training `config`."""
     if config.is_moe and config.num_experts % layout.ep_size:
         raise ValueError(
             f"The model has {config.num_experts} experts, which is not divisible by expert_parallel_size="
@@ -166,19 +177,27 @@ def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
         )
     if not config.is_moe and layout.ep_size > 1:
         raise ValueError(f"expert_parallel_size={layout.ep_size} needs an MoE model; this one is dense.")
-    stages = stage_layers(config.num_layers, layout)
-    best: MemoryPlan | None = None
-    for s, layers in enumerate(stages):
-        first, last = s == 0, s == len(stages) - 1
-        p_alloc, tensors, grads, optimizer, buffers = _stage_state(config, layout, layers, first, last)
-        in_flight = in_flight_micro_batches(layout, s)
-        act = in_flight * activation_bytes(config, layout, layers, first=first, last=last)
-        buffers += transient_bytes(config, layout, last=last)
-        host = 0
-        if layout.offload:
-            host, optimizer = optimizer, 0
-        plan = MemoryPlan(p_alloc, grads, optimizer, act, buffers, tensors, host, s, in_flight)
-        if best is None or plan.total > best.total:
-            best = plan
-    assert best is not None
-    return best
+    p = layout.pp_size
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} is not one of the {p} pipeline stages.")
+    chunks = virtual_stage_layers(config.num_layers, layout)[stage::p]
+    first, last = stage == 0, stage == p - 1
+    layers = tuple(i for c in chunks for i in c)
+    p_alloc, tensors, grads, optimizer, buffers = _stage_state(config, layout, layers, first, last)
+    # the embedding rides with the first virtual stage of stage 0, the head with the last of stage P - 1
+    per_micro_batch = [
+        activation_bytes(config, layout, c, first=first and v == 0, last=last and v == len(chunks) - 1)
+        for v, c in enumerate(chunks)
+    ]
+    act, in_flight = peak_activations(layout, stage, per_micro_batch)
+    buffers += transient_bytes(config, layout, last=last)
+    host = 0
+    if layout.offload:
+        host, optimizer = optimizer, 0
+    return MemoryPlan(p_alloc, grads, optimizer, act, buffers, tensors, host, stage, in_flight)
+
+
+def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:
+    """Predicted per-rank bytes of training `config` with `layout` (the fullest pipeline stage)."""
+    plans = [plan_stage(config, layout, s) for s in range(layout.pp_size)]
+    return max(plans, key=lambda plan: plan.total)  # the first of equals
