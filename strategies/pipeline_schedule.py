@@ -31,6 +31,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from mula.layout_rules import check_micro_batches
 from strategies.pipeline_split import MulaStage, rank_stages, stage_layers
 from strategies.topology import ExpertParallelTopology
 
@@ -148,19 +149,7 @@ class PipelineRunner:
         key = (n_microbatches, micro_batch, seq_len)
         if self._schedule is not None and self._key == key:
             return
-        if self.schedule_name != "gpipe" and n_microbatches < self.topology.pp_size:
-            raise ValueError(
-                f"pipeline_schedule {self.schedule_name!r} needs at least pipeline_parallel_size="
-                f"{self.topology.pp_size} micro-batches per step, but the step has {n_microbatches}; "
-                "lower data.micro_batch_size or use gpipe."
-            )
-        rounds = max(1, n_microbatches // self.topology.pp_size)
-        if self.schedule_name == "interleaved-1f1b" and n_microbatches % rounds:
-            raise ValueError(
-                f"pipeline_schedule 'interleaved-1f1b' runs micro-batches in rounds of pipeline_parallel_size="
-                f"{self.topology.pp_size}; {n_microbatches} micro-batches per step are not a whole number of "
-                f"{rounds} rounds."
-            )
+        check_micro_batches(self.schedule_name, self.topology.pp_size, n_microbatches)
         stages = self._build_stages(micro_batch, seq_len)
         cls = _SCHEDULE_CLASSES[self.schedule_name]
         target = stages if self.schedule_name == "interleaved-1f1b" else stages[0]

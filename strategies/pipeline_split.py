@@ -12,69 +12,14 @@ so parameter names (and therefore checkpoint keys) are those of the unsplit mode
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from mula.layout_rules import SCHEDULES, stage_layer_counts, validate_schedule, validate_split
 from mula.model import Mula, rope_cos_sin
 
-SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
-
-
-def validate_schedule(schedule: str, pp_size: int, virtual_stages: int) -> None:
-    """Raise one ValueError sentence for an unknown schedule or virtual stages it cannot run."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
-    if virtual_stages < 1:
-        raise ValueError(f"pipeline_virtual_stages must be at least 1, got {virtual_stages}.")
-    if virtual_stages > 1 and schedule != "interleaved-1f1b":
-        raise ValueError(
-            f"pipeline_virtual_stages={virtual_stages} needs pipeline_schedule 'interleaved-1f1b' "
-            f"(got {schedule!r}, which runs one stage per rank)."
-        )
-    if pp_size == 1 and virtual_stages > 1:
-        raise ValueError(f"pipeline_virtual_stages={virtual_stages} needs pipeline_parallel_size > 1.")
-
-
-def stage_layer_counts(num_layers: int, num_stages: int, explicit: Sequence[int] | None = None) -> list[int]:
-    """Blocks per stage: `explicit` (checked), else an even split with the remainder on the first stages."""
-    if explicit is not None:
-        counts = [int(c) for c in explicit]
-        if len(counts) != num_stages:
-            raise ValueError(
-                f"pipeline_stage_layers has {len(counts)} entries but the pipeline has {num_stages} stages "
-                "(pipeline_parallel_size x pipeline_virtual_stages); give one layer count per stage."
-            )
-        if min(counts) < 1:
-            raise ValueError(
-                f"pipeline_stage_layers {counts} has a stage without layers; every stage needs one."
-            )
-        if sum(counts) != num_layers:
-            raise ValueError(
-                f"pipeline_stage_layers {counts} sums to {sum(counts)} but the model has {num_layers} layers."
-            )
-        return counts
-    if num_layers < num_stages:
-        raise ValueError(
-            f"The model has {num_layers} layers, fewer than its {num_stages} pipeline stages "
-            "(pipeline_parallel_size x pipeline_virtual_stages); use fewer stages."
-        )
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
-
-
-def validate_split(
-    config: Any, pp_size: int, virtual_stages: int, explicit: Sequence[int] | None
-) -> list[int]:
-    """Blocks per stage for a model config (`num_layers`, `tie_embeddings`); one ValueError sentence
-    for a split that cannot work."""
-    if pp_size > 1 and config.tie_embeddings:
-        raise ValueError(
-            "tie_embeddings shares the embedding with the LM head, which sit on different pipeline stages; "
-            "use pipeline_parallel_size=1 or an untied model."
-        )
-    return stage_layer_counts(config.num_layers, pp_size * virtual_stages, explicit)
+__all__ = ["SCHEDULES", "stage_layer_counts", "validate_schedule", "validate_split"]
 
 
 def stage_layers(counts: Sequence[int], stage: int) -> range:

@@ -44,14 +44,6 @@ class PipelineSteps:
             validate_split(
                 config, self.pipeline_parallel_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
             )
-            if getattr(config, "aux_loss_scope", "micro_batch") == "global":
-                # its all-reduce runs inside each MoE layer's forward over all ranks, but stages run their
-                # layers at different times: the ranks would wait on each other's different collectives
-                raise ValueError(
-                    f"aux_loss_scope='global' is not available with pipeline_parallel_size="
-                    f"{self.pipeline_parallel_size}; use aux_loss_scope='micro_batch' (or "
-                    "router_bias_update_rate, which works with pipeline stages)."
-                )
 
     def _split_into_stages(self, module: Any) -> None:
         """Keep this rank's pipeline stages of the model (validated first) and build their runner."""

@@ -47,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
+from mula.layout_rules import check_zero_stage, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -59,7 +60,6 @@ from strategies.accelerator import fix_mixed_precision_device, process_group_bac
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
-from strategies.pipeline_split import validate_schedule
 from strategies.pipeline_steps import PipelineSteps
 from strategies.sharded_state import (
     expert_mesh,
@@ -355,11 +355,7 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
                 f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
             )
         options = dict(self.optimizer_options)
-        if self._pipeline is not None and options.get("zero_stage", 1) == 2:
-            raise ValueError(
-                "optimizer_options.zero_stage=2 reduces after every backward pass, which a pipeline step "
-                "interleaves with forwards; use zero_stage 1 with pipeline_parallel_size > 1."
-            )
+        check_zero_stage(self.pipeline_parallel_size, options.get("zero_stage", 1))
         if options.get("overlap_param_gather"):
             options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
         sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **options)

@@ -123,12 +123,12 @@ def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> No
     assert [len(r) for r in stage_layers(8, base.replace(pp_size=4))] == [2, 2, 2, 2]
     assert [len(r) for r in stage_layers(7, base.replace(pp_size=2))] == [4, 3]
     assert [len(r) for r in stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 5]))] == [3, 5]
-    with pytest.raises(ValueError, match="sum to the model's 8 layers"):
+    with pytest.raises(ValueError, match="sums to 6 but the model has 8 layers"):
         stage_layers(8, base.replace(pp_size=2, pp_stage_layers=[3, 3]))
     # interleaved: P x V stage counts as the strategy takes them, stage s holding stages s, s + P
     looped = base.replace(pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)
     assert stage_layers(8, looped.replace(pp_stage_layers=[3, 2, 2, 1])) == [[0, 1, 2, 5, 6], [3, 4, 7]]
-    with pytest.raises(ValueError, match="each of the 4 stages"):
+    with pytest.raises(ValueError, match="has 2 entries but the pipeline has 4 stages"):
         stage_layers(8, looped.replace(pp_stage_layers=[4, 4]))
     one, four = plan_memory(cfg, base), plan_memory(cfg, base.replace(pp_size=4))
     # a stage holds a quarter of the blocks (plus the embedding or head) on a quarter of the ranks: the
@@ -226,3 +226,36 @@ def test_fit_stops_when_the_plan_exceeds_the_device_and_the_flag_overrides(
         main(["fit", "-c", str(TINY_MOE), "--device_memory_gb=0.01", "--memory_check=false"])
     with pytest.raises(Reached):  # the demo fits the host's memory
         main(["fit", "-c", str(TINY_MOE)])
+
+
+def test_plan_and_search_refuse_what_the_strategy_refuses(capsys, monkeypatch) -> None:
+    """`mula plan` stops with the strategy's own sentence on a layout it cannot run, and `--search`
+    proposes only layouts that pass the same rules (`mula.layout_rules`)."""
+    from mula.entry import main as mula_command
+    from mula.layout_rules import check_micro_batches
+
+    monkeypatch.setattr("sys.argv", ["mula"])
+    recipe = [
+        "-c",
+        str(ROOT / "recipes/mula-220b-a10b.yaml"),
+        "-c",
+        str(ROOT / "recipes/strategies/aurora-pipeline.yaml"),
+    ]
+    aurora = ["--machine=aurora", "--nodes=32"]
+    for bad, said in [
+        (
+            "--trainer.strategy.init_args.optimizer_options.zero_stage=2",
+            "zero_stage=2 reduces after every backward",
+        ),
+        ("--data.micro_batch_size=16", "needs at least pipeline_parallel_size=8 micro-batches"),
+        ("--data.global_batch_size=3000", "is not divisible by data-parallel world size 48"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            mula_command(["plan", *recipe, *aurora, bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    mula_command(["plan", *recipe, *aurora, "--search", "--format=json"])
+    rows = json.loads(capsys.readouterr().out)["search"]
+    assert rows and any(r["P"] > 1 for r in rows)
+    for r in rows:
+        assert r["P"] == 1 or r["zero_stage"] == 1
+        check_micro_batches("1f1b", r["P"], 3072 // (r["micro_batch"] * 384 // r["P"]))

@@ -28,6 +28,7 @@ from mula.data.prepare import SOURCE_MARKER, SUMMARY_FILE, SourceSpec, prepare
 from mula.data.readers import iter_documents
 from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
+from mula.layout_rules import check_batch_split
 
 log = logging.getLogger(__name__)
 TOKENIZER_STATE_KEY = "tokenizer_path"
@@ -295,11 +296,7 @@ class MulaDataModule(L.LightningDataModule):
         """Read the prepared data, fix this rank's batch layout and set the trainer's gradient accumulation."""
         summary = self._read_summary()
         rank, world = self.data_parallel_rank_world()
-        if self.global_batch_size % (world * self.micro_batch_size):
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not divisible by data-parallel world size {world} "
-                f"x micro_batch_size {self.micro_batch_size}; choose sizes so that it is."
-            )
+        check_batch_split(self.global_batch_size, world, self.micro_batch_size)
         micro = self.micro_batch_size
         strategy = getattr(self.trainer, "strategy", None)
         if getattr(strategy, "consumes_whole_step", False) is True:

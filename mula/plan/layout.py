@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+from mula.layout_rules import (
+    SCHEDULES,
+    check_batch_split,
+    check_micro_batches,
+    check_zero_stage,
+    validate_schedule,
+    validate_split,
+)
+
 # trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
 # residual stream and runs the matmuls in 16 bits under autocast.
 PRECISIONS = {
@@ -103,3 +112,15 @@ class Layout:
     def replace(self, **changes: object) -> Layout:
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
+    """Refuse, with the sentence `mula fit` would stop with, a layout the strategy or the data module
+    cannot run (`mula.layout_rules`): the schedule, the stage split, ZeRO-2 under pipeline stages, a
+    global batch that does not split into whole micro-batches, too few micro-batches for the schedule."""
+    validate_schedule(layout.pp_schedule, layout.pp_size, layout.pp_virtual_stages)
+    validate_split(config, layout.pp_size, layout.pp_virtual_stages, layout.pp_stage_layers)
+    if layout.shard_optimizer:
+        check_zero_stage(layout.pp_size, layout.zero_stage)
+    check_batch_split(global_batch, layout.world_size // layout.pp_size, layout.micro_batch)
+    check_micro_batches(layout.pp_schedule, layout.pp_size, layout.micro_batches)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from mula.config import MulaConfig
 from mula.flat_buffers import ParamEntry, plan_buckets
+from mula.layout_rules import stage_layer_counts
 from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
 from mula.plan.parameters import ParamSpec, model_parameters
@@ -63,17 +64,7 @@ def virtual_stage_layers(num_layers: int, layout: Layout) -> list[range]:
     """The blocks of each of the P x V pipeline stages (V virtual stages per rank): `pp_stage_layers`
     (P x V counts) if given, else an even split, earlier stages taking the remainder (the strategy's split)."""
     n = layout.pp_size * layout.pp_virtual_stages
-    if layout.pp_stage_layers is not None:
-        counts = list(layout.pp_stage_layers)
-        if len(counts) != n or sum(counts) != num_layers or min(counts) < 1:
-            raise ValueError(
-                f"pipeline_stage_layers {counts} must give each of the {n} stages at least one layer "
-                f"and sum to the model's {num_layers} layers."
-            )
-    else:
-        if num_layers < n:
-            raise ValueError(f"{num_layers} layers cannot fill {n} pipeline stages.")
-        counts = [num_layers // n + (1 if s < num_layers % n else 0) for s in range(n)]
+    counts = stage_layer_counts(num_layers, n, layout.pp_stage_layers)
     starts = [sum(counts[:s]) for s in range(n)]
     return [range(a, a + c) for a, c in zip(starts, counts)]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from mula.plan.layout import Layout
+from mula.plan.layout import Layout, check_runnable
 from mula.plan.memory import plan_memory
 from mula.plan.settings import PlanInputs
 from mula.plan.step_time import step_time
@@ -32,25 +32,17 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
     for e, p, mb, ckpt, zero, precision in itertools.product(
         eps, PIPELINE, MICRO_BATCHES, CHECKPOINTING, (1, 2), ("bf16-true", bf16)
     ):
-        if base.world_size % (p * e) or p > config.num_layers:
-            continue
         dp = base.world_size // p
-        micro_batches = inputs.global_batch // (mb * dp)
-        if micro_batches < 1:
-            continue
-        out.append(
-            base.replace(
-                ep_size=e,
-                pp_size=p,
-                micro_batch=mb,
-                micro_batches=micro_batches,
-                checkpointing=ckpt,
-                zero_stage=zero,
-                precision=precision,
-                shard_optimizer=True,
-                pp_stage_layers=None,
+        try:
+            layout = base.replace(
+                ep_size=e, pp_size=p, micro_batch=mb, micro_batches=max(1, inputs.global_batch // (mb * dp)),
+                checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=True,
+                pp_stage_layers=None, pp_virtual_stages=1 if p == 1 else base.pp_virtual_stages,
             )  # fmt: skip
-        )
+            check_runnable(config, layout, inputs.global_batch)  # what the strategy would refuse
+        except ValueError:
+            continue
+        out.append(layout)
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mula.config import MulaConfig, resolve_config
-from mula.plan.layout import Layout
+from mula.plan.layout import Layout, check_runnable
 from mula.plan.machines import Machine
 
 # XPUMoEStrategy's defaults for what the planner reads (strategies/xpu_moe.py, sharding_options.py)
@@ -142,4 +142,5 @@ def plan_inputs(
         no_decay=list(model.get("no_decay") or ["embed.weight"]),
         **kwargs,
     )
+    check_runnable(config, layout, global_batch)
     return PlanInputs(config, layout, global_batch, device_bytes, note, machine)

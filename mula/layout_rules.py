@@ -1,0 +1,109 @@
+"""What a parallel layout (pipeline stages, schedule, ZeRO stage, batch split) must satisfy to run.
+
+Torch-free rules shared by the strategy and the data module (which refuse a layout when they meet it)
+and the planner (`mula plan` refuses it before launch; `--search` proposes only layouts that pass).
+
+Each check raises one ValueError sentence naming the setting to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+
+
+def validate_schedule(schedule: str, pp_size: int, virtual_stages: int) -> None:
+    """Refuse an unknown schedule or virtual stages it cannot run."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
+    if virtual_stages < 1:
+        raise ValueError(f"pipeline_virtual_stages must be at least 1, got {virtual_stages}.")
+    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+        raise ValueError(
+            f"pipeline_virtual_stages={virtual_stages} needs pipeline_schedule 'interleaved-1f1b' "
+            f"(got {schedule!r}, which runs one stage per rank)."
+        )
+    if pp_size == 1 and virtual_stages > 1:
+        raise ValueError(f"pipeline_virtual_stages={virtual_stages} needs pipeline_parallel_size > 1.")
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, explicit: Sequence[int] | None = None) -> list[int]:
+    """Blocks per stage: `explicit` (checked), else an even split with the remainder on the first stages."""
+    if explicit is not None:
+        counts = [int(c) for c in explicit]
+        if len(counts) != num_stages:
+            raise ValueError(
+                f"pipeline_stage_layers has {len(counts)} entries but the pipeline has {num_stages} stages "
+                "(pipeline_parallel_size x pipeline_virtual_stages); give one layer count per stage."
+            )
+        if min(counts) < 1:
+            raise ValueError(
+                f"pipeline_stage_layers {counts} has a stage without layers; every stage needs one."
+            )
+        if sum(counts) != num_layers:
+            raise ValueError(
+                f"pipeline_stage_layers {counts} sums to {sum(counts)} but the model has {num_layers} layers."
+            )
+        return counts
+    if num_layers < num_stages:
+        raise ValueError(
+            f"The model has {num_layers} layers, fewer than its {num_stages} pipeline stages "
+            "(pipeline_parallel_size x pipeline_virtual_stages); use fewer stages."
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def validate_split(
+    config: Any, pp_size: int, virtual_stages: int, explicit: Sequence[int] | None
+) -> list[int]:
+    """Blocks per stage for a model config (`num_layers`, `tie_embeddings`, `aux_loss_scope`); one
+    ValueError sentence for a split that cannot work."""
+    if pp_size > 1 and config.tie_embeddings:
+        raise ValueError(
+            "tie_embeddings shares the embedding with the LM head, which sit on different pipeline stages; "
+            "use pipeline_parallel_size=1 or an untied model."
+        )
+    if pp_size > 1 and getattr(config, "aux_loss_scope", "micro_batch") == "global":
+        # its all-reduce runs inside each MoE layer's forward over all ranks, but stages run their
+        # layers at different times: the ranks would wait on each other's different collectives
+        raise ValueError(
+            f"aux_loss_scope='global' is not available with pipeline_parallel_size={pp_size}; use "
+            "aux_loss_scope='micro_batch' (or router_bias_update_rate, which works with pipeline stages)."
+        )
+    return stage_layer_counts(config.num_layers, pp_size * virtual_stages, explicit)
+
+
+def check_micro_batches(schedule: str, pp_size: int, n_microbatches: int) -> None:
+    """Refuse a step whose number of micro-batches the schedule cannot run."""
+    if pp_size > 1 and schedule != "gpipe" and n_microbatches < pp_size:
+        raise ValueError(
+            f"pipeline_schedule {schedule!r} needs at least pipeline_parallel_size={pp_size} micro-batches "
+            f"per step, but the step has {n_microbatches}; lower data.micro_batch_size or use gpipe."
+        )
+    rounds = max(1, n_microbatches // pp_size)
+    if schedule == "interleaved-1f1b" and n_microbatches % rounds:
+        raise ValueError(
+            f"pipeline_schedule 'interleaved-1f1b' runs micro-batches in rounds of pipeline_parallel_size="
+            f"{pp_size}; {n_microbatches} micro-batches per step are not a whole number of {rounds} rounds."
+        )
+
+
+def check_zero_stage(pp_size: int, zero_stage: int) -> None:
+    """ZeRO-2 reduces after every backward pass, which a pipeline step interleaves with forwards."""
+    if pp_size > 1 and zero_stage == 2:
+        raise ValueError(
+            "optimizer_options.zero_stage=2 reduces after every backward pass, which a pipeline step "
+            "interleaves with forwards; use zero_stage 1 with pipeline_parallel_size > 1."
+        )
+
+
+def check_batch_split(global_batch: int, dp_world: int, micro_batch: int) -> None:
+    """The global batch must split into whole micro-batches on every data-parallel rank."""
+    if global_batch % (dp_world * micro_batch):
+        raise ValueError(
+            f"global_batch_size {global_batch} is not divisible by data-parallel world size {dp_world} "
+            f"x micro_batch_size {micro_batch}; choose sizes so that it is."
+        )
