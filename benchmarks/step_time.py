@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
-from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
 from rounds import by_case, free_port, spread
 
 from mula import MulaConfig
@@ -375,6 +375,8 @@ machine description measured on it and `compute_mfu` calibrated on one rank. Mad
 
     .venv/bin/python benchmarks/step_time.py --doc docs/benchmarks.md
 
+{host_line()}
+
 {result}
 
 How to read it.
@@ -386,6 +388,10 @@ How to read it.
 - A ratio above 1 is time the model leaves out: two ranks sharing the host's memory bandwidth and
   caches (one rank computes alone during calibration), collective latency and synchronisation on
   small messages, the optimizer update and framework work that does not shrink with the ranks.
+- So this table does not validate the step-time model: the 2-rank ratios show by how much it
+  under-predicts on this host, most where it counts least (the expert all-to-all's small messages,
+  the recomputed forward). Its Aurora and H100 numbers (docs/scaling.md) rest on the same terms and on
+  assumed efficiencies; a measured one-node GPU run is what would validate or correct them.
 """
 
 
