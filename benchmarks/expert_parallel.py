@@ -24,20 +24,17 @@ memory columns show what expert parallelism buys. Benchmarks print tables and ne
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, free_port, spread
+from rounds import by_case, run_gloo, spread
 from torch import Tensor
 
 from mula import Mula, MulaConfig
@@ -258,21 +255,16 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world: int, port: int, out: str, spec: Spec) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = [_run_case(case, spec, rank, world) for case in spec.cases]
-    # Memory and bytes differ per rank only by rounding; report the worst rank.
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        worst = [
-            {**r, **{k: max(g[i][k] for g in gathered) for k in ("a2a_mib", "param_mib", "state_mib")}}
-            for i, r in enumerate(rows)
-        ]
-        Path(out).write_text(json.dumps(worst))
-    dist.destroy_process_group()
+def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
+    return [_run_case(case, spec, rank, world) for case in spec.cases]
+
+
+def _worst_rank(gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rank 0's rows with the largest rank's bytes (they differ per rank only by rounding)."""
+    return [
+        {**r, **{k: max(g[i][k] for g in gathered) for k in ("a2a_mib", "param_mib", "state_mib")}}
+        for i, r in enumerate(gathered[0])
+    ]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -371,10 +363,7 @@ def main(
             cases.append(Case(f"EP E={e} uniform routing (before)", e, before=True, routing="uniform"))
     runs = [case for _ in range(rounds) for case in cases]  # interleaved rounds: drift hits every layout
     spec = Spec(dataclasses.asdict(config), runs, micro_batch, seq_len, steps, warmup)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(world, free_port(), out, spec), nprocs=world, start_method="spawn")
-        rows = json.loads(Path(out).read_text())
+    rows = _worst_rank(run_gloo(_rank_rows, world, spec))
     p_total = config.num_params()
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "

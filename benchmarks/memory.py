@@ -32,15 +32,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from rounds import free_port  # benchmarks/ is on sys.path when run as a script
+from rounds import run_gloo  # benchmarks/ is on sys.path when run as a script
 from torch.utils.data import DataLoader
 
 from mula import MulaConfig
@@ -59,10 +56,7 @@ WORLD, MICRO, SEQ = 4, 8, 256
 GB = 1e9
 
 
-def _worker(rank: int, port: int, ep: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _measure(rank: int, world: int, ep: int) -> dict[str, dict[str, int]]:
     from callbacks.memory_metrics import SavedTensorMeter, grad_bytes, param_bytes
     from mula.module import MulaLightningModule
     from strategies.expert_parallel import apply_expert_parallel
@@ -95,16 +89,12 @@ def _worker(rank: int, port: int, ep: int, out_dir: str) -> None:
                 "optimizer": opt.state_bytes(), "activations": meter.bytes,
             }  # fmt: skip
             opt.close()
-    torch.save(rows, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return rows
 
 
 def measured_table(ep: int) -> str:
     """Part 1: measured (largest rank) vs planned bytes per component."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(port, ep, d), nprocs=WORLD, join=True, start_method="spawn")
-        ranks = [torch.load(Path(d) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = run_gloo(_measure, WORLD, ep)
     config = MulaConfig.from_name("mula-tiny-moe")
     lines = [
         f"tiny MoE, {WORLD} CPU ranks, E={ep}, micro-batch {MICRO} x {SEQ}: per-rank bytes, exact, measured (largest rank) / planned",
@@ -156,11 +146,9 @@ PIPE_MICRO, PIPE_STEPS_MB = 4, 8  # micro-batch sequences, micro-batches per ste
 PIPE_KEYS = ("mem/param_bytes", "mem/grad_bytes", "optim/state_bytes", "mem/activation_bytes")
 
 
-def _pipeline_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _measure_pipelines(rank: int, world: int) -> list[dict[str, float]]:
+    # Lightning joins the process group already there as this rank (it must not launch its own)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world))
     import lightning.pytorch as L
 
     from callbacks import MemoryMetrics, MoEMetrics
@@ -175,7 +163,7 @@ def _pipeline_worker(rank: int, port: int, out_dir: str) -> None:
         torch.manual_seed(0)
         module = MulaLightningModule("mula-tiny-moe", decay_steps=10, activation_checkpointing=level)
         trainer = L.Trainer(
-            accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=1, precision=precision,
+            accelerator="cpu", devices=world, strategy=strategy, max_steps=1, precision=precision,
             log_every_n_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, use_distributed_sampler=False, callbacks=[MemoryMetrics(), MoEMetrics()],
         )  # fmt: skip
@@ -186,16 +174,12 @@ def _pipeline_worker(rank: int, port: int, out_dir: str) -> None:
         trainer.fit(module, DataLoader([batch], batch_size=None))  # the step's whole batch
         logged = {k: float(trainer.callback_metrics[k]) for k in PIPE_KEYS}
         rows.append({**logged, "stage": strategy.topology.pp_rank})
-    torch.save(rows, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return rows
 
 
 def pipeline_table() -> str:
     """Part 1b: per pipeline stage, measured (the stage's largest rank) vs planned bytes."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_pipeline_worker, args=(port, d), nprocs=WORLD, join=True, start_method="spawn")
-        ranks = [torch.load(Path(d) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = run_gloo(_measure_pipelines, WORLD)
     config = MulaConfig.from_name("mula-tiny-moe")
     lines = [
         f"tiny MoE, {WORLD} CPU ranks, pipeline stages, {PIPE_STEPS_MB} micro-batches of {PIPE_MICRO} x {SEQ} "

@@ -25,19 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import free_port
+from rounds import run_gloo
 
 from mula import Mula, MulaConfig
 from mula.moe import is_expert_param
@@ -205,24 +202,18 @@ def _measure_layout(specs, topo, spec: BenchSpec) -> list[dict[str, Any]]:
     return rows
 
 
-def _worker(rank: int, world: int, port: int, out: str, spec: BenchSpec) -> None:
-    torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, oversubscribed anyway
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        specs = _param_specs(spec.config)
-        rows = []
-        for ep in [e for e in (1, 2, 4, 8) if e <= world and world % e == 0]:
-            topo = build_topology(ep)
-            for r in _measure_layout(specs, topo, spec):
-                per_rank = [None] * world
-                dist.all_gather_object(per_rank, r)
-                rows.append({**r, "W": world, "E": ep, "state_bytes": max(x["state_bytes"] for x in per_rank),
-                             "grad_bytes": max(x["grad_bytes"] for x in per_rank)})  # fmt: skip
-        if rank == 0:
-            Path(out).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+def _rank_rows(rank: int, world: int, spec: BenchSpec) -> list[dict[str, Any]]:
+    """Every layout's row, with the largest rank's state and gradient bytes."""
+    specs = _param_specs(spec.config)
+    rows = []
+    for ep in [e for e in (1, 2, 4, 8) if e <= world and world % e == 0]:
+        topo = build_topology(ep)
+        for r in _measure_layout(specs, topo, spec):
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, r)
+            rows.append({**r, "W": world, "E": ep, "state_bytes": max(x["state_bytes"] for x in per_rank),
+                         "grad_bytes": max(x["grad_bytes"] for x in per_rank)})  # fmt: skip
+    return rows
 
 
 def _formula_bytes(variant: str, p_dense: int, p_expert: int, w: int, e: int) -> float:
@@ -297,11 +288,8 @@ def main(
     p_expert = sum(int(torch.Size(s).numel()) for n, s in specs if is_expert_param(n))
     p_dense = sum(int(torch.Size(s).numel()) for n, s in specs) - p_expert
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for w in worlds:
-            out = str(Path(tmp) / f"w{w}.json")
-            mp.start_processes(_worker, args=(w, free_port(), out, spec), nprocs=w, start_method="spawn")
-            rows += json.loads(Path(out).read_text())
+    for w in worlds:
+        rows += run_gloo(_rank_rows, w, spec)[0]
     header = (
         f"Model: {model} shape shrunk to hidden {hidden_size}, {num_layers} layers, {cfg.num_experts} experts "
         f"(FFN {expert_intermediate_size}), vocab {vocab_size}: P_dense = {p_dense / 1e6:.2f}M, "

@@ -22,19 +22,16 @@ and the parameters each rank holds. Benchmarks print tables and never assert.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, free_port, spread
+from rounds import by_case, run_gloo, spread
 from torch.distributed.pipelining import PipelineStage
 
 from mula import MulaConfig
@@ -156,27 +153,24 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world: int, port: int, out: str, spec: Spec) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
     _ComputeClock.install()
-    rows = [_run_case(case, spec, rank, world) for case in spec.cases]
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:  # bubble: the mean over ranks; parameters: the largest rank
-        merged = []
-        for i, row in enumerate(rows):
-            bubbles = [g[i]["bubble"] for g in gathered]
-            merged.append(
-                {
-                    **row,
-                    "bubble": None if row["bubble"] is None else sum(bubbles) / world,
-                    "param_mib": max(g[i]["param_mib"] for g in gathered),
-                }
-            )
-        Path(out).write_text(json.dumps(merged))
-    dist.destroy_process_group()
+    return [_run_case(case, spec, rank, world) for case in spec.cases]
+
+
+def _merge_ranks(gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rank 0's rows with the bubble averaged over ranks and the largest rank's parameters."""
+    merged = []
+    for i, row in enumerate(gathered[0]):
+        bubbles = [g[i]["bubble"] for g in gathered]
+        merged.append(
+            {
+                **row,
+                "bubble": None if row["bubble"] is None else sum(bubbles) / len(gathered),
+                "param_mib": max(g[i]["param_mib"] for g in gathered),
+            }
+        )
+    return merged
 
 
 def table(rows: list[dict[str, Any]], rounds: int) -> str:
@@ -249,10 +243,7 @@ def main(
             cases.append(Case(f"P={p} {schedule}{suffix}", p, schedule, virtual))
     runs = [case for _ in range(rounds) for case in cases]  # interleaved rounds: drift hits every layout
     spec = Spec(dataclasses.asdict(config), runs, global_batch, micro_batch, seq_len, steps, warmup)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(world, free_port(), out, spec), nprocs=world, start_method="spawn")
-        rows = json.loads(Path(out).read_text())
+    rows = _merge_ranks(run_gloo(_rank_rows, world, spec))
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
         f"(FFN {expert_intermediate_size}), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M parameters. fp32, gloo, "

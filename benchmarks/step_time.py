@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -42,10 +41,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, free_port, spread
+from rounds import by_case, run_gloo, spread
 
 from mula import MulaConfig
 from mula.module import MulaLightningModule
@@ -236,10 +234,8 @@ def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
     return times
 
 
-def _worker(rank: int, world: int, port: int, out: str, spec: Spec, message: dict[str, int]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _measure(rank: int, world: int, spec: Spec, message: dict[str, int]) -> dict[str, Any] | None:
+    """Rank 0: the host's peak FLOP/s and bandwidths, and each case's median step time."""
     dtype = DTYPES[spec.precision]
     peak = peak_flops(dtype) if rank == 0 else 0.0  # one thread; the other rank waits
     dist.barrier()
@@ -249,9 +245,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: Spec, message: dic
         times = _run_case(case, spec, rank)
         if rank == 0:
             rows.append({"case": case.name, "step_s": statistics.median(times)})
-    if rank == 0:
-        Path(out).write_text(json.dumps({"peak_flops": peak, "bandwidth": bw, "rows": rows}))
-    dist.destroy_process_group()
+    return {"peak_flops": peak, "bandwidth": bw, "rows": rows} if rank == 0 else None
 
 
 def layout_of(case: Case, spec: Spec) -> Layout:
@@ -336,12 +330,8 @@ def main(
     runs = [case for _ in range(rounds) for case in CASES]  # interleaved rounds: drift hits every layout
     spec = Spec(overrides, precision, runs, global_batch, micro_batch, seq_len, steps, warmup)
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
+    result = run_gloo(_measure, 2, spec, message)[0]
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        mp.start_processes(
-            _worker, args=(2, free_port(), str(out), spec, message), nprocs=2, start_method="spawn"
-        )
-        result = json.loads(out.read_text())
         calibration = statistics.median(r["step_s"] for r in result["rows"] if r["case"] == CASES[0].name)
         unit = host_machine(result["peak_flops"], result["bandwidth"], 1.0, Path(tmp) / "unit.yaml")
         at_peak = step_time(config, layout_of(CASES[0], spec), unit, global_batch).step_time_s

@@ -32,6 +32,40 @@ def lightning_env(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
 
 
+def cpu_trainer(
+    world: int,
+    strategy: Any,
+    *,
+    max_steps: int,
+    accumulate_grad_batches: int,
+    callbacks: list[Any],
+    save_dir: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The quiet Lightning Trainer the multi-rank tests compare runs with: `world` CPU ranks under
+    `strategy` (one process when it is None), no logger, no distributed sampler (the tests hand each rank
+    its batches), and a checkpoint every 2 steps into `save_dir` when given. `kwargs` go to the Trainer."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if save_dir is not None:
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2)]
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world if strategy is not None else 1,
+        strategy=strategy if strategy is not None else "auto",
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate_grad_batches,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=save_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
 # Only effective before the first forkserver launch in this interpreter; later calls are harmless.
 multiprocessing.set_forkserver_preload(
     ["torch", "torch.distributed", "lightning.pytorch", "mula", "strategies"]

@@ -21,8 +21,7 @@ import tempfile
 import lightning.pytorch as L
 import pytest
 import torch
-from dist_helpers import lightning_env, run_distributed
-from lightning.pytorch.callbacks import ModelCheckpoint
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
 from mula.checkpoint import load_weights
 from mula.hf import export_hf
@@ -121,23 +120,15 @@ def _fit(
     if pp > 1:  # what MulaDataModule sets: the step's accumulation micro-batches
         strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
     losses = _StepLosses(loader)
-    callbacks: list[L.Callback] = [losses]
-    if save_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world if strategy is not None else 1,
-        strategy=strategy if strategy is not None else "auto",
+    trainer = cpu_trainer(
+        world,
+        strategy,
         max_steps=max_steps,
-        precision=precision,
         accumulate_grad_batches=1 if pp > 1 else MICROS_PER_STEP // world,
+        callbacks=[losses],
+        save_dir=save_dir,
+        precision=precision,
         gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=save_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
     )
     trainer.fit(_module(activation_checkpointing, bias_rate), loader, ckpt_path=ckpt_path)
     return losses, trainer

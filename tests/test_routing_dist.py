@@ -18,8 +18,7 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_helpers import lightning_env, run_distributed
-from lightning.pytorch.callbacks import ModelCheckpoint
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_strategy import MICROS_PER_STEP, OVERRIDES, _StepBatches
 
 from mula import Mula, MulaConfig
@@ -107,21 +106,13 @@ def _fit(world: int, strategy, max_steps: int, ckpt_path=None, save_dir=None) ->
     )
     loader = _StepBatches(int(os.environ.get("LOCAL_RANK", 0)), world, max_steps)
     record = _Biases(loader)
-    callbacks: list[L.Callback] = [record]
-    if save_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world if strategy is not None else 1,
-        strategy=strategy if strategy is not None else "auto",
+    trainer = cpu_trainer(
+        world,
+        strategy,
         max_steps=max_steps,
         accumulate_grad_batches=MICROS_PER_STEP // world,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=save_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
+        callbacks=[record],
+        save_dir=save_dir,
     )
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return record.biases

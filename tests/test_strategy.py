@@ -17,8 +17,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from dist_helpers import lightning_env, run_distributed
-from lightning.pytorch.callbacks import ModelCheckpoint
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
 from callbacks import MoEMetrics
 from mula.checkpoint import consolidate_checkpoint
@@ -108,22 +107,15 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
     callbacks: list[L.Callback] = [losses]
     if isinstance(strategy, XPUMoEStrategy):
         callbacks.append(MoEMetrics())  # as recipes/strategies/xpu-moe.yaml adds it
-    if save_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_train_steps=2))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world if strategy is not None else 1,
-        strategy=strategy if strategy is not None else "auto",
+    trainer = cpu_trainer(
+        world,
+        strategy,
         max_steps=max_steps,
-        precision=precision,
         accumulate_grad_batches=MICROS_PER_STEP // world,
-        gradient_clip_val=0.5,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=save_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
+        save_dir=save_dir,
+        precision=precision,
+        gradient_clip_val=0.5,
     )
     trainer.fit(_module(), loader, ckpt_path=ckpt_path)
     return losses, trainer

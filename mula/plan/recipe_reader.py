@@ -70,10 +70,9 @@ _REQUIRED = object()  # a parameter without a default
 _NOT_LITERAL = object()  # a default that is an expression (not needed by the planner)
 
 
-@functools.lru_cache(maxsize=8)
 def init_parameters(source: str, class_name: str) -> dict[str, Any]:
     """`class_name.__init__`'s parameters in `source` (a file path): name -> literal default,
-    `_REQUIRED` or `_NOT_LITERAL`. Read with `ast`, so nothing is imported."""
+    `_REQUIRED` or `_NOT_LITERAL`. Read with `ast`, so nothing is imported (`signatures` caches it)."""
     tree = ast.parse(Path(source).read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == class_name:
