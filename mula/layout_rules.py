@@ -1,7 +1,9 @@
-"""What a parallel layout (pipeline stages, schedule, ZeRO stage, batch split) must satisfy to run.
+"""What a parallel layout (sizes, pipeline stages, schedule, ZeRO stage, batch split) must satisfy to run.
 
-Torch-free rules shared by the strategy and the data module (which refuse a layout when they meet it)
-and the planner (`mula plan` refuses it before launch; `--search` proposes only layouts that pass).
+Every layout sentence lives here, once. `mula.parallel_layout.ParallelLayout.validate` runs them for
+the strategy (`XPUMoEStrategy.setup_environment`) and the planner (`mula plan`, `--search`) alike, so
+both accept and refuse the same layouts with the same sentence; the data module checks its batch split
+with `check_batch_split`. Torch-free.
 
 Each check raises one ValueError sentence naming the setting to change.
 """
@@ -12,6 +14,53 @@ from collections.abc import Sequence
 from typing import Any
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+
+
+def check_degrees(ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
+    """Refuse a parallel size below 1, and tensor or context parallelism (not available yet)."""
+    for name, size in (("expert_parallel_size", ep_size), ("pipeline_parallel_size", pp_size),
+                       ("tensor_parallel_size", tp_size), ("context_parallel_size", cp_size)):  # fmt: skip
+        if size < 1:
+            raise ValueError(f"{name} must be at least 1, got {size}.")
+    for name, size in (("tensor_parallel_size", tp_size), ("context_parallel_size", cp_size)):
+        if size != 1:
+            raise ValueError(f"{name}={size} is not available yet; use {name}=1.")
+
+
+def check_world(world_size: int, ep_size: int, pp_size: int) -> None:
+    """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups (one sentence naming the numbers)."""
+    if pp_size > 1:
+        if world_size % (pp_size * ep_size) != 0:
+            raise ValueError(
+                f"The world size {world_size} is not divisible by pipeline_parallel_size={pp_size} x "
+                f"expert_parallel_size={ep_size} = {pp_size * ep_size}; choose sizes whose product divides "
+                "the number of ranks."
+            )
+        return
+    if ep_size > world_size:
+        raise ValueError(
+            f"expert_parallel_size={ep_size} is larger than the world size {world_size}; "
+            f"use at most {world_size} ranks per expert-parallel group."
+        )
+    if world_size % ep_size != 0:
+        raise ValueError(
+            f"The world size {world_size} is not divisible by expert_parallel_size={ep_size}; "
+            "choose an expert-parallel size that divides the number of ranks."
+        )
+
+
+def check_experts(num_experts: int, ep_size: int) -> None:
+    """Refuse expert parallelism of a dense model, or E that does not divide the experts."""
+    if num_experts == 0 and ep_size > 1:
+        raise ValueError(
+            f"expert_parallel_size={ep_size} needs an MoE model, but this model has no experts; "
+            "use expert_parallel_size=1 (or DDP) for dense models."
+        )
+    if num_experts % ep_size != 0:
+        raise ValueError(
+            f"The model has {num_experts} experts, which is not divisible by expert_parallel_size={ep_size}; "
+            "choose an expert-parallel size that divides the number of experts."
+        )
 
 
 def validate_schedule(schedule: str, pp_size: int, virtual_stages: int) -> None:

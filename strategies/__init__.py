@@ -15,7 +15,7 @@ from strategies.expert_parallel import apply_expert_parallel
 from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
 from strategies.pipeline_schedule import PipelineRunner
 from strategies.pipeline_split import split_model
-from strategies.topology import ExpertParallelTopology, build_topology, validate_layout
+from strategies.topology import ExpertParallelTopology, build_topology, topology_from_layout
 from strategies.xpu_moe import XPUMoEStrategy
 
 _register_accelerator()
@@ -34,5 +34,5 @@ __all__ = [
     "clip_grad_norm_",
     "process_group_backend",
     "split_model",
-    "validate_layout",
+    "topology_from_layout",
 ]

@@ -13,7 +13,7 @@ from torch import nn
 
 from mula.moe import iter_moe_layers, num_global_experts
 from strategies.all_to_all import AllToAllDispatcher
-from strategies.topology import ExpertParallelTopology, validate_layout
+from strategies.topology import ExpertParallelTopology
 
 
 @torch.no_grad()
@@ -26,8 +26,7 @@ def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) ->
     total = num_global_experts(model)
     if total is None:
         return None
-    validate_layout(topology.world_size, topology.ep_size, total)
-    local = topology.local_expert_range(total)
+    local = topology.local_expert_range(total)  # refuses E that does not divide the experts
     for _, layer in iter_moe_layers(model):
         if isinstance(layer.dispatcher, AllToAllDispatcher):
             continue

@@ -4,7 +4,7 @@ Per parameter (global name) the fp32 master weights, exp_avg and exp_avg_sq are 
 the flattened *global* parameter (expert parameters in global expert order), each rank contributing
 the piece its shards hold, so a checkpoint saved at one (W, E) layout loads at any other.
 
-Each is a DTensor ``Shard(0)`` over a 1-D mesh of the world. The pieces are irregular (bucket packing
+Each is a DTensor ``Shard(0)`` over the job mesh's flattened world dimension (``topology.world_mesh``). The pieces are irregular (bucket packing
 and alignment decide where a parameter is cut, and a rank may hold none of it), which DTensor's even
 chunks cannot express, so the local tensor is torch's ``LocalShardsWrapper`` (the local-shards
 tensor DCP reads chunk offsets from, as torchrec uses it), holding views of the live buffers.
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mula.flat_buffers import ParamEntry, Segment
@@ -34,7 +33,7 @@ def sharded_state_dict(opt: EPShardedAdamW) -> dict[str, Any]:
     if not opt.options.ep_aware and opt.topology.ep_size > 1:
         raise ValueError("Checkpointing the EP-unaware comparison layout is not supported.")
     opt.wait_for_params()
-    mesh = _world_mesh(opt)
+    mesh = opt.topology.world_mesh  # None without a process group
     state: dict[str, Any] = {}
     for entry in opt.entries:
         state[entry.name] = {kind: _global_tensor(opt, getattr(opt, kind), entry, mesh) for kind in _KINDS}
@@ -74,15 +73,6 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
             raise ValueError(f"The optimizer checkpoint has no state for parameter {entry.name}.")
         for kind in _KINDS:
             _copy_in(opt, entry, saved[kind], getattr(opt, kind))
-
-
-def _world_mesh(opt: EPShardedAdamW) -> Any:
-    """A 1-D device mesh over the world (collective), or None without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(opt.device.type, (dist.get_world_size(),))
 
 
 def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) -> None:

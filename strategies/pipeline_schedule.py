@@ -18,7 +18,6 @@ looped-BFS (virtual stages) schedule of one micro-batch over the same stage modu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,8 +30,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from mula.layout_rules import check_micro_batches
-from strategies.pipeline_split import MulaStage, rank_stages, stage_layers
+from strategies.pipeline_split import MulaStage
 from strategies.topology import ExpertParallelTopology
 
 _SCHEDULE_CLASSES = {
@@ -46,30 +44,26 @@ class PipelineRunner:
     """This rank's pipeline stages of `module.model` (already split) and the schedule that runs them.
 
     Args:
-        module: the `MulaLightningModule` (its `combine_losses` is the loss; its model is split).
-        topology: the layout (`pp_rank`, `pp_size`, `pp_group`).
-        schedule: "gpipe", "1f1b" or "interleaved-1f1b".
-        virtual_stages: stages per rank (V).
-        layer_counts: blocks per stage, P x V entries.
+        module: the `MulaLightningModule` (its `combine_losses` is the loss; its model is split by
+            `split_model` into `topology.holdings(config)`).
+        topology: the layout (`layout`: schedule, stages; `pp_group`).
         device: this rank's device.
     """
 
-    def __init__(
-        self,
-        module: Any,
-        topology: ExpertParallelTopology,
-        schedule: str,
-        virtual_stages: int,
-        layer_counts: Sequence[int],
-        device: torch.device,
-    ) -> None:
-        self.module, self.topology, self.schedule_name, self.device = module, topology, schedule, device
-        self.num_stages = topology.pp_size * virtual_stages
-        self.stage_ids = rank_stages(topology.pp_rank, topology.pp_size, virtual_stages)
-        last = self.num_stages - 1
+    def __init__(self, module: Any, topology: ExpertParallelTopology, device: torch.device) -> None:
+        layout = topology.layout
+        if layout is None:
+            raise ValueError("A pipeline runner needs a topology built from a ParallelLayout.")
+        self.module, self.topology, self.layout, self.device = module, topology, layout, device
+        self.schedule_name = layout.schedule
+        self.num_stages = layout.num_stages
         model = module.model
+        holdings = topology.holdings(model.config)
+        self.stage_ids = list(holdings.stages)
+        last = self.num_stages - 1
         self.stages = [
-            MulaStage(model, stage_layers(layer_counts, s), s == 0, s == last) for s in self.stage_ids
+            MulaStage(model, blocks, s == 0, s == last)
+            for s, blocks in zip(holdings.stages, holdings.blocks_per_stage)
         ]
         for stage in self.stages:  # expert counts by global block (router bias, ExpertLoad, MoEMetrics)
             stage.count_sink = getattr(module, "add_expert_counts", None)
@@ -149,7 +143,7 @@ class PipelineRunner:
         key = (n_microbatches, micro_batch, seq_len)
         if self._schedule is not None and self._key == key:
             return
-        check_micro_batches(self.schedule_name, self.topology.pp_size, n_microbatches)
+        self.layout.check_micro_batches(n_microbatches)
         stages = self._build_stages(micro_batch, seq_len)
         cls = _SCHEDULE_CLASSES[self.schedule_name]
         target = stages if self.schedule_name == "interleaved-1f1b" else stages[0]

@@ -2,7 +2,8 @@
 
 S = P x V stages (V virtual stages per rank with the interleaved schedule); stage s holds a contiguous
 run of blocks, the first also the embedding, the last the final norm and the LM head. Rank p of the
-pipeline group holds stages p, p + P, ..., p + (V - 1) P (torch's looped placement).
+pipeline group holds stages p, p + P, ..., p + (V - 1) P (torch's looped placement): which blocks a
+rank keeps is `mula.parallel_layout.ParallelLayout.rank_holdings`'s answer.
 
 Every rank builds the whole model with the same seed and then keeps only its stages' modules, in
 place, under their original names: the blocks live in a `StageLayers` keyed by global layer index,
@@ -16,21 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from mula.layout_rules import SCHEDULES, stage_layer_counts, validate_schedule, validate_split
 from mula.model import Mula, rope_cos_sin
-
-__all__ = ["SCHEDULES", "stage_layer_counts", "validate_schedule", "validate_split"]
-
-
-def stage_layers(counts: Sequence[int], stage: int) -> range:
-    """Global indices of the blocks of `stage` for per-stage block `counts`."""
-    start = sum(counts[:stage])
-    return range(start, start + counts[stage])
-
-
-def rank_stages(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` holds (looped placement)."""
-    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+from mula.parallel_layout import Holdings
 
 
 class StageLayers(nn.ModuleDict):
@@ -41,14 +29,15 @@ class StageLayers(nn.ModuleDict):
         return iter(self._modules.values())  # type: ignore[arg-type]
 
 
-def split_model(model: Mula, layers: Sequence[int], first: bool, last: bool) -> None:
-    """Keep only `layers` (global indices), the embedding if `first`, norm and LM head if `last`; in place."""
+def split_model(model: Mula, holdings: Holdings) -> None:
+    """Keep only the blocks a rank holds (`ParallelLayout.rank_holdings`), the embedding if it holds
+    the first stage, norm and LM head if it holds the last; in place."""
     if isinstance(model.layers, StageLayers):
         return  # already split (Lightning may call setup again)
-    model.layers = StageLayers({str(i): model.layers[i] for i in layers})
-    if not first:
+    model.layers = StageLayers({str(i): model.layers[i] for i in holdings.blocks})
+    if not holdings.first:
         model.embed = None
-    if not last:
+    if not holdings.last:
         model.norm = None
         model.lm_head = None
 

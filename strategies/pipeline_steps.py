@@ -18,14 +18,14 @@ import torch
 from torch import Tensor
 
 from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model, stage_layers, validate_split
+from strategies.pipeline_split import split_model
 
 
 class PipelineSteps:
     """Training, validation and backward hooks of a strategy with pipeline stages (no-ops at P = 1).
 
-    Expects the host strategy to set `topology`, `pipeline_parallel_size`, `pipeline_schedule`,
-    `pipeline_virtual_stages`, `pipeline_stage_layers`, `pipeline_microbatches`, `_pipeline` (None)
+    Expects the host strategy to set `topology` (built from its `ParallelLayout`),
+    `pipeline_parallel_size`, `pipeline_microbatches`, `_pipeline` (None)
     and `_keep_grads` (False), and to provide `block_backward_sync` and `post_backward`.
     """
 
@@ -36,14 +36,6 @@ class PipelineSteps:
     def consumes_whole_step(self) -> bool:
         """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
         return self.pipeline_parallel_size > 1
-
-    def _validate_stages(self) -> None:
-        """Check the stage split against the module's config before any model is built (one sentence)."""
-        config = getattr(self.lightning_module, "config", None)
-        if self.pipeline_parallel_size > 1 and hasattr(config, "num_layers"):
-            validate_split(
-                config, self.pipeline_parallel_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
-            )
 
     def _split_into_stages(self, module: Any) -> None:
         """Keep this rank's pipeline stages of the model (validated first) and build their runner."""
@@ -56,17 +48,8 @@ class PipelineSteps:
             )
         if self._pipeline is not None:
             return  # Lightning calls setup again for validate/test after fit
-        num_stages = topo.pp_size * self.pipeline_virtual_stages
-        counts = validate_split(
-            model.config, topo.pp_size, self.pipeline_virtual_stages, self.pipeline_stage_layers
-        )
-        mine = [s for s in range(num_stages) if s % topo.pp_size == topo.pp_rank]
-        split_model(
-            model, [i for s in mine for i in stage_layers(counts, s)], 0 in mine, num_stages - 1 in mine
-        )
-        self._pipeline = PipelineRunner(
-            module, topo, self.pipeline_schedule, self.pipeline_virtual_stages, counts, self.root_device
-        )
+        split_model(model, topo.holdings(model.config))
+        self._pipeline = PipelineRunner(module, topo, self.root_device)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline stages: one schedule step over the whole step's batch, returning the step's

@@ -57,7 +57,7 @@ from strategies.adamw import adamw_update
 from strategies.grad_reduce import GradReducer, param_entry
 from strategies.param_gather import ParamGather
 from strategies.sharding_options import ShardingOptions
-from strategies.topology import ExpertParallelTopology, reduce_over_stages
+from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
 
@@ -499,11 +499,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
 
 def _default_topology() -> ExpertParallelTopology:
-    if dist.is_available() and dist.is_initialized():
-        w, r = dist.get_world_size(), dist.get_rank()
-        world = dist.group.WORLD
-        return ExpertParallelTopology(w, r, 1, w, 0, r, ep_group=None, edp_group=world, world_group=world)
-    return ExpertParallelTopology(1, 0, 1, 1, 0, 0)
+    """Every rank of the process group is a data-parallel rank (E = P = 1), or one process."""
+    return build_topology(1)
 
 
 def _runs(segments: Sequence[Segment]) -> list[_Run]:

@@ -37,27 +37,14 @@ from mula.moe import is_expert_param
 from strategies.topology import ExpertParallelTopology, gather_groups_over_stages, names_cover
 
 
-def expert_mesh(topology: ExpertParallelTopology, device_type: str) -> Any:
-    """The 2-D (edp, ep) device mesh describing where expert rows live (None when E = 1: experts are whole).
-
-    Collective: every rank must call it. Rank r sits at (r // E, r % E) of its stage, matching
-    `build_topology`; expert g of a layer is row g whatever (W, E, P).
-    """
+def expert_mesh(topology: ExpertParallelTopology) -> Any:
+    """The 2-D (edp, ep) sub-mesh of the job's mesh describing where expert rows live: this rank's
+    stage (None when E = 1: experts are whole). Expert g of a layer is row g whatever (W, E, P)."""
     if topology.ep_size == 1:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if topology.pp_size == 1:
-        return init_device_mesh(
-            device_type, (topology.edp_size, topology.ep_size), mesh_dim_names=("edp", "ep")
-        )
-    # P stages: rank d*P*E + s*E + e; this rank's stage is the (edp, ep) sub-mesh at its stage index
-    mesh = init_device_mesh(
-        device_type,
-        (topology.edp_size, topology.pp_size, topology.ep_size),
-        mesh_dim_names=("edp", "pp", "ep"),
-    )
-    return mesh["edp", "ep"]
+    if topology.mesh is None:
+        raise ValueError("Expert parallelism needs a topology built from the job's DeviceMesh.")
+    return topology.mesh["edp", "ep"]
 
 
 def _as_global(tensor: Tensor, mesh: Any) -> Any:

@@ -1,20 +1,22 @@
-"""Process-group layout: EP groups of consecutive ranks, EDP groups across them, pipeline stages.
+"""Process groups of a parallel layout, all taken from one named `DeviceMesh`.
 
-With W ranks and expert-parallel size E (EDP = W / E):
+`mula.parallel_layout.ParallelLayout` says where every rank sits (rank order, innermost first: EP,
+pipeline stage, expert-data parallel); `build_mesh` turns it into one `DeviceMesh` with dimensions
+("edp", "pp", "ep") and `topology_from_layout` takes every group from it:
 
-    EP group  p: ranks [p*E, ..., p*E + E - 1]   (all-to-all of tokens; consecutive ranks so that on a
-                                                  machine with E devices per node it stays inside a node)
-    EDP group q: ranks [q, q + E, q + 2E, ...]    (ranks that hold the same experts: expert gradients
-                                                  are averaged here, never over the whole world)
+    EP group     mesh "ep"       E consecutive ranks: the all-to-all of tokens (one node's fabric)
+    EDP group    mesh "edp"      ranks holding the same experts of the same stage: expert gradients
+                                 are averaged here, never over the whole world
+    stage group  ("edp", "ep")   the W / P ranks replicating a stage's dense parameters
+                 flattened "dp"  (`world_group`: the stage's data-parallel world)
+    PP group     mesh "pp"       one rank per stage: activations, the global gradient norm
+    world        all flattened   what checkpoints of the sharded optimizer are laid over
 
-Local expert j on EP rank p is global expert p * E_local + j.
+With W = 8, E = 4, P = 1: EP groups [0..3], [4..7]; EDP groups [0, 4], [1, 5], ... Local expert j
+on EP rank p is global expert p * E_local + j (`ParallelLayout.experts_of`).
 
-With P pipeline stages (Optimus' order: EP innermost, then pipeline stages, data parallel outermost)
-global rank g = d * (P * E) + s * E + e for data-parallel index d, stage s and EP rank e. Each stage
-is then a (W/P)-rank "data-parallel world" laid out exactly as above (stage-local rank d * E + e):
-`world_size`, `rank` and `world_group` of a topology describe that world (the ranks replicating the
-stage's dense parameters), `stage_ranks` maps its local ranks to global ones, and the PP group
-(ranks [d*P*E + e + s*E for s]) carries activations between stages and the global gradient norm.
+`world_size`, `rank` and `world_group` of a topology describe its stage's data-parallel world (stage-
+local rank edp * E + ep); `stage_ranks` maps local ranks to global ones.
 """
 
 from __future__ import annotations
@@ -22,36 +24,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-
-def validate_layout(world_size: int, ep_size: int, num_experts: int | None = None) -> None:
-    """Raise one ValueError sentence naming the numbers if (W, E, experts) is not a valid EP layout."""
-    if ep_size < 1:
-        raise ValueError(f"expert_parallel_size must be at least 1, got {ep_size}.")
-    if ep_size > world_size:
-        raise ValueError(
-            f"expert_parallel_size={ep_size} is larger than the world size {world_size}; "
-            f"use at most {world_size} ranks per expert-parallel group."
-        )
-    if world_size % ep_size != 0:
-        raise ValueError(
-            f"The world size {world_size} is not divisible by expert_parallel_size={ep_size}; "
-            "choose an expert-parallel size that divides the number of ranks."
-        )
-    if num_experts is not None and num_experts % ep_size != 0:
-        raise ValueError(
-            f"The model has {num_experts} experts, which is not divisible by expert_parallel_size={ep_size}; "
-            "choose an expert-parallel size that divides the number of experts."
-        )
+from mula.parallel_layout import MESH_DIMS, Holdings, ParallelLayout
 
 
 @dataclass
 class ExpertParallelTopology:
-    """This rank's place in the (EDP x EP) layout and the process groups it communicates in.
+    """This rank's place in the layout and the process groups it communicates in.
 
     Groups are None when running without torch.distributed (a single process); code paths then skip
-    communication because every group has size 1.
+    communication because every group has size 1. `layout` and `mesh` are the job's `ParallelLayout`
+    and `DeviceMesh` (None when built by hand or without a process group); `stage_mesh` and
+    `world_mesh` are the mesh's flattened stage and world dimensions.
     """
 
     world_size: int
@@ -67,6 +53,26 @@ class ExpertParallelTopology:
     pp_rank: int = 0
     pp_group: Any = None  # this rank's pipeline group (one rank per stage), None when P = 1
     stage_ranks: list[int] | None = None  # global rank of each stage-local rank; None: the identity
+    layout: ParallelLayout | None = None
+    mesh: Any = None
+    stage_mesh: Any = None
+    world_mesh: Any = None
+
+    @property
+    def stage_layout(self) -> ParallelLayout:
+        """The layout of this rank's stage alone (its W / P ranks, E): where stage-local ranks sit."""
+        return ParallelLayout(world_size=self.world_size, ep=self.ep_size)
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's global rank."""
+        return self.to_global(self.rank)
+
+    def holdings(self, config: Any) -> Holdings:
+        """The stages, blocks and experts this rank holds of a model `config` (`num_layers`,
+        `num_experts`): `ParallelLayout.rank_holdings` of the job's layout."""
+        layout = self.layout or self.stage_layout
+        return layout.rank_holdings(self.global_rank, config.num_layers, config.num_experts)
 
     def to_global(self, local_rank: int) -> int:
         """The global rank of a rank of this (stage's) data-parallel world."""
@@ -78,112 +84,87 @@ class ExpertParallelTopology:
 
     def local_expert_range(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds (contiguous block of num_experts / ep_size)."""
-        validate_layout(self.world_size, self.ep_size, num_experts)
-        per_rank = num_experts // self.ep_size
-        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        return self.stage_layout.experts_of(self.rank, num_experts)
 
     def ep_group_ranks(self) -> list[int]:
         """Global ranks of this rank's EP group, in EP-rank order."""
-        base = (self.rank // self.ep_size) * self.ep_size
-        return [self.to_global(r) for r in range(base, base + self.ep_size)]
+        return [self.to_global(r) for r in self.stage_layout.group_ranks("ep", self.rank)]
 
     def edp_group_ranks(self) -> list[int]:
         """Global ranks of this rank's EDP group, in EDP-rank order."""
-        return [self.to_global(r) for r in range(self.ep_rank, self.world_size, self.ep_size)]
+        return [self.to_global(r) for r in self.stage_layout.group_ranks("edp", self.rank)]
 
 
-def validate_pipeline_layout(world_size: int, ep_size: int, pp_size: int) -> None:
-    """Raise one ValueError sentence naming the numbers if W ranks cannot hold P stages of E-rank EP groups."""
-    if pp_size < 1:
-        raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp_size}.")
-    if pp_size == 1:
-        validate_layout(world_size, ep_size)
-        return
-    if world_size % (pp_size * ep_size) != 0:
+def _device_type() -> str:
+    """The device type of the default process group's collectives: cpu for gloo (and the fake
+    backend), else this machine's accelerator."""
+    if dist.get_backend() in ("gloo", "fake") or not torch.accelerator.is_available():
+        return "cpu"
+    return torch.accelerator.current_accelerator().type  # type: ignore[union-attr]
+
+
+def build_mesh(layout: ParallelLayout, device_type: str) -> Any:
+    """The job's one `DeviceMesh` over `MESH_DIMS` (collective: every rank calls it, over any
+    initialised backend), with its stage ("dp") and "world" dimensions flattened.
+
+    Returns (mesh, stage_mesh, world_mesh).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != layout.world_size:
         raise ValueError(
-            f"The world size {world_size} is not divisible by pipeline_parallel_size={pp_size} x "
-            f"expert_parallel_size={ep_size} = {pp_size * ep_size}; choose sizes whose product divides the number of ranks."
+            f"The layout has {layout.world_size} ranks but the process group has {dist.get_world_size()}."
         )
+    mesh = init_device_mesh(device_type, layout.mesh_shape(), mesh_dim_names=MESH_DIMS)
+    # flattened dimensions are kept as returned (torch deprecates slicing them from the root mesh)
+    stage_mesh = mesh["edp", "ep"]._flatten("dp")
+    world_mesh = mesh._flatten("world")
+    return mesh, stage_mesh, world_mesh
 
 
-def global_rank(dp_index: int, stage: int, ep_rank: int, ep_size: int, pp_size: int) -> int:
-    """The global rank of (data-parallel index, pipeline stage, EP rank): EP innermost, DP outermost."""
-    return dp_index * pp_size * ep_size + stage * ep_size + ep_rank
-
-
-def stage_ranks(world_size: int, ep_size: int, pp_size: int, stage: int) -> list[int]:
-    """Global ranks of pipeline stage `stage`, in stage-local rank order (d * E + e)."""
-    dp = world_size // (pp_size * ep_size)
-    return [global_rank(d, stage, e, ep_size, pp_size) for d in range(dp) for e in range(ep_size)]
-
-
-def layout_ranks(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """All EP groups and all EDP groups (lists of global ranks) for a (W, E) layout."""
-    validate_layout(world_size, ep_size)
-    ep_groups = [list(range(start, start + ep_size)) for start in range(0, world_size, ep_size)]
-    edp_groups = [list(range(p, world_size, ep_size)) for p in range(ep_size)]
-    return ep_groups, edp_groups
-
-
-def build_topology(ep_size: int, pp_size: int = 1) -> ExpertParallelTopology:
-    """Create the EP, EDP (and, with P > 1, stage and pipeline) process groups for this job.
+def topology_from_layout(layout: ParallelLayout, device_type: str | None = None) -> ExpertParallelTopology:
+    """This rank's topology with every process group taken from `build_mesh(layout)`.
 
     Collective: every rank must call it. Without an initialised process group this describes a
     single process (W = 1) and requires E = P = 1.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        validate_layout(1, ep_size)
-        validate_pipeline_layout(1, ep_size, pp_size)
-        return ExpertParallelTopology(world_size=1, rank=0, ep_size=1, edp_size=1, ep_rank=0, edp_rank=0)
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    validate_pipeline_layout(world_size, ep_size, pp_size)
-    stage_size = world_size // pp_size
-    stages = [stage_ranks(world_size, ep_size, pp_size, s) for s in range(pp_size)]
-    stage = next(s for s, ranks in enumerate(stages) if rank in ranks)
-    local = stages[stage].index(rank)
-    # new_group is collective over the world: every rank creates every group in the same order.
-    stage_group = ep_group = edp_group = pp_group = None
-    for s, ranks in enumerate(stages):
-        group = _new_group(ranks, world_size)
-        if s == stage:
-            stage_group = group
-        ep_groups, edp_groups = layout_ranks(stage_size, ep_size)
-        for local_ranks in ep_groups:
-            group = _new_group([ranks[r] for r in local_ranks], world_size)
-            if rank in [ranks[r] for r in local_ranks]:
-                ep_group = group
-        for local_ranks in edp_groups:
-            group = _new_group([ranks[r] for r in local_ranks], world_size)
-            if rank in [ranks[r] for r in local_ranks]:
-                edp_group = group
-    if pp_size > 1:
-        for local_rank in range(stage_size):
-            ranks = [stages[s][local_rank] for s in range(pp_size)]
-            group = _new_group(ranks, world_size)
-            if rank in ranks:
-                pp_group = group
+        if layout.world_size != 1:
+            raise ValueError(
+                f"A layout of {layout.world_size} ranks needs an initialised process group; this is one process."
+            )
+        return ExpertParallelTopology(
+            world_size=1, rank=0, ep_size=1, edp_size=1, ep_rank=0, edp_rank=0, layout=layout
+        )
+    mesh, stage_mesh, world_mesh = build_mesh(layout, device_type or _device_type())
+    rank = dist.get_rank()
+    where = layout.coordinates(rank)
     return ExpertParallelTopology(
-        world_size=stage_size,
-        rank=local,
-        ep_size=ep_size,
-        edp_size=stage_size // ep_size,
-        ep_rank=local % ep_size,
-        edp_rank=local // ep_size,
-        ep_group=ep_group,
-        edp_group=edp_group,
-        world_group=stage_group,
-        pp_size=pp_size,
-        pp_rank=stage,
-        pp_group=pp_group,
-        stage_ranks=None if pp_size == 1 else stages[stage],
+        world_size=layout.stage_size,
+        rank=layout.stage_local_rank(rank),
+        ep_size=layout.ep,
+        edp_size=layout.edp_size,
+        ep_rank=where.ep,
+        edp_rank=where.edp,
+        ep_group=mesh.get_group("ep"),
+        edp_group=mesh.get_group("edp"),
+        world_group=stage_mesh.get_group(),
+        pp_size=layout.pp,
+        pp_rank=where.pp,
+        pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
+        stage_ranks=None if layout.pp == 1 else layout.group_ranks("stage", rank),
+        layout=layout,
+        mesh=mesh,
+        stage_mesh=stage_mesh,
+        world_mesh=world_mesh,
     )
 
 
-def _new_group(ranks: list[int], world_size: int) -> Any:
-    # A group spanning the world is the world group itself: saves a communicator.
-    if len(ranks) == world_size:
-        return dist.group.WORLD
-    return dist.new_group(ranks)
+def build_topology(ep_size: int, pp_size: int = 1, device_type: str | None = None) -> ExpertParallelTopology:
+    """`topology_from_layout` of the layout (W from the process group, or 1 without one, E, P)
+    that tests and benchmarks describe by its sizes alone."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return topology_from_layout(ParallelLayout(world_size=world, ep=ep_size, pp=pp_size), device_type)
 
 
 def reduce_over_stages(tensor: Any, topology: ExpertParallelTopology, op: Any = None) -> Any:

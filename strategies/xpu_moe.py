@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
-from mula.layout_rules import check_zero_stage, validate_schedule
+from mula.layout_rules import check_degrees, check_experts, check_zero_stage, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -56,6 +56,7 @@ from mula.lightning_compat import (
     _sync_ddp_if_available,
 )
 from mula.moe import is_expert_param
+from mula.parallel_layout import ParallelLayout
 from strategies.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
@@ -69,7 +70,7 @@ from strategies.sharded_state import (
     rescale_loop_progress,
     save_sharded,
 )
-from strategies.topology import ExpertParallelTopology, build_topology
+from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 
 class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
@@ -136,12 +137,9 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if int(expert_parallel_size) < 1:
-            raise ValueError(f"expert_parallel_size must be at least 1, got {expert_parallel_size}.")
+        check_degrees(int(expert_parallel_size), int(pipeline_parallel_size))
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
-        if int(pipeline_parallel_size) < 1:
-            raise ValueError(f"pipeline_parallel_size must be at least 1, got {pipeline_parallel_size}.")
         validate_schedule(pipeline_schedule, int(pipeline_parallel_size), int(pipeline_virtual_stages))
         self.expert_parallel_size = int(expert_parallel_size)
         self.pipeline_parallel_size = int(pipeline_parallel_size)
@@ -162,6 +160,7 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
+        self.layout: ParallelLayout | None = None
         self.topology: ExpertParallelTopology | None = None
         self._mesh: Any = None
         self._grad_sync: GradientSynchronizer | None = None
@@ -245,9 +244,25 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         if self.root_device.type == "cuda":  # NCCL: bind the communicator to this GPU eagerly
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._validate_stages()
-        self.topology = build_topology(self.expert_parallel_size, self.pipeline_parallel_size)
-        self._mesh = expert_mesh(self.topology, self.root_device.type)
+        world = dist.get_world_size() if _distributed_is_initialized() else 1
+        self.layout = self.parallel_layout(world, getattr(self.lightning_module, "config", None))
+        self.topology = topology_from_layout(self.layout, self.root_device.type)
+        self._mesh = expert_mesh(self.topology)
+
+    def parallel_layout(self, world_size: int, config: Any = None) -> ParallelLayout:
+        """This strategy's layout over `world_size` ranks, validated against the model `config` when
+        it is one (`num_layers`, `num_experts`): what `setup_environment` builds, and `mula plan` too
+        (one sentence for a layout that cannot run, before any process group or model exists)."""
+        layout = ParallelLayout(
+            world_size=world_size,
+            ep=self.expert_parallel_size,
+            pp=self.pipeline_parallel_size,
+            schedule=self.pipeline_schedule,
+            virtual_stages=self.pipeline_virtual_stages,
+            stage_layers=None if self.pipeline_stage_layers is None else tuple(self.pipeline_stage_layers),
+        )
+        layout.validate(config if hasattr(config, "num_layers") else None)
+        return layout
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -278,11 +293,8 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         module = self.lightning_module
         if self.pipeline_parallel_size > 1:
             self._split_into_stages(module)
-        if apply_expert_parallel(module, self.topology) is None and self.expert_parallel_size > 1:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} needs an MoE model, but this model has no experts; "
-                "use expert_parallel_size=1 (or DDP) for dense models."
-            )
+        if apply_expert_parallel(module, self.topology) is None:
+            check_experts(0, self.expert_parallel_size)  # a model without experts (and without a config)
         self._materialize(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

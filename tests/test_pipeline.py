@@ -25,10 +25,10 @@ from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
 from mula.checkpoint import load_weights
 from mula.hf import export_hf
+from mula.layout_rules import check_world, stage_layer_counts, validate_schedule
 from mula.module import MulaLightningModule
+from mula.parallel_layout import ParallelLayout
 from strategies import XPUMoEStrategy
-from strategies.pipeline_split import stage_layer_counts, validate_schedule
-from strategies.topology import stage_ranks, validate_pipeline_layout
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 6
 OVERRIDES = dict(
@@ -343,7 +343,7 @@ def test_layout_errors_are_one_sentence_naming_the_numbers() -> None:
         ValueError,
         match="world size 4 is not divisible by pipeline_parallel_size=4 x expert_parallel_size=2 = 8",
     ):
-        validate_pipeline_layout(4, 2, 4)
+        check_world(4, 2, 4)
     with pytest.raises(ValueError, match="4 layers, fewer than its 8 pipeline stages"):
         stage_layer_counts(4, 8)
     with pytest.raises(ValueError, match=r"\[1, 2\] sums to 3 but the model has 4 layers"):
@@ -358,6 +358,12 @@ def test_layout_errors_are_one_sentence_naming_the_numbers() -> None:
         XPUMoEStrategy(pipeline_parallel_size=2, pipeline_virtual_stages=2)
     assert stage_layer_counts(10, 4) == [3, 3, 2, 2]
     assert stage_layer_counts(4, 2, [1, 3]) == [1, 3]
+
+
+def stage_ranks(world: int, ep: int, pp: int, stage: int) -> list[int]:
+    """Global ranks of pipeline stage `stage`, in stage-local order."""
+    layout = ParallelLayout(world_size=world, ep=ep, pp=pp)
+    return layout.group_ranks("stage", layout.rank(pp=stage))
 
 
 def test_stage_ranks_put_experts_innermost_and_data_parallel_outermost() -> None:

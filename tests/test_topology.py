@@ -9,10 +9,24 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
+from mula.parallel_layout import ParallelLayout
 from strategies.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
 from strategies.environments import PALSEnvironment
 from strategies.sharded_state import rescale_loop_progress
-from strategies.topology import ExpertParallelTopology, build_topology, layout_ranks, validate_layout
+from strategies.topology import ExpertParallelTopology, build_topology
+
+
+def layout_ranks(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """All EP and all EDP groups of a (W, E) layout."""
+    layout = ParallelLayout(world_size=world, ep=ep)
+    return layout.all_groups("ep"), layout.all_groups("edp")
+
+
+def validate_layout(world: int, ep: int, experts: int | None) -> None:
+    """Build the layout, and place the experts when given."""
+    layout = ParallelLayout(world_size=world, ep=ep)
+    if experts is not None:
+        layout.experts_of(0, experts)
 
 
 def test_layout_groups_consecutive_ep_and_strided_edp() -> None:

@@ -1,0 +1,233 @@
+"""The parallel layout of a training job: the size of every dimension, where each rank sits, what it holds.
+
+One object (torchtitan's `ParallelDims` is the model), torch-free, so that the strategy
+(`XPUMoEStrategy.setup_environment`) and the planner (`mula plan`) build and validate the very same
+thing; the strategy turns it into one named `DeviceMesh` (`strategies.topology.build_mesh`).
+
+Dimensions and rank order, innermost first (DESIGN.md "Parallel layout, in numbers"):
+
+    tp   tensor parallel (1 for now)
+    cp   context parallel (1 for now)
+    ep   expert parallel: E consecutive ranks exchange tokens all-to-all (one node's fabric)
+    pp   pipeline stage: P stages
+    edp  expert-data parallel: the W / (P * E) ranks holding the same experts of the same stage
+
+    rank = (((edp * P + pp) * E + ep) * CP + cp) * TP + tp
+
+Derived groups: a stage's W / P ranks are its data-parallel ranks (each reads its own data and holds
+the stage's dense parameters; stage-local rank edp * E + ep); the pipeline group of a rank is the P
+ranks that share its (edp, ep) coordinates. `rank_holdings` answers which blocks and experts a rank
+holds; the strategy, the schedule, the planner and the benchmarks all ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mula.layout_rules import (
+    check_batch_split,
+    check_degrees,
+    check_experts,
+    check_micro_batches,
+    check_world,
+    check_zero_stage,
+    stage_layer_counts,
+    validate_schedule,
+    validate_split,
+)
+
+# mesh dimensions, outermost first (the order of the DeviceMesh's shape)
+MESH_DIMS = ("edp", "pp", "ep")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """A rank's position on each dimension (see the module docstring)."""
+
+    edp: int
+    pp: int
+    ep: int
+    cp: int = 0
+    tp: int = 0
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one rank holds of a model.
+
+    stages: the pipeline stages (of P x V) it runs, looped placement (s, s + P, ...); blocks_per_stage:
+    the global block indices of each of those stages; blocks: all of them, in order; first/last: it
+    holds the embedding (stage 0) / the final norm and LM head (the last stage); experts: the global
+    indices of the experts it holds in every MoE block (a contiguous run of num_experts / E).
+    """
+
+    stages: tuple[int, ...]
+    blocks_per_stage: tuple[range, ...]
+    experts: range
+    first: bool
+    last: bool
+
+    @property
+    def blocks(self) -> list[int]:
+        """Global indices of every block this rank holds."""
+        return [i for run in self.blocks_per_stage for i in run]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of every parallel dimension of a W-rank job and its pipeline schedule.
+
+    world_size: W; ep: E, expert-parallel group size; pp: P, pipeline stages; tp, cp: tensor and context
+    parallel sizes (1 until they land); schedule, virtual_stages (V per rank), stage_layers (P x V
+    block counts, None: an even split): the pipeline. Construction checks the sizes against W
+    (`validate` adds the model and the step).
+    """
+
+    world_size: int = 1
+    ep: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stage_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(int(c) for c in self.stage_layers))
+        self.validate()
+
+    # ----- validation ----------------------------------------------------------------------------
+    def validate(
+        self,
+        config: Any = None,
+        *,
+        micro_batches: int | None = None,
+        zero_stage: int | None = None,
+        global_batch: int | None = None,
+        micro_batch: int | None = None,
+    ) -> None:
+        """Raise the one ValueError sentence (`mula.layout_rules`) of the first rule this layout breaks.
+
+        Without arguments: the sizes, the schedule and W. With a model `config` (`num_layers`,
+        `num_experts`, `tie_embeddings`, `aux_loss_scope`): the stage split and the experts too; with
+        `micro_batches` (per optimizer step and data-parallel rank), `zero_stage` (of the sharded
+        optimizer) and `global_batch` with `micro_batch` (sequences): the step as well.
+        """
+        check_degrees(self.ep, self.pp, self.tp, self.cp)
+        validate_schedule(self.schedule, self.pp, self.virtual_stages)
+        if config is not None:
+            validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
+        check_world(self.world_size, self.ep * self.tp * self.cp, self.pp)
+        if config is not None:
+            check_experts(int(getattr(config, "num_experts", 0)), self.ep)
+        if zero_stage is not None:
+            check_zero_stage(self.pp, zero_stage)
+        if global_batch is not None and micro_batch is not None:
+            check_batch_split(global_batch, self.dp_size, micro_batch)
+        if micro_batches is not None:
+            check_micro_batches(self.schedule, self.pp, micro_batches)
+
+    def check_micro_batches(self, micro_batches: int) -> None:
+        """Refuse a step of `micro_batches` the schedule cannot run."""
+        check_micro_batches(self.schedule, self.pp, micro_batches)
+
+    # ----- sizes ---------------------------------------------------------------------------------
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (W / P)."""
+        return self.world_size // self.pp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of a stage, each reading its own data (W / (P * TP * CP))."""
+        return self.world_size // (self.pp * self.tp * self.cp)
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks holding the same experts of the same stage (W / (P * E * TP * CP))."""
+        return self.dp_size // self.ep
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (P x V)."""
+        return self.pp * self.virtual_stages
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The DeviceMesh's shape over `MESH_DIMS`, outermost first."""
+        return (self.edp_size, self.pp, self.ep)
+
+    # ----- ranks ---------------------------------------------------------------------------------
+    def coordinates(self, rank: int) -> Coordinates:
+        """Where global `rank` sits on every dimension."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of the {self.world_size} ranks.")
+        rank, tp = divmod(rank, self.tp)
+        rank, cp = divmod(rank, self.cp)
+        rank, ep = divmod(rank, self.ep)
+        edp, pp = divmod(rank, self.pp)
+        return Coordinates(edp=edp, pp=pp, ep=ep, cp=cp, tp=tp)
+
+    def rank(self, edp: int = 0, pp: int = 0, ep: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at these coordinates (the inverse of `coordinates`)."""
+        return (((edp * self.pp + pp) * self.ep + ep) * self.cp + cp) * self.tp + tp
+
+    def stage_local_rank(self, rank: int) -> int:
+        """`rank`'s index among its stage's data-parallel ranks (edp * E + ep)."""
+        c = self.coordinates(rank)
+        return c.edp * self.ep + c.ep
+
+    def group_ranks(self, dim: str, rank: int) -> list[int]:
+        """Global ranks of `rank`'s group along `dim` ("ep", "edp", "pp", "stage": the stage's data-
+        parallel ranks in stage-local order, or "world"), in group order."""
+        c = self.coordinates(rank)
+        if dim == "world":
+            return list(range(self.world_size))
+        if dim == "stage":
+            return [self.rank(d, c.pp, e, c.cp, c.tp) for d in range(self.edp_size) for e in range(self.ep)]
+        if dim == "ep":
+            return [self.rank(c.edp, c.pp, e, c.cp, c.tp) for e in range(self.ep)]
+        if dim == "edp":
+            return [self.rank(d, c.pp, c.ep, c.cp, c.tp) for d in range(self.edp_size)]
+        if dim == "pp":
+            return [self.rank(c.edp, s, c.ep, c.cp, c.tp) for s in range(self.pp)]
+        raise ValueError(f"Unknown layout dimension {dim!r}; use ep, edp, pp, stage or world.")
+
+    def all_groups(self, dim: str) -> list[list[int]]:
+        """Every group along `dim` (each a list of global ranks), ordered by their first rank."""
+        groups: dict[int, list[int]] = {}
+        for r in range(self.world_size):
+            ranks = self.group_ranks(dim, r)
+            groups.setdefault(min(ranks), ranks)
+        return [groups[k] for k in sorted(groups)]
+
+    # ----- what a rank holds ---------------------------------------------------------------------
+    def stage_blocks(self, num_layers: int) -> list[range]:
+        """The global blocks of each of the P x V stages (`stage_layers`, else an even split with the
+        remainder on the first stages)."""
+        counts = stage_layer_counts(num_layers, self.num_stages, self.stage_layers)
+        starts = [sum(counts[:s]) for s in range(self.num_stages)]
+        return [range(a, a + c) for a, c in zip(starts, counts)]
+
+    def experts_of(self, rank: int, num_experts: int) -> range:
+        """Global indices of the experts global `rank` holds in each MoE block: its EP rank's contiguous
+        run of num_experts / E (empty for a dense model)."""
+        check_experts(num_experts, self.ep)
+        per_rank = num_experts // self.ep
+        ep = self.coordinates(rank).ep
+        return range(ep * per_rank, (ep + 1) * per_rank)
+
+    def rank_holdings(self, rank: int, num_layers: int, num_experts: int = 0) -> Holdings:
+        """Which stages, blocks and experts global `rank` holds of a model of `num_layers` blocks and
+        `num_experts` experts per MoE block (0: dense). The one answer to that question."""
+        c = self.coordinates(rank)
+        runs = self.stage_blocks(num_layers)
+        stages = tuple(c.pp + v * self.pp for v in range(self.virtual_stages))
+        return Holdings(
+            stages=stages,
+            blocks_per_stage=tuple(runs[s] for s in stages),
+            experts=self.experts_of(rank, num_experts),
+            first=0 in stages,
+            last=self.num_stages - 1 in stages,
+        )
