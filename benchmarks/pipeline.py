@@ -36,10 +36,11 @@ from torch.distributed.pipelining import PipelineStage
 
 from mula import MulaConfig
 from mula.module import MulaLightningModule
+from mula.parallel_layout import ParallelLayout
 from strategies.grad_sync import GradientSynchronizer
 from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import rank_stages, split_model, stage_layer_counts, stage_layers
-from strategies.topology import build_topology
+from strategies.pipeline_split import split_model
+from strategies.topology import topology_from_layout
 
 MiB = 2**20
 SECTION = "## pipeline"
@@ -90,18 +91,17 @@ class _ComputeClock:
 
 def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
     config = MulaConfig(**spec.config)
-    topo = build_topology(1, case.pp_size)
+    layout = ParallelLayout(
+        world_size=world, pp=case.pp_size, schedule=case.schedule, virtual_stages=case.virtual
+    )
+    topo = topology_from_layout(layout)
     torch.manual_seed(0)
     module = MulaLightningModule(config)
     module.configure_model()
     runner = None
     if case.pp_size > 1:
-        num_stages = case.pp_size * case.virtual
-        counts = stage_layer_counts(config.num_layers, num_stages)
-        mine = rank_stages(topo.pp_rank, case.pp_size, case.virtual)
-        layers = [i for s in mine for i in stage_layers(counts, s)]
-        split_model(module.model, layers, 0 in mine, num_stages - 1 in mine)
-        runner = PipelineRunner(module, topo, case.schedule, case.virtual, counts, torch.device("cpu"))
+        split_model(module.model, topo.holdings(config))
+        runner = PipelineRunner(module, topo, torch.device("cpu"))
     named = list(module.named_parameters())
     optimizer = torch.optim.AdamW(module.param_groups(), lr=1e-4, weight_decay=0.1)
     sync = GradientSynchronizer(named, topo, bucket_size_mb=16.0, overlap=False)

@@ -47,14 +47,15 @@ from rounds import by_case, run_gloo, spread
 
 from mula import MulaConfig
 from mula.module import MulaLightningModule
+from mula.parallel_layout import ParallelLayout
 from mula.plan import Layout
 from mula.plan.machines import Machine, load_machine
 from mula.plan.step_time import step_time
 from strategies.expert_parallel import apply_expert_parallel
 from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import rank_stages, split_model, stage_layer_counts, stage_layers
+from strategies.pipeline_split import split_model
 from strategies.sharded_optimizer import EPShardedAdamW
-from strategies.topology import ExpertParallelTopology, build_topology
+from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 SECTION = "## step time"
 PARTS = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
@@ -163,7 +164,11 @@ def _single_topology() -> ExpertParallelTopology:
 
 def _build(case: Case, spec: Spec) -> tuple[MulaLightningModule, PipelineRunner | None, EPShardedAdamW]:
     """The module, its pipeline runner and its sharded optimizer, in XPUMoEStrategy.setup's order."""
-    topo = _single_topology() if case.world == 1 else build_topology(case.ep, case.pp)
+    if case.world == 1:
+        topo = _single_topology()
+    else:
+        layout = ParallelLayout(world_size=case.world, ep=case.ep, pp=case.pp, schedule=case.schedule)
+        topo = topology_from_layout(layout)
     torch.manual_seed(0)
     module = MulaLightningModule(
         "mula-tiny-moe",
@@ -174,11 +179,8 @@ def _build(case: Case, spec: Spec) -> tuple[MulaLightningModule, PipelineRunner 
     module.configure_model()
     runner = None
     if case.pp > 1:
-        counts = stage_layer_counts(module.config.num_layers, case.pp)
-        mine = rank_stages(topo.pp_rank, case.pp, 1)
-        layers = [i for s in mine for i in stage_layers(counts, s)]
-        split_model(module.model, layers, 0 in mine, case.pp - 1 in mine)
-        runner = PipelineRunner(module, topo, case.schedule, 1, counts, torch.device("cpu"))
+        split_model(module.model, topo.holdings(module.config))
+        runner = PipelineRunner(module, topo, torch.device("cpu"))
     apply_expert_parallel(module, topo)
     module.to(DTYPES[spec.precision])
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

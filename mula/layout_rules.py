@@ -29,6 +29,8 @@ def check_degrees(ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1
 
 def check_world(world_size: int, ep_size: int, pp_size: int) -> None:
     """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups (one sentence naming the numbers)."""
+    if world_size < 1:
+        raise ValueError(f"The world size must be at least 1, got {world_size}.")
     if pp_size > 1:
         if world_size % (pp_size * ep_size) != 0:
             raise ValueError(

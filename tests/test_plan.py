@@ -21,13 +21,18 @@ from mula.cli import main
 from mula.module import MulaLightningModule
 from mula.plan import Layout, plan_memory
 from mula.plan.activations import in_flight_micro_batches, peak_activations, schedule_order
-from mula.plan.memory import stage_layers
 from mula.plan.settings import plan_inputs
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
 CONFIG = MulaConfig.from_name("mula-tiny-moe", vocab_size=512, num_layers=2, max_position_embeddings=256)
 B, T = 4, 128
+
+
+def stage_layers(num_layers: int, layout: Layout) -> list[list[int]]:
+    """The blocks a rank of each pipeline stage holds (`Layout.stage_holdings`)."""
+    config = MulaConfig.from_name("mula-tiny-moe", num_layers=num_layers)
+    return [held.blocks for held in layout.stage_holdings(config)]
 
 
 def _fit(tmp_path, checkpointing, precision: str) -> dict[str, float]:
@@ -142,7 +147,8 @@ def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> No
     assert in_flight_micro_batches(inter, 0) == 5.5  # P + (P - 1) / V: 11 virtual-stage micro-batches
     gpipe = plan_memory(cfg, base.replace(pp_size=4, pp_schedule="gpipe"))
     assert gpipe.activations > four.activations and gpipe.activation_micro_batches == 8
-    with pytest.raises(ValueError, match="multiple of P \\* E"):
+    # the strategy's sentence (one ParallelLayout refuses it for both)
+    with pytest.raises(ValueError, match="not divisible by pipeline_parallel_size=3 x expert_parallel_size=2 = 6"):
         base.replace(pp_size=3)
 
 

@@ -2,7 +2,8 @@
 micro-batch, precision, checkpointing and the sharded optimizer's options.
 
 `Layout` is plain data (no torch objects); `mula.plan.settings` builds one from a parsed `mula fit`
-configuration, tests and `--search` build them directly.
+configuration, tests and `--search` build them directly. Its parallel part is the strategy's own
+`mula.parallel_layout.ParallelLayout` (`Layout.parallel`), validated by the same rules.
 """
 
 from __future__ import annotations
@@ -11,14 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mula.layout_rules import (
-    SCHEDULES,
-    check_batch_split,
-    check_micro_batches,
-    check_zero_stage,
-    validate_schedule,
-    validate_split,
-)
+from mula.parallel_layout import Holdings, ParallelLayout
 
 # trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
 # residual stream and runs the matmuls in 16 bits under autocast.
@@ -36,6 +30,7 @@ class Layout:
     world_size: W ranks; ep_size: E (expert-parallel group size, divides W / P and the experts);
     pp_size: P pipeline stages (one node per stage in Optimus' rank order); pp_schedule and
     pp_virtual_stages: the pipeline schedule; pp_stage_layers: layers per stage (None: even split).
+    These six make `parallel`, the `ParallelLayout` the strategy builds for the same settings.
     micro_batch, seq_len: one micro-batch's sequences and tokens per sequence; micro_batches: per
     optimizer step on each data-parallel rank (gradient accumulation, or the pipeline's micro-batches).
     precision: Lightning's `trainer.precision` string. checkpointing: `model.activation_checkpointing`.
@@ -67,20 +62,22 @@ class Layout:
     overlap_param_gather: bool = False
     collectives: str = "native"
     no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
+    parallel: ParallelLayout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"Unknown precision {self.precision!r}; known: {', '.join(PRECISIONS)}.")
-        if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {self.pp_schedule!r}.")
-        for name in ("world_size", "ep_size", "pp_size", "pp_virtual_stages", "micro_batch", "seq_len"):
+        self.parallel = ParallelLayout(
+            world_size=self.world_size,
+            ep=self.ep_size,
+            pp=self.pp_size,
+            schedule=self.pp_schedule,
+            virtual_stages=self.pp_virtual_stages,
+            stage_layers=None if self.pp_stage_layers is None else tuple(self.pp_stage_layers),
+        )
+        for name in ("micro_batch", "seq_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.world_size % self.pp_size or (self.world_size // self.pp_size) % self.ep_size:
-            raise ValueError(
-                f"{self.world_size} ranks cannot form {self.pp_size} pipeline stages of expert-parallel "
-                f"groups of {self.ep_size}: W must be a multiple of P * E."
-            )
         if self.zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}.")
 
@@ -102,12 +99,20 @@ class Layout:
     @property
     def dp_size(self) -> int:
         """Ranks of one pipeline stage (W / P): the dense parameters' data-parallel group."""
-        return self.world_size // self.pp_size
+        return self.parallel.dp_size
 
     @property
     def edp_size(self) -> int:
         """Ranks holding the same experts (W / (P * E))."""
-        return self.dp_size // self.ep_size
+        return self.parallel.edp_size
+
+    def stage_holdings(self, config: Any) -> list[Holdings]:
+        """What a rank of each pipeline stage holds of `config` (`ParallelLayout.rank_holdings` of the
+        stage's first rank; the stage's other ranks hold the same blocks and other experts)."""
+        par = self.parallel
+        return [
+            par.rank_holdings(par.rank(pp=s), config.num_layers, config.num_experts) for s in range(par.pp)
+        ]
 
     def replace(self, **changes: object) -> Layout:
         """A copy with `changes` applied (validated again)."""
@@ -116,11 +121,12 @@ class Layout:
 
 def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
     """Refuse, with the sentence `mula fit` would stop with, a layout the strategy or the data module
-    cannot run (`mula.layout_rules`): the schedule, the stage split, ZeRO-2 under pipeline stages, a
-    global batch that does not split into whole micro-batches, too few micro-batches for the schedule."""
-    validate_schedule(layout.pp_schedule, layout.pp_size, layout.pp_virtual_stages)
-    validate_split(config, layout.pp_size, layout.pp_virtual_stages, layout.pp_stage_layers)
-    if layout.shard_optimizer:
-        check_zero_stage(layout.pp_size, layout.zero_stage)
-    check_batch_split(global_batch, layout.world_size // layout.pp_size, layout.micro_batch)
-    check_micro_batches(layout.pp_schedule, layout.pp_size, layout.micro_batches)
+    cannot run (`ParallelLayout.validate`): the stage split, the experts, ZeRO-2 under pipeline stages,
+    a global batch that does not split into whole micro-batches, too few micro-batches for the schedule."""
+    layout.parallel.validate(
+        config,
+        zero_stage=layout.zero_stage if layout.shard_optimizer else None,
+        global_batch=global_batch,
+        micro_batch=layout.micro_batch,
+        micro_batches=layout.micro_batches,
+    )

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from mula.config import MulaConfig
 from mula.flat_buffers import ParamEntry, plan_buckets
-from mula.layout_rules import stage_layer_counts
 from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
 from mula.plan.parameters import ParamSpec, model_parameters
@@ -58,22 +57,6 @@ class MemoryPlan:
     def per_rank_bytes(self) -> dict[str, int]:
         """The components and their total, as `mula plan --format json` prints them."""
         return {**{c: getattr(self, c) for c in COMPONENTS}, "total": self.total}
-
-
-def virtual_stage_layers(num_layers: int, layout: Layout) -> list[range]:
-    """The blocks of each of the P x V pipeline stages (V virtual stages per rank): `pp_stage_layers`
-    (P x V counts) if given, else an even split, earlier stages taking the remainder (the strategy's split)."""
-    n = layout.pp_size * layout.pp_virtual_stages
-    counts = stage_layer_counts(num_layers, n, layout.pp_stage_layers)
-    starts = [sum(counts[:s]) for s in range(n)]
-    return [range(a, a + c) for a, c in zip(starts, counts)]
-
-
-def stage_layers(num_layers: int, layout: Layout) -> list[list[int]]:
-    """The blocks each pipeline stage's ranks hold: their virtual stages s, s + P, ... (torch's looped
-    placement; one contiguous run without interleaving)."""
-    chunks, p = virtual_stage_layers(num_layers, layout), layout.pp_size
-    return [[i for c in chunks[s::p] for i in c] for s in range(p)]
 
 
 def stage_params(
@@ -161,19 +144,12 @@ _STATE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
     """Predicted bytes on a rank of pipeline stage `stage` (0 without a pipeline) training `config`."""
-    if config.is_moe and config.num_experts % layout.ep_size:
-        raise ValueError(
-            f"The model has {config.num_experts} experts, which is not divisible by expert_parallel_size="
-            f"{layout.ep_size}."
-        )
-    if not config.is_moe and layout.ep_size > 1:
-        raise ValueError(f"expert_parallel_size={layout.ep_size} needs an MoE model; this one is dense.")
     p = layout.pp_size
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} is not one of the {p} pipeline stages.")
-    chunks = virtual_stage_layers(config.num_layers, layout)[stage::p]
-    first, last = stage == 0, stage == p - 1
-    layers = tuple(i for c in chunks for i in c)
+    held = layout.stage_holdings(config)[stage]  # refuses experts E does not divide, a bad split
+    chunks, first, last = held.blocks_per_stage, held.first, held.last
+    layers = tuple(held.blocks)
     p_alloc, tensors, grads, optimizer, buffers = _stage_state(config, layout, layers, first, last)
     # the embedding rides with the first virtual stage of stage 0, the head with the last of stage P - 1
     per_micro_batch = [

@@ -36,7 +36,7 @@ from mula.config import MulaConfig
 from mula.flat_buffers import plan_buckets
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
-from mula.plan.memory import optimizer_entries, stage_layers, stage_params
+from mula.plan.memory import optimizer_entries, stage_params
 from mula.plan.parameters import model_parameters
 
 
@@ -138,16 +138,15 @@ def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float]:
     return reduce, gather
 
 
-def _pipeline_sends(config: MulaConfig, layout: Layout, pp_rank: int) -> float:
-    """Bytes pipeline rank `pp_rank` sends to other stages per step: for each of its (virtual) stages,
+def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...]) -> float:
+    """Bytes a pipeline rank holding `stages` sends to other stages per step: for each of its (virtual) stages,
     every micro-batch's output forward (not from the last stage) and input gradient backward (not from
     the first), the residual stream in the parameters' dtype plus an MoE model's router-loss sums."""
     if layout.pp_size == 1:
         return 0.0
     message = layout.micro_batch * layout.seq_len * config.hidden_size * layout.param_bytes
     message += 2 * 4 if config.is_moe else 0  # (aux, z) running sums, fp32
-    last = layout.pp_size * layout.pp_virtual_stages - 1
-    stages = range(pp_rank, last + 1, layout.pp_size)
+    last = layout.parallel.num_stages - 1
     sends = sum((s < last) + (s > 0) for s in stages)
     return sends * max(1, layout.micro_batches) * message
 
@@ -155,7 +154,7 @@ def _pipeline_sends(config: MulaConfig, layout: Layout, pp_rank: int) -> float:
 def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     """Bytes each pipeline rank (one entry per rank of the pipeline, the first first) sends per step."""
     params = model_parameters(config, tuple(layout.no_decay))
-    stages = stage_layers(config.num_layers, layout)
+    stages = layout.stage_holdings(config)
     e, m = layout.ep_size, max(1, layout.micro_batches)
     rank_tokens = m * layout.micro_batch * layout.seq_len  # tokens one rank of a stage processes
     recompute = parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"}
@@ -163,13 +162,14 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     row = config.top_k * config.hidden_size * layout.compute_bytes
     rounds = m if layout.shard_optimizer and layout.zero_stage == 2 else 1
     out = []
-    for s, layers in enumerate(stages):
+    for holds in stages:
         a2a = 0.0
         if config.is_moe and e > 1:
-            a2a = passes * len(layers) * rank_tokens * row * (e - 1) / e
-        held = stage_params(params, layers, s == 0, s == len(stages) - 1)
+            a2a = passes * len(holds.blocks) * rank_tokens * row * (e - 1) / e
+        held = stage_params(params, holds.blocks, holds.first, holds.last)
         reduce, gather = _optimizer_volumes(held, layout)
-        out.append(Volumes(a2a, rounds * reduce, gather, _pipeline_sends(config, layout, s), rounds))
+        sends = _pipeline_sends(config, layout, holds.stages)
+        out.append(Volumes(a2a, rounds * reduce, gather, sends, rounds))
     return out
 
 
@@ -179,8 +179,7 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     tokens = global_batch * layout.seq_len
     flops = float(config.flops_per_token(layout.seq_len)) * tokens
     peak = machine.peak_bf16_tflops * 1e12
-    stages = stage_layers(config.num_layers, layout)
-    layers = max(len(s) for s in stages)
+    layers = max(len(held.blocks) for held in layout.stage_holdings(config))
     extra = _recompute_flops_per_token(config, layout) * layers * tokens / (w / p)
     compute = (flops / w * (layers * p / config.num_layers) + extra) / (peak * machine.compute_mfu)
 
