@@ -148,7 +148,9 @@ def test_pipeline_stages_split_state_and_hold_micro_batches_per_schedule() -> No
     gpipe = plan_memory(cfg, base.replace(pp_size=4, pp_schedule="gpipe"))
     assert gpipe.activations > four.activations and gpipe.activation_micro_batches == 8
     # the strategy's sentence (one ParallelLayout refuses it for both)
-    with pytest.raises(ValueError, match="not divisible by pipeline_parallel_size=3 x expert_parallel_size=2 = 6"):
+    with pytest.raises(
+        ValueError, match="not divisible by pipeline_parallel_size=3 x expert_parallel_size=2 = 6"
+    ):
         base.replace(pp_size=3)
 
 
