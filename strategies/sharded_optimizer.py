@@ -56,7 +56,7 @@ from strategies import optim_state
 from strategies.adamw import adamw_update
 from strategies.grad_reduce import GradReducer, param_entry
 from strategies.param_gather import ParamGather
-from strategies.sharding_options import ShardingOptions
+from strategies.sharding_options import ShardingOptions, torch_dtype
 from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
@@ -164,7 +164,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             align=opt.align,
             zero_stage=opt.zero_stage,
             overlap=opt.overlap_grad_reduce,
-            reduce_dtype=opt.reduce_dtype,
+            reduce_dtype=torch_dtype(opt.reduce_dtype),
             ep_aware=opt.ep_aware,
             collectives=opt.collectives,
             device=self.device,
@@ -248,7 +248,9 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self.exp_avg = torch.zeros(numel, **zeros)
         self.exp_avg_sq = torch.zeros(numel, **zeros)
         self.shard_grad = self.reducer.shard_grad
-        self.host_grad = torch.zeros(numel, dtype=opt.reduce_dtype, pin_memory=pin) if opt.offload else None
+        self.host_grad = (
+            torch.zeros(numel, dtype=torch_dtype(opt.reduce_dtype), pin_memory=pin) if opt.offload else None
+        )
         for b, st in zip(self.buckets, states):
             for seg in b.segments(st.domain.rank):
                 p = self._params[seg.slot.entry.index]

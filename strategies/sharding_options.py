@@ -1,80 +1,14 @@
-"""Options of the EP-aware sharded optimizer (``strategies.sharded_optimizer.EPShardedAdamW``)."""
+"""`ShardingOptions` (torch-free, `mula.sharding_options`) and its dtype as a torch dtype."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
-
 import torch
 
+from mula.sharding_options import ShardingOptions, dtype_name
 
-@dataclass
-class ShardingOptions:
-    """Knobs of EPShardedAdamW (all keyword arguments of the constructor and of ``from_adamw``).
+__all__ = ["ShardingOptions", "torch_dtype"]
 
-    bucket_numel: elements per communication bucket (a larger parameter gets its own bucket).
-    align: every parameter and every rank's shard starts at a multiple of this many elements.
-    zero_stage: 1 keeps a full flat gradient buffer per bucket (gradients reduced once per
-        optimizer step; accumulation with ``no_sync`` is free); 2 keeps gradients only as shards
-        (a full bucket buffer lives only while its reduce-scatter is in flight; every backward,
-        accumulation micro-batches included, reduce-scatters).
-    overlap_grad_reduce: launch reduce-scatters from backward hooks; False reduces everything in
-        ``reduce_gradients()`` (then ``p.grad`` stays readable until then).
-    overlap_param_gather: leave the all-gathers in flight when ``step()`` returns and wait for each
-        bucket in a forward pre-hook of the modules owning its parameters (needs ``module``).
-    offload: keep master weights and moments in host memory and run the update on the CPU,
-        overlapping each bucket's device-to-host copy with the update of the previous one.
-    max_grad_norm: if set, ``step()`` clips to it unless ``clip_grad_norm_`` was already called.
-    clip_after_step: no clipping during the first this-many optimizer steps (warmup); the norm is
-        still computed and reported.
-    reduce_dtype: dtype gradients are accumulated and reduced in (``fp32`` or ``bf16`` in a
-        recipe's ``optimizer_options``). fp32, the default, accumulates bf16 gradients
-        (micro-batches, and the sum over ranks) without rounding them at every addition, at twice
-        the buffer memory and wire bytes of bf16; bf16 reduces on the wire in bf16. Master weights
-        and moments are fp32 whatever this and the parameters' dtype are.
-    ep_aware: False shards dense state over EDP only (the EP-unaware comparison layout of the
-        benchmark); dense gradients are then all-reduced over the world.
-    collectives: "native" uses reduce-scatter and all-gather (NCCL/XCCL implement them optimally);
-        "rooted" runs one reduce / broadcast per shard, rooted at the shard's owner (same traffic;
-        gloo's reduce_scatter and all_gather are 2-6x slower than that on CPU); "auto" picks rooted
-        for gloo, native otherwise.
-    """
 
-    bucket_numel: int = 2**24
-    align: int = 16
-    zero_stage: int = 1
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = False
-    offload: bool = False
-    max_grad_norm: float | None = None
-    clip_after_step: int = 0
-    reduce_dtype: torch.dtype = torch.float32
-    ep_aware: bool = True
-    collectives: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}.")
-        if self.bucket_numel < 1 or self.align < 1:
-            raise ValueError(
-                f"bucket_numel and align must be positive, got {self.bucket_numel}, {self.align}."
-            )
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}.")
-        if self.clip_after_step < 0:
-            raise ValueError(f"clip_after_step must be >= 0, got {self.clip_after_step}.")
-        if self.collectives not in ("auto", "native", "rooted"):
-            raise ValueError(f"collectives must be 'auto', 'native' or 'rooted', got {self.collectives!r}.")
-        if not self.reduce_dtype.is_floating_point:
-            raise ValueError(f"reduce_dtype must be a floating-point dtype, got {self.reduce_dtype}.")
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> ShardingOptions:
-        """Build from keyword arguments, naming any unknown one."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"Unknown EPShardedAdamW option(s) {unknown}; known options are {sorted(known)}."
-            )
-        return cls(**kwargs)
+def torch_dtype(dtype: object) -> torch.dtype:
+    """The torch dtype of a `ShardingOptions.reduce_dtype` (or a recipe's "bf16", "fp32", ...)."""
+    return getattr(torch, dtype_name(dtype))

@@ -70,6 +70,7 @@ from strategies.sharded_state import (
     rescale_loop_progress,
     save_sharded,
 )
+from strategies.sharding_options import torch_dtype
 from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 
@@ -542,20 +543,11 @@ def _launched_by_mpiexec() -> bool:
     return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()
 
 
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
     """YAML gives dtypes as strings ("bfloat16", "bf16", "fp32"): turn them into torch dtypes."""
     out = dict(options)
     if isinstance(out.get("reduce_dtype"), str):
-        name = out["reduce_dtype"].removeprefix("torch.")
-        dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(
-                f"optimizer_options.reduce_dtype {options['reduce_dtype']!r} is not a torch dtype."
-            )
-        out["reduce_dtype"] = dtype
+        out["reduce_dtype"] = torch_dtype(out["reduce_dtype"])
     return out
 
 

@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mula.parallel_layout import Holdings, ParallelLayout
+from mula.sharding_options import ShardingOptions
+
+_OPTIONS = ShardingOptions()  # the sharded optimizer's defaults
+# Layout fields that are ShardingOptions fields of the same name (`Layout.sharding`)
+SHARDING_FIELDS = ("zero_stage", "reduce_dtype", "bucket_numel", "align", "ep_aware", "offload",
+                   "overlap_param_gather", "collectives")  # fmt: skip
 
 # trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
 # residual stream and runs the matmuls in 16 bits under autocast.
@@ -36,8 +42,10 @@ class Layout:
     precision: Lightning's `trainer.precision` string. checkpointing: `model.activation_checkpointing`.
     device_type: "cpu" or an accelerator ("cuda", "xpu"): some kernels save different tensors.
     shard_optimizer: the EP-aware sharded AdamW (`strategies.XPUMoEStrategy`); False: torch AdamW with
-    replicated state (DDP, single device). The optimizer fields mirror `ShardingOptions`.
-    collectives: "native" (reduce-scatter/all-gather: NCCL/XCCL) or "rooted" (gloo on CPU).
+    replicated state (DDP, single device). `SHARDING_FIELDS` are `ShardingOptions` fields, with its
+    defaults, and make `sharding`, the options the optimizer would be built with (checked by it);
+    collectives: as resolved for the device, "native" (reduce-scatter/all-gather: NCCL/XCCL) or
+    "rooted" (gloo on CPU).
     """
 
     world_size: int = 1
@@ -53,16 +61,17 @@ class Layout:
     checkpointing: str | list[str] = "none"
     device_type: str = "cpu"
     shard_optimizer: bool = False
-    zero_stage: int = 1
-    reduce_dtype: str = "fp32"
-    bucket_numel: int = 2**24
-    align: int = 16
-    ep_aware: bool = True
-    offload: bool = False
-    overlap_param_gather: bool = False
+    zero_stage: int = _OPTIONS.zero_stage
+    reduce_dtype: str = _OPTIONS.reduce_dtype
+    bucket_numel: int = _OPTIONS.bucket_numel
+    align: int = _OPTIONS.align
+    ep_aware: bool = _OPTIONS.ep_aware
+    offload: bool = _OPTIONS.offload
+    overlap_param_gather: bool = _OPTIONS.overlap_param_gather
     collectives: str = "native"
     no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
     parallel: ParallelLayout = field(init=False, repr=False, compare=False)
+    sharding: ShardingOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -78,8 +87,7 @@ class Layout:
         for name in ("micro_batch", "seq_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}.")
+        self.sharding = ShardingOptions(**{name: getattr(self, name) for name in SHARDING_FIELDS})
 
     @property
     def param_bytes(self) -> int:
@@ -94,7 +102,7 @@ class Layout:
     @property
     def reduce_bytes(self) -> int:
         """Bytes of one gradient-buffer element of the sharded optimizer (`reduce_dtype`)."""
-        return 2 if self.reduce_dtype in ("bf16", "bfloat16", "fp16", "float16") else 4
+        return self.sharding.reduce_bytes
 
     @property
     def dp_size(self) -> int:

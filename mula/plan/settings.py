@@ -3,7 +3,8 @@ the planner's inputs: the model config, the `Layout`, the global batch and the d
 
 `mula plan` and the start-of-run check of `mula fit` both go through `plan_inputs`, so they read a
 recipe the same way. Strategy settings are read from `trainer.strategy`'s init_args with
-`XPUMoEStrategy`'s defaults (pipeline settings included, when a strategy has them).
+`XPUMoEStrategy`'s defaults, read from its `__init__` signature (`recipe_reader.signatures`, torch-
+free), and `optimizer_options` with `ShardingOptions`' (through `Layout`).
 """
 
 from __future__ import annotations
@@ -13,19 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from mula.config import MulaConfig, resolve_config
-from mula.plan.layout import Layout, check_runnable
+from mula.plan.layout import SHARDING_FIELDS, Layout, check_runnable
 from mula.plan.machines import Machine
+from mula.plan.recipe_reader import signatures
+from mula.sharding_options import ShardingOptions
 
-# XPUMoEStrategy's defaults for what the planner reads (strategies/xpu_moe.py, sharding_options.py)
-_MOE_DEFAULTS: dict[str, Any] = {
-    "expert_parallel_size": 1, "shard_optimizer": True, "pipeline_parallel_size": 1,
-    "pipeline_schedule": "1f1b", "pipeline_virtual_stages": 1, "pipeline_stage_layers": None,
-}  # fmt: skip
-_OPTIONS = {
-    "zero_stage": "zero_stage", "reduce_dtype": "reduce_dtype", "bucket_numel": "bucket_numel",
-    "align": "align", "ep_aware": "ep_aware", "offload": "offload",
-    "overlap_param_gather": "overlap_param_gather", "collectives": "collectives",
-}  # fmt: skip
+# the XPUMoEStrategy arguments the planner reads (their defaults come from its signature)
+_STRATEGY_ARGS = ("expert_parallel_size", "shard_optimizer", "pipeline_parallel_size", "pipeline_schedule",
+                  "pipeline_virtual_stages", "pipeline_stage_layers", "optimizer_options")  # fmt: skip
 
 
 @dataclass
@@ -44,10 +40,13 @@ def _strategy(trainer: dict[str, Any]) -> dict[str, Any] | None:
     """XPUMoEStrategy's settings (defaults filled in), or None for another strategy."""
     strategy = trainer.get("strategy") or "auto"
     if isinstance(strategy, str):
-        return dict(_MOE_DEFAULTS) if strategy == "xpu_moe" else None
-    if "XPUMoEStrategy" not in str(strategy.get("class_path", "")):
+        if strategy != "xpu_moe":
+            return None
+        strategy = {}
+    elif "XPUMoEStrategy" not in str(strategy.get("class_path", "")):
         return None
-    return {**_MOE_DEFAULTS, **(strategy.get("init_args") or {})}
+    defaults = signatures()["strategy"]
+    return {**{name: defaults[name] for name in _STRATEGY_ARGS}, **(strategy.get("init_args") or {})}
 
 
 def _local_device_type(accelerator: Any) -> str:
@@ -118,6 +117,7 @@ def plan_inputs(
     kwargs: dict[str, Any] = {}
     if strategy is not None:
         options = strategy.get("optimizer_options") or {}
+        ShardingOptions.from_kwargs(**options)  # the sentence the optimizer would stop with
         kwargs = {
             "ep_size": int(strategy["expert_parallel_size"]),
             "shard_optimizer": bool(strategy["shard_optimizer"]),
@@ -125,9 +125,8 @@ def plan_inputs(
             "pp_schedule": strategy["pipeline_schedule"],
             "pp_virtual_stages": int(strategy["pipeline_virtual_stages"]),
             "pp_stage_layers": strategy["pipeline_stage_layers"],
-            **{field: options[key] for key, field in _OPTIONS.items() if key in options},
+            **{name: options[name] for name in SHARDING_FIELDS if name in options},
         }
-        kwargs["reduce_dtype"] = str(kwargs.get("reduce_dtype", "fp32")).removeprefix("torch.")
         if kwargs.get("collectives", "auto") == "auto":
             kwargs["collectives"] = "rooted" if device_type == "cpu" else "native"
     dp = world // int(kwargs.get("pp_size", 1))
