@@ -122,10 +122,11 @@ class ParallelLayout:
         check_world(self.world_size, self.ep * self.tp * self.cp, self.pp)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
-        if zero_stage is not None:
-            check_zero_stage(self.pp, zero_stage)
+        # the order a run meets them: the data module's batch split, the optimizer, the first step
         if global_batch is not None and micro_batch is not None:
             check_batch_split(global_batch, self.dp_size, micro_batch)
+        if zero_stage is not None:
+            check_zero_stage(self.pp, zero_stage)
         if micro_batches is not None:
             check_micro_batches(self.schedule, self.pp, micro_batches)
 

@@ -129,7 +129,7 @@ def plan_inputs(
         }
         if kwargs.get("collectives", "auto") == "auto":
             kwargs["collectives"] = "rooted" if device_type == "cpu" else "native"
-    dp = world // int(kwargs.get("pp_size", 1))
+    dp = max(1, world // int(kwargs.get("pp_size", 1)))  # W < P: the layout refuses it below
     layout = Layout(
         world_size=world,
         micro_batch=micro,
