@@ -89,12 +89,16 @@ class _ComputeClock:
             setattr(PipelineStage, name, timed)
 
 
-def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
-    config = MulaConfig(**spec.config)
-    layout = ParallelLayout(
+def _layout(case: Case, world: int) -> ParallelLayout:
+    """The layout of `case` on `world` ranks."""
+    return ParallelLayout(
         world_size=world, pp=case.pp_size, schedule=case.schedule, virtual_stages=case.virtual
     )
-    topo = topology_from_layout(layout)
+
+
+def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
+    config = MulaConfig(**spec.config)
+    topo = topology_from_layout(_layout(case, world))
     torch.manual_seed(0)
     module = MulaLightningModule(config)
     module.configure_model()
@@ -219,17 +223,8 @@ def main(
     doc: str | None = None,
 ) -> str:
     """Run the unsplit model and every (P, schedule) in one job of `world` CPU processes."""
-    per_rank = 2 if "interleaved-1f1b" in schedules else 1  # virtual stages of a rank
-    bad = [p for p in pp_sizes if p < 2 or world % p or num_layers < per_rank * p]
-    if bad:
-        raise ValueError(
-            f"pp_sizes {bad} must be at least 2, divide world={world} and leave {per_rank} of the "
-            f"{num_layers} layers per rank."
-        )
-    if global_batch % (world * micro_batch):
-        raise ValueError(
-            f"global_batch {global_batch} must be divisible by world x micro_batch = {world * micro_batch}."
-        )
+    if min(pp_sizes) < 2:
+        raise ValueError(f"pp_sizes must be at least 2 (the unsplit model is always run), got {pp_sizes}.")
     config = MulaConfig.from_name(
         "mula-tiny-moe", hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_experts=num_experts,
         top_k=top_k, expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
@@ -241,6 +236,8 @@ def main(
             virtual = 2 if schedule == "interleaved-1f1b" else 1
             suffix = f", V={virtual}" if virtual > 1 else ""
             cases.append(Case(f"P={p} {schedule}{suffix}", p, schedule, virtual))
+    for case in cases:  # refuse, before any process starts, a case the strategy would refuse
+        _layout(case, world).validate(config, global_batch=global_batch, micro_batch=micro_batch)
     runs = [case for _ in range(rounds) for case in cases]  # interleaved rounds: drift hits every layout
     spec = Spec(dataclasses.asdict(config), runs, global_batch, micro_batch, seq_len, steps, warmup)
     rows = _merge_ranks(run_gloo(_rank_rows, world, spec))

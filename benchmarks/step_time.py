@@ -47,8 +47,8 @@ from rounds import by_case, run_gloo, spread
 
 from mula import MulaConfig
 from mula.module import MulaLightningModule
-from mula.parallel_layout import ParallelLayout
 from mula.plan import Layout
+from mula.plan.layout import check_runnable
 from mula.plan.machines import Machine, load_machine
 from mula.plan.step_time import step_time
 from strategies.expert_parallel import apply_expert_parallel
@@ -167,8 +167,7 @@ def _build(case: Case, spec: Spec) -> tuple[MulaLightningModule, PipelineRunner 
     if case.world == 1:
         topo = _single_topology()
     else:
-        layout = ParallelLayout(world_size=case.world, ep=case.ep, pp=case.pp, schedule=case.schedule)
-        topo = topology_from_layout(layout)
+        topo = topology_from_layout(layout_of(case, spec).parallel)  # the layout the plan predicts
     torch.manual_seed(0)
     module = MulaLightningModule(
         "mula-tiny-moe",
@@ -312,11 +311,6 @@ def main(
     """Measure the host, then run every layout in `rounds` interleaved rounds in one 2-process job."""
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}.")
-    if global_batch % (2 * micro_batch) or num_layers < 2 or num_experts % 2:
-        raise ValueError(
-            f"global_batch {global_batch} must be a multiple of 2 x micro_batch {micro_batch}, num_layers "
-            f"{num_layers} at least 2 and num_experts {num_experts} even (2 ranks, 2 stages, E=2)."
-        )
     overrides = dict(
         hidden_size=hidden_size, num_layers=num_layers, num_heads=max(1, hidden_size // 64), num_experts=num_experts,
         top_k=top_k, expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
@@ -331,6 +325,8 @@ def main(
     }
     runs = [case for _ in range(rounds) for case in CASES]  # interleaved rounds: drift hits every layout
     spec = Spec(overrides, precision, runs, global_batch, micro_batch, seq_len, steps, warmup)
+    for case in CASES:  # refuse, before any process starts, a case the strategy would refuse
+        check_runnable(config, layout_of(case, spec), global_batch)
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
     result = run_gloo(_measure, 2, spec, message)[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -119,7 +119,7 @@ class ParallelLayout:
         validate_schedule(self.schedule, self.pp, self.virtual_stages)
         if config is not None:
             validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
-        check_world(self.world_size, self.ep * self.tp * self.cp, self.pp)
+        check_world(self.world_size, self.ep, self.pp)  # tp = cp = 1 until they land (check_degrees)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step
