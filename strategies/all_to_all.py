@@ -37,6 +37,7 @@ from torch import Tensor
 
 from mula.kernels import RoutingPlan, permute, plan_routing, unpermute
 from mula.kernels.permute import experts_run_padded
+from mula.layout_rules import check_degrees, check_experts
 from mula.moe import LocalDispatcher
 
 
@@ -95,10 +96,8 @@ class AllToAllDispatcher:
     def __init__(
         self, num_experts: int, ep_size: int, ep_rank: int, ep_group: Any = None, backend: str = "auto"
     ) -> None:
-        if ep_size < 1 or num_experts % ep_size != 0:
-            raise ValueError(
-                f"The model has {num_experts} experts, which is not divisible by expert_parallel_size={ep_size}."
-            )
+        check_degrees(ep_size, 1)
+        check_experts(num_experts, ep_size)
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.ep_rank = ep_rank

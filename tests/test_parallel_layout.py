@@ -184,3 +184,13 @@ def test_strategy_defaults_are_the_planners() -> None:
     strategy = XPUMoEStrategy()
     assert layout.parallel == strategy.parallel_layout(4)
     assert layout.shard_optimizer is strategy.shard_optimizer
+
+
+def test_search_skips_more_stages_than_ranks() -> None:
+    """`mula plan --search` on 2 ranks meets P = 4 and 8: refused layouts, not a division by zero."""
+    from mula.plan.search import candidate_layouts
+
+    trainer = {"devices": 2, "accelerator": "cpu", "strategy": "xpu_moe"}
+    inputs = plan_inputs(trainer, {"config": "mula-tiny-moe"}, {"global_batch_size": 8})
+    layouts = candidate_layouts(inputs)
+    assert layouts and {layout.pp_size for layout in layouts} <= {1, 2}

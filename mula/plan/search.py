@@ -32,7 +32,7 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
     for e, p, mb, ckpt, zero, precision in itertools.product(
         eps, PIPELINE, MICRO_BATCHES, CHECKPOINTING, (1, 2), ("bf16-true", bf16)
     ):
-        dp = base.world_size // p
+        dp = max(1, base.world_size // p)  # P > W: the layout refuses it below
         try:
             layout = base.replace(
                 ep_size=e, pp_size=p, micro_batch=mb, micro_batches=max(1, inputs.global_batch // (mb * dp)),
