@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_helpers import run_distributed
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
@@ -160,3 +161,32 @@ def test_resume_rescales_micro_batch_counters_to_new_accumulation() -> None:
     }
     rescale_loop_progress(meta, 4)  # 4 optimizer steps of 2 micro-batches -> 4 steps of 4
     assert meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"] == 16
+
+
+def _mesh_groups(rank: int, world: int) -> list[dict]:
+    """For each (E, P) of `world` ranks: the members of this rank's groups as the mesh made them."""
+    import torch.distributed as dist
+
+    out = []
+    for ep, pp in [(e, p) for e in (1, 2, 4) for p in (1, 2, 4) if world % (e * p) == 0]:
+        topo = build_topology(ep, pp)
+        groups = {
+            "ep": topo.ep_group, "edp": topo.edp_group, "stage": topo.world_group, "pp": topo.pp_group,
+        }  # fmt: skip
+        members = {k: dist.get_process_group_ranks(g) for k, g in groups.items() if g is not None}
+        members["world"] = dist.get_process_group_ranks(topo.world_mesh.get_group())
+        out.append(
+            {"ep": ep, "pp": pp, "members": members, "local": topo.rank, "stage_ranks": topo.world_ranks()}
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_every_group_comes_from_the_mesh_as_the_layout_says(world: int) -> None:
+    for rank, cases in enumerate(run_distributed(_mesh_groups, world)):
+        for case in cases:
+            layout = ParallelLayout(world_size=world, ep=case["ep"], pp=case["pp"])
+            dims = ["ep", "edp", "stage", "world"] + (["pp"] if case["pp"] > 1 else [])
+            assert case["members"] == {d: layout.group_ranks(d, rank) for d in dims}, case
+            assert case["local"] == layout.stage_local_rank(rank)
+            assert case["stage_ranks"] == layout.group_ranks("stage", rank)
