@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
 
 from mula.config import MulaConfig, resolve_config
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
@@ -301,8 +302,13 @@ class MulaLightningModule(L.LightningModule):
         return int(self.trainer.estimated_stepping_batches)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW + per-step LambdaLR implementing `warmup_cosine`."""
-        optimizer = torch.optim.AdamW(
+        """AdamW + per-step LambdaLR implementing `warmup_cosine`.
+
+        The AdamW comes from the strategy's `build_optimizer` when it has one (XPUMoEStrategy: the
+        EP-aware sharded AdamW over this rank's parameters), else it is `torch.optim.AdamW`.
+        """
+        build = getattr(self._strategy(), "build_optimizer", torch.optim.AdamW)
+        optimizer = build(
             self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
         )
         # a partial of a module-level function: LambdaLR checkpoints no state for it, so a resumed run
@@ -316,6 +322,18 @@ class MulaLightningModule(L.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes gradients before each step's first backward; a strategy that zeroes them at
+        the end of its own optimizer step (`zeroes_grads_after_step`) needs no second zeroing, which
+        would wipe a pipeline step's gradients (its backward passes run inside `training_step`)."""
+        if not getattr(self._strategy(), "zeroes_grads_after_step", False):
+            optimizer.zero_grad()
+
+    def _strategy(self) -> Any:
+        """The trainer's strategy, None when the module is used without a Trainer."""
+        return self._trainer.strategy if self._trainer is not None else None
 
     # ----- throughput / checkpoint ---------------------------------------------------------------
     def flops(self, batch_size: int, seq_len: int) -> int:
