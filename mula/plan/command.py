@@ -136,7 +136,9 @@ def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> Non
     """One sentence (ValueError) when `--dry_run` cannot build `rank` of this plan, before any work."""
     world = inputs.layout.world_size
     if not 0 <= rank < world:
-        raise ValueError(f"--dry_run_rank={rank} is not a rank of the planned {world} ranks (0 to {world - 1}).")
+        raise ValueError(
+            f"--dry_run_rank={rank} is not a rank of the planned {world} ranks (0 to {world - 1})."
+        )
     strategy = trainer.get("strategy")
     if not isinstance(strategy, dict) or "class_path" not in strategy:
         raise ValueError(

@@ -34,13 +34,17 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from mula.module import MulaLightningModule
-from mula.plan.layout import Layout
 from mula.plan.memory import plan_stage, stage_layers, stage_params
 from mula.plan.parameters import model_parameters
 from mula.plan.settings import PlanInputs
 
 # what the dry run measures and compares: its name -> the plan's MemoryPlan field
-MEASURED = {"params": "params", "grads": "grads", "optimizer": "optimizer", "param tensors": "param_tensor_bytes"}
+MEASURED = {
+    "params": "params",
+    "grads": "grads",
+    "optimizer": "optimizer",
+    "param tensors": "param_tensor_bytes",
+}
 
 
 def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -48,13 +52,17 @@ def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], 
     its measured bytes next to the plan's (`MEASURED`), plus its place in the layout, the checkpoint
     state's shape and the seconds it took."""
     layout = inputs.layout
-    per_node = inputs.machine.tiles_per_node if inputs.machine else max(1, layout.world_size // _nodes(trainer))
+    per_node = (
+        inputs.machine.tiles_per_node if inputs.machine else max(1, layout.world_size // _nodes(trainer))
+    )
     start = time.perf_counter()
     with _fake_world(rank, layout.world_size):
         env = DryRunEnvironment(rank, layout.world_size, per_node)
         strategy_config = trainer["strategy"]
         init_args = {**(strategy_config.get("init_args") or {}), "process_group_backend": "fake"}
-        strategy = instantiate_class((), {**strategy_config, "init_args": {**init_args, "cluster_environment": env}})
+        strategy = instantiate_class(
+            (), {**strategy_config, "init_args": {**init_args, "cluster_environment": env}}
+        )
         pl_trainer = L.Trainer(
             accelerator=MetaAccelerator(),
             strategy=strategy,
@@ -96,7 +104,9 @@ def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], 
     rows = {k: {"dry_run": measured[k], "plan": getattr(plan, field)} for k, field in MEASURED.items()}
     layers = stage_layers(inputs.config.num_layers, layout)[place["stage"]]
     last = place["stage"] == layout.pp_size - 1
-    specs = stage_params(model_parameters(inputs.config, tuple(layout.no_decay)), layers, place["stage"] == 0, last)
+    specs = stage_params(
+        model_parameters(inputs.config, tuple(layout.no_decay)), layers, place["stage"] == 0, last
+    )
     planned_global = sum(_numel(p.shape) for p in specs)
     rows["checkpoint elements"] = {"dry_run": checkpoint["global_elements"], "plan": planned_global}
     return {**place, "seconds": seconds, "bytes": rows, "checkpoint": checkpoint}
@@ -149,7 +159,11 @@ def _measure(strategy: Any, module: Any) -> tuple[dict[str, int], dict[str, int]
     # the global tensor a checkpoint stores per parameter: DTensors carry their global shape
     params = {n for n, _ in module.named_parameters()}
     global_elements = sum(v.numel() for k, v in model_state.items() if k in params)
-    local = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for s in opt_state.values() for t in s.values())
+    local = sum(
+        t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+        for s in opt_state.values()
+        for t in s.values()
+    )
     checkpoint = {
         "model_tensors": len(model_state),
         "model_dtensors": sum(isinstance(v, DTensor) for v in model_state.values()),
