@@ -117,3 +117,14 @@ def test_cli_dry_run_bad_rank_is_one_sentence():
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.startswith("mula: error: --dry_run_rank=96 is not a rank of the planned 96 ranks")
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_sharded_optimizer_refuses_meta_parameters_outside_a_dry_run():
+    """Meta parameters are a forgotten materialisation unless the process group is the fake one."""
+    import torch
+
+    from strategies.sharded_optimizer import EPShardedAdamW
+
+    p = torch.nn.Parameter(torch.empty(8, device="meta"))
+    with pytest.raises(ValueError, match="must be materialised on one device"):
+        EPShardedAdamW([p], [("w", p)])

@@ -16,6 +16,7 @@ contexts, `strategy.setup`. `mula` imports no strategy here: the recipe names it
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,7 +77,7 @@ def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], 
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        module = MulaLightningModule(**{k: v for k, v in model.items() if k != "class_path"})
+        module = MulaLightningModule(**model)
         pl_trainer.state.fn = TrainerFn.FITTING
         module.trainer = pl_trainer
         # Trainer._run's order up to the first step: connect, environment, configure_model, setup
@@ -107,7 +108,7 @@ def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], 
     specs = stage_params(
         model_parameters(inputs.config, tuple(layout.no_decay)), layers, place["stage"] == 0, last
     )
-    planned_global = sum(_numel(p.shape) for p in specs)
+    planned_global = sum(math.prod(p.shape) for p in specs)
     rows["checkpoint elements"] = {"dry_run": checkpoint["global_elements"], "plan": planned_global}
     return {**place, "seconds": seconds, "bytes": rows, "checkpoint": checkpoint}
 
@@ -178,13 +179,6 @@ def _allocated(module: Any) -> int:
     """Bytes of the module's parameters and buffers that are not on the meta device (0 in a dry run)."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _nodes(trainer: dict[str, Any]) -> int:
