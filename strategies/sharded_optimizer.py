@@ -149,7 +149,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("EPShardedAdamW got no parameters.")
         devices = {p.device for p in self._params}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
+        # meta parameters only in a dry run (`mula plan --dry_run`): shapes without storage, fake collectives
+        if len(devices) != 1 or (next(iter(devices)).type == "meta" and not _fake_backend()):
             raise ValueError(
                 f"All parameters must be materialised on one device, found {sorted(map(str, devices))}."
             )
@@ -508,6 +509,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
 # --------------------------------------------------------------------------------------------
 # helpers
+
+
+def _fake_backend() -> bool:
+    """True under torch's fake process group (a dry run: collectives return at once, sending nothing)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def _default_topology() -> ExpertParallelTopology:
