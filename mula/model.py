@@ -1,8 +1,11 @@
 """The Mula transformer, top to bottom: norms, RoPE, attention, MLP, block, model.
 
 Pre-norm decoder (OLMoE / OLMo-1B): x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
-SwiGLU (dense) or a `mula.moe.MoELayer`. Numerically identical to transformers' OLMoE / OLMo on
-the same weights (`tests/test_hf.py`).
+SwiGLU (dense) or a `mula.moe.MoELayer` (an MoE model may keep its first `num_dense_layers` blocks
+dense). Numerically identical to transformers' OLMoE / OLMo on the same weights (`tests/test_hf.py`).
+
+The blocks run through `forward_blocks`, and the router losses are `router_losses` of its sums: one
+definition, which the pipeline stages (strategies/pipeline_split.py) use too.
 
 Activation checkpointing (`Mula.set_activation_checkpointing`) recomputes whole blocks or selected
 parts of them in backward with torch's non-reentrant `checkpoint`; gradients are unchanged.
@@ -141,20 +144,19 @@ def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; `mlp` is a `MoELayer` when `moe` (default: the config's kind), else
-    an `MLP`.
+    """Pre-norm transformer block; `mlp` is a `MoELayer` when `moe` (`MulaConfig.is_moe_layer` of the
+    block's index), else an `MLP`.
 
     `checkpointing` names what backward recomputes: "full" (the whole block) or any of "attention",
     "moe" (the MoE layer: router, dispatch, experts, combine; a dense MLP is not affected) and "norms"
     (the two pre-norms).
     """
 
-    def __init__(self, config: MulaConfig, moe: bool | None = None) -> None:
+    def __init__(self, config: MulaConfig, moe: bool) -> None:
         super().__init__()
         self.attn_norm = make_norm(config, config.hidden_size)
         self.attn = Attention(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
-        moe = config.is_moe if moe is None else moe
         self.mlp = MoELayer(config) if moe else MLP(config)
         self.checkpointing: frozenset[str] = frozenset()
 

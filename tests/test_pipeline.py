@@ -266,6 +266,24 @@ def _assemble(ranks: list[dict], name: str) -> torch.Tensor:
     return torch.cat([pieces[k] for k in sorted(pieces)]) if len(pieces) > 1 else next(iter(pieces.values()))
 
 
+def _assert_trained_like(runs: list[dict], key: tuple, ref: _StepLosses, ref_params: dict) -> None:
+    """Every rank of the runs' layout `key` saw the reference's losses and gradient norms (the global
+    ones), and the ranks' parameters together are the reference's."""
+    for r in runs:
+        torch.testing.assert_close(
+            torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
+        )
+        torch.testing.assert_close(
+            torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
+        )
+    ranks = [r[key]["params"] for r in runs]
+    assert set().union(*ranks) == set(ref_params), key
+    for name, expected in ref_params.items():
+        torch.testing.assert_close(
+            _assemble(ranks, name), expected, rtol=1e-4, atol=5e-5, msg=lambda m, n=name: f"{key} {n} {m}"
+        )
+
+
 def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
     ref, ref_trainer = _fit(1, None)
     ref_params = {n: p.detach().clone() for n, p in ref_trainer.lightning_module.named_parameters()}
@@ -274,24 +292,9 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         runs = run_distributed(_run_layouts, 4, root)
         for pp, ep, schedule, _ in LAYOUTS:
             key = (pp, ep, schedule)
-            for r in runs:  # every rank sees the global loss; validation runs forward through the stages
+            for r in runs:  # validation runs forward through the stages
                 assert r[key]["val_loss"] == pytest.approx(ref_val, rel=1e-5), key
-                torch.testing.assert_close(
-                    torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
-                )
-                torch.testing.assert_close(
-                    torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
-                )
-            ranks = [r[key]["params"] for r in runs]
-            assert set().union(*ranks) == set(ref_params), key
-            for name, expected in ref_params.items():
-                torch.testing.assert_close(
-                    _assemble(ranks, name),
-                    expected,
-                    rtol=1e-4,
-                    atol=5e-5,
-                    msg=lambda m, k=key, n=name: f"{k} {n} {m}",
-                )
+            _assert_trained_like(runs, key, ref, ref_params)
         r0 = runs[0]
         torch.testing.assert_close(torch.tensor(r0["recompute"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r0["bf16"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
@@ -357,26 +360,11 @@ def test_dense_first_blocks_train_the_same_under_stages() -> None:
         ref_params = {n: p.detach().clone() for n, p in ref_trainer.lightning_module.named_parameters()}
         ref_bias = _router_biases(ref_trainer)
         assert len(ref_bias) == 4 - dense and all(b.abs().sum() > 0 for b in ref_bias.values())
-        for r in runs:
-            torch.testing.assert_close(
-                torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
-            )
-            torch.testing.assert_close(
-                torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
-            )
+        _assert_trained_like(runs, key, ref, ref_params)
+        for r in runs:  # each rank's MoE blocks carry the one-process router bias
             for name, bias in r[key]["bias"].items():
                 torch.testing.assert_close(bias, ref_bias[name], rtol=0, atol=0, msg=f"{key} {name}")
-        ranks = [r[key]["params"] for r in runs]
-        assert set().union(*ranks) == set(ref_params), key
         assert set().union(*(r[key]["bias"] for r in runs)) == set(ref_bias), key
-        for name, expected in ref_params.items():
-            torch.testing.assert_close(
-                _assemble(ranks, name),
-                expected,
-                rtol=1e-4,
-                atol=5e-5,
-                msg=lambda m, k=key, n=name: f"{k} {n} {m}",
-            )
 
 
 def _fit_errors(rank: int, world: int) -> list[str]:
