@@ -204,11 +204,12 @@ class MulaLightningModule(L.LightningModule):
 
     def add_expert_counts(self, layer: int, counts: Tensor) -> None:
         """Add MoE block `layer`'s (global index) tokens per expert [E] of one micro-batch to the step's
-        counts: how a pipeline stage, which holds only some blocks, reports them. The rows of the other
-        stages' blocks stay zero here, so the step's one all-reduce adds every stage's rows in place."""
+        counts: how a pipeline stage, which holds only some blocks, reports them. Rows are MoE layers, as
+        in `MulaOutput.tokens_per_expert`; the rows of the other stages' blocks stay zero here, so the
+        step's one all-reduce adds every stage's rows in place."""
         if self._step_counts is None:
-            self._step_counts = counts.new_zeros(self.config.num_layers, counts.numel())
-        self._step_counts[layer] += counts.detach()
+            self._step_counts = counts.new_zeros(self.config.num_moe_layers, counts.numel())
+        self._step_counts[self.config.moe_layer_row(layer)] += counts.detach()
 
     def record_step_losses(self, sums: Tensor, count: int) -> None:
         """Add `count` micro-batches' summed [loss, ce, aux, z] to this step; log the step's global
@@ -271,8 +272,11 @@ class MulaLightningModule(L.LightningModule):
         layers = [layer for _, layer in named]
         if self.config.router_bias_update_rate > 0:
             rate = self.config.router_bias_update_rate
-            # rows by global block index ("layers.<i>.mlp"): a pipeline stage holds only some blocks
-            rows = self.step_expert_counts[[int(name.split(".")[1]) for name, _ in named]]
+            # each layer's row from its global block index ("layers.<i>.mlp"): a pipeline stage holds
+            # only some blocks, and the dense first blocks have no row
+            rows = self.step_expert_counts[
+                [self.config.moe_layer_row(int(name.split(".")[1])) for name, _ in named]
+            ]
             update_router_bias([layer.router for layer in layers], rows, rate)
         for layer in layers:
             if layer.global_load is not None:
