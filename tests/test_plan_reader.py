@@ -35,11 +35,11 @@ def _cli_argv(monkeypatch):
 
 def full_parse(argv: list[str], monkeypatch) -> dict[str, Any]:
     """What the LightningCLI parser hands `run_plan` for `mula plan ARGV`."""
-    from mula.cli import MulaCLI
+    from mula.cli import plan
 
     captured: dict[str, Any] = {}
     monkeypatch.setattr(plan_command, "run_plan", lambda **kwargs: captured.update(kwargs))
-    MulaCLI(args=["plan", *argv])
+    plan(argv)
     return captured
 
 
@@ -195,3 +195,4 @@ def test_fast_plan_imports_neither_lightning_nor_torch_and_reports_bad_input():
     run = subprocess.run(bad, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.startswith("mula: error: ") and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
