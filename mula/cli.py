@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
@@ -30,6 +31,7 @@ from mula.data import MulaDataModule
 from mula.entry import main as entry_main
 from mula.kernels.backends import resolve_backend
 from mula.module import MulaLightningModule, check_master_weights
+from mula.progress_bar import StepProgressBar
 
 
 class MulaSaveConfig(SaveConfigCallback):
@@ -125,6 +127,18 @@ class MulaCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Name the W&B run after its run directory unless the recipe names it."""
         name_wandb_run(self.config[self.subcommand].trainer)
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """LightningCLI's trainer, with `StepProgressBar` (optimizer steps against max_steps) as its progress
+        bar unless the recipe turns the bar off or names a progress bar of its own."""
+        config = self.config_init[self.subcommand].trainer
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        shows_bar = config.get("enable_progress_bar") is not False
+        if shows_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, StepProgressBar()])
+        return super().instantiate_trainer(**kwargs)
 
     def fit(
         self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None, **kwargs: Any
