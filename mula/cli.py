@@ -23,6 +23,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
@@ -167,6 +168,7 @@ class MulaCLI(LightningCLI):
         so re-running the same command continues an interrupted run; if the run has checkpoints and
         none is valid, it stops (exit 2) unless `--restart_from_scratch=true` (docs/resilience.md).
         """
+        self._check_recipe_reader()
         self._check_model_inputs()
         self._check_memory()
         lock_run_dir_before_launch(self.trainer)
@@ -175,6 +177,20 @@ class MulaCLI(LightningCLI):
             path = auto_resume_ckpt_path(self.trainer, bool(config.get("restart_from_scratch")))
             if path is not None:
                 self.trainer.ckpt_path = path
+
+    def _check_recipe_reader(self) -> None:
+        """Once per run: `mula plan`'s light reader reads this command line as jsonargparse did, or a warning
+        reports the bug (`mula.plan.recipe_reader.reader_mismatch`); the run goes on with jsonargparse's parse,
+        which is the one it uses either way."""
+        if self.argv is None or self.argv[:1] != ["fit"]:
+            return  # a dict or Namespace of settings: no command line to read
+        from mula.plan.recipe_reader import SECTIONS, reader_mismatch
+
+        config = self.config[self.subcommand]
+        options = [k for k in vars(config) if k not in (*SECTIONS, "config", "seed_everything", "verify")]
+        message = reader_mismatch(self.argv[1:], self._sections(), options, self.trainer.world_size)
+        if message is not None:
+            rank_zero_warn(message)
 
     def _sections(self) -> dict[str, dict[str, Any]]:
         """The parsed trainer, model and data sections as plain dicts (what the planner reads)."""
