@@ -3,8 +3,8 @@
     mula fit -c recipes/mula-tiny-moe.yaml [-c recipes/strategies/ddp.yaml] [--trainer.max_steps=10]
 
 `mula.entry` dispatches the subcommands (the tools live in `mula.tools`); every parser is
-jsonargparse's (so `-c file.yaml`, `--print_config` and `--help` work alike everywhere). A run's loggers write under its run directory,
-`trainer.default_root_dir`, with its checkpoints. A `ValueError` or `FileNotFoundError` raised by
+jsonargparse's (so `-c file.yaml`, `--print_config` and `--help` work alike everywhere). A run's
+loggers write under its run directory, `trainer.default_root_dir`, with its checkpoints. A `ValueError` or `FileNotFoundError` raised by
 Mula before training starts (bad preset, missing data, tokenizer larger than the model, ...) is
 printed as one line `mula: error: ...` with exit status 2; set `MULA_TRACEBACK=1` to see the
 traceback instead. The same errors after the first training step are crashes: traceback and exit
@@ -68,7 +68,8 @@ class MulaCLI(LightningCLI):
         argv = sys.argv[1:] if args is None else args
         # the command line as given, for the options of its subcommand and the recipe reader's check
         self.argv: list[str] | None = [str(a) for a in argv] if isinstance(argv, list) else None
-        self.command = self.argv[0] if self.argv else None
+        # the trainer subcommand, first on the command line (none without subcommands: run=False)
+        self.command = self.argv[0] if self.argv and kwargs.get("run", True) else None
         kwargs.setdefault("auto_configure_optimizers", False)  # the module owns AdamW + schedule
         kwargs.setdefault("parser_kwargs", {"prog": "mula"})
         kwargs.setdefault("save_config_callback", MulaSaveConfig)
@@ -183,7 +184,7 @@ class MulaCLI(LightningCLI):
         reports the bug (`mula.plan.recipe_reader.reader_mismatch`); the run goes on with jsonargparse's parse,
         which is the one it uses either way."""
         if self.argv is None or self.argv[:1] != ["fit"]:
-            return  # a dict or Namespace of settings: no command line to read
+            return  # settings given as a dict, or options before `fit`: not a command line `mula plan` takes
         from mula.plan.recipe_reader import SECTIONS, reader_mismatch
 
         config = self.config[self.subcommand]

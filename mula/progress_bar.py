@@ -43,7 +43,7 @@ class StepProgressBar(TQDMProgressBar):
         first, total = step_range(trainer)
         self._offset = 0 if trainer.max_steps > 0 else trainer.global_step
         bar = self.train_progress_bar
-        bar.reset(total=total)
+        bar.total = total
         bar.initial = bar.n = first  # tqdm's rate counts from `initial`: steps of this run only
         bar.refresh()
 

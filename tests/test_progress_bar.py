@@ -77,3 +77,17 @@ def test_fit_shows_the_step_bar_unless_turned_off(tmp_path, monkeypatch):
     own = "--trainer.callbacks+={class_path: lightning.pytorch.callbacks.TQDMProgressBar}"
     cli = probe(RECIPES / "mula-tiny-moe.yaml", extra=(own,))
     assert type(cli.trainer.progress_bar_callback).__name__ == "TQDMProgressBar"
+
+
+def test_resumed_run_counts_on_from_its_checkpoints_step(tmp_path):
+    first = train(Recording(), max_steps=2, accumulate_grad_batches=2)
+    first.save_checkpoint(tmp_path / "step2.ckpt")
+    bar = Recording()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        callbacks=[bar], max_steps=4, accumulate_grad_batches=2,
+    )  # fmt: skip
+    trainer.fit(BoringModel(), ckpt_path=tmp_path / "step2.ckpt")
+    assert trainer.global_step == 4
+    assert [n for _, n, _ in bar.seen] == [step for step, _, _ in bar.seen] == [2, 3, 3, 4]
+    assert {total for _, _, total in bar.seen} == {4} and bar.train_progress_bar.initial == 2
