@@ -7,7 +7,10 @@ tested range, instead of an AttributeError deep inside a training run.
 
 Not importable, so not here: strategies/sharded_state.py (`rescale_loop_progress`) reads the layout of
 Lightning's checkpoint dict, `checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]` with
-"total"/"current" counters, which is equally private and equally tested only in this range.
+"total"/"current" counters, which is equally private and equally tested only in this range; and
+XPUMoEStrategy overrides Lightning's private `_configure_launcher` hook (setting the strategy's
+`_launcher`), the one way Lightning gives a custom strategy to choose its launcher. No other module
+imports a private Lightning name or overrides a private Lightning method (tests/test_lightning_compat.py).
 """
 
 from __future__ import annotations
