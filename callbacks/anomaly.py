@@ -8,8 +8,11 @@ Per optimizer step (automatic optimization):
   therefore sees the same global mean loss and the same verdict: skip if anything was non-finite,
   or if the loss is a spike -- robust z-score ``(loss - median) / (1.4826 * MAD)`` over the last
   ``window`` accepted losses above ``zscore_threshold``;
-* the optimizer's ``step`` is wrapped so that a skipped step runs the closure (forward/backward)
-  but not the update: parameters and optimizer state stay untouched. Lightning still counts the
+* a skipped step runs forward and backward but not the update: parameters and optimizer state stay
+  untouched (a strategy that owns the step, XPUMoEStrategy, is told with ``skip_optimizer_step``;
+  under other strategies the gradients are dropped, and torch optimizers skip parameters without one).
+  Under XPUMoEStrategy the non-finite-gradient check is the strategy's flag, computed over the
+  optimizer's gradient shards inside the global-norm all-reduce (a sharded optimizer keeps no ``.grad``). Lightning still counts the
   step (``global_step`` and the LR schedule advance; the batch is consumed); ``ft/skipped_steps``
   counts skips.
 
@@ -57,6 +60,33 @@ def robust_zscore(value: float, history: list[float], min_rel_scale: float = 1e-
     mad = _median(sorted(abs(x - median) for x in ordered))
     scale = max(_MAD_TO_STD * mad, min_rel_scale * abs(median), 1e-12)
     return (value - median) / scale
+
+
+def _grads_finite(
+    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, device: torch.device
+) -> torch.Tensor:
+    """Whether this step's gradients are finite: the strategy's verdict when it owns the step
+    (XPUMoEStrategy: computed over the optimizer's gradient shards inside the global-norm all-reduce,
+    the same on every rank; a sharded optimizer keeps no `.grad`), else this rank's `.grad` tensors."""
+    verdict = getattr(trainer.strategy, "last_grads_finite", None)
+    if verdict is not None:
+        return torch.tensor(bool(verdict), device=device)
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return torch.tensor(True, device=device)
+    norms = torch._foreach_norm(grads)
+    return torch.isfinite(torch.stack([n.float() for n in norms]).sum()).to(device)
+
+
+def _skip_update(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, verdict: str) -> None:
+    """Leave parameters and optimizer state untouched this step: through the strategy when it owns the
+    step (`skip_optimizer_step`), else by dropping the gradients -- torch optimizers skip every
+    parameter without one (no update, no moment or weight-decay change)."""
+    skip = getattr(trainer.strategy, "skip_optimizer_step", None)
+    if skip is not None:
+        skip(verdict)
+    else:
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _median(ordered: list[float]) -> float:
@@ -122,7 +152,6 @@ class AnomalyGuard(Callback):
         self.good_steps = 0  # accepted steps in a row since the last anomaly or rollback
         # Per-step scratch.
         self._loss_sum: torch.Tensor | None = None
-        self._skip_next_update = False
         self._escalate = False
         self.last_verdict: str = "ok"
         self.last_loss: float = float("nan")
@@ -164,30 +193,9 @@ class AnomalyGuard(Callback):
     # ------------------------------------------------------------------ hooks
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Wrap each optimizer's ``step`` so that an agreed skip suppresses the update."""
+        """Refuse manual optimization (the verdict is taken between backward and the update)."""
         if not pl_module.automatic_optimization:
             raise ValueError("AnomalyGuard supports automatic optimization only.")
-        for optimizer in trainer.optimizers:
-            if not getattr(optimizer, "_mula_anomaly_wrapped", False):
-                optimizer.step = self._wrap_step(optimizer.step)
-                optimizer._mula_anomaly_wrapped = True
-
-    def _wrap_step(self, step: Any) -> Any:
-        def guarded_step(closure: Any = None, **kwargs: Any) -> Any:
-            loss = None
-            if closure is not None:
-                # The closure runs forward + backward and on_before_optimizer_step, where the verdict is taken.
-                loss = closure()
-            if self._skip_next_update:
-                self._skip_next_update = False
-                return loss
-            if closure is None:
-                return step(**kwargs)
-            return step(closure=lambda: loss, **kwargs)
-
-        if hasattr(step, "_wrapped_by_lr_sched"):  # keep torch's LR-scheduler bookkeeping quiet and working
-            guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        return guarded_step
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -205,12 +213,7 @@ class AnomalyGuard(Callback):
         self._loss_sum = None
         bad = ~torch.isfinite(loss_sum)
         if self.check_grads:
-            grads = [
-                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-            ]
-            if grads:
-                norms = torch._foreach_norm(grads)
-                bad = bad | ~torch.isfinite(torch.stack([n.float() for n in norms]).sum().to(device))
+            bad = bad | ~_grads_finite(trainer, optimizer, device)
         # One collective and one host sync: [sum of finite losses, number of ranks with a non-finite value].
         local = torch.stack([torch.where(bad, torch.zeros_like(loss_sum), loss_sum), bad.float()])
         total, n_bad = _dist.all_reduce_tensor(local.to(device), "sum").tolist()
@@ -234,7 +237,7 @@ class AnomalyGuard(Callback):
         if self.streak_start is None:
             self.streak_start = trainer.global_step  # the last completed (accepted) step
         self.good_steps = 0
-        self._skip_next_update = True
+        _skip_update(trainer, optimizer, verdict)
         self.skipped_steps += 1
         self.consecutive += 1
         step = trainer.global_step + 1

@@ -2,7 +2,8 @@
 
 The counts are `MulaLightningModule.step_expert_counts`: tokens per expert of each MoE layer over the
 optimizer step's micro-batches on all ranks, all-reduced once per step by the module (it needs them
-for the router bias anyway), so this callback adds no collective. Every `log_every_n_steps` steps:
+for the router bias anyway), so this callback adds no collective. Layers are named by block index
+(an MoE model's dense first blocks, `num_dense_layers`, have no counts). Every `log_every_n_steps` steps:
 
 * `moe/layer_{i}/load_imbalance`: max / mean tokens per expert of layer i in the step;
 * `moe/layer_{i}/dead_experts`: experts of layer i that received no token in any step of the logging
@@ -62,12 +63,15 @@ class ExpertLoad(L.Callback):
         step_counts = counts.float()
         imbalance = step_counts.max(dim=1).values / step_counts.mean(dim=1).clamp_min(1e-9)
         dead = (window == 0).sum(dim=1)
-        for i in range(counts.shape[0]):
-            pl_module.log(f"moe/layer_{i}/load_imbalance", imbalance[i], on_step=True, on_epoch=False)
-            pl_module.log(f"moe/layer_{i}/dead_experts", dead[i].float(), on_step=True, on_epoch=False)
+        # row r is the r-th MoE block, block first + r
+        first = pl_module.config.num_dense_layers
+        for r in range(counts.shape[0]):
+            i = first + r
+            pl_module.log(f"moe/layer_{i}/load_imbalance", imbalance[r], on_step=True, on_epoch=False)
+            pl_module.log(f"moe/layer_{i}/dead_experts", dead[r].float(), on_step=True, on_epoch=False)
         if trainer.is_global_zero and self._dir is not None:
             # the step index metrics.csv gives this step's row (Lightning logs optimizer step n as n - 1)
-            self._append(trainer.global_step - 1, counts.cpu())
+            self._append(trainer.global_step - 1, counts.cpu(), first)
             every = self.plot_every_n_steps
             if every and trainer.global_step - max(self._last_plotted, 0) >= every:
                 self._plot(trainer)
@@ -77,7 +81,7 @@ class ExpertLoad(L.Callback):
         if trainer.is_global_zero and self._dir is not None and self._last_plotted != trainer.global_step:
             self._plot(trainer)
 
-    def _append(self, step: int, counts: torch.Tensor) -> None:
+    def _append(self, step: int, counts: torch.Tensor, first: int) -> None:
         path = self._dir / LOAD_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists() or path.stat().st_size == 0
@@ -85,7 +89,7 @@ class ExpertLoad(L.Callback):
             writer = csv.writer(f)
             if new:
                 writer.writerow(LOAD_COLUMNS)
-            for layer, row in enumerate(counts.tolist()):
+            for layer, row in enumerate(counts.tolist(), start=first):
                 writer.writerows((step, layer, expert, tokens) for expert, tokens in enumerate(row))
 
     def _plot(self, trainer: L.Trainer) -> None:

@@ -32,7 +32,9 @@ class MulaConfig:
 
     Defaults describe Mula-7B-A1B (= OLMoE-1B-7B-0924). `num_experts == 0` means a dense model whose
     MLP is a SwiGLU of width `intermediate_size`; otherwise every layer's MLP is a dropless MoE of
-    `num_experts` SwiGLU experts of width `expert_intermediate_size`, `top_k` of them per token.
+    `num_experts` SwiGLU experts of width `expert_intermediate_size`, `top_k` of them per token --
+    except the first `num_dense_layers` blocks of an MoE model, whose MLP is the dense SwiGLU of width
+    `intermediate_size` (DeepSeek-V3's `first_k_dense_replace`; 0 for every preset).
 
     `norm="layernorm"` is OLMo-1B's non-parametric LayerNorm (no weight, no bias); `"rmsnorm"` has a
     weight. With `qk_norm`, q and k are normalised (same norm kind) over the whole projection
@@ -56,6 +58,7 @@ class MulaConfig:
     top_k: int = 8
     expert_intermediate_size: int = 1024
     norm_topk_prob: bool = False
+    num_dense_layers: int = 0
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
     init_std: float = 0.02
@@ -79,6 +82,7 @@ class MulaConfig:
         "top_k",
         "expert_intermediate_size",
         "norm_topk_prob",
+        "num_dense_layers",
     )
     DENSE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = ("intermediate_size",)
 
@@ -111,6 +115,21 @@ class MulaConfig:
                 raise ValueError(
                     f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}."
                 )
+            if not 0 <= self.num_dense_layers < self.num_layers:
+                raise ValueError(
+                    f"num_dense_layers must be in [0, num_layers={self.num_layers}) so that at least one "
+                    f"block is MoE, got {self.num_dense_layers}."
+                )
+            if self.num_dense_layers and self.intermediate_size <= 0:
+                raise ValueError(
+                    f"intermediate_size must be positive for the dense blocks (num_dense_layers="
+                    f"{self.num_dense_layers}), got {self.intermediate_size}."
+                )
+        elif self.num_dense_layers:
+            raise ValueError(
+                f"num_dense_layers={self.num_dense_layers} needs an MoE model (num_experts > 0); every "
+                "block of a dense model is dense already, so leave it 0."
+            )
         elif self.intermediate_size <= 0:
             raise ValueError(
                 f"intermediate_size must be positive for a dense model, got {self.intermediate_size}."
@@ -132,6 +151,22 @@ class MulaConfig:
         """True when the MLPs are mixtures of experts."""
         return self.num_experts > 0
 
+    def is_moe_layer(self, index: int) -> bool:
+        """True when block `index` has an MoE MLP (an MoE model's blocks from `num_dense_layers` on)."""
+        return self.is_moe and index >= self.num_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Blocks with an MoE MLP; the router losses are means over these."""
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    def moe_layer_row(self, index: int) -> int:
+        """Row of MoE block `index` (global block index) in per-MoE-layer tensors such as
+        `MulaOutput.tokens_per_expert`: the MoE blocks in order, the dense first blocks skipped."""
+        if not self.is_moe_layer(index):
+            raise ValueError(f"Block {index} is not an MoE block of this model.")
+        return index - self.num_dense_layers
+
     @property
     def kv_heads(self) -> int:
         """Number of key/value heads (`num_kv_heads`, or `num_heads` when unset)."""
@@ -147,6 +182,8 @@ class MulaConfig:
         None -> `num_heads`, `head_dim` None -> `hidden_size // num_heads`): two configs whose
         architectures are equal hold interchangeable weights."""
         kind = self.MOE_ARCHITECTURE_FIELDS if self.is_moe else self.DENSE_ARCHITECTURE_FIELDS
+        if self.is_moe and self.num_dense_layers:
+            kind = kind + self.DENSE_ARCHITECTURE_FIELDS  # the dense first blocks' MLP width
         arch = {name: getattr(self, name) for name in self.ARCHITECTURE_FIELDS + kind}
         arch.update(num_kv_heads=self.kv_heads, head_dim=self.head_size)
         return arch
@@ -191,19 +228,26 @@ class MulaConfig:
     def _expert_params(self) -> int:
         return 3 * self.hidden_size * self.expert_intermediate_size
 
-    def _layer_params(self, experts: int) -> int:
-        """Parameters of one block counting `experts` experts (ignored for dense models)."""
+    def _layer_params(self, experts: int, moe: bool) -> int:
+        """Parameters of one block, MoE (`moe`, counting `experts` experts) or dense."""
         h = self.hidden_size
         n = self._attn_matmul_params() + 2 * self._norm_params(h)
         if self.qk_norm:
             n += self._norm_params(self.num_heads * self.head_size) + self._norm_params(
                 self.kv_heads * self.head_size
             )
-        if self.is_moe:
-            n += self.num_experts * h + experts * self._expert_params()  # router + experts
-        else:
-            n += 3 * h * self.intermediate_size
-        return n
+        return n + self._mlp_matmul_params(experts, moe)
+
+    def _mlp_matmul_params(self, experts: int, moe: bool) -> int:
+        """Matmul parameters of one block's MLP: router + `experts` experts if `moe`, else the SwiGLU."""
+        if moe:
+            return self.num_experts * self.hidden_size + experts * self._expert_params()
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def _blocks_params(self, experts: int) -> int:
+        """Parameters of all blocks, counting `experts` experts per MoE block."""
+        dense = self.num_layers - self.num_moe_layers
+        return self.num_moe_layers * self._layer_params(experts, True) + dense * self._layer_params(0, False)
 
     def _outer_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
@@ -238,7 +282,7 @@ class MulaConfig:
                 norm(p + "attn.q_norm", q)
                 norm(p + "attn.k_norm", kv)
             norm(p + "mlp_norm", h)
-            if self.is_moe:
+            if self.is_moe_layer(i):
                 e, f = self.num_experts, self.expert_intermediate_size
                 shapes += [
                     (p + "mlp.router.weight", (e, h)),
@@ -259,11 +303,11 @@ class MulaConfig:
 
     def num_params(self) -> int:
         """Total number of parameters (tied embeddings counted once)."""
-        return self.num_layers * self._layer_params(self.num_experts) + self._outer_params()
+        return self._blocks_params(self.num_experts) + self._outer_params()
 
     def num_active_params(self) -> int:
-        """Parameters used per token: all but the `num_experts - top_k` unrouted experts per layer."""
-        return self.num_layers * self._layer_params(self.top_k) + self._outer_params()
+        """Parameters used per token: all but the `num_experts - top_k` unrouted experts per MoE layer."""
+        return self._blocks_params(self.top_k) + self._outer_params()
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward) at context length `seq_len`.
@@ -275,15 +319,15 @@ class MulaConfig:
         matmuls (QK^T and AV, forward + backward, no causal discount); `num_heads * head_dim` equals
         `hidden_size` for every preset.
         """
-        h = self.hidden_size
-        per_layer = self._attn_matmul_params()
-        if self.is_moe:
-            per_layer += self.num_experts * h + self.top_k * self._expert_params()
-        else:
-            per_layer += 3 * h * self.intermediate_size
-        matmul = self.num_layers * per_layer + self.vocab_size * h
+        matmul = sum(self.layer_matmul_params(i) for i in range(self.num_layers))
+        matmul += self.vocab_size * self.hidden_size
         attn = 12 * self.num_layers * self.num_heads * self.head_size * seq_len
         return 6 * matmul + attn
+
+    def layer_matmul_params(self, index: int) -> int:
+        """Matmul parameters a token goes through in block `index`: attention projections and the
+        dense MLP or the router plus `top_k` experts (`flops_per_token`'s N, per block)."""
+        return self._attn_matmul_params() + self._mlp_matmul_params(self.top_k, self.is_moe_layer(index))
 
 
 def resolve_config(

@@ -1,8 +1,12 @@
-"""The `mula` console script: `mula plan` read without Lightning when its command line allows
-(`mula.plan.recipe_reader`, well under a second), every other command by the LightningCLI of `mula.cli`.
+"""The `mula` console script (also `python -m mula` and `python -m mula.cli`): one dispatch per subcommand.
+
+    mula fit|validate|test ...   the LightningCLI of `mula.cli` (`MulaCLI`)
+    mula plan ...                the light reader (`mula.plan.recipe_reader`: no Lightning, well under a
+                                 second) when it can read the command line, else `MulaCLI`'s parser
+    mula prepare|train-tokenizer|import-hf|export-hf|eval|report ...   `mula.tools`, parsed by jsonargparse
 
 Bad input raised by Mula before any work (`ValueError`, `FileNotFoundError`) is one line
-`mula: error: ...` and exit status 2 on both paths; `MULA_TRACEBACK=1` shows the traceback instead.
+`mula: error: ...` and exit status 2 on every path; `MULA_TRACEBACK=1` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,6 +15,13 @@ import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+TRAINER_SUBCOMMANDS = {
+    "fit": "Train a model (auto-resumes the run directory's newest valid checkpoint).",
+    "validate": "Run one validation epoch.",
+    "test": "Run one test epoch.",
+}
+PLAN_HELP = "Predict per-rank memory and step time."
 
 
 def report_bad_input(fn: Callable[..., Any], *args: Any) -> Any:
@@ -25,13 +36,44 @@ def report_bad_input(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the `mula` console script (and of `python -m mula`)."""
+    """Entry point of the `mula` console script: run the subcommand named by the first argument."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["plan"]:
+    # W&B offline unless the user asks otherwise (WANDB_MODE=online, or `mode: online` in the recipe)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    command = argv[0] if argv else None
+    if command == "plan":
         from mula.plan.command import plan_without_lightning
 
-        if report_bad_input(plan_without_lightning, argv[1:]):
-            return
-    from mula.cli import main as cli_main
+        if not report_bad_input(plan_without_lightning, argv[1:]):
+            from mula.cli import plan
 
-    cli_main(args)
+            report_bad_input(plan, argv[1:])
+        return
+    if command in TRAINER_SUBCOMMANDS:
+        from mula.cli import MulaCLI
+
+        report_bad_input(MulaCLI, argv)
+        return
+    from mula.tools import run_tool, tools
+
+    if command in tools():
+        report_bad_input(run_tool, command, argv[1:])
+        return
+    _overview(argv)
+
+
+def _overview(argv: list[str]) -> None:
+    """`mula --help` (exit 0), or no or an unknown subcommand (usage and exit 2): jsonargparse lists the
+    subcommands, each with its one-line help; each subcommand's own parser gives its options."""
+    from jsonargparse import ArgumentParser
+
+    from mula.tools import summary, tools
+
+    parser = ArgumentParser(prog="mula", description="Pretrain dense and MoE language models with Lightning.")
+    subcommands = parser.add_subcommands()
+    helps = {**TRAINER_SUBCOMMANDS, "plan": PLAN_HELP}
+    helps.update({name: summary(fn).splitlines()[0] for name, fn in tools().items()})
+    for name, help in helps.items():
+        subcommands.add_subcommand(name, ArgumentParser(prog=f"mula {name}"), help=help)
+    parser.parse_args(argv)
+    parser.error(f"unexpected arguments {argv}")  # only reached for a subcommand dispatched above

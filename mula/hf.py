@@ -112,6 +112,11 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
 
 
 def _check_expressible(config: MulaConfig) -> None:
+    if config.num_dense_layers:
+        raise ValueError(
+            f"transformers' OLMoE has an MoE MLP in every block, so a model whose first "
+            f"{config.num_dense_layers} block(s) are dense (num_dense_layers) cannot be exported to it."
+        )
     if config.head_size * config.num_heads != config.hidden_size:
         raise ValueError("transformers' OLMo/OLMoE need head_dim == hidden_size / num_heads.")
     if config.is_moe and (config.norm != "rmsnorm" or not config.qk_norm):

@@ -151,6 +151,13 @@ def check_zero_stage(pp_size: int, zero_stage: int) -> None:
         )
 
 
+def micro_batches_per_step(global_batch: int, dp_world: int, micro_batch: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step (its gradient accumulation, or its
+    pipeline's micro-batches); the split is checked first."""
+    check_batch_split(global_batch, dp_world, micro_batch)
+    return global_batch // (dp_world * micro_batch)
+
+
 def check_batch_split(global_batch: int, dp_world: int, micro_batch: int) -> None:
     """The global batch must split into whole micro-batches on every data-parallel rank."""
     if global_batch % (dp_world * micro_batch):

@@ -7,7 +7,10 @@ tested range, instead of an AttributeError deep inside a training run.
 
 Not importable, so not here: strategies/sharded_state.py (`rescale_loop_progress`) reads the layout of
 Lightning's checkpoint dict, `checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]` with
-"total"/"current" counters, which is equally private and equally tested only in this range.
+"total"/"current" counters, which is equally private and equally tested only in this range; and
+XPUMoEStrategy overrides Lightning's private `_configure_launcher` hook (setting the strategy's
+`_launcher`), the one way Lightning gives a custom strategy to choose its launcher. No other module
+imports a private Lightning name or overrides a private Lightning method (tests/test_lightning_compat.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ try:
 
     # XPUMoEStrategy launches its ranks as subprocesses of `mula fit` when not started by a launcher.
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    # XPUMoEStrategy.optimizer_step runs the hooks Lightning's precision plugin runs before clipping.
+    from lightning.pytorch.trainer.call import _call_callback_hooks, _call_lightning_module_hook
 except ImportError as e:
     raise ImportError(
         f"Mula uses a private part of Lightning that lightning {lightning.__version__} does not have "
@@ -49,12 +55,23 @@ __all__ = [
     "_init_dist_connection",
     "_optimizers_to_device",
     "_sync_ddp_if_available",
+    "call_before_optimizer_step_hooks",
     "cluster_environment",
     "dump_checkpoint",
     "ends_optimizer_step",
     "log_train_step_now",
     "logs_train_step",
 ]
+
+
+def call_before_optimizer_step_hooks(trainer: Any, optimizer: Any) -> None:
+    """Run `on_before_optimizer_step` of every callback, then of the LightningModule, as Lightning's
+    `Precision._after_closure` does (with the hook name registered, so `self.log` works in them).
+
+    For a strategy that owns the optimizer step and so does not go through the precision plugin's.
+    """
+    _call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+    _call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
 
 
 def cluster_environment(trainer: Any) -> Any:

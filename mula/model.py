@@ -1,8 +1,11 @@
 """The Mula transformer, top to bottom: norms, RoPE, attention, MLP, block, model.
 
 Pre-norm decoder (OLMoE / OLMo-1B): x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
-SwiGLU (dense) or a `mula.moe.MoELayer`. Numerically identical to transformers' OLMoE / OLMo on
-the same weights (`tests/test_hf.py`).
+SwiGLU (dense) or a `mula.moe.MoELayer` (an MoE model may keep its first `num_dense_layers` blocks
+dense). Numerically identical to transformers' OLMoE / OLMo on the same weights (`tests/test_hf.py`).
+
+The blocks run through `forward_blocks`, and the router losses are `router_losses` of its sums: one
+definition, which the pipeline stages (strategies/pipeline_split.py) use too.
 
 Activation checkpointing (`Mula.set_activation_checkpointing`) recomputes whole blocks or selected
 parts of them in backward with torch's non-reentrant `checkpoint`; gradients are unchanged.
@@ -10,7 +13,7 @@ parts of them in backward with torch's non-reentrant `checkpoint`; gradients are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,19 +144,20 @@ def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; `mlp` is an `MLP` or a `MoELayer`.
+    """Pre-norm transformer block; `mlp` is a `MoELayer` when `moe` (`MulaConfig.is_moe_layer` of the
+    block's index), else an `MLP`.
 
     `checkpointing` names what backward recomputes: "full" (the whole block) or any of "attention",
     "moe" (the MoE layer: router, dispatch, experts, combine; a dense MLP is not affected) and "norms"
     (the two pre-norms).
     """
 
-    def __init__(self, config: MulaConfig) -> None:
+    def __init__(self, config: MulaConfig, moe: bool) -> None:
         super().__init__()
         self.attn_norm = make_norm(config, config.hidden_size)
         self.attn = Attention(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
-        self.mlp = MoELayer(config) if config.is_moe else MLP(config)
+        self.mlp = MoELayer(config) if moe else MLP(config)
         self.checkpointing: frozenset[str] = frozenset()
 
     def _call(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -177,6 +181,56 @@ class Block(nn.Module):
 
 
 @dataclass
+class BlocksOutput:
+    """What a run of blocks returns (`forward_blocks`).
+
+    `router_sums`: [2] fp32 running sums of the (aux, z) losses of every MoE block run so far (those
+    handed in, then these blocks'), None while no MoE block has run; `router_losses` turns the sums over
+    all MoE blocks into the model's losses. `tokens_per_expert`: global block index -> [E] counts of
+    each MoE block of this run.
+    """
+
+    hidden: Tensor
+    router_sums: Tensor | None
+    tokens_per_expert: dict[int, Tensor]
+
+
+def forward_blocks(
+    blocks: Iterable[tuple[int, Block]],
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    router_sums: Tensor | None = None,
+) -> BlocksOutput:
+    """Run (global index, block) pairs in order on x [B,T,H], adding each MoE block's (aux, z) losses to
+    `router_sums`: the one definition of the router losses, shared by `Mula.forward` and a pipeline
+    stage (which hands the sums on to the next stage, so the same additions happen in the same order).
+    """
+    counts: dict[int, Tensor] = {}
+    for index, block in blocks:
+        x, stats = block(x, cos, sin)
+        if stats is not None:
+            here = torch.stack([stats.aux_loss, stats.z_loss]).float()
+            router_sums = here if router_sums is None else router_sums + here
+            counts[index] = stats.tokens_per_expert
+    return BlocksOutput(x, router_sums, counts)
+
+
+def router_losses(config: MulaConfig, router_sums: Tensor) -> tuple[Tensor, Tensor]:
+    """(aux, z): the means over the model's MoE layers, from the sums over all of them (`forward_blocks`)."""
+    aux, z = (router_sums / config.num_moe_layers).unbind()
+    return aux, z
+
+
+def check_sequence_length(config: MulaConfig, seq_len: int) -> None:
+    """Refuse a sequence longer than `max_position_embeddings` (one sentence)."""
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"Sequence length {seq_len} exceeds max_position_embeddings {config.max_position_embeddings}."
+        )
+
+
+@dataclass
 class MulaOutput:
     """Output of `Mula.forward`. Router losses are unweighted means over MoE layers (0 if dense)."""
 
@@ -187,13 +241,14 @@ class MulaOutput:
 
 
 class Mula(nn.Module):
-    """Decoder-only LM: embed -> blocks -> norm -> lm_head. Dense or MoE from `MulaConfig`."""
+    """Decoder-only LM: embed -> blocks -> norm -> lm_head. Dense or MoE from `MulaConfig` (an MoE
+    model's first `num_dense_layers` blocks dense)."""
 
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_parameters()
@@ -231,22 +286,14 @@ class Mula(nn.Module):
     def forward(self, input_ids: Tensor) -> MulaOutput:
         """input_ids [B,T] long -> MulaOutput."""
         t = input_ids.shape[1]
-        if t > self.config.max_position_embeddings:
-            raise ValueError(
-                f"Sequence length {t} exceeds max_position_embeddings {self.config.max_position_embeddings}."
-            )
+        check_sequence_length(self.config, t)
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.config, t, x.device)
-        stats = []
-        for block in self.layers:
-            x, s = block(x, cos, sin)
-            if s is not None:
-                stats.append(s)
-        logits = self.lm_head(self.norm(x))
-        if stats:
-            aux = torch.stack([s.aux_loss for s in stats]).mean()
-            z = torch.stack([s.z_loss for s in stats]).mean()
-            counts = torch.stack([s.tokens_per_expert for s in stats])
+        out = forward_blocks(enumerate(self.layers), x, cos, sin)
+        logits = self.lm_head(self.norm(out.hidden))
+        if out.router_sums is not None:
+            aux, z = router_losses(self.config, out.router_sums)
+            counts = torch.stack(list(out.tokens_per_expert.values()))
         else:
             aux = z = logits.new_zeros((), dtype=torch.float32)
             counts = None

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
 
 from mula.config import MulaConfig, resolve_config
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
@@ -203,11 +204,12 @@ class MulaLightningModule(L.LightningModule):
 
     def add_expert_counts(self, layer: int, counts: Tensor) -> None:
         """Add MoE block `layer`'s (global index) tokens per expert [E] of one micro-batch to the step's
-        counts: how a pipeline stage, which holds only some blocks, reports them. The rows of the other
-        stages' blocks stay zero here, so the step's one all-reduce adds every stage's rows in place."""
+        counts: how a pipeline stage, which holds only some blocks, reports them. Rows are MoE layers, as
+        in `MulaOutput.tokens_per_expert`; the rows of the other stages' blocks stay zero here, so the
+        step's one all-reduce adds every stage's rows in place."""
         if self._step_counts is None:
-            self._step_counts = counts.new_zeros(self.config.num_layers, counts.numel())
-        self._step_counts[layer] += counts.detach()
+            self._step_counts = counts.new_zeros(self.config.num_moe_layers, counts.numel())
+        self._step_counts[self.config.moe_layer_row(layer)] += counts.detach()
 
     def record_step_losses(self, sums: Tensor, count: int) -> None:
         """Add `count` micro-batches' summed [loss, ce, aux, z] to this step; log the step's global
@@ -270,8 +272,11 @@ class MulaLightningModule(L.LightningModule):
         layers = [layer for _, layer in named]
         if self.config.router_bias_update_rate > 0:
             rate = self.config.router_bias_update_rate
-            # rows by global block index ("layers.<i>.mlp"): a pipeline stage holds only some blocks
-            rows = self.step_expert_counts[[int(name.split(".")[1]) for name, _ in named]]
+            # each layer's row from its global block index ("layers.<i>.mlp"): a pipeline stage holds
+            # only some blocks, and the dense first blocks have no row
+            rows = self.step_expert_counts[
+                [self.config.moe_layer_row(int(name.split(".")[1])) for name, _ in named]
+            ]
             update_router_bias([layer.router for layer in layers], rows, rate)
         for layer in layers:
             if layer.global_load is not None:
@@ -301,8 +306,13 @@ class MulaLightningModule(L.LightningModule):
         return int(self.trainer.estimated_stepping_batches)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW + per-step LambdaLR implementing `warmup_cosine`."""
-        optimizer = torch.optim.AdamW(
+        """AdamW + per-step LambdaLR implementing `warmup_cosine`.
+
+        The AdamW comes from the strategy's `build_optimizer` when it has one (XPUMoEStrategy: the
+        EP-aware sharded AdamW over this rank's parameters), else it is `torch.optim.AdamW`.
+        """
+        build = getattr(self._strategy(), "build_optimizer", torch.optim.AdamW)
+        optimizer = build(
             self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
         )
         # a partial of a module-level function: LambdaLR checkpoints no state for it, so a resumed run
@@ -316,6 +326,18 @@ class MulaLightningModule(L.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes gradients before each step's first backward; a strategy that zeroes them at
+        the end of its own optimizer step (`zeroes_grads_after_step`) needs no second zeroing, which
+        would wipe a pipeline step's gradients (its backward passes run inside `training_step`)."""
+        if not getattr(self._strategy(), "zeroes_grads_after_step", False):
+            optimizer.zero_grad()
+
+    def _strategy(self) -> Any:
+        """The trainer's strategy, None when the module is used without a Trainer."""
+        return self._trainer.strategy if self._trainer is not None else None
 
     # ----- throughput / checkpoint ---------------------------------------------------------------
     def flops(self, batch_size: int, seq_len: int) -> int:

@@ -81,20 +81,17 @@ class GradientSynchronizer:
             self._reducer.remove_hooks()
 
 
-def clip_grad_norm_(
-    named_params: Iterable[tuple[str, nn.Parameter]],
-    max_norm: float,
-    topology: ExpertParallelTopology,
-    norm_type: float = 2.0,
-) -> Tensor:
-    """Clip synchronised gradients by the global norm over all dense and all expert parameters.
+def grad_norm(
+    named_params: Iterable[tuple[str, nn.Parameter]], topology: ExpertParallelTopology
+) -> tuple[Tensor, Tensor]:
+    """(global 2-norm, all gradients finite) of synchronised gradients over all dense and all expert
+    parameters, the same on every rank.
 
     Dense gradients are identical on every rank and each expert's gradient is identical across its
     EDP group, so the global squared norm is dense^2 (counted once) + the sum over the EP group of the
-    local experts' squared norms: each element is counted exactly once. Returns the total norm.
+    local experts' squared norms: each element is counted exactly once. A non-finite element makes its
+    square non-finite, and the sums carry it to every rank: the verdict costs no extra collective.
     """
-    if norm_type != 2.0:
-        raise ValueError(f"Only the 2-norm is supported for gradient clipping, got norm_type={norm_type}.")
     dense, experts = [], []
     for name, p in named_params:
         if p.grad is not None:
@@ -105,9 +102,30 @@ def clip_grad_norm_(
     if topology.ep_size > 1:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=topology.ep_group)
     total = reduce_over_stages(dense_sq + expert_sq, topology).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in dense + experts:
+    return total, torch.isfinite(total)
+
+
+def scale_grads_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: float, norm: Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / norm): clipping by a global norm from `grad_norm`."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [p.grad for _, p in named_params if p.grad is not None]
+    for g in grads:
         g.mul_(coef.to(g.dtype))
+
+
+def clip_grad_norm_(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    max_norm: float,
+    topology: ExpertParallelTopology,
+    norm_type: float = 2.0,
+) -> Tensor:
+    """Clip synchronised gradients by the global norm over all dense and all expert parameters
+    (`grad_norm`, each element counted once); returns the total norm."""
+    if norm_type != 2.0:
+        raise ValueError(f"Only the 2-norm is supported for gradient clipping, got norm_type={norm_type}.")
+    named = list(named_params)
+    total, _ = grad_norm(named, topology)
+    scale_grads_(named, max_norm, total)
     return total
 
 

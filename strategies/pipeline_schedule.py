@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from mula.model import router_losses
 from strategies.pipeline_split import MulaStage
 from strategies.topology import ExpertParallelTopology
 
@@ -131,7 +132,7 @@ class PipelineRunner:
         """The module's loss of one micro-batch on the last stage, scaled for the step's mean."""
         if self.module.config.is_moe:
             logits, router = output
-            aux, z = (router / self.module.config.num_layers).unbind()
+            aux, z = router_losses(self.module.config, router)
         else:
             logits = output
             aux = z = torch.zeros((), dtype=torch.float32, device=logits.device)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from mula.model import Mula, rope_cos_sin
+from mula.model import Mula, check_sequence_length, forward_blocks, rope_cos_sin
 from mula.parallel_layout import Holdings
 
 
@@ -47,9 +47,10 @@ class MulaStage(nn.Module):
 
     Inputs: token ids [B, T] on the first stage, else (hidden [B, T, H], router losses [2]).
     Outputs: (hidden or, on the last stage, logits [B, T, V], router losses [2]); a dense model has no
-    router losses. The router losses are the running sums of every MoE layer's (aux, z) loss so far:
-    they travel with the activations, so the last stage's loss contains all of them and backward
-    brings each stage its share of their gradient -- the same loss as the unsplit model's.
+    router losses. The router losses are `forward_blocks`' running sums of every MoE layer's (aux, z)
+    loss so far (zeros before the first MoE block): they travel with the activations, so the last
+    stage's loss (`router_losses` of the sums) contains all of them and backward brings each stage its
+    share of their gradient -- the same loss as the unsplit model's, summed in the same order.
     """
 
     def __init__(self, model: Mula, layers: Sequence[int], first: bool, last: bool) -> None:
@@ -66,26 +67,21 @@ class MulaStage(nn.Module):
     def forward(self, x: Tensor, router: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Run this stage's part of `Mula.forward`."""
         if self.embed is not None:
-            if x.shape[1] > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"Sequence length {x.shape[1]} exceeds max_position_embeddings "
-                    f"{self.config.max_position_embeddings}."
-                )
+            check_sequence_length(self.config, x.shape[1])
             x = self.embed(x)
         cos, sin = rope_cos_sin(self.config, x.shape[1], x.device)
-        losses = []
-        for index, block in zip(self.layer_ids, self.blocks):
-            x, stats = block(x, cos, sin)
-            if stats is not None:
-                losses.append(torch.stack([stats.aux_loss, stats.z_loss]).float())
-                if self.count_sink is not None and torch.is_grad_enabled():  # training forwards only
-                    self.count_sink(index, stats.tokens_per_expert)
+        out = forward_blocks(zip(self.layer_ids, self.blocks), x, cos, sin, router)
+        if self.count_sink is not None and torch.is_grad_enabled():  # training forwards only
+            for index, counts in out.tokens_per_expert.items():
+                self.count_sink(index, counts)
+        x = out.hidden
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         if not self.config.is_moe:
             return x
-        here = torch.stack(losses).sum(0)
-        return x, here if router is None else router + here
+        if out.router_sums is None:  # the first stage holds only dense blocks: nothing to add yet
+            return x, torch.zeros(2, dtype=torch.float32, device=x.device)
+        return x, out.router_sums
 
     def example_io(self, micro_batch: int, seq_len: int, dtype: torch.dtype, logits_dtype: torch.dtype):
         """(inputs, outputs) as meta tensors of one micro-batch: the static shapes `PipelineStage` needs."""

@@ -3,20 +3,21 @@
 With P > 1 each optimizer step is one `PipelineRunner.step` inside `training_step`: the data module
 hands over the step's whole per-rank batch (`consumes_whole_step`; Lightning accumulates nothing),
 the schedule runs every forward and backward with gradient communication held back, and the
-strategy's `backward` only runs the hooks around backward and reduces the gradients. Lightning zeroes
-gradients between `training_step` and `backward`; that one call is skipped (`_guard_zero_grad`),
-gradients are zeroed before the schedule instead. The returned loss is the step's global mean on
+strategy's `backward` only runs the hooks around backward; `optimizer_step` then reduces, checks,
+clips, updates and zeroes as for any step. Gradients are zero when the schedule starts (the previous
+step ended by zeroing them; Lightning's own zeroing between `training_step` and `backward` is not
+done, see `XPUMoEStrategy.zeroes_grads_after_step`). The returned loss is the step's global mean on
 every rank, so loggers and the anomaly guard see the same value everywhere.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from mula.layout_rules import micro_batches_per_step
 from strategies.pipeline_schedule import PipelineRunner
 from strategies.pipeline_split import split_model
 
@@ -25,12 +26,11 @@ class PipelineSteps:
     """Training, validation and backward hooks of a strategy with pipeline stages (no-ops at P = 1).
 
     Expects the host strategy to set `topology` (built from its `ParallelLayout`),
-    `pipeline_parallel_size`, `pipeline_microbatches`, `_pipeline` (None)
-    and `_keep_grads` (False), and to provide `block_backward_sync` and `post_backward`.
+    `pipeline_parallel_size`, `pipeline_microbatches`, `_pipeline` (None) and to provide
+    `block_backward_sync`.
     """
 
     _pipeline: PipelineRunner | None
-    _keep_grads: bool
 
     @property
     def consumes_whole_step(self) -> bool:
@@ -57,23 +57,29 @@ class PipelineSteps:
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
         batch = args[0] if args else kwargs["batch"]
-        if self.pipeline_microbatches is None:
-            raise ValueError(
-                "pipeline_parallel_size > 1 needs the data module to set the strategy's pipeline_microbatches "
-                "(MulaDataModule does; other data modules must set it to the micro-batches per step)."
-            )
         module = self.lightning_module
-        self._keep_grads = False
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
+        # gradients are zero: the previous optimizer_step ended by zeroing them
         with self.precision_plugin.train_step_context(), self.block_backward_sync():
-            sums, count = self._pipeline.step(batch, self.pipeline_microbatches)
-        self._keep_grads = True  # Lightning zeroes gradients between training_step and backward
+            sums, count = self._pipeline.step(batch, self._microbatches_per_step(batch))
         module.set_batch_shape(batch.shape[0], batch.shape[1] - 1)  # the step's tokens, for throughput
         module.record_step_losses(sums, count)
         module.log("train/lr", self.optimizers[0].param_groups[0]["lr"])
         total = self.reduce(torch.cat([sums[:1], sums.new_tensor([count])]), reduce_op="sum")
         return total[0] / total[1]
+
+    def _microbatches_per_step(self, batch: Tensor) -> int:
+        """The pipeline's micro-batches in this step: the batch's rows over the data module's
+        `micro_batch_size` (or `pipeline_microbatches`, set by whoever feeds other data)."""
+        if self.pipeline_microbatches is not None:
+            return self.pipeline_microbatches
+        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        micro = getattr(datamodule, "micro_batch_size", None)
+        if micro is None:
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs the micro-batch size: train with a MulaDataModule, or set "
+                "the strategy's pipeline_microbatches to the micro-batches per step."
+            )
+        return micro_batches_per_step(batch.shape[0], 1, micro)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline stages: the batch's cross-entropy through the stages, counted on the last."""
@@ -95,34 +101,10 @@ class PipelineSteps:
         self.lightning_module.val_loss.update(ce, weight=tokens)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The pipeline step already ran backward: run the hooks around it and reduce the gradients."""
+        """The pipeline step already ran backward: run the hooks around it (the strategy's
+        `optimizer_step` reduces the gradients)."""
         if self._pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def _guard_zero_grad(self) -> None:
-        """With stages, make each optimizer's `zero_grad` skip the one call Lightning makes after
-        `training_step` (the schedule has run backward by then)."""
-        if self._pipeline is None:
-            return
-        for optimizer in self.optimizers:  # type: ignore[attr-defined]
-            _skip_zero_grad_after_pipeline_step(optimizer, self)
-
-
-def _skip_zero_grad_after_pipeline_step(optimizer: Any, strategy: PipelineSteps) -> None:
-    """Lightning calls `zero_grad` after `training_step` and before `backward`; a pipeline step has
-    already run backward by then (and zeroed gradients before it), so that one call must do nothing."""
-    zero_grad = optimizer.zero_grad
-
-    @functools.wraps(zero_grad)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if strategy._keep_grads:
-            strategy._keep_grads = False
-            return None
-        return zero_grad(*args, **kwargs)
-
-    optimizer.zero_grad = guarded
+        return self.precision_plugin.post_backward(closure_loss, module)

@@ -21,8 +21,9 @@ Per step (the order the strategy follows, see ``EPShardedAdamW``):
    rank once), and launch an async reduce-scatter as soon as a bucket is complete — in bucket order, so every rank issues the
    same collectives in the same order;
 2. ``reduce_gradients()``: launch what is left, wait, the rank now has its averaged gradient shard;
-3. ``clip_grad_norm_(max_norm)``: one all-reduce of the local sum of squares (every element is
-   owned by exactly one rank, so it is counted once) gives the global norm;
+3. ``grad_norm()``: one all-reduce of the local sum of squares (every element is owned by exactly
+   one rank, so it is counted once) and of a non-finite count gives the global norm and whether
+   every gradient is finite; ``clip_grad_norm_(max_norm, norm=...)`` scales the shard by it;
 4. ``step()``: AdamW on the local shard bucket by bucket (lr, betas, eps, weight decay read from
    ``param_groups`` every step, so Lightning LR schedulers work), each bucket's all-gather of the
    updated parameters (in the model's dtype, fp32 or bf16) launched as soon as it is updated so it
@@ -148,7 +149,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("EPShardedAdamW got no parameters.")
         devices = {p.device for p in self._params}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
+        # meta parameters only in a dry run (`mula plan --dry_run`): shapes without storage, fake collectives
+        if len(devices) != 1 or (next(iter(devices)).type == "meta" and not _fake_backend()):
             raise ValueError(
                 f"All parameters must be materialised on one device, found {sorted(map(str, devices))}."
             )
@@ -290,22 +292,28 @@ class EPShardedAdamW(torch.optim.Optimizer):
     # clipping
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, norm: Tensor | None = None) -> Tensor:
         """Clip the (global) gradient to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would on the
-        unsharded model; returns the total norm before clipping. One all-reduce over the world.
+        unsharded model; returns the total norm before clipping. One all-reduce over the world, none
+        when ``norm`` (this round's ``grad_norm()``) is given.
 
         No scaling during the first ``clip_after_step`` optimizer steps (warmup)."""
-        if norm_type not in (2.0, float("inf")):
-            raise ValueError(f"clip_grad_norm_ supports norm_type 2 or inf, got {norm_type}.")
-        self.reduce_gradients()
-        norm = self._global_norm(float(norm_type))
+        if norm is None:
+            norm, _ = self.grad_norm(norm_type)
         if self._p.steps_done >= self.options.clip_after_step:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             self.shard_grad.mul_(coef.to(self.shard_grad.dtype))
         self._p.clipped = True
         return norm
 
-    def _global_norm(self, norm_type: float) -> Tensor:
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> tuple[Tensor, Tensor]:
+        """Finish the reduction, then (global gradient norm, all gradients finite) over every rank's
+        shard and every pipeline stage: one all-reduce carries the norm and a non-finite count, so
+        every rank returns the same verdict (a 0-dim bool tensor; no host sync here)."""
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"clip_grad_norm_ supports norm_type 2 or inf, got {norm_type}.")
+        self.reduce_gradients()
         parts = []
         for name, (lo, hi) in self.reducer.domain_ranges.items():
             g = self.shard_grad[lo:hi].float()
@@ -316,14 +324,19 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 if name == "dense" and not self.options.ep_aware:
                     sq = sq / self.topology.ep_size  # each dense element is held by E ranks
                 parts.append(sq)
-        total = torch.stack(parts).max() if norm_type == float("inf") else torch.stack(parts).sum()
+        local = torch.stack(parts).max() if norm_type == float("inf") else torch.stack(parts).sum()
+        # a square (or |g|) is non-finite exactly when an element is: the flag costs no extra pass
+        bad = (~torch.isfinite(local)).float()
+        total = torch.stack([torch.where(bad > 0, torch.zeros_like(local), local), bad])
         op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
         if self.topology.world_size > 1:
             dist.all_reduce(total, op=op, group=self.topology.world_group)
         reduce_over_stages(total, self.topology, op)  # each stage holds its part of the model
-        norm = total if norm_type == float("inf") else total.sqrt()
+        finite = total[1] == 0
+        norm = total[0] if norm_type == float("inf") else total[0].sqrt()
+        norm = torch.where(finite, norm, torch.full_like(norm, float("nan")))
         self._p.last_norm = norm
-        return norm
+        return norm, finite
 
     # ----------------------------------------------------------------------------------------
     # update
@@ -498,6 +511,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
 # --------------------------------------------------------------------------------------------
 # helpers
+
+
+def _fake_backend() -> bool:
+    """True under torch's fake process group (a dry run: collectives return at once, sending nothing)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def _default_topology() -> ExpertParallelTopology:

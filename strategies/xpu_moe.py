@@ -4,11 +4,13 @@ Structure follows Lightning's ModelParallelStrategy: `setup_environment` (proces
 groups) -> `setup` (parallelise the LightningModule's model from the outside, build the optimizer)
 -> checkpoint hooks (sharded DCP directories that reshard across layouts).
 
-Per step (automatic optimisation): forward with all-to-all dispatchers -> backward, where gradient
-buckets start reducing as soon as they are complete -> `post_backward` finishes the reduction (dense
-over all W ranks, experts over their EDP group) -> Lightning's clipping (re-pointed to a global norm
-that counts each element once) -> optimizer step. Gradient-accumulation micro-batches do not
-communicate (`block_backward_sync`).
+Per step (automatic optimisation) the strategy owns the order, in `optimizer_step`: forward with
+all-to-all dispatchers -> backward, where gradient buckets start reducing as soon as they are complete
+-> reduce (dense over all W ranks, experts over their EDP group) -> the global norm and a non-finite
+flag in one all-reduce -> `on_before_optimizer_step` hooks (a callback may veto the update) -> clip
+-> update -> zero. The optimizer is built by `build_optimizer`, which the module's
+`configure_optimizers` calls. Gradient-accumulation micro-batches do not communicate
+(`block_backward_sync`).
 
 With `pipeline_parallel_size` P > 1 the model's blocks are split into P stages (strategies/
 pipeline_split.py) and each optimizer step runs as one `torch.distributed.pipelining` schedule
@@ -23,13 +25,11 @@ or `trainer.strategy: xpu_moe` (E = 1).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from weakref import ref
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
-from mula.layout_rules import check_degrees, check_experts, check_zero_stage, validate_schedule
+from mula.layout_rules import check_degrees, check_experts, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -60,7 +60,8 @@ from mula.parallel_layout import ParallelLayout
 from strategies.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.environments import PALSEnvironment
 from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.grad_sync import GradientSynchronizer
+from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
 from strategies.pipeline_steps import PipelineSteps
 from strategies.sharded_state import (
     expert_mesh,
@@ -70,11 +71,10 @@ from strategies.sharded_state import (
     rescale_loop_progress,
     save_sharded,
 )
-from strategies.sharding_options import torch_dtype
 from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 
-class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
+class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
 
     W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
@@ -88,8 +88,8 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
 
     Args:
         expert_parallel_size: E; must divide the world size and the model's number of experts.
-        shard_optimizer: replace the module's `torch.optim.AdamW` by `EPShardedAdamW` (state split
-            once across all ranks). False keeps the module's optimizer and all-reduces gradients.
+        shard_optimizer: `build_optimizer` builds an `EPShardedAdamW` (state split once across all
+            ranks); False: a `torch.optim.AdamW`, gradients all-reduced.
         optimizer_options: keyword options of `EPShardedAdamW` (e.g. `zero_stage`, `bucket_numel`,
             `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
         bucket_size_mb: gradient bucket size for the unsharded path.
@@ -149,12 +149,12 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         self.pipeline_stage_layers = (
             list(pipeline_stage_layers) if pipeline_stage_layers is not None else None
         )
-        # Micro-batches per optimizer step, set by the data module (P > 1: it hands over whole steps).
+        # Micro-batches per optimizer step with P > 1, for data that is not a MulaDataModule (whose
+        # micro_batch_size the strategy reads itself).
         self.pipeline_microbatches: int | None = None
         self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
-        self._keep_grads = False
         self.shard_optimizer = shard_optimizer
-        self.optimizer_options = _parse_optimizer_options(optimizer_options or {})
+        self.optimizer_options = parse_optimizer_options(optimizer_options or {})
         self.bucket_size_mb = bucket_size_mb
         self.overlap_grad_reduce = overlap_grad_reduce
         self.meta_init = meta_init
@@ -165,8 +165,6 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         self.topology: ExpertParallelTopology | None = None
         self._mesh: Any = None
         self._grad_sync: GradientSynchronizer | None = None
-        self._sync_blocked = False
-        self.last_grad_norm: Tensor | None = None
 
     # ----- layout ----------------------------------------------------------------------------
     @property
@@ -286,10 +284,15 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         assert self.accelerator is not None and self.model is not None and self.topology is not None
         self.accelerator.setup(trainer)
         fix_mixed_precision_device(self.precision_plugin, self.root_device.type)
-        if self.shard_optimizer and getattr(self.precision_plugin, "scaler", None) is not None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
-                "precision='16-mixed' (loss scaling) is not supported with shard_optimizer=True; "
-                "use precision='bf16-mixed' or shard_optimizer=False."
+                "precision='16-mixed' (loss scaling) is not supported by XPUMoEStrategy; use "
+                "precision='bf16-mixed' or 'bf16-true'."
+            )
+        if self.shard_optimizer and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+            raise ValueError(
+                "gradient_clip_algorithm='value' is not supported with shard_optimizer=True; use 'norm' "
+                "(the global norm over all experts) or shard_optimizer=False."
             )
         module = self.lightning_module
         if self.pipeline_parallel_size > 1:
@@ -303,9 +306,6 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        # Lightning's norm clipping sees only this rank's tensors: route it to the global norm.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -335,104 +335,6 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
                     dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
             else:  # from the first rank of this pipeline stage (rank 0 when P = 1)
                 dist.broadcast(tensor.data, src=topo.to_global(0), group=topo.world_group)
-
-    def setup_optimizers(self, trainer: Any) -> None:
-        """The module's optimizer, made EP-aware: sharded, or with EP-aware gradient averaging."""
-        self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
-        self._make_optimizers_aware()
-        self._guard_zero_grad()
-
-    def _make_optimizers_aware(self) -> None:
-        """Replace the AdamW by `EPShardedAdamW`, or attach the EP-aware gradient synchroniser."""
-        assert self.topology is not None
-        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
-        if self._grad_sync is not None:
-            self._grad_sync.remove_hooks()
-            self._grad_sync = None
-        if not self.shard_optimizer:
-            # A pipeline step's backward passes interleave with forwards: reduce once after all of them.
-            overlap = self.overlap_grad_reduce and self._pipeline is None
-            self._grad_sync = GradientSynchronizer(named, self.topology, self.bucket_size_mb, overlap)
-            return
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"shard_optimizer=True needs exactly one optimizer, the module returned {len(self.optimizers)}."
-            )
-        from strategies.sharded_optimizer import EPShardedAdamW
-
-        adamw = self.optimizers[0]
-        if not isinstance(adamw, torch.optim.AdamW):
-            raise ValueError(
-                f"shard_optimizer=True replaces a torch.optim.AdamW, but configure_optimizers returned "
-                f"{type(adamw).__name__}; use AdamW or shard_optimizer=False."
-            )
-        options = dict(self.optimizer_options)
-        check_zero_stage(self.pipeline_parallel_size, options.get("zero_stage", 1))
-        if options.get("overlap_param_gather"):
-            options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
-        sharded = EPShardedAdamW.from_adamw(adamw, named, self.topology, **options)
-        for config in self.lr_scheduler_configs:
-            if config.scheduler.optimizer is adamw:
-                config.scheduler.optimizer = sharded
-                _track_step_calls(sharded)
-        self.optimizers = [sharded]
-
-    # ----- gradients -------------------------------------------------------------------------
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient-accumulation micro-batch: accumulate locally, communicate nothing."""
-        sharded = self._sharded_optimizer()
-        self._sync_blocked = True
-        if self._grad_sync is not None:
-            self._grad_sync.enabled = False
-        try:
-            if sharded is not None:
-                with sharded.no_sync():
-                    yield
-            else:
-                yield
-        finally:
-            self._sync_blocked = False
-            if self._grad_sync is not None:
-                self._grad_sync.enabled = True
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        """Finish the gradient reduction started by the backward hooks (unless accumulating)."""
-        if self._sync_blocked:
-            return
-        sharded = self._sharded_optimizer()
-        if sharded is not None:
-            sharded.reduce_gradients()
-        elif self._grad_sync is not None:
-            self._grad_sync.finish()
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the global norm over dense and all experts, each element counted once."""
-        sharded = self._sharded_optimizer()
-        if sharded is not None:
-            self.last_grad_norm = sharded.clip_grad_norm_(float(clip_val))
-        else:
-            assert self.topology is not None
-            named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
-            self.last_grad_norm = clip_grad_norm_(named, float(clip_val), self.topology)
-
-    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        """Element-wise clipping is local, but the sharded optimizer keeps gradients in its shards."""
-        if self._sharded_optimizer() is not None:
-            raise ValueError(
-                "gradient_clip_algorithm='value' is not supported with shard_optimizer=True; use 'norm' "
-                "(the global norm over all experts) or shard_optimizer=False."
-            )
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grad_value_(params, clip_val)
-
-    def _sharded_optimizer(self) -> Any:
-        if not self.shard_optimizer or not self.optimizers:
-            return None
-        opt = self.optimizers[0]
-        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
-        return opt if hasattr(opt, "reduce_gradients") else None
 
     # ----- collectives -----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
@@ -541,28 +443,3 @@ class XPUMoEStrategy(PipelineSteps, ParallelStrategy):
 def _launched_by_mpiexec() -> bool:
     """mpiexec/PALS/PMI launch that no Lightning environment claims (torchrun and SLURM come first)."""
     return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()
-
-
-def _parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
-    """YAML gives dtypes as strings ("bfloat16", "bf16", "fp32"): turn them into torch dtypes."""
-    out = dict(options)
-    if isinstance(out.get("reduce_dtype"), str):
-        out["reduce_dtype"] = torch_dtype(out["reduce_dtype"])
-    return out
-
-
-def _track_step_calls(optimizer: Any) -> None:
-    """Mark `optimizer.step` the way torch's LR schedulers do, so a re-pointed scheduler does not warn."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    opt_ref = ref(optimizer)
-    step = optimizer.step.__func__
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True
-        return step(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper

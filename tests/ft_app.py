@@ -61,7 +61,9 @@ class TinyLM(pl.LightningModule):
         self.log("val/loss", self._loss(batch))
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        # the strategy's optimizer when it builds one (XPUMoEStrategy: sharded), else torch's AdamW
+        build = getattr(self.trainer.strategy, "build_optimizer", torch.optim.AdamW)
+        opt = build(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
         warmup = self.hparams.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.97**s)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -66,6 +66,7 @@ def test_exact_counts_by_hand():
         {"head_dim": 64},
         {"tie_embeddings": True},
         {"norm": "layernorm", "num_experts": 0, "qk_norm": True},
+        {"num_dense_layers": 1, "intermediate_size": 4096},
     ],
 )
 def test_counts_for_variants(kw):
@@ -84,6 +85,8 @@ def test_counts_for_variants(kw):
         ("mula-7b-a1b", {"num_layers": 2, "tie_embeddings": True}),
         ("mula-1b", {"num_layers": 2, "norm": "rmsnorm", "qk_norm": True, "num_kv_heads": 8}),
         ("mula-tiny-dense", {"norm": "layernorm", "qk_norm": True, "intermediate_size": 320}),
+        ("mula-tiny-moe", {"num_dense_layers": 1, "intermediate_size": 320}),
+        ("mula-7b-a1b", {"num_layers": 3, "num_dense_layers": 2, "tie_embeddings": True}),
     ],
 )
 def test_parameter_shapes_are_the_modules(name, kw):
@@ -94,9 +97,12 @@ def test_parameter_shapes_are_the_modules(name, kw):
     assert cfg.parameter_shapes() == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-@pytest.mark.parametrize("name", ["mula-7b-a1b", "mula-1b", "mula-tiny-moe"])
-def test_flops_formula(name):
-    cfg = MulaConfig.from_name(name)
+@pytest.mark.parametrize(
+    "name, kw",
+    [("mula-7b-a1b", {}), ("mula-1b", {}), ("mula-tiny-moe", {}), ("mula-tiny-moe", {"num_dense_layers": 2})],
+)
+def test_flops_formula(name, kw):
+    cfg = MulaConfig.from_name(name, **kw)
     with torch.device("meta"):
         model = Mula(cfg)
     # matmul params a token touches: every 2-D+ weight except the embedding, experts scaled to top_k
@@ -132,6 +138,22 @@ def test_from_name_and_validation():
         MulaConfig(hidden_size=100, num_heads=16)
     assert MulaConfig(num_kv_heads=4).kv_heads == 4 and MulaConfig().head_size == 128
     assert MulaConfig.from_name("mula-1b").is_moe is False
+    with pytest.raises(
+        ValueError, match=r"num_dense_layers must be in \[0, num_layers=4\) so that at least one"
+    ):
+        MulaConfig.from_name("mula-tiny-moe", num_dense_layers=4)
+    with pytest.raises(ValueError, match="num_dense_layers must be in"):
+        MulaConfig.from_name("mula-tiny-moe", num_dense_layers=-1)
+    with pytest.raises(ValueError, match="num_dense_layers=1 needs an MoE model"):
+        MulaConfig.from_name("mula-tiny-dense", num_dense_layers=1)
+    with pytest.raises(ValueError, match="intermediate_size must be positive for the dense blocks"):
+        MulaConfig.from_name("mula-tiny-moe", num_dense_layers=1, intermediate_size=0)
+    mixed = MulaConfig.from_name("mula-tiny-moe", num_dense_layers=1)
+    assert (mixed.num_moe_layers, mixed.is_moe_layer(0), mixed.is_moe_layer(1), mixed.moe_layer_row(3)) == (
+        3, False, True, 2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="Block 0 is not an MoE block"):
+        mixed.moe_layer_row(0)
 
 
 def test_architecture_fields_name_real_fields_and_resolve_defaults():
@@ -150,3 +172,9 @@ def test_architecture_fields_name_real_fields_and_resolve_defaults():
     assert config.architecture() == explicit.architecture()
     assert config.architecture_differences(dataclasses.replace(config, router_z_loss_coef=1.0)) == []
     assert config.architecture_differences(dataclasses.replace(config, top_k=2)) == ["top_k: 2 vs 4"]
+    # the dense first blocks are architecture, and so is their MLP width (only when there are some)
+    assert config.architecture_differences(dataclasses.replace(config, intermediate_size=64)) == []
+    mixed = dataclasses.replace(config, num_dense_layers=1, intermediate_size=64)
+    assert config.architecture_differences(mixed) == [
+        "intermediate_size: 64 vs None", "num_dense_layers: 1 vs 0",
+    ]  # fmt: skip

@@ -394,16 +394,20 @@ def test_prepare_on_first_use(tmp_path):
 def test_a_pipeline_strategy_gets_each_step_whole(data):
     """A strategy with pipeline stages (`consumes_whole_step`) gets a data-parallel rank's share of each
     global batch as one batch -- the rows of its accumulation micro-batches, in order -- and learns the
-    number of micro-batches per step; Lightning then accumulates nothing."""
-    strategy = SimpleNamespace(
-        consumes_whole_step=True, pipeline_microbatches=None, data_parallel_rank=1, data_parallel_size=2
-    )
+    number of micro-batches per step from its rows and micro_batch_size (the data module writes nothing
+    into the strategy); Lightning then accumulates nothing."""
+    strategy = SimpleNamespace(consumes_whole_step=True, data_parallel_rank=1, data_parallel_size=2)
     dm = make_dm(data)
     dm.trainer = SimpleNamespace(strategy=strategy, accumulate_grad_batches=1, lightning_module=None)
     dm.setup("fit")
-    assert strategy.pipeline_microbatches == 2 and dm.trainer.accumulate_grad_batches == 1
+    assert dm.trainer.accumulate_grad_batches == 1 and vars(strategy).keys() == {
+        "consumes_whole_step",
+        "data_parallel_rank",
+        "data_parallel_size",
+    }
     it = iter(dm.train_dataloader())
     whole = [next(it) for _ in range(3)]
+    assert whole[0].shape[0] // dm.micro_batch_size == 2
     micro = rank_batches(data, 1, 2, 3)  # the same rank without stages: 2 micro-batches per step
     for step in range(3):
         assert torch.equal(whole[step], torch.cat(micro[2 * step : 2 * step + 2]))

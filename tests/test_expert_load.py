@@ -102,3 +102,28 @@ def test_mula_report_refuses_a_directory_without_metrics(tmp_path: Path, capsys)
         main(["report", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "holds no metrics.csv" in capsys.readouterr().err
+
+
+def test_dense_first_blocks_are_named_by_block_index(tmp_path: Path) -> None:
+    """With the first block dense, the MoE blocks 1 and 2 are logged and written as layers 1 and 2 (the
+    block index), their tokens those of the step's routing; block 0 has no row."""
+    torch.manual_seed(0)
+    overrides = {**TINY, "num_layers": 3, "num_dense_layers": 1, "intermediate_size": 32}
+    module = MulaLightningModule("mula-tiny-moe", overrides=overrides, lr=1e-3, warmup_steps=0)
+    data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, accumulate_grad_batches=2, log_every_n_steps=1, default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path, name=""), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[ExpertLoad(plot_every_n_steps=0)], max_epochs=-1,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(list(data), batch_size=2))
+    metrics = find_metrics(tmp_path)
+    names = {k for k in read_metrics(metrics) if k.startswith("moe/layer_")}
+    assert names == {f"moe/layer_{i}/{m}" for i in (1, 2) for m in ("load_imbalance", "dead_experts")}
+    with open(metrics.parent / "moe_load.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {int(r["layer"]) for r in rows} == {1, 2}
+    for step in {int(r["step"]) for r in rows}:
+        for layer in (1, 2):
+            tokens = [int(r["tokens"]) for r in rows if int(r["step"]) == step and int(r["layer"]) == layer]
+            assert sum(tokens) == TOKENS * TINY["top_k"]

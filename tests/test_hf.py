@@ -208,6 +208,17 @@ def test_bad_inputs(tmp_path):
         to_hf(Mula(MulaConfig.from_name("mula-tiny-moe", qk_norm=False, num_layers=1)))
     with pytest.raises(ValueError, match="OLMo"):
         to_hf(Mula(MulaConfig.from_name("mula-tiny-dense", norm="rmsnorm", num_layers=1)))
+    dense_first = MulaConfig.from_name(
+        "mula-tiny-moe", num_layers=2, num_dense_layers=1, intermediate_size=64
+    )
+    with pytest.raises(
+        ValueError, match=r"first 1 block\(s\) are dense \(num_dense_layers\) cannot be exported"
+    ):
+        to_hf(Mula(dense_first))
+    save_weights(Mula(dense_first), tmp_path / "dense_first.pt")
+    with pytest.raises(ValueError, match="num_dense_layers"):
+        export_hf(tmp_path / "dense_first.pt", tmp_path / "dense_first")
+    assert not (tmp_path / "dense_first").exists()
     clipped = OlmoForCausalLM(OlmoConfig(**COMMON, intermediate_size=48, clip_qkv=8.0))
     with pytest.raises(ValueError, match="clip_qkv"):
         from_hf(clipped)

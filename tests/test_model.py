@@ -98,9 +98,38 @@ def test_aux_and_z_loss_are_layer_means():
     assert out.z_loss.item() == pytest.approx((per_layer[0].z_loss + per_layer[1].z_loss).item() / 2)
 
 
-def test_backward_reaches_every_parameter():
+def test_dense_first_blocks_and_router_losses_over_the_moe_blocks_only():
+    """num_dense_layers=1: block 0 has the dense SwiGLU, the others an MoE layer; the router losses are
+    the means over the MoE blocks (not over every block) and the counts have one row per MoE block."""
+    from mula.model import MLP, rope_cos_sin
+
     torch.manual_seed(0)
-    model = Mula(tiny())
+    cfg = tiny(num_layers=3, num_dense_layers=1)
+    model = Mula(cfg)
+    assert isinstance(model.layers[0].mlp, MLP) and model.layers[0].mlp.up_proj.out_features == 48
+    assert all(isinstance(b.mlp, MoELayer) for b in list(model.layers)[1:])
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    x = torch.randint(0, 96, (2, 8))
+    h = model.embed(x)
+    cos, sin = rope_cos_sin(cfg, 8, h.device)
+    per_layer = []
+    for block in model.layers:
+        h, stats = block(h, cos, sin)
+        per_layer.append(stats)
+    assert per_layer[0] is None
+    out = model(x)
+    torch.testing.assert_close(out.logits, model.lm_head(model.norm(h)))
+    aux = (per_layer[1].aux_loss + per_layer[2].aux_loss) / 2
+    z = (per_layer[1].z_loss + per_layer[2].z_loss) / 2
+    torch.testing.assert_close(out.aux_loss, aux, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.z_loss, z, rtol=1e-6, atol=0)
+    assert out.tokens_per_expert.tolist() == [s.tokens_per_expert.tolist() for s in per_layer[1:]]
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_layers": 3, "num_dense_layers": 1}])
+def test_backward_reaches_every_parameter(kw):
+    torch.manual_seed(0)
+    model = Mula(tiny(**kw))
     x = torch.randint(0, 96, (2, 8))
     out = model(x)
     loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, 96), x[:, 1:].reshape(-1)) + 0.01 * out.aux_loss

@@ -10,7 +10,10 @@ losses, one saved at (W=4, P=1, E=4) resumes at (W=4, P=2, E=2), and the pipelin
 as one whole model (export to Hugging Face). Composes with activation checkpointing (exact) and
 bf16-true with fp32 masters (within bf16 rounding); meta_init builds each rank's stage only, with
 agreeing replicas; the auxiliary-loss-free router bias, counted per stage by global block, equals the
-one-process bias. Layout errors are one sentence, at start.
+one-process bias. A model whose first blocks are dense (`num_dense_layers`) trains on 2 ranks (P=2,
+1F1B and interleaved, with stages holding only dense blocks) with the one-process losses, gradient
+norms, weights and router bias: the router losses are means over the MoE blocks in both. Layout
+errors are one sentence, at start.
 """
 
 from __future__ import annotations
@@ -43,11 +46,16 @@ LAYOUTS = [
 ]
 
 
-def _module(activation_checkpointing: str = "none", bias_rate: float = 0.0) -> MulaLightningModule:
+def _module(
+    activation_checkpointing: str = "none", bias_rate: float = 0.0, dense_layers: int = 0
+) -> MulaLightningModule:
     torch.manual_seed(0)
+    overrides = {**OVERRIDES, "router_bias_update_rate": bias_rate}
+    if dense_layers:  # the first blocks dense, a SwiGLU of width 64
+        overrides.update(num_dense_layers=dense_layers, intermediate_size=64)
     return MulaLightningModule(
-        "mula-tiny-moe", overrides={**OVERRIDES, "router_bias_update_rate": bias_rate}, lr=1e-2,
-        min_lr=1e-3, warmup_steps=1, decay_steps=10, activation_checkpointing=activation_checkpointing,
+        "mula-tiny-moe", overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
+        activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
 
 
@@ -111,6 +119,7 @@ def _fit(
     precision="32-true",
     activation_checkpointing="none",
     bias_rate: float = 0.0,
+    dense_layers: int = 0,
 ):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
@@ -130,7 +139,7 @@ def _fit(
         precision=precision,
         gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
     )
-    trainer.fit(_module(activation_checkpointing, bias_rate), loader, ckpt_path=ckpt_path)
+    trainer.fit(_module(activation_checkpointing, bias_rate, dense_layers), loader, ckpt_path=ckpt_path)
     return losses, trainer
 
 
@@ -257,6 +266,24 @@ def _assemble(ranks: list[dict], name: str) -> torch.Tensor:
     return torch.cat([pieces[k] for k in sorted(pieces)]) if len(pieces) > 1 else next(iter(pieces.values()))
 
 
+def _assert_trained_like(runs: list[dict], key: tuple, ref: _StepLosses, ref_params: dict) -> None:
+    """Every rank of the runs' layout `key` saw the reference's losses and gradient norms (the global
+    ones), and the ranks' parameters together are the reference's."""
+    for r in runs:
+        torch.testing.assert_close(
+            torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
+        )
+        torch.testing.assert_close(
+            torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
+        )
+    ranks = [r[key]["params"] for r in runs]
+    assert set().union(*ranks) == set(ref_params), key
+    for name, expected in ref_params.items():
+        torch.testing.assert_close(
+            _assemble(ranks, name), expected, rtol=1e-4, atol=5e-5, msg=lambda m, n=name: f"{key} {n} {m}"
+        )
+
+
 def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
     ref, ref_trainer = _fit(1, None)
     ref_params = {n: p.detach().clone() for n, p in ref_trainer.lightning_module.named_parameters()}
@@ -265,24 +292,9 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         runs = run_distributed(_run_layouts, 4, root)
         for pp, ep, schedule, _ in LAYOUTS:
             key = (pp, ep, schedule)
-            for r in runs:  # every rank sees the global loss; validation runs forward through the stages
+            for r in runs:  # validation runs forward through the stages
                 assert r[key]["val_loss"] == pytest.approx(ref_val, rel=1e-5), key
-                torch.testing.assert_close(
-                    torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
-                )
-                torch.testing.assert_close(
-                    torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
-                )
-            ranks = [r[key]["params"] for r in runs]
-            assert set().union(*ranks) == set(ref_params), key
-            for name, expected in ref_params.items():
-                torch.testing.assert_close(
-                    _assemble(ranks, name),
-                    expected,
-                    rtol=1e-4,
-                    atol=5e-5,
-                    msg=lambda m, k=key, n=name: f"{k} {n} {m}",
-                )
+            _assert_trained_like(runs, key, ref, ref_params)
         r0 = runs[0]
         torch.testing.assert_close(torch.tensor(r0["recompute"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r0["bf16"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
@@ -313,6 +325,46 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         # ... and the reverse: (W=4, P=1, E=4) -> (W=4, P=2, E=2)
         back = run_distributed(_resume, 4, 2, 2, f"{root}/p1e4/epoch=0-step=2.ckpt", 4)[0]
         torch.testing.assert_close(torch.tensor(back), torch.tensor(ref.losses[2:4]), rtol=1e-5, atol=0)
+
+
+# (dense first blocks, schedule, virtual stages) on 2 ranks, P=2: with 1 dense block the interleaved
+# stage 0 holds only it (its router sums start at zero); with 2 the interleaved stage 1 holds only a
+# dense block between stages (the sums pass through)
+DENSE_FIRST = [(1, "1f1b", 1), (1, "interleaved-1f1b", 2), (2, "interleaved-1f1b", 2)]
+
+
+def _run_dense_first(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    out = {}
+    for dense, schedule, virtual in DENSE_FIRST:
+        strategy = XPUMoEStrategy(
+            pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_virtual_stages=virtual
+        )
+        losses, trainer = _fit(world, strategy, bias_rate=BIAS_RATE, dense_layers=dense)
+        out[(dense, schedule)] = {
+            "losses": losses.losses,
+            "norms": losses.norms,
+            "params": _local_params(trainer),
+            "bias": _router_biases(trainer),
+        }
+    return out
+
+
+def test_dense_first_blocks_train_the_same_under_stages() -> None:
+    runs = run_distributed(_run_dense_first, 2)
+    for dense, schedule, _ in DENSE_FIRST:
+        key = (dense, schedule)
+        ref, ref_trainer = _fit(1, None, bias_rate=BIAS_RATE, dense_layers=dense)
+        model = ref_trainer.lightning_module.model
+        assert [type(b.mlp).__name__ for b in model.layers] == ["MLP"] * dense + ["MoELayer"] * (4 - dense)
+        ref_params = {n: p.detach().clone() for n, p in ref_trainer.lightning_module.named_parameters()}
+        ref_bias = _router_biases(ref_trainer)
+        assert len(ref_bias) == 4 - dense and all(b.abs().sum() > 0 for b in ref_bias.values())
+        _assert_trained_like(runs, key, ref, ref_params)
+        for r in runs:  # each rank's MoE blocks carry the one-process router bias
+            for name, bias in r[key]["bias"].items():
+                torch.testing.assert_close(bias, ref_bias[name], rtol=0, atol=0, msg=f"{key} {name}")
+        assert set().union(*(r[key]["bias"] for r in runs)) == set(ref_bias), key
 
 
 def _fit_errors(rank: int, world: int) -> list[str]:

@@ -26,6 +26,11 @@ from mula.plan.settings import plan_inputs
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
 CONFIG = MulaConfig.from_name("mula-tiny-moe", vocab_size=512, num_layers=2, max_position_embeddings=256)
+# the first block dense (a SwiGLU of width 384), the second MoE
+DENSE_FIRST = MulaConfig.from_name(
+    "mula-tiny-moe", vocab_size=512, num_layers=2, max_position_embeddings=256, num_dense_layers=1,
+    intermediate_size=384,
+)  # fmt: skip
 B, T = 4, 128
 
 
@@ -35,14 +40,14 @@ def stage_layers(num_layers: int, layout: Layout) -> list[list[int]]:
     return [held.blocks for held in layout.stage_holdings(config)]
 
 
-def _fit(tmp_path, checkpointing, precision: str) -> dict[str, float]:
+def _fit(tmp_path, checkpointing, precision: str, config: MulaConfig = CONFIG) -> dict[str, float]:
     """Two optimizer steps of 2 micro-batches each, logged every step; the last logged row."""
     ids = torch.randint(0, CONFIG.vocab_size, (16, T + 1), generator=torch.Generator().manual_seed(1))
     loader = DataLoader(
         TensorDataset(ids), batch_size=B, collate_fn=lambda rows: torch.stack([r[0] for r in rows])
     )
     torch.manual_seed(0)
-    module = MulaLightningModule(CONFIG, warmup_steps=1, activation_checkpointing=checkpointing)
+    module = MulaLightningModule(config, warmup_steps=1, activation_checkpointing=checkpointing)
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", devices=1, precision=precision, logger=L.loggers.CSVLogger(tmp_path),
         callbacks=[MemoryMetrics(), MoEMetrics()], enable_progress_bar=False, enable_model_summary=False,
@@ -55,16 +60,23 @@ def _fit(tmp_path, checkpointing, precision: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("checkpointing", "precision"),
+    ("checkpointing", "precision", "config"),
     # bf16 weights (bf16-true) need the sharded optimizer's fp32 masters: tests/test_plan_measured.py
-    [("none", "32-true"), (["moe"], "32-true"), ("full", "bf16-mixed"), (["attention"], "bf16-mixed")],
+    [
+        ("none", "32-true", CONFIG),
+        (["moe"], "32-true", CONFIG),
+        ("full", "bf16-mixed", CONFIG),
+        (["attention"], "bf16-mixed", CONFIG),
+        ("none", "32-true", DENSE_FIRST),
+        (["moe"], "bf16-mixed", DENSE_FIRST),
+    ],
 )
-def test_single_process_fit_matches_the_plan(tmp_path, checkpointing, precision) -> None:
-    logged = _fit(tmp_path, checkpointing, precision)
+def test_single_process_fit_matches_the_plan(tmp_path, checkpointing, precision, config) -> None:
+    logged = _fit(tmp_path, checkpointing, precision, config)
     layout = Layout(
         micro_batch=B, seq_len=T, micro_batches=2, precision=precision, checkpointing=checkpointing
     )
-    plan = plan_memory(CONFIG, layout)
+    plan = plan_memory(config, layout)
     assert plan.param_tensor_bytes == plan.params == logged["mem/param_bytes"]
     assert plan.grads == logged["mem/grad_bytes"]
     # torch AdamW: MoEMetrics counts the parameters with their two moments
@@ -78,6 +90,7 @@ def test_single_process_fit_matches_the_plan(tmp_path, checkpointing, precision)
         ("mula-tiny-moe", {}, ["embed.weight"]),
         ("mula-tiny-moe", {"tie_embeddings": True}, ["embed.weight", "*norm*"]),
         ("mula-tiny-dense", {}, []),
+        ("mula-tiny-moe", {"num_dense_layers": 2, "intermediate_size": 256}, ["embed.weight", "*norm*"]),
     ],
 )
 def test_planned_parameters_are_the_optimizers_in_its_order(name, kw, no_decay) -> None:

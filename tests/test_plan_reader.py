@@ -35,11 +35,11 @@ def _cli_argv(monkeypatch):
 
 def full_parse(argv: list[str], monkeypatch) -> dict[str, Any]:
     """What the LightningCLI parser hands `run_plan` for `mula plan ARGV`."""
-    from mula.cli import MulaCLI
+    from mula.cli import plan
 
     captured: dict[str, Any] = {}
     monkeypatch.setattr(plan_command, "run_plan", lambda **kwargs: captured.update(kwargs))
-    MulaCLI(args=["plan", *argv])
+    plan(argv)
     return captured
 
 
@@ -195,3 +195,107 @@ def test_fast_plan_imports_neither_lightning_nor_torch_and_reports_bad_input():
     run = subprocess.run(bad, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.startswith("mula: error: ") and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+TINY = ["-c", str(RECIPES / "mula-tiny-moe.yaml")]
+FIT_EXTRA = ["--trainer.devices=1", "--data.seq_len=64", "--ckpt_path=null", "--memory_check=false"]
+
+
+def fit_sections(argv: list[str]) -> dict[str, dict[str, Any]]:
+    """The trainer/model/data sections `mula fit ARGV` parses (classes instantiated, nothing run)."""
+    from test_recipes import _Probe
+
+    cli = _Probe(args=["fit", *argv])
+    return {k: cli.config.fit[k].as_dict() for k in ("trainer", "model", "data")}
+
+
+FIT_OPTIONS = ["ckpt_path", "restart_from_scratch", "memory_check", "device_memory_gb"]
+
+
+def test_fit_check_finds_no_difference_on_a_shipped_recipe(tmp_path, monkeypatch):
+    from mula.plan.recipe_reader import reader_mismatch
+
+    monkeypatch.chdir(tmp_path)
+    argv = TINY + FIT_EXTRA
+    assert read_plan_command(argv, {name: (object, None) for name in FIT_OPTIONS}) is not None
+    assert reader_mismatch(argv, fit_sections(argv), FIT_OPTIONS, world_size=1) is None
+
+
+def _misreading(monkeypatch):
+    """Make the light reader read data.seq_len one token longer than jsonargparse does."""
+    import mula.plan.recipe_reader as reader
+
+    real = reader.read_plan_command
+
+    def misread(argv, options):
+        out = real(argv, options)
+        if out is not None:
+            out["data"]["seq_len"] += 1
+        return out
+
+    monkeypatch.setattr(reader, "read_plan_command", misread)
+
+
+def test_fit_check_reports_a_difference_as_a_bug(tmp_path, monkeypatch):
+    from mula.plan.recipe_reader import reader_mismatch
+
+    monkeypatch.chdir(tmp_path)
+    argv = TINY + FIT_EXTRA
+    _misreading(monkeypatch)
+    message = reader_mismatch(argv, fit_sections(argv), FIT_OPTIONS, world_size=1)
+    assert message is not None and message.startswith("bug in mula's recipe reader")
+    assert "layout.seq_len: 65 here, 64 in mula fit" in message
+
+
+def test_mula_fit_compares_once_at_start_and_warns_on_a_difference(tmp_path, monkeypatch):
+    """End to end: `mula fit` runs the check before its run-directory lock; a deliberate misreading warns,
+    the real reader does not (the run goes on either way: fit uses jsonargparse's parse)."""
+    import warnings
+
+    import mula.plan.recipe_reader as reader
+    from mula.entry import main
+
+    class Reached(Exception):
+        pass
+
+    def lock(*_args):
+        raise Reached
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("mula.cli.lock_run_dir_before_launch", lock)
+    calls = []
+    real = reader.reader_mismatch
+    monkeypatch.setattr(reader, "reader_mismatch", lambda *a: calls.append(a) or real(*a))
+    argv = ["fit", *TINY, *FIT_EXTRA, "--trainer.enable_progress_bar=false"]
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(Reached):
+        warnings.simplefilter("always")
+        main(argv)
+    assert len(calls) == 1 and not [w for w in caught if "recipe reader" in str(w.message)]
+    _misreading(monkeypatch)
+    with pytest.warns(UserWarning, match="bug in mula's recipe reader") as caught, pytest.raises(Reached):
+        main(argv)
+    assert "layout.seq_len" in str(caught[-1].message)
+
+
+def test_jsonargparse_pin_is_the_requirement_and_another_release_goes_to_the_full_parser(monkeypatch):
+    import importlib.metadata
+    import re
+
+    import jsonargparse
+    from packaging.specifiers import SpecifierSet
+
+    import mula.plan.recipe_reader as reader
+
+    (requirement,) = re.findall(
+        r'^\s*"jsonargparse\[signatures\]([^"]*)",$', (ROOT / "pyproject.toml").read_text(), re.M
+    )
+    assert SpecifierSet(requirement) == SpecifierSet(reader.TESTED_JSONARGPARSE)
+    assert jsonargparse.__version__ in SpecifierSet(reader.TESTED_JSONARGPARSE)
+    argv = TINY + ["--machine=aurora"]
+    assert read_plan_command(argv, OPTIONS) is not None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.54.0")
+    reader.tested_jsonargparse.cache_clear()
+    try:
+        assert read_plan_command(argv, OPTIONS) is None
+    finally:
+        reader.tested_jsonargparse.cache_clear()

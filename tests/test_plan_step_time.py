@@ -100,3 +100,28 @@ def test_communication_times_are_the_measured_volumes_over_the_bandwidths() -> N
     assert t.pipeline_s == pytest.approx(bubble + max(v.pipeline for v in volumes) / inter)
     # the end stages send one way, the middle ones both: activations forward, gradients backward
     assert volumes[1].pipeline == volumes[2].pipeline == 2 * volumes[0].pipeline == 2 * volumes[3].pipeline
+
+
+def test_dense_first_blocks_weigh_their_own_flops_in_the_slowest_stage() -> None:
+    """P=2 over 2 dense then 2 MoE blocks: the step takes the heavier stage's share of the blocks' FLOPs
+    (each block's FLOPs from differences of `flops_per_token`, which tests/test_config.py checks
+    against the module), not half of them."""
+    seq = BASE.seq_len
+    kw = {"num_layers": 4, "num_dense_layers": 2, "intermediate_size": 16384}
+    config = MulaConfig.from_name("mula-20b-a2b", **kw)
+
+    def flops(**changes) -> int:
+        return MulaConfig.from_name("mula-20b-a2b", **changes).flops_per_token(seq)
+
+    moe_block = flops(num_layers=2) - flops(num_layers=1)
+    dense_block = flops(num_layers=2, num_dense_layers=1, intermediate_size=16384) - flops(num_layers=1)
+    assert dense_block > moe_block  # so the dense stage is the slower one
+    layout = BASE.replace(pp_size=2, world_size=768, micro_batches=16)
+    t = step_time(config, layout, AURORA, 3072)
+    share = 2 * max(dense_block, moe_block) / (2 * dense_block + 2 * moe_block)
+    rate = AURORA.peak_bf16_tflops * 1e12 * AURORA.compute_mfu
+    expected = config.flops_per_token(seq) * 3072 * seq / 768 * (share * 2) / rate
+    assert t.compute_s == pytest.approx(expected, rel=1e-12)
+    # only the MoE stage sends (its 2 blocks), as much as each stage of the all-MoE model
+    all_moe = step_time(MulaConfig.from_name("mula-20b-a2b", num_layers=4), layout, AURORA, 3072)
+    assert t.all_to_all_s == pytest.approx(all_moe.all_to_all_s)

@@ -3,7 +3,8 @@
 4 gloo CPU ranks train a tiny MoE (uniform routing, so every rank sends exactly (E-1)/E of its rows)
 with `XPUMoEStrategy` under Lightning's Trainer, in several layouts: expert parallelism, the sharded
 optimizer (ZeRO-1, ZeRO-2, EP-unaware, bf16 gradients, rooted and native collectives), replicated
-AdamW, activation checkpointing, bf16 weights and bf16 autocast, pipeline stages (1F1B, interleaved).
+AdamW, activation checkpointing, bf16 weights and bf16 autocast, pipeline stages (1F1B, interleaved),
+and a model whose first block is dense (no all-to-all there).
 Every collective Mula issues is wrapped and its bytes counted per call, as `comm_volumes` counts them
 (the nccl-tests "bus bytes": what an all-to-all sends to other ranks, (n-1)/n of a reduce-scatter's
 or all-gather's buffer, 2(n-1)/n of an all-reduce's; a rooted reduce or broadcast counts what its
@@ -70,7 +71,21 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, Any]] = {
         "none",
     ),  # fmt: skip
 }
+LAYOUTS["P=2 E=2 1f1b, first block dense, moe recomputed"] = (
+    {"expert_parallel_size": 2, "pipeline_parallel_size": 2},
+    "32-true",
+    ["moe"],
+)
+# MulaConfig fields a layout's model changes (the others train CONFIG)
+MODEL_CHANGES = {
+    "P=2 E=2 1f1b, first block dense, moe recomputed": {"num_dense_layers": 1, "intermediate_size": 64}
+}
 KINDS = ("all_to_all", "grad_reduce", "param_gather", "pipeline")
+
+
+def config_of(name: str) -> MulaConfig:
+    """The model one of LAYOUTS trains."""
+    return MulaConfig.from_name("mula-tiny-moe", **{**OVERRIDES, **MODEL_CHANGES.get(name, {})})
 
 
 def layout_of(name: str) -> Layout:
@@ -204,9 +219,7 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, Any]]:
         if layout.pp_size > 1:
             strategy.pipeline_microbatches = layout.micro_batches
         torch.manual_seed(0)
-        module = MulaLightningModule(
-            "mula-tiny-moe", overrides=OVERRIDES, activation_checkpointing=ckpt, decay_steps=10
-        )
+        module = MulaLightningModule(config_of(name), activation_checkpointing=ckpt, decay_steps=10)
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, precision=precision,
             accumulate_grad_batches=1 if layout.pp_size > 1 else layout.micro_batches,
@@ -231,7 +244,7 @@ def measured() -> list[dict[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_volumes_match_the_bytes_sent(measured, name: str) -> None:
-    volumes = comm_volumes(CONFIG, layout_of(name))
+    volumes = comm_volumes(config_of(name), layout_of(name))
     for rank, runs in enumerate(measured):
         got = runs[name]
         predicted = volumes[got["pp_rank"]]

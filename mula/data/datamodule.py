@@ -28,7 +28,7 @@ from mula.data.prepare import SOURCE_MARKER, SUMMARY_FILE, SourceSpec, prepare
 from mula.data.readers import iter_documents
 from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
-from mula.layout_rules import check_batch_split
+from mula.layout_rules import micro_batches_per_step
 
 log = logging.getLogger(__name__)
 TOKENIZER_STATE_KEY = "tokenizer_path"
@@ -296,13 +296,12 @@ class MulaDataModule(L.LightningDataModule):
         """Read the prepared data, fix this rank's batch layout and set the trainer's gradient accumulation."""
         summary = self._read_summary()
         rank, world = self.data_parallel_rank_world()
-        check_batch_split(self.global_batch_size, world, self.micro_batch_size)
+        micro_batches_per_step(self.global_batch_size, world, self.micro_batch_size)  # checks the split
         micro = self.micro_batch_size
         strategy = getattr(self.trainer, "strategy", None)
         if getattr(strategy, "consumes_whole_step", False) is True:
-            # Pipeline stages: one batch per step (this rank's whole share of the global batch); its
-            # accumulation micro-batches become the pipeline's micro-batches.
-            strategy.pipeline_microbatches = self.global_batch_size // (world * micro)
+            # Pipeline stages: one batch per step (this rank's whole share of the global batch); the
+            # strategy cuts it into micro_batch_size pipeline micro-batches.
             micro = self.global_batch_size // world
         self.layout = BatchLayout(self.global_batch_size, micro, rank, world)
         trainer = self.trainer

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mula.data.sampling import MixtureOrder
+from mula.layout_rules import micro_batches_per_step
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class BatchLayout:
     @property
     def accumulation(self) -> int:
         """Micro-batches per optimizer step on each rank."""
-        return self.global_batch_size // (self.world_size * self.micro_batch_size)
+        return micro_batches_per_step(self.global_batch_size, self.world_size, self.micro_batch_size)
 
     def positions(self, start: int, micro: int) -> np.ndarray:
         """Sample positions of this rank's ``micro``-th micro-batch counted from sample position ``start``."""

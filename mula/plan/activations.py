@@ -75,8 +75,9 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
     return router + k * rows
 
 
-def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], tokens: int) -> int:
-    """Bytes one block saves for one micro-batch of `tokens` tokens.
+def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], tokens: int, moe: bool) -> int:
+    """Bytes one block (an MoE block when `moe`, else a dense one) saves for one micro-batch of `tokens`
+    tokens.
 
     Under mixed precision (fp32 weights, 16-bit autocast) every matmul saves its own 16-bit copy of its
     input and of its weight (the weights' copies only outside recomputed parts); a recomputed part
@@ -94,7 +95,7 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
     else:
         per_token += (3 if mixed else 1) * b * h + _attention(config, b)  # q/k/v inputs (shared unless cast)
         weights += config._attn_matmul_params()
-    if config.is_moe:
+    if moe:
         if "moe" in parts:
             per_token += r * h if mixed else b * h
         else:
@@ -106,7 +107,7 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
         per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size
         weights += 3 * h * config.intermediate_size
     out = tokens * per_token + (weights * b if mixed else 0)
-    if config.is_moe and "moe" not in parts and layout.device_type == "cpu":
+    if moe and "moe" not in parts and layout.device_type == "cpu":
         # the padded layout gathers the local experts' weights in bucket order
         out += e_local * config._expert_params() * b
     return out
@@ -117,7 +118,10 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
     when `first`, the final norm, LM head and loss when `last`)."""
     parts = parse_activation_checkpointing(layout.checkpointing)
     tokens = layout.micro_batch * layout.seq_len
-    total = len(layers) * _layer_bytes(config, layout, parts, tokens)
+    moe = sum(config.is_moe_layer(i) for i in layers)  # the rest are dense (all of a dense model's)
+    total = moe * _layer_bytes(config, layout, parts, tokens, True) if moe else 0
+    if len(layers) > moe:
+        total += (len(layers) - moe) * _layer_bytes(config, layout, parts, tokens, False)
     total += 2 * layout.seq_len * config.head_size * 4  # RoPE cos/sin tables, fp32
     if first:
         total += layout.micro_batch * (layout.seq_len + 1) * 8  # token ids (the embedding's indices)
@@ -184,13 +188,13 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> int | float:
     return peak_activations(layout, stage, [1] * layout.pp_virtual_stages)[1]
 
 
-def transient_bytes(config: MulaConfig, layout: Layout, *, last: bool) -> int:
-    """The largest short-lived allocation of a step: the logits' gradient on the last stage, or one
-    MoE layer's all-to-all send and receive buffers."""
+def transient_bytes(config: MulaConfig, layout: Layout, layers: Sequence[int], *, last: bool) -> int:
+    """The largest short-lived allocation of a step on a stage holding blocks `layers`: the logits'
+    gradient on the last stage, or one MoE layer's all-to-all send and receive buffers."""
     tokens = layout.micro_batch * layout.seq_len
     out = 0
     if last:
         out = tokens * config.vocab_size * (4 + layout.compute_bytes)  # fp32 logits grad + logits
-    if config.is_moe and layout.ep_size > 1:
+    if any(config.is_moe_layer(i) for i in layers) and layout.ep_size > 1:
         out = max(out, 2 * tokens * config.top_k * config.hidden_size * layout.compute_bytes)
     return out

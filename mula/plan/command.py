@@ -46,6 +46,18 @@ PLAN_OPTIONS: dict[str, tuple[Any, Any, str]] = {
         None,
         "Device memory to plan against, in GB (default: the machine's or this device's).",
     ),
+    "dry_run": (
+        bool,
+        False,
+        "Also build one rank of the layout with the recipe's strategy on the meta device over a fake "
+        "process group (nothing is allocated) and print its parameter, gradient and optimizer bytes next "
+        "to the plan's.",
+    ),
+    "dry_run_rank": (
+        int | None,
+        None,
+        "The rank --dry_run builds (default: the first rank of the pipeline stage the plan reports).",
+    ),
 }
 
 
@@ -82,15 +94,27 @@ def run_plan(
     search: bool = False,
     scaling_nodes: list[int] | None = None,
     device_memory_gb: float | None = None,
+    dry_run: bool = False,
+    dry_run_rank: int | None = None,
     **_unused: Any,
 ) -> dict[str, Any]:
-    """Plan the parsed recipe, print the result (text or JSON) and return it as a dict."""
+    """Plan the parsed recipe, print the result (text or JSON) and return it as a dict. With `dry_run`,
+    also build one rank on the meta device (`mula.plan.dry_run`); exit status 1 when its bytes differ
+    from the plan's."""
     inputs = plan_inputs(
         trainer, model, data, machine=load_machine(machine) if machine else None, nodes=nodes
     )
     if device_memory_gb is not None:
         inputs.device_bytes, inputs.device_note = int(device_memory_gb * GB), "--device_memory_gb"
+    if dry_run_rank is not None and not dry_run:
+        raise ValueError("--dry_run_rank chooses the rank of --dry_run; give --dry_run too.")
     result = plan_result(inputs)
+    if dry_run:
+        rank = default_dry_run_rank(inputs.layout, result["stage"]) if dry_run_rank is None else dry_run_rank
+        check_dry_run(inputs, trainer, rank)
+        from mula.plan import dry_run as dry  # torch and Lightning: only for --dry_run
+
+        result["dry_run"] = dry.dry_run(inputs, trainer, model, rank)
     if scaling_nodes:
         result["scaling"] = scaling(inputs, nodes or int(trainer.get("num_nodes") or 1), scaling_nodes)
     if search:
@@ -98,7 +122,34 @@ def run_plan(
 
         result["search"] = search_layouts(inputs)
     print(json.dumps(result, indent=2) if format == "json" else format_text(inputs, result))
+    if dry_run and not dry.dry_run_matches(result["dry_run"]):
+        raise SystemExit("mula plan: the dry run's bytes differ from the plan's (a bug: please report it).")
     return result
+
+
+def default_dry_run_rank(layout: Layout, stage: int) -> int:
+    """The first rank of pipeline stage `stage` (EP innermost, then the stage: rank `stage * E`)."""
+    return stage * layout.ep_size
+
+
+def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> None:
+    """One sentence (ValueError) when `--dry_run` cannot build `rank` of this plan, before any work."""
+    world = inputs.layout.world_size
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"--dry_run_rank={rank} is not a rank of the planned {world} ranks (0 to {world - 1})."
+        )
+    strategy = trainer.get("strategy")
+    if not isinstance(strategy, dict) or "class_path" not in strategy:
+        raise ValueError(
+            "--dry_run builds the recipe's strategy from its trainer.strategy.class_path; this recipe names "
+            f"{strategy!r}."
+        )
+    if not inputs.layout.shard_optimizer:
+        raise ValueError(
+            "--dry_run measures the sharded optimizer's buffers (torch's AdamW allocates its state only at "
+            "the first step); set trainer.strategy.init_args.shard_optimizer=true."
+        )
 
 
 def plan_result(inputs: PlanInputs) -> dict[str, Any]:
@@ -239,6 +290,10 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
         )
     for row in result.get("search", []):
         lines.append("fits: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    if "dry_run" in result:
+        from mula.plan.dry_run import format_dry_run
+
+        lines.append(format_dry_run(result["dry_run"]))
     return "\n".join(lines)
 
 

@@ -157,7 +157,7 @@ def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
         for v, c in enumerate(chunks)
     ]
     act, in_flight = peak_activations(layout, stage, per_micro_batch)
-    buffers += transient_bytes(config, layout, last=last)
+    buffers += transient_bytes(config, layout, layers, last=last)
     host = 0
     if layout.offload:
         host, optimizer = optimizer, 0

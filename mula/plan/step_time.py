@@ -76,19 +76,16 @@ class StepTime:
         return {**out, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
 
-def _recompute_flops_per_token(config: MulaConfig, layout: Layout) -> float:
-    """Forward FLOPs per token and layer that activation checkpointing runs a second time."""
+def _recompute_flops_per_token(config: MulaConfig, layout: Layout, index: int) -> float:
+    """Forward FLOPs per token of block `index` that activation checkpointing runs a second time."""
     parts = parse_activation_checkpointing(layout.checkpointing)
-    h = config.hidden_size
     q = config.num_heads * config.head_size
     attn = 2 * config._attn_matmul_params() + 4 * q * layout.seq_len
-    if config.is_moe:
-        mlp = 2 * (config.num_experts * h + config.top_k * config._expert_params())
-    else:
-        mlp = 6 * h * config.intermediate_size
+    mlp = 2 * (config.layer_matmul_params(index) - config._attn_matmul_params())
     if "full" in parts:
         return attn + mlp
-    return (attn if "attention" in parts else 0) + (mlp if "moe" in parts and config.is_moe else 0)
+    moe = config.is_moe_layer(index)  # "moe" recomputes MoE layers only, never a dense MLP
+    return (attn if "attention" in parts else 0) + (mlp if "moe" in parts and moe else 0)
 
 
 @dataclass
@@ -165,7 +162,8 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     for holds in stages:
         a2a = 0.0
         if config.is_moe and e > 1:
-            a2a = passes * len(holds.blocks) * rank_tokens * row * (e - 1) / e
+            moe_layers = sum(config.is_moe_layer(i) for i in holds.blocks)  # dense first blocks send nothing
+            a2a = passes * moe_layers * rank_tokens * row * (e - 1) / e
         held = stage_params(params, holds.blocks, holds.first, holds.last)
         reduce, gather = _optimizer_volumes(held, layout)
         sends = _pipeline_sends(config, layout, holds.stages)
@@ -179,9 +177,17 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     tokens = global_batch * layout.seq_len
     flops = float(config.flops_per_token(layout.seq_len)) * tokens
     peak = machine.peak_bf16_tflops * 1e12
-    layers = max(len(held.blocks) for held in layout.stage_holdings(config))
-    extra = _recompute_flops_per_token(config, layout) * layers * tokens / (w / p)
-    compute = (flops / w * (layers * p / config.num_layers) + extra) / (peak * machine.compute_mfu)
+    # the slowest stage's share of the blocks' FLOPs (dense first blocks weigh less than MoE ones)
+    q = config.num_heads * config.head_size
+    block = [6 * config.layer_matmul_params(i) + 12 * q * layout.seq_len for i in range(config.num_layers)]
+
+    def stage_flops(layers: list[int]) -> float:
+        extra = sum(_recompute_flops_per_token(config, layout, i) for i in layers) * tokens / (w / p)
+        return flops / w * (sum(block[i] for i in layers) * p / sum(block)) + extra
+
+    compute = max(stage_flops(held.blocks) for held in layout.stage_holdings(config)) / (
+        peak * machine.compute_mfu
+    )
 
     intra, inter = machine.intra_node_gbps * 1e9, machine.inter_node_gbps * 1e9
     node = machine.tiles_per_node

@@ -1,0 +1,128 @@
+"""`mula plan --dry_run`: one rank of a 96-rank layout built by the real strategy on the meta device over
+torch's fake process group; its parameter, gradient and optimizer bytes equal the planner's exactly.
+
+The planner's numbers are themselves checked against allocations of real runs
+(tests/test_plan_measured*.py); here the same optimizer, built for ranks of a layout far larger than
+this machine could run, must report the planner's bytes for that rank's stage.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+from test_recipes import RECIPES, ROOT
+
+from mula.plan.command import PLAN_OPTIONS
+from mula.plan.dry_run import MEASURED, dry_run, dry_run_matches
+from mula.plan.memory import plan_stage, stage_params
+from mula.plan.parameters import model_parameters
+from mula.plan.recipe_reader import read_plan_command
+from mula.plan.settings import plan_inputs
+
+OPTIONS = {name: (tp, default) for name, (tp, default, _) in PLAN_OPTIONS.items()}
+# 96 ranks: 8 nodes of 12 devices; the tiny MoE (16 experts, 4 blocks) with E = 4
+LAYOUT = [
+    "--trainer.accelerator=cpu", "--trainer.devices=12", "--trainer.num_nodes=8",
+    "--trainer.strategy.init_args.expert_parallel_size=4", "--data.micro_batch_size=1",
+    "--data.global_batch_size=384",
+]  # fmt: skip
+PIPELINE = [
+    "-c",
+    str(RECIPES / "mula-tiny-moe.yaml"),
+    "-c",
+    str(RECIPES / "strategies" / "pipeline.yaml"),
+    *LAYOUT,
+]
+PLAIN = [
+    "-c",
+    str(RECIPES / "mula-tiny-moe.yaml"),
+    "-c",
+    str(RECIPES / "strategies" / "xpu-moe.yaml"),
+    *LAYOUT,
+]
+
+
+def _inputs(argv: list[str]):
+    kwargs = read_plan_command(argv, OPTIONS)
+    assert kwargs is not None, argv
+    return plan_inputs(kwargs["trainer"], kwargs["model"], kwargs["data"]), kwargs
+
+
+@pytest.mark.parametrize(
+    ("argv", "rank", "stage", "ep_rank"),
+    [
+        (PIPELINE, 0, 0, 0),  # first stage, first EP rank
+        (PIPELINE, 7, 1, 3),  # rank 7 = stage 1, EP rank 3 (EP innermost, then the stage)
+        (PIPELINE, 91, 0, 3),  # last data-parallel index, first stage
+        (PIPELINE, 95, 1, 3),  # the last rank: last stage
+        (
+            PIPELINE + ["--trainer.strategy.init_args.optimizer_options={zero_stage: 1, reduce_dtype: bf16}"],
+            50,
+            0,
+            2,
+        ),
+        (PLAIN, 95, 0, 3),  # no pipeline: every rank holds every block
+        (PLAIN + ["--trainer.strategy.init_args.optimizer_options={zero_stage: 2}"], 13, 0, 1),
+    ],
+)
+def test_dry_run_bytes_equal_the_plan(argv, rank, stage, ep_rank):
+    inputs, kwargs = _inputs(argv)
+    assert inputs.layout.world_size == 96
+    result = dry_run(inputs, kwargs["trainer"], kwargs["model"], rank)
+    assert (result["rank"], result["stage"], result["ep_rank"]) == (rank, stage, ep_rank)
+    assert result["edp_rank"] == rank // (inputs.layout.pp_size * 4)
+    assert result["allocated_bytes"] == 0
+    plan = plan_stage(inputs.config, inputs.layout, stage)
+    for name, field in MEASURED.items():
+        assert result["bytes"][name]["plan"] == getattr(plan, field)
+        assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
+    assert dry_run_matches(result)
+    # the checkpoint: every expert stack a global DTensor, master/exp_avg/exp_avg_sq per parameter, and
+    # the stage's parameters at their global (unsliced) size
+    lay = inputs.layout
+    held = lay.stage_holdings(inputs.config)[stage]
+    specs = stage_params(
+        model_parameters(inputs.config, tuple(lay.no_decay)), held.blocks, held.first, held.last
+    )
+    ck = result["checkpoint"]
+    assert ck["model_dtensors"] == sum(p.is_expert for p in specs) > 0
+    assert ck["optimizer_tensors"] == 3 * len(specs)
+    assert ck["global_elements"] == sum(math.prod(p.shape) for p in specs)
+
+
+def _mula(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mula", "plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_dry_run_prints_the_table():
+    run = _mula(*PIPELINE, "--dry_run", "--dry_run_rank=94")
+    assert run.returncode == 0, run.stderr[-3000:]
+    head = "dry run: rank 94 of 96 (pipeline stage 1, EP rank 2, EDP rank 11)"
+    assert head in run.stdout
+    table = run.stdout[run.stdout.index(head) :].splitlines()
+    for name in MEASURED:
+        line = next(line for line in table if line.strip().startswith(name))
+        assert line.rstrip().endswith("yes"), line
+
+
+def test_cli_dry_run_bad_rank_is_one_sentence():
+    run = _mula(*PIPELINE, "--dry_run", "--dry_run_rank=96")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("mula: error: --dry_run_rank=96 is not a rank of the planned 96 ranks")
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_sharded_optimizer_refuses_meta_parameters_outside_a_dry_run():
+    """Meta parameters are a forgotten materialisation unless the process group is the fake one."""
+    import torch
+
+    from strategies.sharded_optimizer import EPShardedAdamW
+
+    p = torch.nn.Parameter(torch.empty(8, device="meta"))
+    with pytest.raises(ValueError, match="must be materialised on one device"):
+        EPShardedAdamW([p], [("w", p)])
