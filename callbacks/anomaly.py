@@ -43,6 +43,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from callbacks import _dist
 from callbacks.exit_codes import TrainingDiverged
@@ -158,6 +159,7 @@ class AnomalyGuard(Callback):
 
     # ------------------------------------------------------------------ checkpointed state
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Loss window and counters (so that a resumed run takes the same decisions)."""
         return {
@@ -169,6 +171,7 @@ class AnomalyGuard(Callback):
             "good_steps": self.good_steps,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.history = deque(state_dict.get("history", []), maxlen=self.window)
@@ -192,11 +195,13 @@ class AnomalyGuard(Callback):
 
     # ------------------------------------------------------------------ hooks
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse manual optimization (the verdict is taken between backward and the update)."""
         if not pl_module.automatic_optimization:
             raise ValueError("AnomalyGuard supports automatic optimization only.")
 
+    @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
@@ -204,6 +209,7 @@ class AnomalyGuard(Callback):
         value = loss.detach().float()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -245,6 +251,7 @@ class AnomalyGuard(Callback):
         if self.consecutive >= self.max_consecutive:
             self._escalate = True  # acted upon at the step boundary, outside the optimizer step
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as L
+from typing_extensions import override
 
 from callbacks import _dist
 from callbacks._peers import heartbeat
@@ -59,6 +60,7 @@ class DownstreamEval(L.Callback):
         self._loaded_tokenizer: Any = None
         self._last_step = -1
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check the strategy, the tokenizer and the tasks before training; every rank stops on any rank's problem."""
         if stage != "fit":
@@ -93,10 +95,12 @@ class DownstreamEval(L.Callback):
         hf_tokenizer.check_fits(self._loaded_tokenizer, pl_module.config)
         self._resolved = resolve_tasks(self.tasks, self.include_path)
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A resumed run does not evaluate its checkpoint's step again."""
         self._last_step = trainer.global_step
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

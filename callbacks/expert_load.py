@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
+from typing_extensions import override
 
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.report import LOAD_COLUMNS, LOAD_FILE, plot_expert_load
@@ -45,12 +46,14 @@ class ExpertLoad(L.Callback):
         self._dir: Path | None = None
         self._last_plotted = -1
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Resolve the directory of metrics.csv (`trainer.log_dir` is a collective: every rank asks)."""
         if stage == "fit":
             log_dir = trainer.log_dir
             self._dir = Path(log_dir if log_dir is not None else trainer.default_root_dir)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """After an optimizer step: add its counts to the window; on logged steps, log and write them."""
         counts = getattr(pl_module, "step_expert_counts", None)
@@ -76,6 +79,7 @@ class ExpertLoad(L.Callback):
             if every and trainer.global_step - max(self._last_plotted, 0) >= every:
                 self._plot(trainer)
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Draw the final heatmap."""
         if trainer.is_global_zero and self._dir is not None and self._last_plotted != trainer.global_step:

@@ -48,6 +48,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from callbacks import _disk_space, _dist, _peers
 from callbacks.rng_state import capture_rng_state, restore_rng_state
@@ -197,6 +198,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if self._lock is not None:
             self._lock.release()
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Lock the run directory (rank 0; every rank stops if it is taken), then remove crashed saves' temporaries.
 
@@ -221,17 +223,20 @@ class FaultTolerantCheckpoint(Checkpoint):
                     remove_path(child)
         trainer.strategy.barrier("FaultTolerantCheckpoint.setup")
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Release the run-directory lock at the end of the run."""
         if stage == "fit":
             self._release_lock()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Release the run-directory lock when the run ends by an exception (a crash, preemption's exit 75)."""
         self._release_lock()
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check that every rank resumed from the same checkpoint; start the save clock."""
         paths = _dist.all_gather_object(str(trainer.ckpt_path) if trainer.ckpt_path else None)
@@ -246,6 +251,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             self._warn_if_short_of_space(trainer)
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -254,6 +260,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             restore_rng_state(self._pending_rng, trainer.strategy.root_device)
             self._pending_rng = None
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -285,6 +292,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._deferred = None
         self.save(trainer, reason=reason)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Final checkpoint."""
         if (
@@ -294,6 +302,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         ):
             self.save(trainer, reason="end")
 
+    @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
     ) -> None:
@@ -304,16 +313,19 @@ class FaultTolerantCheckpoint(Checkpoint):
         if states is not None:
             checkpoint[RNG_KEY] = states
 
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
     ) -> None:
         """Arm the fence with this rank's saved RNG states."""
         self.apply_rng_from(checkpoint, trainer)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The step of the newest save (informational; discovery relies on the manifests)."""
         return {"last_saved_step": self._last_saved_step}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self._last_saved_step = int(state_dict.get("last_saved_step", -1))

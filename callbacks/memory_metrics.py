@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
 
@@ -164,12 +165,14 @@ class MemoryMetrics(L.Callback):
         module = getattr(torch, trainer.strategy.root_device.type, None)
         return module if hasattr(module, "max_memory_allocated") and module.is_available() else None
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Start the first peak-memory window."""
         device = self._device_module(trainer)
         if device is not None:
             device.reset_peak_memory_stats(trainer.strategy.root_device)
 
+    @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """On a logged step, count what this micro-batch's forward saves for backward."""
         if not logs_train_step(trainer):
@@ -178,6 +181,7 @@ class MemoryMetrics(L.Callback):
         self._meter = SavedTensorMeter(exclude=pl_module.parameters())
         self._meter.__enter__()
 
+    @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
         """The forward is over: stop counting, keep the step's largest micro-batch."""
         if self._meter is None or not self._meter.active:
@@ -185,6 +189,7 @@ class MemoryMetrics(L.Callback):
         self._meter.__exit__(None, None, None)
         self._activation_bytes = max(self._activation_bytes or 0, self._meter.bytes)
 
+    @override
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
     ) -> None:
@@ -192,6 +197,7 @@ class MemoryMetrics(L.Callback):
         if logs_train_step(trainer):
             self._grad_bytes = grad_bytes(pl_module, optimizer)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """After a logged optimizer step: log this rank's memory and start a new peak window."""
         if self._meter is not None and self._meter.active:  # a forward with no backward

@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from typing_extensions import override
 
 from mula.lightning_compat import ends_optimizer_step
 from mula.moe import iter_moe_layers
@@ -39,10 +40,12 @@ class MoEMetrics(L.Callback):
         self.load_imbalance = load_imbalance
         self._layers: list[torch.nn.Module] = []
 
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Find the MoE layers (their dispatchers count the all-to-all bytes)."""
         self._layers = [layer for _, layer in iter_moe_layers(pl_module)]
 
+    @override
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
     ) -> None:
@@ -56,6 +59,7 @@ class MoEMetrics(L.Callback):
                 layer.dispatcher.bytes_sent = 0
         pl_module.log("moe/a2a_bytes", float(sent), on_step=True, on_epoch=False, sync_dist=False)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """After an optimizer step: log the global load imbalance and the optimizer's metrics."""
         counts = getattr(pl_module, "step_expert_counts", None)

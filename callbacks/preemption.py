@@ -28,6 +28,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from callbacks import _dist
 from callbacks.exit_codes import ExitCode, Preempted
@@ -109,6 +110,7 @@ class PreemptionHandler(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Find the checkpoint callback; install handlers early (a SIGUSR1 would otherwise kill the process)."""
         if stage != "fit":
@@ -125,6 +127,7 @@ class PreemptionHandler(Callback):
         self._checkpoint = found[0]
         self._install(trainer)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Re-install: Lightning registers its own SIGTERM/SLURM handlers after ``setup``."""
         self._install(trainer)
@@ -139,6 +142,7 @@ class PreemptionHandler(Callback):
             connector.received_sigterm = False
         self._last_step_seen = trainer.global_step
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -160,10 +164,12 @@ class PreemptionHandler(Callback):
         _flush_loggers(trainer)
         raise Preempted(self.exit_code)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Restore the previous handlers."""
         self._uninstall()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from callbacks import _dist
 
@@ -58,11 +59,13 @@ class StragglerDetector(Callback):
         self._t_start = 0.0
         self._last_step_seen = -1
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Learn every rank's host name once."""
         if stage == "fit":
             self.hosts = _dist.all_gather_object(socket.gethostname())
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the clock; decide whether the first step is timed."""
         self._last_step_seen = trainer.global_step
@@ -76,6 +79,7 @@ class StragglerDetector(Callback):
             torch.get_device_module(device.type).synchronize(device)
         return time.perf_counter()
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -85,6 +89,7 @@ class StragglerDetector(Callback):
             self._elapsed += now - self._t_prev_end
             self._t_start = now
 
+    @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
@@ -92,6 +97,7 @@ class StragglerDetector(Callback):
         if self._measuring:
             self._elapsed += self._now(trainer) - self._t_start
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -13,6 +13,7 @@ from collections import deque
 
 import lightning.pytorch as L
 import torch
+from typing_extensions import override
 
 # Dense (no sparsity) bf16 peak FLOP/s of ONE device as torch enumerates it, keyed by a lower-case
 # substring of the device name; the first matching key wins, so specific names come first.
@@ -83,6 +84,7 @@ class Throughput(L.Callback):
         self._tokens: deque[int] = deque(maxlen=window)
         self._flops: deque[float] = deque(maxlen=window)
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Resolve the device's peak FLOP/s once."""
         if self.peak_flops is None:
@@ -91,12 +93,14 @@ class Throughput(L.Callback):
         self._tokens.clear()
         self._flops.clear()
 
+    @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Restart the window so that validation time does not count as training time."""
         self._times.clear()
         self._tokens.clear()
         self._flops.clear()
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int
     ) -> None:
@@ -105,6 +109,7 @@ class Throughput(L.Callback):
             _synchronize(pl_module.device)
             self._times.append(time.perf_counter())
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:

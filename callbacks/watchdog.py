@@ -33,6 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from callbacks.exit_codes import ExitCode
 
@@ -102,6 +103,7 @@ class HangWatchdog(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the dump directory and check the process-group timeout."""
         if stage != "fit":
@@ -118,6 +120,7 @@ class HangWatchdog(Callback):
                 " without a stack dump. Set the strategy's `timeout` above the watchdog's `timeout_s`."
             )
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start watching (covers checkpoint restore, sanity check and the first step)."""
         if self._thread is None and self._dump_path is not None:
@@ -126,6 +129,7 @@ class HangWatchdog(Callback):
             self._thread.start()
             self.heartbeat()
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -135,18 +139,22 @@ class HangWatchdog(Callback):
             self._steps_done += 1
         self.heartbeat()
 
+    @override
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """Validation batches are progress too."""
         self.heartbeat()
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Validation/epoch boundaries are progress."""
         self.heartbeat()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stop watching."""
         self._shutdown()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:

@@ -126,6 +126,7 @@ class MulaLightningModule(L.LightningModule):
         self.step_expert_counts: Tensor | None = None  # the last step's, summed over all ranks
 
     # ----- model ---------------------------------------------------------------------------------
+    @override
     def configure_model(self) -> None:
         """Build the model (once); strategies may call this under a meta-device or sharding context."""
         if self.model is not None:
@@ -150,6 +151,7 @@ class MulaLightningModule(L.LightningModule):
         on_meta = any(p.is_meta for p in self.model.parameters())
         self.model.load_state_dict(source.state_dict(), assign=on_meta)
 
+    @override
     def forward(self, input_ids: Tensor):
         """Logits and router statistics for `input_ids` [B, T] (a `MulaOutput`)."""
         return self.model(input_ids)
@@ -177,6 +179,7 @@ class MulaLightningModule(L.LightningModule):
         loss = ce + self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * z_loss
         return loss, ce
 
+    @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """One micro-batch: its loss (for backward), and the train/* (and moe/*) metrics of this step."""
         loss, ce, out = self._losses(batch)
@@ -188,6 +191,7 @@ class MulaLightningModule(L.LightningModule):
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
+    @override
     def on_train_start(self) -> None:
         """Start a fresh accumulation window (a previous fit may have ended inside one)."""
         self._step_sums, self._step_micro_batches = None, 0
@@ -230,11 +234,13 @@ class MulaLightningModule(L.LightningModule):
                 name, value, prog_bar=name == "train/loss", on_step=True, on_epoch=False, sync_dist=False
             )
 
+    @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         """Accumulate the token-weighted cross-entropy; `val/loss` and `val/ppl` are logged per epoch."""
         _, ce, _ = self._losses(batch)
         self.val_loss.update(ce, weight=batch[:, 1:].numel())
 
+    @override
     def on_validation_epoch_end(self) -> None:
         """Log `val/loss` (cross-entropy, synced over ranks by torchmetrics) and `val/ppl` = exp(val/loss)."""
         if self.val_loss.update_count == 0:
@@ -244,10 +250,12 @@ class MulaLightningModule(L.LightningModule):
         self.log("val/ppl", torch.exp(loss))
         self.val_loss.reset()
 
+    @override
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
         """Same as validation, logged as test/loss and test/ppl."""
         self.validation_step(batch, batch_idx)
 
+    @override
     def on_test_epoch_end(self) -> None:
         """Log `test/loss` and `test/ppl`."""
         if self.val_loss.update_count == 0:
@@ -257,6 +265,7 @@ class MulaLightningModule(L.LightningModule):
         self.log("test/ppl", torch.exp(loss))
         self.val_loss.reset()
 
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's micro-batches are done: global expert counts, router bias update, new global scope.
 
@@ -305,6 +314,7 @@ class MulaLightningModule(L.LightningModule):
             return self.trainer.max_steps
         return int(self.trainer.estimated_stepping_batches)
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW + per-step LambdaLR implementing `warmup_cosine`.
 
@@ -359,6 +369,7 @@ class MulaLightningModule(L.LightningModule):
         """Training FLOPs of the last micro-batch seen, from `MulaConfig.flops_per_token` (None before the first)."""
         return None if self._batch_shape is None else self.flops(*self._batch_shape)
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store the resolved model config so `mula export-hf` / `load_weights` can rebuild the model."""
         checkpoint["mula_config"] = dataclasses.asdict(self.config)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
+from typing_extensions import override
 
 from mula.lightning_compat import _AcceleratorRegistry
 
@@ -72,26 +73,31 @@ def fix_mixed_precision_device(precision_plugin: Any, device_type: str) -> None:
 class XPUAccelerator(Accelerator):
     """Lightning accelerator for Intel GPUs (XPU tiles) using native `torch.xpu`."""
 
+    @override
     def setup_device(self, device: torch.device) -> None:
         """Make `device` current for this process."""
         if device.type != "xpu":
             raise ValueError(f"XPUAccelerator needs an xpu device, got {device}.")
         torch.xpu.set_device(device)
 
+    @override
     def setup(self, trainer: Any) -> None:
         """Fix the mixed-precision plugin's autocast device before training starts."""
         fix_mixed_precision_device(trainer.precision_plugin, "xpu")
 
+    @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         """torch.xpu memory statistics of `device`."""
         return dict(torch.xpu.memory_stats(device))
 
+    @override
     def teardown(self) -> None:
         """Release cached device memory."""
         if _native_xpu_count() > 0:
             torch.xpu.empty_cache()
 
     @staticmethod
+    @override
     def parse_devices(devices: int | str | list[int]) -> list[int]:
         """Device indices from Lightning's `devices` flag: an int count, -1/"auto" for all, "0,2", or a list."""
         available = _native_xpu_count()
@@ -116,26 +122,31 @@ class XPUAccelerator(Accelerator):
         return indices
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: list[int]) -> list[torch.device]:
         """torch devices for the parsed indices."""
         return [torch.device("xpu", i) for i in devices]
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         """Number of visible XPU devices (tiles)."""
         return _native_xpu_count()
 
     @staticmethod
+    @override
     def is_available() -> bool:
         """Whether an Intel GPU is usable."""
         return xpu_available()
 
     @staticmethod
+    @override
     def name() -> str:
         """Registry name: `accelerator: xpu`."""
         return "xpu"
 
     @classmethod
+    @override
     def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
         """Register as "xpu" with Lightning's accelerator registry."""
         accelerator_registry.register(cls.name(), cls, description=cls.__name__, override=True)

@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import override
 
 _RANK = ("PALS_RANKID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 _SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
@@ -45,17 +46,20 @@ class PALSEnvironment(ClusterEnvironment):
     """Processes launched by mpiexec under PBS/PALS (Aurora) or another MPI launcher; see module doc."""
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         """mpiexec started every process already."""
         return True
 
     @staticmethod
+    @override
     def detect() -> bool:
         """True when an MPI launcher set a rank and a world size of more than one process."""
         size = _first(_SIZE[:2])
         return _first(_RANK) is not None and size is not None and size > 1
 
     @property
+    @override
     def main_address(self) -> str:
         """MASTER_ADDR, else the first host of PBS_NODEFILE, else localhost for a one-node job."""
         if os.environ.get("MASTER_ADDR"):
@@ -76,6 +80,7 @@ class PALSEnvironment(ClusterEnvironment):
         )
 
     @property
+    @override
     def main_port(self) -> int:
         """MASTER_PORT, else a port in [20000, 40000) derived from PBS_JOBID, else 29500."""
         if os.environ.get("MASTER_PORT"):
@@ -85,6 +90,7 @@ class PALSEnvironment(ClusterEnvironment):
             return 20000 + zlib.crc32(job.encode()) % 20000
         return DEFAULT_PORT
 
+    @override
     def world_size(self) -> int:
         """Number of processes in the job."""
         size = _first(_SIZE)
@@ -92,6 +98,7 @@ class PALSEnvironment(ClusterEnvironment):
             raise ValueError("No world size in the environment (expected PMI_SIZE or OMPI_COMM_WORLD_SIZE).")
         return size
 
+    @override
     def set_world_size(self, size: int) -> None:
         """The launcher fixed the world size; a different value means a misconfigured Trainer."""
         if size != self.world_size():
@@ -100,6 +107,7 @@ class PALSEnvironment(ClusterEnvironment):
                 "set trainer.devices to the ranks per node and trainer.num_nodes to the node count."
             )
 
+    @override
     def global_rank(self) -> int:
         """This process's rank in the job."""
         rank = _first(_RANK)
@@ -109,9 +117,11 @@ class PALSEnvironment(ClusterEnvironment):
             )
         return rank
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         """The launcher fixed the rank; nothing to set."""
 
+    @override
     def local_rank(self) -> int:
         """Rank within this node (selects the device)."""
         local = _first(_LOCAL_RANK)
@@ -121,11 +131,13 @@ class PALSEnvironment(ClusterEnvironment):
         size = _first(_LOCAL_SIZE)
         return size if size is not None else self.world_size()
 
+    @override
     def node_rank(self) -> int:
         """Index of this node."""
         node = _first(("PALS_NODEID",))
         return node if node is not None else self.global_rank() // self._local_size()
 
+    @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         """Trainer devices x num_nodes must equal the processes mpiexec started."""
         self.set_world_size(num_devices * num_nodes)

@@ -55,6 +55,7 @@ class OptimizerSteps:
         named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
         return EPShardedAdamW(params, named, self.topology, **adamw_kwargs, **options)
 
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
         """The module's optimizers (built through `build_optimizer`), and the gradient synchroniser of
         the unsharded path."""
@@ -86,6 +87,7 @@ class OptimizerSteps:
         return True
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient-accumulation micro-batch: accumulate locally, communicate nothing."""
         sharded = self._sharded_optimizer()

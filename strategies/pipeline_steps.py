@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from mula.layout_rules import micro_batches_per_step
 from strategies.pipeline_schedule import PipelineRunner
@@ -51,6 +52,7 @@ class PipelineSteps:
         split_model(model, topo.holdings(model.config))
         self._pipeline = PipelineRunner(module, topo, self.root_device)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline stages: one schedule step over the whole step's batch, returning the step's
         global mean loss on every rank (what the loggers and the anomaly guard see)."""
@@ -81,12 +83,14 @@ class PipelineSteps:
             )
         return micro_batches_per_step(batch.shape[0], 1, micro)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline stages: the batch's cross-entropy through the stages, counted on the last."""
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
         return self._pipelined_eval(args[0] if args else kwargs["batch"])
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline stages: as `validation_step`."""
         if self._pipeline is None:
@@ -100,6 +104,7 @@ class PipelineSteps:
         # other stages add weight 0: torchmetrics' sync over all ranks then averages the last stage's
         self.lightning_module.val_loss.update(ce, weight=tokens)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The pipeline step already ran backward: run the hooks around it (the strategy's
         `optimizer_step` reduces the gradients)."""

@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from typing_extensions import override
 
 from mula.layout_rules import check_degrees, check_experts, validate_schedule
 from mula.lightning_compat import (
@@ -168,6 +169,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
 
     # ----- layout ----------------------------------------------------------------------------
     @property
+    @override
     def root_device(self) -> torch.device:
         """This process's device."""
         assert self.parallel_devices is not None
@@ -188,6 +190,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank of a stage is a data-parallel rank: experts are split, tokens are not."""
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
@@ -208,15 +211,18 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints load into the parallelised model and the final optimizer."""
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         """The strategy restores optimizer state itself (sharded, reshardable)."""
         return False
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
@@ -232,6 +238,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ----- environment -----------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         """Start the process group and build the EP/EDP groups (fails fast on an invalid layout)."""
         super().setup_environment()
@@ -264,6 +271,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         return layout
 
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Build the model on the meta device when `meta_init`, else directly on this rank's device."""
         if self.meta_init:
@@ -279,6 +287,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         return self.shard_optimizer
 
     # ----- setup -----------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Any) -> None:
         """Parallelise the model, move it to the device, build optimizer and gradient sync."""
         assert self.accelerator is not None and self.model is not None and self.topology is not None
@@ -337,6 +346,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
                 dist.broadcast(tensor.data, src=topo.to_global(0), group=topo.world_group)
 
     # ----- collectives -----------------------------------------------------------------------
+    @override
     def barrier(self, name: str | None = None) -> None:
         """Synchronise all ranks."""
         if not _distributed_is_initialized():
@@ -346,6 +356,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         """Send a picklable object from `src` to every rank."""
         if not _distributed_is_initialized():
@@ -354,18 +365,21 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Reduce a tensor over all ranks (mean by default), as DDP does."""
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def model_to_device(self) -> None:
         """Move the (already sliced) model to this rank's device."""
         assert self.model is not None
         self.model.to(self.root_device)
 
     # ----- checkpoints -----------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Model state with experts as global tensors (for DCP); aliases the live parameters."""
         sharded = self._sharded_optimizer()
@@ -373,6 +387,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
             sharded.wait_for_params()  # parameter all-gathers may still be in flight
         return model_state(self.lightning_module, self._mesh)
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Optimizer state in a layout DCP can reshard (addressed by parameter name)."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
@@ -381,6 +396,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         return plain_optimizer_state(optimizer, names, self._mesh, self.topology)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint directory at `filepath` (collective)."""
         if storage_options is not None:
@@ -398,6 +414,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         }
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata."""
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -408,18 +425,22 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         rescale_loop_progress(meta, trainer.accumulate_grad_batches)
         return meta
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: `load_checkpoint` already loaded the weights in place."""
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Nothing to do: `load_checkpoint` already loaded the optimizer state."""
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint directory (rank 0)."""
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 
     # ----- teardown / registry -----------------------------------------------------------------
+    @override
     def teardown(self) -> None:
         """Detach hooks and release the device."""
         if self._grad_sync is not None:
@@ -433,6 +454,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         self.accelerator.teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """`strategy: xpu_moe` (E = 1) in a Trainer or recipe."""
         strategy_registry.register(

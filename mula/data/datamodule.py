@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as L
+from typing_extensions import override
 
 from mula.data.loader import BatchLayout, StatefulLoader, TrainStream, ValStream, WindowReader
 from mula.data.paths import expand_paths, expand_pattern
@@ -254,6 +255,7 @@ class MulaDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks --------------------------------------------------------------------------------
 
+    @override
     def prepare_data(self) -> None:
         """Prepare data_dir from the `prepare` spec if it holds no prepared data yet (global rank 0 only)."""
         if self.prepare_spec is None or os.path.isfile(os.path.join(self.data_dir, SUMMARY_FILE)):
@@ -292,6 +294,7 @@ class MulaDataModule(L.LightningDataModule):
                     skip_bad_records=spec.skip_bad_records,
                 )
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read the prepared data, fix this rank's batch layout and set the trainer's gradient accumulation."""
         summary = self._read_summary()
@@ -347,6 +350,7 @@ class MulaDataModule(L.LightningDataModule):
             raise RuntimeError("MulaDataModule.setup() must run before its dataloaders are requested.")
         return self._reader, self.order, self.layout
 
+    @override
     def train_dataloader(self) -> StatefulLoader:
         """Endless, resumable micro-batches of this rank (one Lightning epoch = one mixture epoch)."""
         reader, order, layout = self._ready()
@@ -359,6 +363,7 @@ class MulaDataModule(L.LightningDataModule):
         self._train_loader = loader
         return loader
 
+    @override
     def val_dataloader(self) -> Any:
         """The held-out windows of this rank (the same windows for every seed); [] when val_samples is 0."""
         reader, order, layout = self._ready()
@@ -369,12 +374,14 @@ class MulaDataModule(L.LightningDataModule):
 
         return DataLoader(stream, batch_size=None, num_workers=min(self.num_workers, len(stream)))
 
+    @override
     def test_dataloader(self) -> Any:
         """Same as the validation windows (the corpus has no separate test split)."""
         return self.val_dataloader()
 
     # ---- checkpointing ----------------------------------------------------------------------------------
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The training loader's position (Lightning also saves it with the loop state), the
         tokenizer.json of the data, which `mula export-hf` ships with the model, and the training
@@ -406,6 +413,7 @@ class MulaDataModule(L.LightningDataModule):
         tokens = state.get(TOKENS_SEEN_KEY) if isinstance(state, dict) else None
         return tokens if isinstance(tokens, int) else None
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training loader at a saved position (applied when the loader is created)."""
         state = state_dict.get("train_loader")

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from typing_extensions import override
 
 from mula.module import MulaLightningModule
 from mula.plan.memory import plan_stage, stage_params
@@ -202,39 +203,47 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
 class MetaAccelerator(Accelerator):
     """Lightning accelerator whose devices are the meta device: tensors have shapes and no storage."""
 
+    @override
     def setup_device(self, device: torch.device) -> None:
         """Nothing to select; refuse anything but the meta device."""
         if device.type != "meta":
             raise ValueError(f"MetaAccelerator runs on the meta device, got {device}.")
 
+    @override
     def teardown(self) -> None:
         """Nothing to release."""
 
     @staticmethod
+    @override
     def parse_devices(devices: Any) -> int:
         """Devices per node, as a count."""
         return int(devices)
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: Any) -> list[torch.device]:
         """One meta device per local rank."""
         return [torch.device("meta")] * int(devices)
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         """One device when `devices` is not given."""
         return 1
 
     @staticmethod
+    @override
     def is_available() -> bool:
         """The meta device always exists."""
         return True
 
     @staticmethod
+    @override
     def name() -> str:
         """What Lightning calls it."""
         return "meta"
 
+    @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         """No statistics: nothing runs."""
         return {}
@@ -247,47 +256,57 @@ class DryRunEnvironment(ClusterEnvironment):
         self._rank, self._world_size, self._per_node = rank, world_size, per_node
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         """Lightning must not launch processes: the dry run is this one."""
         return True
 
     @property
+    @override
     def main_address(self) -> str:
         """Unused by the fake backend."""
         return "localhost"
 
     @property
+    @override
     def main_port(self) -> int:
         """Unused by the fake backend."""
         return 0
 
     @staticmethod
+    @override
     def detect() -> bool:
         """Never picked automatically."""
         return False
 
+    @override
     def world_size(self) -> int:
         """The planned world size."""
         return self._world_size
 
+    @override
     def set_world_size(self, size: int) -> None:
         """The strategy sets nodes x devices per node: the same number."""
         if size != self._world_size:
             raise ValueError(f"The dry run's world is {self._world_size} ranks, the strategy set {size}.")
 
+    @override
     def global_rank(self) -> int:
         """The rank being built."""
         return self._rank
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         """The strategy sets node rank x devices per node + local rank: the same number."""
         if rank != self._rank:
             raise ValueError(f"The dry run builds rank {self._rank}, the strategy set {rank}.")
 
+    @override
     def local_rank(self) -> int:
         """Its index on its node."""
         return self._rank % self._per_node
 
+    @override
     def node_rank(self) -> int:
         """Its node."""
         return self._rank // self._per_node
