@@ -9,8 +9,8 @@ on the same fixed token batches, full training steps (forward, backward, gradien
   uniform     routing_mode="uniform": every expert gets the same number of tokens, which isolates
               kernels and communication from routing skew;
   EP E=k      the strategy's path: experts sliced over EP groups of k ranks, all-to-all dispatch,
-              bucketed EP-aware gradient all-reduce (strategies.grad_sync) + torch.optim.AdamW;
-  EP E=k +S   the same with the EP-aware sharded optimizer (strategies.sharded_optimizer), which is
+              bucketed EP-aware gradient all-reduce (strategies.optim.grad_sync) + torch.optim.AdamW;
+  EP E=k +S   the same with the EP-aware sharded optimizer (strategies.optim.sharded_optimizer), which is
               XPUMoEStrategy's default.
 
 Reported per layout: global tokens/s (slowest rank's step time, median over steps), step time, bytes
@@ -39,9 +39,9 @@ from torch import Tensor
 
 from mula import Mula, MulaConfig
 from mula.moe import iter_moe_layers
-from strategies.all_to_all import AllToAllDispatcher, _AllToAll, wire_dtype
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer
+from strategies.experts.all_to_all import AllToAllDispatcher, _AllToAll, wire_dtype
+from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.topology import build_topology
 
 MiB = 2**20
@@ -201,7 +201,7 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
         named = list(model.named_parameters())
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         if case.sharded:
-            from strategies.sharded_optimizer import EPShardedAdamW
+            from strategies.optim.sharded_optimizer import EPShardedAdamW
 
             optimizer = EPShardedAdamW.from_adamw(adamw, named, topo)
         else:

@@ -41,6 +41,7 @@ from rounds import run_gloo  # benchmarks/ is on sys.path when run as a script
 from torch.utils.data import DataLoader
 
 from mula import MulaConfig
+from mula.layout_rules import micro_batches_per_step
 from mula.plan import Layout, plan_memory
 from mula.plan.command import scaling
 from mula.plan.machines import load_machine
@@ -59,8 +60,8 @@ GB = 1e9
 def _measure(rank: int, world: int, ep: int) -> dict[str, dict[str, int]]:
     from callbacks.memory_metrics import SavedTensorMeter, grad_bytes, param_bytes
     from mula.module import MulaLightningModule
-    from strategies.expert_parallel import apply_expert_parallel
-    from strategies.sharded_optimizer import EPShardedAdamW
+    from strategies.experts.expert_parallel import apply_expert_parallel
+    from strategies.optim.sharded_optimizer import EPShardedAdamW
     from strategies.topology import build_topology
 
     rows = {}
@@ -265,7 +266,7 @@ def optimus_layout(name: str, nodes: int) -> Layout:
     world = 12 * nodes
     dp = world // spec.get("pp_size", 1)
     return Layout(
-        world_size=world, seq_len=2048, micro_batches=max(1, 3072 // (spec["micro_batch"] * dp)),
+        world_size=world, seq_len=2048, micro_batches=micro_batches_per_step(3072, dp, spec["micro_batch"], check=False),
         precision="bf16-true", device_type="xpu", shard_optimizer=True, **spec,
     )  # fmt: skip
 

@@ -38,7 +38,7 @@ from rounds import run_gloo
 
 from mula import Mula, MulaConfig
 from mula.moe import is_expert_param
-from strategies.sharded_optimizer import EPShardedAdamW
+from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
 MiB = 2**20
@@ -306,7 +306,7 @@ def main(
 def _doc_section(result: str, worlds: list[int], iters: int) -> str:
     return f"""{SECTION}
 
-EP-aware sharded AdamW (`strategies/sharded_optimizer.py`) against unsharded AdamW with all-reduced
+EP-aware sharded AdamW (`strategies/optim/sharded_optimizer.py`) against unsharded AdamW with all-reduced
 gradients, (a), and an EP-unaware sharding, (b). Made with:
 
     .venv/bin/python benchmarks/optimizer.py --worlds [{",".join(map(str, worlds))}] --iters {iters} \\

@@ -5,9 +5,9 @@ the same global batches, full optimizer steps (forward, backward, gradient all-r
 
   no pipeline      W data-parallel ranks, each accumulating its share of the global batch in
                    micro-batches (what XPUMoEStrategy runs with pipeline_parallel_size=1, E=1);
-  P=k <schedule>   the blocks split into k stages (strategies/pipeline_split.py), W/k data-parallel
+  P=k <schedule>   the blocks split into k stages (strategies/pipeline/split.py), W/k data-parallel
                    ranks, one torch.distributed.pipelining schedule per step over the same
-                   micro-batches (strategies/pipeline_schedule.py): gpipe, 1f1b, interleaved-1f1b
+                   micro-batches (strategies/pipeline/schedule.py): gpipe, 1f1b, interleaved-1f1b
                    (2 virtual stages per rank).
 
 Reported per layout: global tokens/s (slowest rank's step time, median over steps), step time, the
@@ -37,9 +37,9 @@ from torch.distributed.pipelining import PipelineStage
 from mula import MulaConfig
 from mula.module import MulaLightningModule
 from mula.parallel_layout import ParallelLayout
-from strategies.grad_sync import GradientSynchronizer
-from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model
+from strategies.optim.grad_sync import GradientSynchronizer
+from strategies.pipeline.schedule import PipelineRunner
+from strategies.pipeline.split import split_model
 from strategies.topology import topology_from_layout
 
 MiB = 2**20

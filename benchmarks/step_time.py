@@ -46,20 +46,21 @@ from doc_sections import host_line, write_section  # benchmarks/ is on sys.path 
 from rounds import by_case, run_gloo, spread
 
 from mula import MulaConfig
+from mula.layout_rules import micro_batches_per_step
 from mula.module import MulaLightningModule
 from mula.plan import Layout
 from mula.plan.layout import check_runnable
 from mula.plan.machines import Machine, load_machine
 from mula.plan.step_time import step_time
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model
-from strategies.sharded_optimizer import EPShardedAdamW
+from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.sharded_optimizer import EPShardedAdamW
+from strategies.pipeline.schedule import PipelineRunner
+from strategies.pipeline.split import split_model
 from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 SECTION = "## step time"
 PARTS = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
-# torch >= 2.10 renamed the tensor collectives (as strategies/grad_reduce.py and param_gather.py)
+# torch >= 2.10 renamed the tensor collectives (as strategies/optim/grad_reduce.py and param_gather.py)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
@@ -255,7 +256,7 @@ def layout_of(case: Case, spec: Spec) -> Layout:
     return Layout(
         world_size=case.world, ep_size=case.ep, pp_size=case.pp, pp_schedule=case.schedule,
         micro_batch=spec.micro_batch, seq_len=spec.seq_len,
-        micro_batches=spec.global_batch // (spec.micro_batch * dp), precision=spec.precision,
+        micro_batches=micro_batches_per_step(spec.global_batch, dp, spec.micro_batch), precision=spec.precision,
         checkpointing=case.checkpointing, shard_optimizer=True, zero_stage=case.zero, collectives="native",
     )  # fmt: skip
 

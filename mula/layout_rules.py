@@ -151,11 +151,13 @@ def check_zero_stage(pp_size: int, zero_stage: int) -> None:
         )
 
 
-def micro_batches_per_step(global_batch: int, dp_world: int, micro_batch: int) -> int:
+def micro_batches_per_step(global_batch: int, dp_world: int, micro_batch: int, *, check: bool = True) -> int:
     """Micro-batches each data-parallel rank runs per optimizer step (its gradient accumulation, or its
-    pipeline's micro-batches); the split is checked first."""
-    check_batch_split(global_batch, dp_world, micro_batch)
-    return global_batch // (dp_world * micro_batch)
+    pipeline's micro-batches). The split is checked first; `check=False` (the planner, which checks the
+    whole layout afterwards in the order a run meets the rules) gives at least 1 instead."""
+    if check:
+        check_batch_split(global_batch, dp_world, micro_batch)
+    return max(1, global_batch // (dp_world * micro_batch))
 
 
 def check_batch_split(global_batch: int, dp_world: int, micro_batch: int) -> None:

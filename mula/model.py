@@ -5,7 +5,7 @@ SwiGLU (dense) or a `mula.moe.MoELayer` (an MoE model may keep its first `num_de
 dense). Numerically identical to transformers' OLMoE / OLMo on the same weights (`tests/test_hf.py`).
 
 The blocks run through `forward_blocks`, and the router losses are `router_losses` of its sums: one
-definition, which the pipeline stages (strategies/pipeline_split.py) use too.
+definition, which the pipeline stages (strategies/pipeline/split.py) use too.
 
 Activation checkpointing (`Mula.set_activation_checkpointing`) recomputes whole blocks or selected
 parts of them in backward with torch's non-reentrant `checkpoint`; gradients are unchanged.

@@ -1,4 +1,4 @@
-"""Options of the EP-aware sharded optimizer (``strategies.sharded_optimizer.EPShardedAdamW``).
+"""Options of the EP-aware sharded optimizer (``strategies.optim.sharded_optimizer.EPShardedAdamW``).
 
 Torch-free, so that the optimizer and the planner (`mula plan`, which reads a recipe's
 ``optimizer_options`` into the same object) share one definition, defaults and checks.
@@ -47,7 +47,7 @@ class ShardingOptions:
         still computed and reported.
     reduce_dtype: dtype gradients are accumulated and reduced in (``fp32`` or ``bf16`` in a
         recipe's ``optimizer_options``; a torch dtype is accepted too), kept as torch's attribute
-        name (``torch_dtype`` in ``strategies.sharded_optimizer`` turns it back). fp32, the default, accumulates bf16 gradients
+        name (``torch_dtype`` in ``strategies.optim.sharded_optimizer`` turns it back). fp32, the default, accumulates bf16 gradients
         (micro-batches, and the sum over ranks) without rounding them at every addition, at twice
         the buffer memory and wire bytes of bf16; bf16 reduces on the wire in bf16. Master weights
         and moments are fp32 whatever this and the parameters' dtype are.

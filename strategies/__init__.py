@@ -7,14 +7,14 @@ Importing this package registers `XPUMoEStrategy` as `strategy: xpu_moe` and `XP
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from strategies.accelerator import XPUAccelerator, process_group_backend
-from strategies.accelerator import register as _register_accelerator
-from strategies.all_to_all import AllToAllDispatcher
-from strategies.environments import PALSEnvironment
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
-from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model
+from strategies.devices.accelerator import XPUAccelerator, process_group_backend
+from strategies.devices.accelerator import register as _register_accelerator
+from strategies.devices.environments import PALSEnvironment
+from strategies.experts.all_to_all import AllToAllDispatcher
+from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.pipeline.schedule import PipelineRunner
+from strategies.pipeline.split import split_model
 from strategies.topology import ExpertParallelTopology, build_topology, topology_from_layout
 from strategies.xpu_moe import XPUMoEStrategy
 

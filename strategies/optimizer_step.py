@@ -22,8 +22,8 @@ from typing_extensions import override
 
 from mula.layout_rules import check_zero_stage
 from mula.lightning_compat import call_before_optimizer_step_hooks
-from strategies.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
-from strategies.sharding_options import torch_dtype
+from strategies.optim.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
+from strategies.optim.sharding_options import torch_dtype
 
 
 class OptimizerSteps:
@@ -45,7 +45,7 @@ class OptimizerSteps:
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
         if not self.shard_optimizer:
             return torch.optim.AdamW(params, **adamw_kwargs)
-        from strategies.sharded_optimizer import EPShardedAdamW
+        from strategies.optim.sharded_optimizer import EPShardedAdamW
 
         assert self.topology is not None
         options = dict(self.optimizer_options)

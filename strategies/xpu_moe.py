@@ -13,8 +13,8 @@ flag in one all-reduce -> `on_before_optimizer_step` hooks (a callback may veto 
 (`block_backward_sync`).
 
 With `pipeline_parallel_size` P > 1 the model's blocks are split into P stages (strategies/
-pipeline_split.py) and each optimizer step runs as one `torch.distributed.pipelining` schedule
-(strategies/pipeline_schedule.py) inside `training_step`: the data module hands over the step's whole
+pipeline/split.py) and each optimizer step runs as one `torch.distributed.pipelining` schedule
+(strategies/pipeline/schedule.py) inside `training_step`: the data module hands over the step's whole
 per-rank batch, whose accumulation micro-batches become the pipeline's micro-batches. Gradients are
 then reduced per stage (dense over the stage's W/P ranks, experts over its EDP group) and clipped by
 the norm over all stages.
@@ -58,12 +58,12 @@ from mula.lightning_compat import (
 )
 from mula.moe import is_expert_param
 from mula.parallel_layout import ParallelLayout
-from strategies.accelerator import fix_mixed_precision_device, process_group_backend
-from strategies.environments import PALSEnvironment
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer
+from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
+from strategies.devices.environments import PALSEnvironment
+from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
-from strategies.pipeline_steps import PipelineSteps
+from strategies.pipeline.steps import PipelineSteps
 from strategies.sharded_state import (
     expert_mesh,
     load_sharded,

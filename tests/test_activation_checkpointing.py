@@ -17,8 +17,8 @@ from mula import Mula, MulaConfig
 from mula.model import parse_activation_checkpointing
 from mula.module import MulaLightningModule
 from mula.moe import is_expert_param
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer
+from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.topology import build_topology
 
 WORLD, MICRO, SEQ = 4, 2, 16

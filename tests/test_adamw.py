@@ -1,12 +1,12 @@
-"""strategies.adamw.adamw_update on flat fp32 tensors vs torch.optim.AdamW, over a few steps."""
+"""strategies.optim.adamw.adamw_update on flat fp32 tensors vs torch.optim.AdamW, over a few steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from strategies import adamw
-from strategies.adamw import adamw_update
+from strategies.optim import adamw
+from strategies.optim.adamw import adamw_update
 
 
 @pytest.mark.parametrize("fused", [True, False])

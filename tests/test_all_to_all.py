@@ -6,7 +6,7 @@ import torch
 from dist_helpers import run_distributed
 
 from mula.kernels import RoutingPlan
-from strategies.all_to_all import AllToAllDispatcher, wire_dtype
+from strategies.experts.all_to_all import AllToAllDispatcher, wire_dtype
 from strategies.topology import build_topology
 
 H, E_TOTAL, K = 8, 8, 2
@@ -147,7 +147,7 @@ def test_wire_dtype_follows_autocast_else_input() -> None:
 def _mula_autocast_loss(rank: int, world: int, ep_size: int) -> float:
     """The tiny Mula MoE's loss on this rank's tokens under bf16 autocast (fp32 weights, as bf16-mixed)."""
     from mula import Mula, MulaConfig
-    from strategies.expert_parallel import apply_expert_parallel
+    from strategies.experts.expert_parallel import apply_expert_parallel
 
     cfg = MulaConfig.from_name(
         "mula-tiny-moe", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_experts=4, top_k=2,

@@ -27,7 +27,7 @@ from dist_helpers import run_distributed
 from torch import nn
 
 from mula.moe import is_expert_param
-from strategies.sharded_optimizer import EPShardedAdamW
+from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
 STEPS, MICRO, SEQ, LR, WORLD, EP, ALIGN = 20, 2, 16, 1e-4, 4, 2, 16
@@ -97,7 +97,7 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 def _build(ep: int, **options) -> tuple[nn.Module, EPShardedAdamW, object]:
-    from strategies.expert_parallel import apply_expert_parallel
+    from strategies.experts.expert_parallel import apply_expert_parallel
 
     topo = build_topology(ep)
     model = _model()

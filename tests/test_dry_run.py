@@ -121,7 +121,7 @@ def test_sharded_optimizer_refuses_meta_parameters_outside_a_dry_run():
     """Meta parameters are a forgotten materialisation unless the process group is the fake one."""
     import torch
 
-    from strategies.sharded_optimizer import EPShardedAdamW
+    from strategies.optim.sharded_optimizer import EPShardedAdamW
 
     p = torch.nn.Parameter(torch.empty(8, device="meta"))
     with pytest.raises(ValueError, match="must be materialised on one device"):

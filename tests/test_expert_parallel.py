@@ -17,8 +17,8 @@ from dist_helpers import run_distributed
 
 from mula import Mula, MulaConfig
 from mula.moe import is_expert_param
-from strategies.expert_parallel import apply_expert_parallel
-from strategies.grad_sync import GradientSynchronizer, clip_grad_norm_
+from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.grad_sync import GradientSynchronizer, clip_grad_norm_
 from strategies.topology import build_topology
 
 WORLD, MICRO, SEQ, STEPS, MAX_NORM = 4, 2, 16, 3, 0.5

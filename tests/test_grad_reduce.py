@@ -14,7 +14,7 @@ from dist_helpers import run_distributed
 from torch import nn
 
 from mula.moe import is_expert_param
-from strategies.grad_reduce import GradReducer, param_entry
+from strategies.optim.grad_reduce import GradReducer, param_entry
 from strategies.topology import build_topology
 
 WORLD, EP = 4, 2

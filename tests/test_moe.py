@@ -182,7 +182,7 @@ def test_contract_finds_layers_and_expert_params():
 
 def test_dispatchers_follow_the_protocol_and_stay_out_of_the_module_tree():
     from mula.moe import Dispatcher
-    from strategies.all_to_all import AllToAllDispatcher
+    from strategies.experts.all_to_all import AllToAllDispatcher
 
     layer = MoELayer(tiny())
     keys, modules = list(layer.state_dict()), [n for n, _ in layer.named_modules()]

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from dist_helpers import lightning_env, run_distributed
 from torch.distributed.pipelining import PipelineStage
 
-import strategies.grad_reduce as grad_reduce
-import strategies.param_gather as param_gather
+import strategies.optim.grad_reduce as grad_reduce
+import strategies.optim.param_gather as param_gather
 from mula import MulaConfig
 from mula.module import MulaLightningModule
 from mula.plan import Layout
@@ -138,8 +138,8 @@ class CollectiveMeter:
     def _wrap(self, owner: Any, name: str, count: Any) -> None:
         original = getattr(owner, name)
         signature = inspect.signature(original)
-        kinds = {"strategies.all_to_all": "all_to_all", "strategies.grad_reduce": "grad_reduce"}
-        kinds["strategies.param_gather"] = "param_gather"
+        kinds = {"strategies.experts.all_to_all": "all_to_all", "strategies.optim.grad_reduce": "grad_reduce"}
+        kinds["strategies.optim.param_gather"] = "param_gather"
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             kind = kinds.get(sys._getframe(1).f_globals.get("__name__", ""))

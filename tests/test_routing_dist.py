@@ -25,7 +25,7 @@ from mula import Mula, MulaConfig
 from mula.module import MulaLightningModule
 from mula.moe import is_expert_param, iter_moe_layers
 from strategies import XPUMoEStrategy
-from strategies.expert_parallel import apply_expert_parallel
+from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.topology import build_topology
 
 WORLD, MICRO, SEQ = 4, 2, 16

@@ -31,7 +31,7 @@ from torch import nn
 
 from mula.flat_buffers import ParamEntry, plan_buckets
 from mula.moe import is_expert_param
-from strategies.sharded_optimizer import EPShardedAdamW
+from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
 E_TOTAL, HIDDEN, INTER, LAYERS = 4, 8, 12, 2
@@ -529,7 +529,7 @@ def _mula_reference(world: int) -> dict[str, torch.Tensor]:
 
 
 def _mula_worker(rank: int, world: int) -> dict:
-    from strategies.expert_parallel import apply_expert_parallel
+    from strategies.experts.expert_parallel import apply_expert_parallel
 
     out = {}
     for ep in (1, 4):

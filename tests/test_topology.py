@@ -11,8 +11,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
 from mula.parallel_layout import ParallelLayout
-from strategies.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
-from strategies.environments import PALSEnvironment
+from strategies.devices.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
+from strategies.devices.environments import PALSEnvironment
 from strategies.sharded_state import rescale_loop_progress
 from strategies.topology import ExpertParallelTopology, build_topology
 
@@ -142,7 +142,7 @@ def test_xpu_accelerator_registered_and_bf16_autocast_repointed() -> None:
 
 
 def test_xpu_device_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("strategies.accelerator._native_xpu_count", lambda: 12)
+    monkeypatch.setattr("strategies.devices.accelerator._native_xpu_count", lambda: 12)
     assert XPUAccelerator.parse_devices(12) == list(range(12))
     assert XPUAccelerator.parse_devices("auto") == list(range(12))
     assert XPUAccelerator.parse_devices("0,3") == [0, 3]

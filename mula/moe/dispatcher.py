@@ -1,7 +1,7 @@
 """Token dispatchers: group the (token, expert) assignments by expert and back.
 
 `Dispatcher` is the contract between `MoELayer` and whoever moves its tokens: `LocalDispatcher` on
-one device, the expert-parallel strategy's all-to-all dispatcher (`strategies.all_to_all`) across
+one device, the expert-parallel strategy's all-to-all dispatcher (`strategies.experts.all_to_all`) across
 ranks. The layer only calls the two methods, so it never knows where its experts live.
 """
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from mula.layout_rules import micro_batches_per_step
 from mula.plan.layout import Layout
 from mula.plan.machines import load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
@@ -214,9 +215,9 @@ def scaling(inputs: PlanInputs, base_nodes: int, node_counts: list[int]) -> list
         weak_batch = int(inputs.global_batch * ratio)
         weak = step_time(inputs.config, base_layout.replace(world_size=w), inputs.machine, weak_batch)
         dp = w // base_layout.pp_size
-        m = inputs.global_batch // (base_layout.micro_batch * dp)
         strong_eff = None
-        if m >= 1:
+        if inputs.global_batch >= base_layout.micro_batch * dp:  # every rank still has a micro-batch
+            m = micro_batches_per_step(inputs.global_batch, dp, base_layout.micro_batch, check=False)
             strong = step_time(
                 inputs.config,
                 base_layout.replace(world_size=w, micro_batches=m),

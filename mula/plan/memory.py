@@ -98,7 +98,7 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
         # torch AdamW: every rank holds its parameters, a gradient each (or the all-reduce buckets,
         # the same elements) and exp_avg + exp_avg_sq in the parameters' dtype
         return tensors, tensors, tensors, 2 * tensors, 0
-    # the domains of strategies.grad_reduce.make_domains: dense sharded over the stage's ranks (over
+    # the domains of strategies.optim.grad_reduce.make_domains: dense sharded over the stage's ranks (over
     # EDP when not EP-aware), experts over EDP
     dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
     buckets = plan_buckets(
@@ -106,7 +106,7 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     )
     full = sum(b.numel for b in buckets)
     shard = sum(b.shard_numel for b in buckets)
-    params_alloc = full * layout.param_bytes  # strategies.param_gather: one flat buffer per bucket
+    params_alloc = full * layout.param_bytes  # strategies.optim.param_gather: one flat buffer per bucket
     grads = (shard + (full if layout.zero_stage == 1 else 0)) * layout.reduce_bytes
     optimizer = 12 * shard  # fp32 master + exp_avg + exp_avg_sq of the owned shard
     buffers = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from mula.layout_rules import micro_batches_per_step
 from mula.plan.layout import Layout, check_runnable
 from mula.plan.memory import plan_memory
 from mula.plan.settings import PlanInputs
@@ -35,7 +36,7 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
         dp = max(1, base.world_size // p)  # P > W: the layout refuses it below
         try:
             layout = base.replace(
-                ep_size=e, pp_size=p, micro_batch=mb, micro_batches=max(1, inputs.global_batch // (mb * dp)),
+                ep_size=e, pp_size=p, micro_batch=mb, micro_batches=micro_batches_per_step(inputs.global_batch, dp, mb, check=False),
                 checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=True,
                 pp_stage_layers=None, pp_virtual_stages=1 if p == 1 else base.pp_virtual_stages,
             )  # fmt: skip

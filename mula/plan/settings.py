@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mula.config import MulaConfig, resolve_config
+from mula.layout_rules import micro_batches_per_step
 from mula.plan.layout import SHARDING_FIELDS, Layout, check_runnable
 from mula.plan.machines import Machine
 from mula.plan.recipe_reader import signatures
@@ -134,7 +135,7 @@ def plan_inputs(
         world_size=world,
         micro_batch=micro,
         seq_len=seq,
-        micro_batches=max(1, global_batch // (micro * dp)),
+        micro_batches=micro_batches_per_step(global_batch, dp, micro, check=False),
         precision=str(trainer.get("precision") or "32-true"),
         checkpointing=model.get("activation_checkpointing") or "none",
         device_type=device_type,

@@ -118,7 +118,7 @@ def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float]:
         expert = sum(q.numel for q in params if q.is_expert) // layout.ep_size
         pb = layout.param_bytes
         return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0
-    # the sharded optimizer's own buckets (strategies.grad_reduce.make_domains): dense sharded over the
+    # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
     # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
     dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
     buckets = plan_buckets(

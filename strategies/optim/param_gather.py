@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mula.flat_buffers import Bucket
-from strategies.grad_reduce import ReduceState
+from strategies.optim.grad_reduce import ReduceState
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mula.moe import iter_moe_layers, num_global_experts
-from strategies.all_to_all import AllToAllDispatcher
+from strategies.experts.all_to_all import AllToAllDispatcher
 from strategies.topology import ExpertParallelTopology
 
 

@@ -15,7 +15,7 @@ optimizer (everything sharded over EDP, the comparison in benchmarks/optimizer.p
 
 Per step (the order the strategy follows, see ``EPShardedAdamW``):
 
-1. backward (``strategies.grad_reduce``): post-accumulate-grad hooks move each gradient into its
+1. backward (``strategies.optim.grad_reduce``): post-accumulate-grad hooks move each gradient into its
    bucket's flat buffer, scaled by 1/W (dense gradients are the rank's own; expert gradients arrive
    from the all-to-all backward already summed over the EP group, so their sum over EDP covers every
    rank once), and launch an async reduce-scatter as soon as a bucket is complete — in bucket order, so every rank issues the
@@ -36,8 +36,8 @@ per owned element); the master shard is built from the parameters as they are wh
 constructed, updated in fp32, and cast to bf16 for the all-gather. ``reduce_dtype`` (fp32 by default)
 decides whether bf16 gradients are accumulated and reduce-scattered in fp32 or in bf16.
 
-Options: ``strategies.sharding_options``; the update arithmetic: ``strategies.adamw``; checkpoints:
-``strategies.optim_state``.
+Options: ``strategies.optim.sharding_options``; the update arithmetic: ``strategies.optim.adamw``; checkpoints:
+``strategies.optim.state``.
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mula.flat_buffers import ParamEntry, Segment, padding_bound
-from strategies import optim_state
-from strategies.adamw import adamw_update
-from strategies.grad_reduce import GradReducer, param_entry
-from strategies.param_gather import ParamGather
-from strategies.sharding_options import ShardingOptions, torch_dtype
+from strategies.optim import state as optim_state
+from strategies.optim.adamw import adamw_update
+from strategies.optim.grad_reduce import GradReducer, param_entry
+from strategies.optim.param_gather import ParamGather
+from strategies.optim.sharding_options import ShardingOptions, torch_dtype
 from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
@@ -470,7 +470,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
     # checkpoints
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """State for ``torch.distributed.checkpoint`` (``strategies.optim_state``): per parameter
+        """State for ``torch.distributed.checkpoint`` (``strategies.optim.state``): per parameter
         (global name) master/exp_avg/exp_avg_sq over the flattened *global* parameter, the step count
         and the param groups. Local shards are views of the live buffers, so ``dcp.load`` into this
         dict loads in place; then call ``load_sharded_state_dict``."""

@@ -21,7 +21,7 @@ from mula.flat_buffers import ParamEntry, Segment
 from strategies.topology import gather_groups_over_stages, names_cover
 
 if TYPE_CHECKING:
-    from strategies.sharded_optimizer import EPShardedAdamW
+    from strategies.optim.sharded_optimizer import EPShardedAdamW
 
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 

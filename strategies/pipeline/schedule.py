@@ -31,7 +31,7 @@ from torch.distributed.pipelining import (
 )
 
 from mula.model import router_losses
-from strategies.pipeline_split import MulaStage
+from strategies.pipeline.split import MulaStage
 from strategies.topology import ExpertParallelTopology
 
 _SCHEDULE_CLASSES = {

@@ -1,7 +1,7 @@
 """Gradient synchronisation for expert parallelism when the optimizer is not sharded.
 
 The arithmetic (pre-divide by W, SUM-reduce dense gradients over the world and expert gradients over
-EDP) and the bucketing live in ``strategies.grad_reduce``; here whole buckets are all-reduced and the
+EDP) and the bucketing live in ``strategies.optim.grad_reduce``; here whole buckets are all-reduced and the
 parameters' ``.grad`` point at the results, plus the matching global-norm clipping.
 """
 
@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mula.moe import is_expert_param
-from strategies.grad_reduce import GradReducer, param_entry
+from strategies.optim.grad_reduce import GradReducer, param_entry
 from strategies.topology import ExpertParallelTopology, reduce_over_stages
 
 
 class GradientSynchronizer:
-    """Averages gradients as ``strategies.grad_reduce`` describes, bucketed and overlapped with backward.
+    """Averages gradients as ``strategies.optim.grad_reduce`` describes, bucketed and overlapped with backward.
 
     named_params: the model's trainable (name, parameter) pairs on this rank (experts already sliced).
     Call `finish()` after each backward that must synchronise (it waits for all buckets and writes

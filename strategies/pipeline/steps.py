@@ -19,8 +19,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from mula.layout_rules import micro_batches_per_step
-from strategies.pipeline_schedule import PipelineRunner
-from strategies.pipeline_split import split_model
+from strategies.pipeline.schedule import PipelineRunner
+from strategies.pipeline.split import split_model
 
 
 class PipelineSteps:

@@ -1,0 +1,2 @@
+"""Devices and launchers: the Intel XPU accelerator on native torch.xpu (`accelerator`) and the
+mpiexec/PALS cluster environment (`environments`)."""
