@@ -6,7 +6,8 @@ and a non-finite flag in one all-reduce -> `on_before_optimizer_step` hooks (a c
 update) -> clip -> update -> zero. Nothing else in the strategy, the module or the callbacks replaces
 an optimizer's or Lightning's methods: the optimizer is built by `build_optimizer`, which the module's
 `configure_optimizers` calls, and Lightning's precision plugin is not asked to clip (its clipping sees
-only this rank's tensors).
+only this rank's tensors): the trainer's `gradient_clip_val` / `gradient_clip_algorithm` are applied
+here, by the global norm, and a module's `configure_gradient_clipping` hook is not called.
 """
 
 from __future__ import annotations
