@@ -56,6 +56,7 @@ _ITEM_TOKENS = 1 << 20  # documents are concatenated into litdata items of about
 _PROGRESS_POLL_S = 5.0  # rank 0 lists each unfinished source's folder this often for the job's bar
 # The per-task counts summed into a source's totals (a task's result also lists its chunks).
 _COUNTS = ("files", "documents", "tokens", "bad_records", "empty_documents", "input_bytes")
+_STATS_RE = re.compile(r"(\d+)\.stats\.json")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -531,9 +532,10 @@ class _JobProgress:
         for out_dir in self._dirs:
             with contextlib.suppress(OSError):
                 for name in os.listdir(out_dir):
-                    if not name.endswith(".stats.json"):
+                    match = _STATS_RE.fullmatch(name)  # not the temporary name of one being written
+                    if match is None:
                         continue
-                    key = (out_dir, int(name.split(".")[0]))
+                    key = (out_dir, int(match[1]))
                     if key in self._seen or key not in self._todo:
                         continue
                     result = _read_json(os.path.join(out_dir, name))

@@ -1,0 +1,252 @@
+"""`mula prepare` over several ranks: the same bytes as one process, resumable after SIGKILL, one job per
+output directory, checksums re-verified on request."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from dist_helpers import free_port, run_distributed
+from test_data import make_docs, tokenizer_path  # noqa: F401  (the fixture)
+
+from mula.data import prepare as prepare_module
+from mula.data.prepare import SUMMARY_FILE, SourceSpec, prepare
+
+# Files of mixed sizes: several tasks per source even for these small inputs (as in test_data).
+_SMALL_TASKS = 1
+_LAUNCHER_VARS = re.compile(r"^(SLURM_|PMI_|PMIX_|OMPI_|PALS_|TORCHELASTIC_|MPI_|PBS_|LSB_|FLUX_)")
+_LAUNCH_KEYS = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+}
+
+
+def make_inputs(root: Path) -> list[SourceSpec]:
+    """Two sources: JSONL.gz files of mixed sizes (one malformed record) and parquet files."""
+    web, papers = root / "web", root / "papers"
+    web.mkdir(parents=True)
+    papers.mkdir()
+    for i, n in enumerate([10, 40, 17, 25, 8, 60, 12, 30, 22, 35]):
+        lines = [json.dumps({"text": t}) for t in make_docs(n, seed=100 + i)]
+        if i == 3:
+            lines.insert(5, '{"text": "unterminated')  # malformed: skipped and counted
+        (web / f"{i:02d}.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    for i, n in enumerate([50, 14, 33, 18, 27, 41]):
+        pq.write_table(
+            pa.table({"text": make_docs(n, seed=200 + i)}), papers / f"{i}.parquet", row_group_size=9
+        )
+    return [
+        SourceSpec("web", [str(web / "*.jsonl.gz")]),
+        SourceSpec("papers", [str(papers / "*.parquet")], weight=2.0),
+    ]
+
+
+def output_bytes(out: Path) -> dict[str, bytes]:
+    """Every file of a prepared directory by relative path (summary.json without its own location)."""
+    files = {}
+    for path in sorted(out.rglob("*")):
+        if path.is_file() and path.name != "mula.lock":
+            data = path.read_bytes()
+            if path.name == SUMMARY_FILE:
+                summary = json.loads(data)
+                summary.pop("output_dir")
+                data = json.dumps(summary, sort_keys=True).encode()
+            files[str(path.relative_to(out))] = data
+    return files
+
+
+def reference(tmp_path: Path, tokenizer: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, bytes]:
+    """One process, no worker processes."""
+    monkeypatch.setattr(prepare_module, "_MIN_TASK_BYTES", _SMALL_TASKS)
+    sources = make_inputs(tmp_path / "in")
+    prepare(sources, tokenizer, str(tmp_path / "ref"), num_workers=0, skip_bad_records=True, progress=False)
+    return output_bytes(tmp_path / "ref")
+
+
+def _prepare_rank(rank: int, world: int, root: str, tokenizer: str, out: str, workers: int) -> dict:
+    prepare_module._MIN_TASK_BYTES = _SMALL_TASKS
+    summary = prepare(
+        _sources(root), tokenizer, out, num_workers=workers, skip_bad_records=True, progress=False
+    )
+    return summary.to_dict()
+
+
+def _sources(root: str) -> list[SourceSpec]:
+    return [
+        SourceSpec("web", [os.path.join(root, "in", "web", "*.jsonl.gz")]),
+        SourceSpec("papers", [os.path.join(root, "in", "papers", "*.parquet")], weight=2.0),
+    ]
+
+
+def test_ranks_and_workers_write_the_same_bytes(tmp_path, tokenizer_path, monkeypatch):  # noqa: F811
+    ref = reference(tmp_path, tokenizer_path, monkeypatch)
+    assert {"web/index.json", "web/mula_source.json", "papers/index.json", SUMMARY_FILE} <= set(ref)
+    assert sum(name.startswith("web/chunk-") for name in ref) >= 7  # one chunk per task at least
+    saved = json.loads(ref[SUMMARY_FILE])
+    assert saved["sources"][0]["bad_records"] == 1
+
+    four = run_distributed(_prepare_rank, 4, str(tmp_path), tokenizer_path, str(tmp_path / "four"), 0)
+    assert output_bytes(tmp_path / "four") == ref
+    assert all(r == four[0] for r in four)  # every rank returns the summary
+
+    run_distributed(_prepare_rank, 2, str(tmp_path), tokenizer_path, str(tmp_path / "two-by-two"), 2)
+    assert output_bytes(tmp_path / "two-by-two") == ref
+
+
+def test_verify_finds_a_changed_chunk(tmp_path, tokenizer_path, monkeypatch):  # noqa: F811
+    reference(tmp_path, tokenizer_path, monkeypatch)
+    sources = _sources(str(tmp_path))
+    again = prepare(
+        sources, tokenizer_path, str(tmp_path / "ref"), skip_bad_records=True, verify=True, progress=False
+    )
+    assert {s.status for s in again.sources} == {"up to date"}
+    chunk = sorted((tmp_path / "ref" / "papers").glob("chunk-*.bin"))[1]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 1
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"1 chunk\(s\) differ .*papers/{chunk.name}"):
+        prepare(
+            sources, tokenizer_path, str(tmp_path / "ref"), skip_bad_records=True, verify=True, progress=False
+        )
+
+
+# ---- launched as separate processes, as mpiexec would: SIGKILL, resume, a second job refused ----------------
+
+_LAUNCHER = """
+import os, sys, time
+import mula.data.prepare as p
+p._MIN_TASK_BYTES = {small}
+real, ran = p._run_task, []
+def held(task):
+    # With PREPARE_TEST_HOLD set, each rank finishes one task and then waits (for the SIGKILL).
+    while ran and os.environ.get("PREPARE_TEST_HOLD"):
+        time.sleep(0.1)
+    ran.append(task.index)
+    return real(task)
+p._run_task = held
+from mula.entry import main
+main(["prepare", "-c", sys.argv[1]])
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARS.match(k) and k not in _LAUNCH_KEYS}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _launch(script: Path, config: Path, world: int, logs: Path, hold: bool) -> list[subprocess.Popen]:
+    """``world`` ranks with the variables mpiexec sets (PMI_RANK, PMI_SIZE) and a rendezvous address."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = _clean_env()
+        if hold:
+            env.update(PREPARE_TEST_HOLD="1")
+        if world > 1:
+            env.update(
+                PMI_RANK=str(rank), PMI_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+            )
+        log = open(logs / f"rank{rank}.log", "w")  # noqa: SIM115  (closed by the process's end)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def _done_tasks(logs: Path) -> list[tuple[str, int]]:
+    done = []
+    for path in logs.glob("rank*.log"):
+        done += [(m[1], int(m[2])) for m in re.finditer(r"rank \d+: (\w+) task (\d+) done", path.read_text())]
+    return done
+
+
+def _wait_for(predicate, procs: list[subprocess.Popen], what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise AssertionError(f"never saw {what}")
+        time.sleep(0.2)
+
+
+def test_sigkill_resume_and_a_second_job_refused(tmp_path, tokenizer_path, monkeypatch):  # noqa: F811
+    ref = reference(tmp_path, tokenizer_path, monkeypatch)
+    out = tmp_path / "out"
+    config = tmp_path / "prepare.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "sources": [
+                    {"name": s.name, "paths": s.paths, "weight": s.weight} for s in _sources(str(tmp_path))
+                ],
+                "tokenizer_path": tokenizer_path,
+                "output_dir": str(out),
+                "num_workers": 0,
+                "skip_bad_records": True,
+            }
+        )
+    )
+    script = tmp_path / "launch.py"
+    script.write_text(_LAUNCHER.format(small=_SMALL_TASKS))
+    first_logs, second_logs = tmp_path / "logs1", tmp_path / "logs2"
+    first_logs.mkdir()
+    second_logs.mkdir()
+
+    first = _launch(script, config, 4, first_logs, hold=True)
+    try:
+        # Every rank finishes one task, then holds: the job is half-way.
+        _wait_for(lambda: len(_done_tasks(first_logs)) == 4, first, "one finished task per rank")
+        # The output directory is held: another job on it stops with one sentence and exit status 2.
+        other = subprocess.run(
+            [sys.executable, str(script), str(config)],
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert other.returncode == 2, other.stderr
+        error = other.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(
+            r"mula: error: .*out is being prepared by another job \(host .*\): .*dead\.", error
+        )
+    finally:
+        for p in first:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    done_before = set(_done_tasks(first_logs))
+    assert len(done_before) == 4
+    assert not (out / SUMMARY_FILE).exists(), "killed half-way"
+
+    second = _launch(script, config, 4, second_logs, hold=False)
+    for p in second:
+        assert p.wait(timeout=600) == 0, (second_logs / "rank0.log").read_text()
+    redone = _done_tasks(second_logs)
+    rank0 = (second_logs / "rank0.log").read_text()
+    resumed = int(re.search(r"resuming: (\d+) of (\d+) tasks already done", rank0)[1])
+    assert resumed >= len(done_before) and len(redone) + resumed == int(
+        re.search(r"of (\d+) tasks", rank0)[1]
+    )
+    assert not done_before & set(redone), "a finished task ran again"
+    assert re.search(r"rank +3 \(.*\): +\d+ tasks", rank0)  # per-rank throughput at the end
+    assert output_bytes(out) == ref
