@@ -13,14 +13,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from dist_helpers import free_port, run_distributed
-from test_data import make_docs, tokenizer_path  # noqa: F401  (the fixture)
+from test_data import make_docs, token_stream, tokenizer_path  # noqa: F401  (the fixture)
 
 from mula.data import prepare as prepare_module
 from mula.data.prepare import SUMMARY_FILE, SourceSpec, prepare
+from mula.data.tokenizer import load_tokenizer
 
 # Files of mixed sizes: several tasks per source even for these small inputs (as in test_data).
 _SMALL_TASKS = 1
@@ -70,18 +72,41 @@ def output_bytes(out: Path) -> dict[str, bytes]:
     return files
 
 
-def reference(tmp_path: Path, tokenizer: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, bytes]:
+def reference(
+    tmp_path: Path,
+    tokenizer: str,
+    monkeypatch: pytest.MonkeyPatch,
+    shuffle_seed: int | None = None,
+    name: str = "ref",
+) -> dict[str, bytes]:
     """One process, no worker processes."""
     monkeypatch.setattr(prepare_module, "_MIN_TASK_BYTES", _SMALL_TASKS)
-    sources = make_inputs(tmp_path / "in")
-    prepare(sources, tokenizer, str(tmp_path / "ref"), num_workers=0, skip_bad_records=True, progress=False)
-    return output_bytes(tmp_path / "ref")
+    if not (tmp_path / "in").exists():
+        make_inputs(tmp_path / "in")
+    prepare(
+        _sources(str(tmp_path)),
+        tokenizer,
+        str(tmp_path / name),
+        num_workers=0,
+        skip_bad_records=True,
+        progress=False,
+        shuffle_seed=shuffle_seed,
+    )
+    return output_bytes(tmp_path / name)
 
 
-def _prepare_rank(rank: int, world: int, root: str, tokenizer: str, out: str, workers: int) -> dict:
+def _prepare_rank(
+    rank: int, world: int, root: str, tokenizer: str, out: str, workers: int, seed: int | None = None
+) -> dict:
     prepare_module._MIN_TASK_BYTES = _SMALL_TASKS
     summary = prepare(
-        _sources(root), tokenizer, out, num_workers=workers, skip_bad_records=True, progress=False
+        _sources(root),
+        tokenizer,
+        out,
+        num_workers=workers,
+        skip_bad_records=True,
+        progress=False,
+        shuffle_seed=seed,
     )
     return summary.to_dict()
 
@@ -106,6 +131,67 @@ def test_ranks_and_workers_write_the_same_bytes(tmp_path, tokenizer_path, monkey
 
     run_distributed(_prepare_rank, 2, str(tmp_path), tokenizer_path, str(tmp_path / "two-by-two"), 2)
     assert output_bytes(tmp_path / "two-by-two") == ref
+
+    # The global shuffle: the same bytes from 1 process and from 4 ranks, the seed recorded.
+    shuffled = reference(tmp_path, tokenizer_path, monkeypatch, shuffle_seed=7, name="shuffled")
+    run_distributed(_prepare_rank, 4, str(tmp_path), tokenizer_path, str(tmp_path / "four-shuffled"), 0, 7)
+    assert output_bytes(tmp_path / "four-shuffled") == shuffled
+    assert json.loads(shuffled[SUMMARY_FILE])["shuffle_seed"] == 7
+    assert json.loads(shuffled["web/mula_source.json"])["fingerprint"]["shuffle_seed"] == 7
+
+
+def documents(out: Path, source: str, eos_id: int) -> list[tuple[int, ...]]:
+    """The documents of a prepared source, in their order, as tuples of token ids."""
+    stream = token_stream(str(out / source))
+    ends = np.flatnonzero(stream == eos_id) + 1
+    return [tuple(d) for d in np.split(stream, ends[:-1])]
+
+
+def test_shuffle_permutes_documents_across_the_source_and_resumes(tmp_path, tokenizer_path, monkeypatch):  # noqa: F811
+    reference(tmp_path, tokenizer_path, monkeypatch)
+    eos = load_tokenizer(tokenizer_path).eos_id
+    sources = _sources(str(tmp_path))
+    kwargs = dict(num_workers=0, skip_bad_records=True, progress=False)
+    prepare(sources, tokenizer_path, str(tmp_path / "a"), shuffle_seed=1, **kwargs)
+    prepare(sources, tokenizer_path, str(tmp_path / "b"), shuffle_seed=2, **kwargs)
+    for name in ("web", "papers"):
+        plain = documents(tmp_path / "ref", name, eos)
+        one, two = documents(tmp_path / "a", name, eos), documents(tmp_path / "b", name, eos)
+        assert sorted(one) == sorted(plain) == sorted(two)  # the same documents, each once
+        assert one != plain and one != two  # in another order for each seed
+        # across the whole source: the first tenth of the shuffled order comes from all over the input
+        position = {doc: i for i, doc in enumerate(plain)}
+        head = [position[d] for d in one[: len(one) // 10]]
+        assert max(head) - min(head) > len(plain) // 2
+
+    # Killed in the second pass (after the first bucket): the re-run gathers only the missing buckets.
+    real_run_task = prepare_module._run_task
+    ran: list[tuple[str, str, int]] = []
+
+    def dying(task):
+        if task.kind == "bucket" and any(kind == "bucket" for kind, _, _ in ran):
+            raise KeyboardInterrupt
+        ran.append((task.kind, task.source, task.index))
+        return real_run_task(task)
+
+    monkeypatch.setattr(prepare_module, "_run_task", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(sources, tokenizer_path, str(tmp_path / "resumed"), shuffle_seed=1, **kwargs)
+    first = list(ran)
+    ran.clear()
+    monkeypatch.setattr(
+        prepare_module, "_run_task", lambda t: ran.append((t.kind, t.source, t.index)) or real_run_task(t)
+    )
+    prepare(sources, tokenizer_path, str(tmp_path / "resumed"), shuffle_seed=1, **kwargs)
+    assert not [r for r in ran if r[0] == "tokenize"], "the first pass was complete"
+    assert [r for r in first if r[0] == "bucket"] == [("bucket", "web", 0)] and (
+        "bucket",
+        "web",
+        0,
+    ) not in ran
+    every_bucket = {("bucket", source, i) for kind, source, i in first if kind == "tokenize"}
+    assert sorted(ran) == sorted(every_bucket - {("bucket", "web", 0)})
+    assert output_bytes(tmp_path / "resumed") == output_bytes(tmp_path / "a")
 
 
 def test_verify_finds_a_changed_chunk(tmp_path, tokenizer_path, monkeypatch):  # noqa: F811

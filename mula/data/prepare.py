@@ -37,9 +37,11 @@ from typing import Any
 from mula.checkpoint.atomic import atomic_write_text, replace_path
 from mula.checkpoint.lock import LockInfo, RunDirLock
 from mula.checkpoint.manifest import file_digest
+from mula.data.chunks import TaskChunkWriter
 from mula.data.paths import expand_paths, expand_pattern
-from mula.data.ranks import Ranks, job_ranks
+from mula.data.ranks import Ranks, job_ranks, shared_error
 from mula.data.readers import FORMATS, ReadStats, iter_documents
+from mula.data.shuffle import gather_bucket, remove_scatter, write_scatter
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,6 @@ FORMAT_VERSION = 1
 _MIN_TASK_BYTES = 1 << 20
 _MAX_TASK_BYTES = 256 << 20
 _TASKS_PER_SOURCE = 16
-_ITEM_TOKENS = 1 << 20  # documents are concatenated into litdata items of about this many tokens
 _PROGRESS_POLL_S = 5.0  # rank 0 lists each unfinished source's folder this often for the job's bar
 # The per-task counts summed into a source's totals (a task's result also lists its chunks).
 _COUNTS = ("files", "documents", "tokens", "bad_records", "empty_documents", "input_bytes")
@@ -103,6 +104,7 @@ class PrepareSummary:
     tokenizer: dict[str, Any]
     dtype: str
     sources: list[SourceSummary] = field(default_factory=list)
+    shuffle_seed: int | None = None  # the documents of every source permuted with this seed, or None
 
     def totals(self) -> dict[str, int]:
         """Sums over sources of files, documents, tokens, bad records and input bytes."""
@@ -116,6 +118,7 @@ class PrepareSummary:
             "output_dir": self.output_dir,
             "tokenizer": self.tokenizer,
             "dtype": self.dtype,
+            "shuffle_seed": self.shuffle_seed,
             "sources": [asdict(s) for s in self.sources],
             "totals": self.totals(),
         }
@@ -175,6 +178,12 @@ class _Task:
     chunk_bytes: str
     source: str = ""
     input_bytes: int = 0
+    # The global shuffle (mula/data/shuffle.py): pass-1 tasks scatter, pass-2 "bucket" tasks gather.
+    kind: str = "tokenize"  # or "bucket"
+    shuffle_seed: int | None = None
+    buckets: int = 0  # = the number of tokenize tasks of the source
+    eos_id: int = -1
+    dtype: str = "uint16"
 
 
 @dataclass
@@ -188,13 +197,7 @@ class _SourcePlan:
     tasks: list[_Task]
     done: set[int]  # tasks finished by an earlier, interrupted run
     up_to_date: SourceSummary | None  # set when the source is finished and unchanged: nothing to do
-
-
-class _LogQueue:
-    """Receives litdata's writer messages (it would print them otherwise) and logs them at debug level."""
-
-    def put_nowait(self, msg: str) -> None:
-        log.debug(msg)
+    buckets: list[_Task] = field(default_factory=list)  # the shuffle's pass 2 (empty without a shuffle)
 
 
 class _PrepareLock(RunDirLock):
@@ -225,80 +228,63 @@ def _stats_path(out_dir: str, index: int) -> str:
     return os.path.join(out_dir, f"{index}.stats.json")
 
 
-def _chunk_prefix(index: int) -> str:
-    return f"chunk-{index}-"
+def _encode_into(tok: LoadedTokenizer, texts: list[str], add: Callable[[Any], None]) -> int:
+    """Encode a batch of documents (EOS appended), hand each to ``add``; the number of tokens."""
+    tokens = 0
+    for ids in tok.encode_documents(texts) if texts else []:
+        add(ids)
+        tokens += len(ids)
+    return tokens
+
+
+def _bucket_result_path(out_dir: str, bucket: int) -> str:
+    return os.path.join(out_dir, f"{bucket}.bucket.json")
 
 
 def _run_task(task: _Task) -> dict[str, Any]:
-    """Tokenize one task's files into litdata chunks ``chunk-<task>-*.bin`` + ``<task>.index.json``.
+    """Tokenize one task's files into litdata chunks ``chunk-<task>-*.bin`` + ``<task>.index.json``
+    (with a shuffle seed: into the task's scatter files), or gather one shuffle bucket into its chunks.
 
     Returns the task's counts and the size and sha256 of each chunk it wrote (also saved, last, as
-    ``<task>.stats.json``: its presence means the task is complete).
+    ``<task>.stats.json`` or ``<bucket>.bucket.json``: its presence means the task is complete).
     """
-    import numpy as np
-    from litdata.streaming.item_loader import TokensLoader
-    from litdata.streaming.writer import BinaryWriter
+    if task.kind == "bucket":
+        docs = gather_bucket(
+            task.out_dir, task.index, task.buckets, task.shuffle_seed, task.eos_id, task.dtype
+        )
+        with TaskChunkWriter(task.out_dir, task.index, task.chunk_bytes) as writer:
+            for ids in docs:
+                writer.add(ids)
+        result = {"tokens": int(sum(len(d) for d in docs)), "chunks": writer.chunks}
+        atomic_write_text(_bucket_result_path(task.out_dir, task.index), json.dumps(result))
+        return result
 
     tok = _WORKER_TOKENIZER
     assert tok is not None, "worker tokenizer not initialised"
-    for stale in os.listdir(task.out_dir):  # leftovers of an interrupted attempt at this task
-        if stale.startswith(_chunk_prefix(task.index)) or stale == f"{task.index}.index.json":
-            os.remove(os.path.join(task.out_dir, stale))
     stats = ReadStats()
+    kept: list[Any] = []  # the documents, kept for the shuffle's scatter
+    writer = (
+        None if task.shuffle_seed is not None else TaskChunkWriter(task.out_dir, task.index, task.chunk_bytes)
+    )
     tokens = 0
-    # litdata names chunks and the per-writer index after this rank; one rank per task keeps them apart.
-    previous_rank = os.environ.get("DATA_OPTIMIZER_GLOBAL_RANK")
-    os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = str(task.index)
-    try:
-        writer = BinaryWriter(
-            task.out_dir, chunk_bytes=task.chunk_bytes, item_loader=TokensLoader(), msg_queue=_LogQueue()
-        )
-        item, pending, pending_tokens, batch = 0, [], 0, []
-
-        def flush_pending() -> None:
-            nonlocal item, pending, pending_tokens
-            if pending:
-                writer.add_item(item, np.concatenate(pending))
-                item += 1
-                pending, pending_tokens = [], 0
-
-        def encode(texts: list[str]) -> None:
-            nonlocal tokens, pending_tokens
-            for ids in tok.encode_documents(texts):
-                pending.append(ids)
-                pending_tokens += len(ids)
-                tokens += len(ids)
-            if pending_tokens >= _ITEM_TOKENS:
-                flush_pending()
-
+    with writer or contextlib.nullcontext():
+        add = writer.add if writer is not None else kept.append
+        batch: list[str] = []
         for file in task.files:
-            docs = iter_documents(
+            for text in iter_documents(
                 file,
                 format=task.format,
                 text_key=task.text_key,
                 skip_bad_records=task.skip_bad_records,
                 stats=stats,
-            )
-            for text in docs:
+            ):
                 batch.append(text)
                 if len(batch) >= 256:
-                    encode(batch)
+                    tokens += _encode_into(tok, batch, add)
                     batch = []
-        if batch:
-            encode(batch)
-        flush_pending()
-        writer.done()
-    finally:
-        if previous_rank is None:
-            os.environ.pop("DATA_OPTIMIZER_GLOBAL_RANK", None)
-        else:
-            os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = previous_rank
-    chunks = {
-        name: {"bytes": os.path.getsize(path), "sha256": file_digest(path, "sha256")}
-        for name in sorted(os.listdir(task.out_dir))
-        if name.startswith(_chunk_prefix(task.index)) and name.endswith(".bin")
-        for path in [os.path.join(task.out_dir, name)]
-    }
+        tokens += _encode_into(tok, batch, add)
+    if task.shuffle_seed is not None:
+        write_scatter(task.out_dir, task.index, kept, task.shuffle_seed, task.buckets, task.dtype)
     result: dict[str, Any] = {
         "files": len(task.files),
         "documents": stats.documents,
@@ -306,7 +292,7 @@ def _run_task(task: _Task) -> dict[str, Any]:
         "bad_records": stats.bad_records,
         "empty_documents": stats.empty_documents,
         "input_bytes": sum(os.path.getsize(f) for f in task.files),
-        "chunks": chunks,
+        "chunks": writer.chunks if writer is not None else {},
     }
     # Written last (atomically): its presence means this task is complete (used to resume).
     atomic_write_text(_stats_path(task.out_dir, task.index), json.dumps(result))
@@ -350,10 +336,11 @@ def _run_tasks(
 
 
 def _fingerprint(
-    spec: SourceSpec, files: list[str], tokenizer: LoadedTokenizer, chunk_bytes: str
+    spec: SourceSpec, files: list[str], tokenizer: LoadedTokenizer, chunk_bytes: str, shuffle_seed: int | None
 ) -> dict[str, Any]:
     """Everything the output of a source depends on (not its weight, which is applied when sampling)."""
-    return {
+    # The seed only when there is one: sources prepared before the shuffle existed stay up to date.
+    return ({"shuffle_seed": shuffle_seed} if shuffle_seed is not None else {}) | {
         "version": FORMAT_VERSION,
         "files": [[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files],
         "format": spec.format,
@@ -405,11 +392,12 @@ def _plan_source(
     skip_bad_records: bool,
     overwrite: bool,
     chunk_bytes: str,
+    shuffle_seed: int | None,
 ) -> _SourcePlan:
     """Rank 0: is the source up to date, and which of its tasks remain (resuming a partial run)."""
     final_dir = os.path.join(output_dir, spec.name)
     partial_dir = final_dir + ".partial"
-    fingerprint = _fingerprint(spec, files, tokenizer, chunk_bytes)
+    fingerprint = _fingerprint(spec, files, tokenizer, chunk_bytes, shuffle_seed)
     marker = _read_json(os.path.join(final_dir, SOURCE_MARKER))
     if marker is not None and marker.get("fingerprint") == fingerprint:
         summary = SourceSummary(name=spec.name, weight=spec.weight, **marker["stats"])
@@ -432,12 +420,46 @@ def _plan_source(
         for i, group in enumerate(_plan_tasks(files, sizes))
     ]
     size_of = dict(zip(files, sizes))
+    shuffle = {"shuffle_seed": shuffle_seed, "buckets": len(tasks), "eos_id": tokenizer.eos_id}
+    shuffle["dtype"] = _token_dtype_name(tokenizer)
     for task in tasks:
         task.input_bytes = sum(size_of[f] for f in task.files)
+        if shuffle_seed is not None:
+            vars(task).update(shuffle)
+    buckets = [
+        _Task(
+            b,
+            [],
+            partial_dir,
+            spec.format,
+            spec.text_key,
+            skip_bad_records,
+            chunk_bytes,
+            spec.name,
+            kind="bucket",
+        )
+        for b in range(len(tasks) if shuffle_seed is not None else 0)
+    ]
+    for bucket in buckets:
+        vars(bucket).update(shuffle)
     # One listing per source, not one stat per task: cheap on a shared filesystem.
     present = set(os.listdir(partial_dir))
     done = {t.index for t in tasks if os.path.basename(_stats_path(partial_dir, t.index)) in present}
-    return _SourcePlan(spec, fingerprint, final_dir, partial_dir, tasks, done, None)
+    return _SourcePlan(spec, fingerprint, final_dir, partial_dir, tasks, done, None, buckets)
+
+
+def _buckets_to_run(plans: list[_SourcePlan]) -> list[_Task]:
+    """Rank 0, every tokenize task done: the shuffle buckets not finished by an earlier run."""
+    todo = []
+    for plan in plans:
+        if plan.buckets:
+            present = set(os.listdir(plan.partial_dir))
+            todo += [
+                b
+                for b in plan.buckets
+                if os.path.basename(_bucket_result_path(plan.partial_dir, b.index)) not in present
+            ]
+    return todo
 
 
 def _finish_source(plan: _SourcePlan) -> SourceSummary:
@@ -453,10 +475,21 @@ def _finish_source(plan: _SourcePlan) -> SourceSummary:
     totals = {k: sum(r[k] for r in results) for k in _COUNTS}
     if totals["tokens"] == 0:
         raise ValueError(f"source {plan.spec.name!r} produced no tokens (every document was empty or bad).")
+    writers = plan.tasks
+    if plan.buckets:  # the chunks were written by the shuffle's buckets
+        writers = plan.buckets
+        results = [_read_json(_bucket_result_path(plan.partial_dir, b.index)) for b in plan.buckets]
+        if any(r is None for r in results):
+            raise RuntimeError(
+                f"source {plan.spec.name!r}: a shuffle bucket has no result after every rank ended."
+            )
     chunks = {name: entry for r in results for name, entry in r["chunks"].items()}
-    _merge_indexes(plan.partial_dir, plan.tasks, chunks)
+    _merge_indexes(plan.partial_dir, writers, chunks)
     for task in plan.tasks:
         os.remove(_stats_path(plan.partial_dir, task.index))
+    for bucket in plan.buckets:
+        os.remove(_bucket_result_path(plan.partial_dir, bucket.index))
+    remove_scatter(plan.partial_dir, len(plan.buckets))
     os.remove(os.path.join(plan.partial_dir, "fingerprint.json"))
     marker = {"fingerprint": plan.fingerprint, "stats": totals, "chunks": chunks}
     atomic_write_text(os.path.join(plan.partial_dir, SOURCE_MARKER), json.dumps(marker))
@@ -579,6 +612,7 @@ def prepare(
     chunk_bytes: str = "64MB",
     progress: bool = True,
     verify: bool = False,
+    shuffle_seed: int | None = None,
     distributed: bool = True,
 ) -> PrepareSummary:
     """Tokenize named sources (EOS after every document) into litdata chunks for MulaDataModule.
@@ -603,6 +637,9 @@ def prepare(
         progress: Show one progress bar for the job and print the summary and each rank's throughput.
         verify: Also re-read every chunk of every source and check it against the size and sha256
             recorded when it was written (spread over the ranks); a mismatch stops with the chunk's name.
+        shuffle_seed: Permute the documents of each source across the whole source with this seed (a
+            two-pass shuffle over the tasks, recorded in each source's marker and in summary.json), so that
+            the prepared order carries no bias of the input order; None keeps the input order.
         distributed: Spread the work over the ranks of a torchrun / srun / mpiexec launch (read from
             their environment variables); false: this process alone.
 
@@ -632,6 +669,7 @@ def prepare(
             chunk_bytes,
             progress,
             verify,
+            shuffle_seed,
             lock,
         )
     finally:
@@ -652,6 +690,7 @@ def _prepare_job(
     chunk_bytes: str,
     progress: bool,
     verify: bool,
+    shuffle_seed: int | None,
     lock: list[_PrepareLock],
 ) -> PrepareSummary:
     """`prepare` on every rank: rank 0 plans, every rank runs its share, rank 0 finishes (see module doc)."""
@@ -678,9 +717,12 @@ def _prepare_job(
                 "eos_token": tokenizer.eos_token,
             },
             dtype=str(_token_dtype_name(tokenizer)),
+            shuffle_seed=shuffle_seed,
         )
         plans = [
-            _plan_source(s, files[s.name], tokenizer, out, skip_bad_records, overwrite, chunk_bytes)
+            _plan_source(
+                s, files[s.name], tokenizer, out, skip_bad_records, overwrite, chunk_bytes, shuffle_seed
+            )
             for s in specs
         ]
         return summary, plans
@@ -699,15 +741,20 @@ def _prepare_job(
     if bar is not None:
         bar.close()
     reports = ranks.gather(report)
+    # The shuffle's second pass starts once every rank has finished the first (its buckets read every task).
+    buckets = ranks.on_zero(lambda: _raise_failures(reports) or _buckets_to_run(plans))
+    bucket_reports = None
+    if any(p.buckets for p in plans):
+        if ranks.rank == 0:
+            log.info("%d shuffle buckets to run on %d rank(s)", len(buckets), ranks.world)
+        share = buckets[ranks.rank :: ranks.world]
+        bucket_reports = ranks.gather(
+            _run_share(ranks, share, loaded, summary.tokenizer["path"], eos_token, num_workers)
+        )
 
     def finish_job() -> tuple[PrepareSummary, list[tuple[str, str]]]:
         assert reports is not None
-        failed = [r for r in reports if r["error"] is not None]
-        if failed:
-            name, message = failed[0]["error"]
-            if name in ("ValueError", "FileNotFoundError"):
-                raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}[name](message)
-            raise RuntimeError(f"rank {failed[0]['rank']} failed: {name}: {message}")
+        _raise_failures(bucket_reports or [])
         for plan in plans:
             summary.sources.append(plan.up_to_date or _finish_source(plan))
         atomic_write_text(
@@ -745,6 +792,13 @@ def _prepare_job(
     return summary
 
 
+def _raise_failures(reports: list[dict[str, Any]] | None) -> None:
+    """Rank 0: stop the job with the first error a rank reported (the same sentence on every rank)."""
+    failed = [r for r in reports or [] if r["error"] is not None]
+    if failed:
+        raise shared_error(failed[0]["rank"], *failed[0]["error"])
+
+
 def _run_share(
     ranks: Ranks,
     mine: list[_Task],
@@ -772,7 +826,10 @@ def _run_share(
     def on_done(task: _Task, result: dict[str, Any]) -> None:
         report["tasks"] += 1
         report["tokens"] += result["tokens"]
-        log.info("rank %d: %s task %d done: %d tokens", ranks.rank, task.source, task.index, result["tokens"])
+        kind = "task" if task.kind == "tokenize" else task.kind
+        log.info(
+            "rank %d: %s %s %d done: %d tokens", ranks.rank, task.source, kind, task.index, result["tokens"]
+        )
 
     try:
         if mine:

@@ -81,10 +81,7 @@ class Ranks:
         kind, value = outcome
         if kind == "ok":
             return value
-        name, message = value
-        raise _SHARED_ERRORS.get(name, RuntimeError)(
-            message if name in _SHARED_ERRORS else f"rank 0 failed: {name}: {message}"
-        )
+        raise shared_error(0, *value)
 
     def close(self) -> None:
         """Leave the job's process group (destroys the default group only if this object created it)."""
@@ -93,6 +90,14 @@ class Ranks:
 
             dist.destroy_process_group()
             self._owns = False
+
+
+def shared_error(rank: int, name: str, message: str) -> Exception:
+    """The exception to raise for an error ``name: message`` reported by ``rank``: the same type and
+    sentence for bad input (ValueError, FileNotFoundError: one line, exit 2), else a RuntimeError."""
+    if name in _SHARED_ERRORS:
+        return _SHARED_ERRORS[name](message)
+    return RuntimeError(f"rank {rank} failed: {name}: {message}")
 
 
 def _launcher_environment() -> Any | None:
