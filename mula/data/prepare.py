@@ -3,15 +3,23 @@
 Layout of ``output_dir``::
 
     summary.json            tokenizer facts + per-source counts and mixture weights (read by MulaDataModule)
+    mula.lock               held by the job writing the directory (the run-directory lock's mechanism)
     <source>/index.json     litdata index of the chunks (TokensLoader format: one flat stream of token ids)
     <source>/chunk-*.bin
-    <source>/mula_source.json   marker written last: input fingerprint + counts; a re-run with identical
-                                inputs skips the source
+    <source>/mula_source.json   marker written last: input fingerprint, counts, size and sha256 of every
+                                chunk; a re-run with identical inputs skips the source, --verify re-hashes
     <source>.partial/       work in progress; a re-run with identical inputs resumes it task by task
 
-Input files are grouped, in sorted order, into tasks of roughly equal bytes; each task is tokenized by one
-worker process and written with its own litdata writer (chunk names carry the task number), and the task
-indexes are merged in task order. The token stream is therefore the same for any number of workers.
+Input files are grouped, in sorted order, into tasks of roughly equal bytes: a pure function of the
+inputs and settings. Each task is tokenized by one process and written with its own litdata writer
+(chunk names carry the task number, ``chunks.py``) and a result file written last; the task indexes
+are merged in task order. The bytes are therefore the same for any number of ranks and workers.
+
+A job launched by torchrun, srun or mpiexec (``ranks.py``): rank 0 lists the inputs, takes the lock and
+plans (which sources are up to date, which tasks an interrupted job finished); every rank runs every
+world-th remaining task with its worker processes; rank 0 then merges, writes the markers and the
+summary. With ``shuffle_seed`` the tasks scatter their documents to buckets and a second pass gathers
+each bucket in a permuted order (``shuffle.py``).
 """
 
 from __future__ import annotations
