@@ -195,6 +195,7 @@ def main(
                 print(f"round {r + 1}: {name}: {rates[name][-1]:,.0f} tokens/s per core", flush=True)
         input_mb = sum(os.path.getsize(f) for f in inputs) / 1e6
         start_s = worker_start_seconds(tok.path)
+    load = os.getloadavg()[0]
     base = rates["plain loop (1 process)"]
     rows = [
         "| candidate | processes | tokens | tokens/s per core (median) | vs plain loop per core (median [min-max]) |",
@@ -216,15 +217,16 @@ def main(
             f"Corpus: {megabytes:g} MB of Python standard-library sources as documents in {files} JSONL.gz files "
             f"({input_mb:.1f} MB compressed); tokenizer: {os.path.basename(tok.path)}, vocab {tok.vocab_size:,}; "
             f"{rounds} interleaved rounds, each tokenizer process on one thread; load average during the "
-            f"run {os.getloadavg()[0]:.1f} (a shared machine: the ratios are more reliable than the rates).\n",
+            f"run {load:.1f} (a shared machine: the ratios are more reliable than the rates).\n",
             *rows,
             "",
             f"At {per_core:,.0f} tokens/s per core, 4T tokens take 4e12 / ({per_core:,.0f} x cores per node x "
             f"nodes) seconds: {4e12 / (per_core * 64 * 128) / 3600:,.1f} h on 128 nodes of 64 cores. "
             f"Starting one worker process (spawn, importing litdata and torch, loading the tokenizer) took "
-            f"{start_s:.1f} s here, paid once per worker: it weighs on the {workers}-worker row of this "
-            f"{megabytes:g} MB corpus (seconds of work per core) and not on a corpus, whose tasks are up to "
-            "256 MB of input each; that row's processes also share the 2 cores with the other jobs. The rate "
+            f"{start_s:.1f} s here, paid once per worker. The {workers}-worker row needs {workers} free cores: "
+            f"with a load average of {load:.1f} on {os.cpu_count()} cores its per-core figure measures the "
+            "other jobs' share of the cores more than prepare's parallel efficiency (measure it on a dedicated "
+            "node). The rate "
             "depends on the tokenizer and the text (a 50k-vocabulary BPE on English web text is slower per "
             "token than this one on code), so measure with `--tokenizer` on a sample of your corpus.",
         ]

@@ -295,27 +295,24 @@ def test_sigkill_resume_and_a_second_job_refused(tmp_path, tokenizer_path, monke
     )
     script = tmp_path / "launch.py"
     script.write_text(_LAUNCHER.format(small=_SMALL_TASKS))
-    first_logs, second_logs = tmp_path / "logs1", tmp_path / "logs2"
-    first_logs.mkdir()
-    second_logs.mkdir()
+    first_logs, second_logs, other_logs = tmp_path / "logs1", tmp_path / "logs2", tmp_path / "other"
+    for logs in (first_logs, second_logs, other_logs):
+        logs.mkdir()
 
     first = _launch(script, config, 4, first_logs, hold=True)
     try:
         # Every rank finishes one task, then holds: the job is half-way.
         _wait_for(lambda: len(_done_tasks(first_logs)) == 4, first, "one finished task per rank")
-        # The output directory is held: another job on it stops with one sentence and exit status 2.
-        other = subprocess.run(
-            [sys.executable, str(script), str(config)],
-            env=_clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert other.returncode == 2, other.stderr
-        error = other.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(
-            r"mula: error: .*out is being prepared by another job \(host .*\): .*dead\.", error
-        )
+        # The output directory is held: another (2-rank) job on it stops on every rank with one sentence
+        # and exit status 2.
+        other = _launch(script, config, 2, other_logs, hold=False)
+        for rank, p in enumerate(other):
+            log = (other_logs / f"rank{rank}.log").read_text() if p.wait(timeout=300) is not None else ""
+            assert p.returncode == 2, log
+            assert re.fullmatch(
+                r"mula: error: .*out is being prepared by another job \(host .*\): .*dead\.",
+                log.strip().splitlines()[-1],
+            )
     finally:
         for p in first:
             os.killpg(p.pid, signal.SIGKILL)

@@ -47,7 +47,7 @@ from mula.checkpoint.lock import LockInfo, RunDirLock
 from mula.checkpoint.manifest import file_digest
 from mula.data.chunks import TaskChunkWriter
 from mula.data.paths import expand_paths, expand_pattern
-from mula.data.ranks import Ranks, job_ranks, shared_error
+from mula.data.ranks import Ranks, describe_error, job_ranks, shared_error
 from mula.data.readers import FORMATS, ReadStats, iter_documents
 from mula.data.shuffle import gather_bucket, remove_scatter, write_scatter
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
@@ -846,7 +846,7 @@ def _run_share(
     except Exception as exc:  # reported to rank 0, which stops every rank with it
         if ranks.world == 1:
             raise
-        report["error"] = (type(exc).__name__, str(exc))
+        report["error"] = describe_error(exc)
         log.error("rank %d failed: %s: %s", ranks.rank, type(exc).__name__, exc)
     report["seconds"] = time.monotonic() - start
     return report

@@ -1,10 +1,11 @@
-"""The processes of one `mula prepare` job and the three collectives it needs (gloo, CPU only).
+"""The processes of one `mula prepare` job and the few collectives it needs (gloo, CPU only).
 
 `mula prepare` launched by torchrun, srun or mpiexec runs one process per rank; the rank and the world
 size come from the environment variables `mula fit` reads (Lightning's ``TorchElasticEnvironment`` and
 ``SLURMEnvironment``, Mula's ``PALSEnvironment`` for mpiexec). A job talks only a few times, whatever
-its size: rank 0 broadcasts the plan, every rank sends its results to rank 0 once, and rank 0
-broadcasts the outcome -- no per-file or per-task messages, so 1,024 nodes cost three collectives.
+its size: rank 0 broadcasts the plan, every rank sends its report to rank 0 once per pass, and rank 0
+broadcasts the outcome -- no per-file or per-task messages, so 1,024 nodes cost a handful of
+collectives (and every task's result travels through the file system, where it must be anyway).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Ranks:
                 outcome = ("ok", fn())
             except Exception as exc:  # shared below, then re-raised here unchanged
                 error = exc
-                outcome = ("error", (type(exc).__name__, str(exc)))
+                outcome = ("error", describe_error(exc))
         outcome = self.broadcast(outcome)
         if error is not None:
             raise error
@@ -90,6 +91,13 @@ class Ranks:
 
             dist.destroy_process_group()
             self._owns = False
+
+
+def describe_error(exc: BaseException) -> tuple[str, str]:
+    """(type name, message) of an error to send to the other ranks; bad input keeps its base type's name,
+    so that a ValueError subclass (such as the lock's refusal) stops every rank as a ValueError."""
+    name = next((n for n, t in _SHARED_ERRORS.items() if isinstance(exc, t)), type(exc).__name__)
+    return name, str(exc)
 
 
 def shared_error(rank: int, name: str, message: str) -> Exception:
