@@ -333,3 +333,45 @@ def test_sigkill_resume_and_a_second_job_refused(tmp_path, tokenizer_path, monke
     assert not done_before & set(redone), "a finished task ran again"
     assert re.search(r"rank +3 \(.*\): +\d+ tasks", rank0)  # per-rank throughput at the end
     assert output_bytes(out) == ref
+
+
+@pytest.mark.parametrize(
+    "env, kind",
+    [
+        (
+            dict(
+                TORCHELASTIC_RUN_ID="x",
+                RANK="3",
+                WORLD_SIZE="8",
+                LOCAL_RANK="1",
+                GROUP_RANK="1",
+                LOCAL_WORLD_SIZE="2",
+            ),
+            "TorchElasticEnvironment",
+        ),
+        (
+            dict(
+                SLURM_NTASKS="8",
+                SLURM_NTASKS_PER_NODE="2",  # srun --ntasks-per-node (Lightning refuses a bare --ntasks)
+                SLURM_PROCID="3",
+                SLURM_LOCALID="1",
+                SLURM_NODEID="1",
+                SLURM_JOB_NAME="prep",
+                SLURM_JOB_ID="1234",
+            ),
+            "SLURMEnvironment",
+        ),
+        (dict(PMI_RANK="3", PMI_SIZE="8"), "PALSEnvironment"),
+    ],
+)
+def test_prepare_reads_the_launchers_of_mula_fit(env, kind, monkeypatch):
+    from mula.data import ranks
+
+    for name in [k for k in os.environ if _LAUNCHER_VARS.match(k) or k in _LAUNCH_KEYS]:
+        monkeypatch.delenv(name)
+    assert ranks._launcher_environment() is None and ranks.job_ranks().world == 1  # a plain process
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    found = ranks._launcher_environment()
+    assert type(found).__name__ == kind and (found.global_rank(), found.world_size()) == (3, 8)
+    assert ranks.job_ranks(distributed=False).world == 1

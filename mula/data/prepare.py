@@ -649,7 +649,8 @@ def prepare(
             two-pass shuffle over the tasks, recorded in each source's marker and in summary.json), so that
             the prepared order carries no bias of the input order; None keeps the input order.
         distributed: Spread the work over the ranks of a torchrun / srun / mpiexec launch (read from
-            their environment variables); false: this process alone.
+            their environment variables), or over every rank of an initialised torch.distributed job
+            (each must call prepare); false: this process alone.
 
     Returns:
         The summary (also written to summary.json), on every rank.

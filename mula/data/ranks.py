@@ -85,12 +85,17 @@ class Ranks:
         raise shared_error(0, *value)
 
     def close(self) -> None:
-        """Leave the job's process group (destroys the default group only if this object created it)."""
-        if self._owns:
-            import torch.distributed as dist
+        """Leave the job's process group: the default group if this object created it, else its own gloo
+        group beside an existing default group."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
 
+        if self._owns:
             dist.destroy_process_group()
-            self._owns = False
+        elif self.group is not None:
+            dist.destroy_process_group(self.group)
+        self._owns, self.group, self.world = False, None, 1
 
 
 def describe_error(exc: BaseException) -> tuple[str, str]:
