@@ -11,6 +11,7 @@ the LightningCLI of `mula fit`.
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -180,4 +181,8 @@ def run_tool(name: str, argv: list[str]) -> None:
     parser.add_function_arguments(fn, as_group=False, as_positional=name in POSITIONAL_TOOLS)
     args = parser.parse_args(argv).as_dict()
     args.pop("config", None)  # the -c option itself
+    if not logging.getLogger().handlers:
+        # Mula's progress messages (e.g. `mula prepare`'s task log) on stderr; libraries stay at warnings.
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        logging.getLogger("mula").setLevel(logging.INFO)
     fn(**args)

@@ -192,17 +192,21 @@ class RunDirLock:
                     )
                 time.sleep(min(self.heartbeat_s, 5.0))
                 continue
-            raise RunDirLocked(
-                f"{self.path.parent} is in use by another run ({holder.describe()}): two runs on one run"
-                " directory would overwrite each other's checkpoints, so this one stops; wait for that run to"
-                f" end, use another trainer.default_root_dir, or delete {self.path} if that run is dead."
-            )
+            raise RunDirLocked(self.refusal(holder))
         self.info = mine
         log.info("Locked run directory %s (%s).", self.path.parent, mine.describe())
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="mula-run-dir-lock", daemon=True)
         self._thread.start()
         atexit.register(self.release)
+
+    def refusal(self, holder: LockInfo) -> str:
+        """The one sentence that refuses a second user of the directory while ``holder`` holds it."""
+        return (
+            f"{self.path.parent} is in use by another run ({holder.describe()}): two runs on one run"
+            " directory would overwrite each other's checkpoints, so this one stops; wait for that run to"
+            f" end, use another trainer.default_root_dir, or delete {self.path} if that run is dead."
+        )
 
     def _create(self, info: LockInfo) -> bool:
         """Atomically create the lock file with its full content; False if it exists."""

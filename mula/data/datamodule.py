@@ -279,6 +279,7 @@ class MulaDataModule(L.LightningDataModule):
             self.data_dir,
             num_workers=spec.num_workers,
             skip_bad_records=spec.skip_bad_records,
+            distributed=False,  # called on global rank 0 of a training job only
         )
 
     def _source_documents(self) -> Iterator[str]:
