@@ -44,6 +44,9 @@ class OptimizerSteps:
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
         if not self.shard_optimizer:
+            if getattr(self, "tensor_parallel_size", 1) > 1:
+                # DTensor and plain parameters side by side: torch's multi-tensor kernels take one kind
+                adamw_kwargs = {**adamw_kwargs, "foreach": False}
             return torch.optim.AdamW(params, **adamw_kwargs)
         from strategies.optim.sharded_optimizer import EPShardedAdamW
 
