@@ -44,12 +44,12 @@ class _Batches:
     """Data-parallel rank `dp_rank`'s micro-batches of every step: each global batch of MICROS_PER_STEP
     micro-batches split into contiguous runs over `dp_size` ranks (TP ranks read the same)."""
 
-    def __init__(self, dp_rank: int, dp_size: int) -> None:
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0, steps: int = STEPS) -> None:
+        self.dp_rank, self.dp_size, self.first_step, self.steps = dp_rank, dp_size, first_step, steps
 
     def __iter__(self):
         per_rank = MICROS_PER_STEP // self.dp_size
-        for step in range(STEPS):
+        for step in range(self.first_step, self.steps):
             g = torch.Generator().manual_seed(1000 + step)
             batch = torch.randint(0, RMS["vocab_size"], (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
             yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
@@ -78,19 +78,31 @@ class _StepLosses(L.Callback):
             self._acc = 0.0
 
 
-def _fit(overrides: dict, strategy, dp_rank: int = 0, dp_size: int = 1) -> tuple[_StepLosses, dict]:
-    """Train 6 steps; return the step losses and every parameter as its full (gathered) tensor."""
+def _fit(
+    overrides: dict,
+    strategy,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    *,
+    save_dir=None,
+    ckpt_path=None,
+    first_step=0,
+    steps=STEPS,
+) -> tuple[_StepLosses, dict]:
+    """Train to step `steps` (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
+    into `save_dir`); return the step losses and every parameter as its full (gathered) tensor."""
     losses = _StepLosses()
     world = WORLD if strategy is not None else 1
     trainer = cpu_trainer(
         world,
         strategy,
-        max_steps=STEPS,
+        max_steps=steps,
         accumulate_grad_batches=MICROS_PER_STEP // dp_size,
         callbacks=[losses],
         gradient_clip_val=0.5,
+        save_dir=save_dir,
     )
-    trainer.fit(_module(overrides), _Batches(dp_rank, dp_size))
+    trainer.fit(_module(overrides), _Batches(dp_rank, dp_size, first_step, steps), ckpt_path=ckpt_path)
     params = {}
     for name, p in trainer.lightning_module.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -226,3 +238,44 @@ def test_planner_refuses_tensor_parallelism_and_fit_skips_its_memory_check() -> 
         plan_inputs(trainer, model, data)
     with pytest.warns(UserWarning, match="does not yet model tensor parallelism"):
         check_fit_memory(trainer, model, data, world_size=4, device_memory_gb=1e-9)
+
+
+def _resume_across_t(rank: int, world: int, root: str) -> dict:
+    """T = 2 saves at step 2; T = 1 resumes from it (and saves at step 4); T = 2 resumes from that."""
+    lightning_env(rank, world)
+
+    def strategy(tp: int) -> XPUMoEStrategy:
+        return XPUMoEStrategy(tensor_parallel_size=tp, shard_optimizer=False)
+
+    _fit(RMS, strategy(2), rank // 2, world // 2, save_dir=f"{root}/t2")
+    down, _ = _fit(
+        RMS,
+        strategy(1),
+        rank,
+        world,
+        save_dir=f"{root}/t1",
+        ckpt_path=f"{root}/t2/epoch=0-step=2.ckpt",
+        first_step=2,
+    )
+    up, params = _fit(
+        RMS, strategy(2), rank // 2, world // 2, ckpt_path=f"{root}/t1/epoch=0-step=4.ckpt", first_step=4
+    )
+    return {"down": down.losses, "up": up.losses, "params": params}
+
+
+def test_checkpoints_resume_at_another_tensor_parallel_size(tmp_path) -> None:
+    """Sharded checkpoints hold global tensors: 2 -> 1 and 1 -> 2 continue the uninterrupted losses."""
+    ref, ref_params = _fit(RMS, None)
+    out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(out["down"]), torch.tensor(ref.losses[2:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(out["up"]), torch.tensor(ref.losses[4:]), rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(out["params"][name], value, rtol=0, atol=1e-4, msg=name)
+    # the T = 2 directory holds whole tensors: mula's weights reader (export-hf's too) reads them
+    from mula.checkpoint import load_weights
+
+    _, at_two = _fit(RMS, None, steps=2)
+    saved = tmp_path / "t2" / "epoch=0-step=2.ckpt"
+    weights = load_weights(saved).state_dict()
+    for name, value in at_two.items():
+        torch.testing.assert_close(weights[name.removeprefix("model.")], value, rtol=0, atol=1e-4, msg=name)
