@@ -18,6 +18,7 @@ import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from torch.distributed.tensor import DTensor
 
+from callbacks import MemoryMetrics
 from mula.config import resolve_config
 from mula.module import MulaLightningModule
 from mula.parallel_layout import ParallelLayout
@@ -98,9 +99,10 @@ def _fit(
         strategy,
         max_steps=steps,
         accumulate_grad_batches=MICROS_PER_STEP // dp_size,
-        callbacks=[losses],
+        callbacks=[losses, MemoryMetrics()],  # it meters DTensors and functional collectives' results
         gradient_clip_val=0.5,
         save_dir=save_dir,
+        log_every_n_steps=2,
     )
     trainer.fit(_module(overrides), _Batches(dp_rank, dp_size, first_step, steps), ckpt_path=ckpt_path)
     params = {}
