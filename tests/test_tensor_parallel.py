@@ -12,10 +12,10 @@ not available yet are refused with one sentence.
 
 from __future__ import annotations
 
-import lightning.pytorch as L
 import pytest
 import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from torch.distributed.tensor import DTensor
 
 from callbacks import MemoryMetrics
@@ -47,6 +47,7 @@ class _Batches:
 
     def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0, steps: int = STEPS) -> None:
         self.dp_rank, self.dp_size, self.first_step, self.steps = dp_rank, dp_size, first_step, steps
+        self.consumed = 0  # micro-batches trained on (counted by _StepLosses)
 
     def __iter__(self):
         per_rank = MICROS_PER_STEP // self.dp_size
@@ -54,29 +55,6 @@ class _Batches:
             g = torch.Generator().manual_seed(1000 + step)
             batch = torch.randint(0, RMS["vocab_size"], (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
             yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-
-
-class _StepLosses(L.Callback):
-    """Per optimizer step: the global-batch loss and the global gradient norm before clipping."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.norms: list[float] = []
-        self._acc = 0.0
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not isinstance(trainer.strategy, XPUMoEStrategy):
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._acc += float(outputs["loss"])  # Lightning divides by accumulate_grad_batches
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            if isinstance(trainer.strategy, XPUMoEStrategy):
-                self.norms.append(float(trainer.strategy.last_grad_norm))
-            total = trainer.strategy.reduce(torch.tensor(self._acc), reduce_op="mean")
-            self.losses.append(float(total))
-            self._acc = 0.0
 
 
 def _fit(
@@ -92,7 +70,8 @@ def _fit(
 ) -> tuple[_StepLosses, dict]:
     """Train to step `steps` (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
     into `save_dir`); return the step losses and every parameter as its full (gathered) tensor."""
-    losses = _StepLosses()
+    batches = _Batches(dp_rank, dp_size, first_step, steps)
+    losses = _StepLosses(batches)
     world = WORLD if strategy is not None else 1
     trainer = cpu_trainer(
         world,
@@ -104,7 +83,7 @@ def _fit(
         save_dir=save_dir,
         log_every_n_steps=2,
     )
-    trainer.fit(_module(overrides), _Batches(dp_rank, dp_size, first_step, steps), ckpt_path=ckpt_path)
+    trainer.fit(_module(overrides), batches, ckpt_path=ckpt_path)
     params = {}
     for name, p in trainer.lightning_module.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
