@@ -147,7 +147,22 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
             parallelize_module(block, tp_mesh, plan)
     if sp:
         parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})
+        model.register_forward_pre_hook(_check_sequence_split(tp_mesh.size()))
     return model
+
+
+def _check_sequence_split(t: int) -> Any:
+    """A forward pre-hook refusing a sequence that T ranks cannot split evenly (before any collective)."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        seq = args[0].shape[1]
+        if seq % t:
+            raise ValueError(
+                f"sequence_parallel splits the sequence over tensor_parallel_size={t} ranks, but this batch's "
+                f"sequence length {seq} is not divisible by {t}; choose a seq_len divisible by it."
+            )
+
+    return check
 
 
 class TensorParallelSteps:

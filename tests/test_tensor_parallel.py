@@ -16,13 +16,16 @@ import pytest
 import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from callbacks import MemoryMetrics
 from mula.config import resolve_config
+from mula.model import Mula
 from mula.module import MulaLightningModule
 from mula.parallel_layout import ParallelLayout
 from strategies import XPUMoEStrategy
+from strategies.tensor_parallel import apply_tensor_parallel
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS, WORLD = 2, 16, 4, 6, 4
 # RMSNorm weights (partial gradients under SP), QK-norm over all heads, GQA (4 heads, 2 KV heads)
@@ -117,6 +120,13 @@ def _run_tp(rank: int, world: int) -> dict:
     strategy = XPUMoEStrategy(tensor_parallel_size=2, sequence_parallel=True, shard_optimizer=False)
     losses, params = _fit(RMS, strategy, rank // 2, world // 2)
     out["dropped"] = {"losses": losses.losses, "params": params}
+    # sequence parallelism refuses a sequence its ranks cannot split evenly, before any collective
+    model = apply_tensor_parallel(
+        Mula(resolve_config("mula-tiny-dense", TINY)), init_device_mesh("cpu", (world,)), True
+    )
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4") as err:
+        model(torch.zeros(1, 6, dtype=torch.long))
+    out["uneven"] = str(err.value)
     return out
 
 
@@ -137,6 +147,7 @@ def test_tensor_parallel_matches_single_process() -> None:
         _assert_matches(rank_out["t2"], ref_rms, ref_rms_params)
         _assert_matches(rank_out["t2sp"], ref_rms, ref_rms_params)
         _assert_matches(rank_out["t4"], ref_tiny, ref_tiny_params)
+    assert all(r["uneven"].endswith("choose a seq_len divisible by it.") for r in runs)
     # without the TP all-reduce of partial gradients the norm weights train on half the tokens
     dropped = runs[0]["dropped"]["params"]
     moved = max(float((dropped[n] - v).abs().max()) for n, v in ref_rms_params.items() if "norm" in n)
