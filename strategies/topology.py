@@ -68,7 +68,8 @@ class ExpertParallelTopology:
 
     @property
     def stage_layout(self) -> ParallelLayout:
-        """The layout of this rank's stage alone (its W / P ranks, E): where stage-local ranks sit."""
+        """The layout of this rank's data-parallel world alone (its W / (P x T) ranks, E): where
+        stage-local ranks sit."""
         return ParallelLayout(world_size=self.world_size, ep=self.ep_size)
 
     @property

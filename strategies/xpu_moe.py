@@ -216,17 +216,19 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank of a stage is a data-parallel rank: experts are split, tokens are not."""
+        """Every rank of a stage is a data-parallel rank (experts are split, tokens are not), save that
+        the T ranks of a tensor-parallel group read the same data."""
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's data-parallel index: its rank inside its pipeline stage (the global rank when P = 1)."""
+        """This rank's data-parallel index: its rank inside its pipeline stage's data-parallel world (the
+        global rank when P = T = 1; the same on the T ranks of a tensor-parallel group)."""
         return self.topology.rank if self.topology is not None else self.global_rank
 
     @property
     def data_parallel_size(self) -> int:
-        """Data-parallel ranks: W / P (the ranks of one pipeline stage)."""
+        """Data-parallel ranks: W / (P x T) (the ranks of one pipeline stage, one per TP group)."""
         return self.topology.world_size if self.topology is not None else self.world_size
 
     @property
