@@ -448,6 +448,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             "world_size": self.world_size,
             "expert_parallel_size": self.expert_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
         }
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
