@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from typing_extensions import override
 
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
@@ -31,8 +32,11 @@ def _storage_key(t: Tensor) -> tuple[str, int]:
 
 
 def _local(t: Tensor) -> Tensor:
-    """This rank's part of a (possibly distributed) tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's part of a (possibly distributed) tensor: a DTensor's local shard; the waited result
+    of a functional collective (tensor parallelism's), a wrapper without storage of its own."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 class _Window:

@@ -17,20 +17,30 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 
 
 def check_degrees(ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
-    """Refuse a parallel size below 1, and tensor or context parallelism (not available yet)."""
+    """Refuse a parallel size below 1, and context parallelism (not available yet)."""
     for name, size in (("expert_parallel_size", ep_size), ("pipeline_parallel_size", pp_size),
                        ("tensor_parallel_size", tp_size), ("context_parallel_size", cp_size)):  # fmt: skip
         if size < 1:
             raise ValueError(f"{name} must be at least 1, got {size}.")
-    for name, size in (("tensor_parallel_size", tp_size), ("context_parallel_size", cp_size)):
-        if size != 1:
-            raise ValueError(f"{name}={size} is not available yet; use {name}=1.")
+    if cp_size != 1:
+        raise ValueError(
+            f"context_parallel_size={cp_size} is not available yet; use context_parallel_size=1."
+        )
 
 
-def check_world(world_size: int, ep_size: int, pp_size: int) -> None:
-    """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups (one sentence naming the numbers)."""
+def check_world(world_size: int, ep_size: int, pp_size: int, tp_size: int = 1) -> None:
+    """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups of T-rank tensor-parallel
+    groups (one sentence naming the numbers)."""
     if world_size < 1:
         raise ValueError(f"The world size must be at least 1, got {world_size}.")
+    if tp_size > 1:
+        if world_size % (tp_size * ep_size * pp_size) != 0:
+            raise ValueError(
+                f"The world size {world_size} is not divisible by tensor_parallel_size={tp_size} x "
+                f"expert_parallel_size={ep_size} x pipeline_parallel_size={pp_size} = "
+                f"{tp_size * ep_size * pp_size}; choose sizes whose product divides the number of ranks."
+            )
+        return
     if pp_size > 1:
         if world_size % (pp_size * ep_size) != 0:
             raise ValueError(
@@ -63,6 +73,38 @@ def check_experts(num_experts: int, ep_size: int) -> None:
             f"The model has {num_experts} experts, which is not divisible by expert_parallel_size={ep_size}; "
             "choose an expert-parallel size that divides the number of experts."
         )
+
+
+def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
+    """Refuse tensor parallelism where it is not available yet, or a model whose heads, KV heads, MLP
+    width or vocabulary T does not divide (`config`: a `MulaConfig`; None checks the layout alone)."""
+    if tp_size == 1:
+        return
+    if pp_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not yet available with pipeline_parallel_size={pp_size}; "
+            "use pipeline_parallel_size=1 or tensor_parallel_size=1."
+        )
+    if config is None:
+        return
+    if int(getattr(config, "num_experts", 0)) > 0:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not yet available for MoE models (this one has "
+            f"{config.num_experts} experts); use a dense model or tensor_parallel_size=1."
+        )
+    if config.tie_embeddings:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not yet available with tie_embeddings; use an untied model "
+            "or tensor_parallel_size=1."
+        )
+    for what, count in (("attention heads", config.num_heads), ("key/value heads", config.kv_heads),
+                        ("MLP features (intermediate_size)", config.intermediate_size),
+                        ("vocabulary entries", config.vocab_size)):  # fmt: skip
+        if count % tp_size:
+            raise ValueError(
+                f"The model's {count} {what} are not divisible by tensor_parallel_size={tp_size}; choose "
+                "a tensor-parallel size that divides them."
+            )
 
 
 def validate_schedule(schedule: str, pp_size: int, virtual_stages: int) -> None:

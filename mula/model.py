@@ -295,6 +295,7 @@ class Mula(nn.Module):
             aux, z = router_losses(self.config, out.router_sums)
             counts = torch.stack(list(out.tokens_per_expert.values()))
         else:
-            aux = z = logits.new_zeros((), dtype=torch.float32)
+            # a plain tensor even when the logits are a DTensor (tensor parallelism)
+            aux = z = torch.zeros((), dtype=torch.float32, device=input_ids.device)
             counts = None
         return MulaOutput(logits, aux, z, counts)

@@ -22,6 +22,7 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
@@ -176,6 +177,8 @@ class MulaLightningModule(L.LightningModule):
         (one place for the loss, also used by a pipeline's last stage)."""
         # CE in fp32: bf16 log-softmax over a 50k vocabulary loses precision
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if isinstance(ce, DTensor):  # vocabulary-parallel logits (tensor parallelism): a replicated loss
+            ce = ce.full_tensor()
         loss = ce + self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * z_loss
         return loss, ce
 

@@ -6,7 +6,7 @@ thing; the strategy turns it into one named `DeviceMesh` (`strategies.topology.b
 
 Dimensions and rank order, innermost first (DESIGN.md "Parallel layout, in numbers"):
 
-    tp   tensor parallel (1 for now)
+    tp   tensor parallel: T consecutive ranks split every dense layer (one node's fabric; dense models)
     cp   context parallel (1 for now)
     ep   expert parallel: E consecutive ranks exchange tokens all-to-all (one node's fabric)
     pp   pipeline stage: P stages
@@ -14,9 +14,10 @@ Dimensions and rank order, innermost first (DESIGN.md "Parallel layout, in numbe
 
     rank = (((edp * P + pp) * E + ep) * CP + cp) * TP + tp
 
-Derived groups: a stage's W / P ranks are its data-parallel ranks (each reads its own data and holds
-the stage's dense parameters; stage-local rank edp * E + ep); the pipeline group of a rank is the P
-ranks that share its (edp, ep) coordinates. `rank_holdings` answers which blocks and experts a rank
+Derived groups: the T ranks of a tensor-parallel group read the same data and each holds 1/T of every
+dense layer; a stage's W / (P * T) ranks of one tensor-parallel index are its data-parallel ranks
+(each reads its own data and holds the same shards of the stage's dense parameters; stage-local rank
+edp * E + ep); the pipeline group of a rank is the P ranks that share its (edp, ep, tp) coordinates. `rank_holdings` answers which blocks and experts a rank
 holds; the strategy, the schedule, the planner and the benchmarks all ask it.
 """
 
@@ -30,6 +31,7 @@ from mula.layout_rules import (
     check_degrees,
     check_experts,
     check_micro_batches,
+    check_tensor_parallel,
     check_world,
     check_zero_stage,
     stage_layer_counts,
@@ -38,7 +40,7 @@ from mula.layout_rules import (
 )
 
 # mesh dimensions, outermost first (the order of the DeviceMesh's shape)
-MESH_DIMS = ("edp", "pp", "ep")
+MESH_DIMS = ("edp", "pp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ class Holdings:
 class ParallelLayout:
     """Sizes of every parallel dimension of a W-rank job and its pipeline schedule.
 
-    world_size: W; ep: E, expert-parallel group size; pp: P, pipeline stages; tp, cp: tensor and context
-    parallel sizes (1 until they land); schedule, virtual_stages (V per rank), stage_layers (P x V
+    world_size: W; ep: E, expert-parallel group size; pp: P, pipeline stages; tp: T, tensor-parallel
+    group size (dense models, one stage); cp: context parallel size (1 until it lands); schedule, virtual_stages (V per rank), stage_layers (P x V
     block counts, None: an even split): the pipeline. Construction checks the sizes against W
     (`validate` adds the model and the step).
     """
@@ -119,7 +121,8 @@ class ParallelLayout:
         validate_schedule(self.schedule, self.pp, self.virtual_stages)
         if config is not None:
             validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
-        check_world(self.world_size, self.ep, self.pp)  # tp = cp = 1 until they land (check_degrees)
+        check_world(self.world_size, self.ep, self.pp, self.tp)  # cp = 1 until it lands (check_degrees)
+        check_tensor_parallel(config, self.tp, self.pp)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step
@@ -157,7 +160,7 @@ class ParallelLayout:
 
     def mesh_shape(self) -> tuple[int, ...]:
         """The DeviceMesh's shape over `MESH_DIMS`, outermost first."""
-        return (self.edp_size, self.pp, self.ep)
+        return (self.edp_size, self.pp, self.ep, self.tp)
 
     # ----- ranks ---------------------------------------------------------------------------------
     def coordinates(self, rank: int) -> Coordinates:
@@ -180,8 +183,9 @@ class ParallelLayout:
         return c.edp * self.ep + c.ep
 
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """Global ranks of `rank`'s group along `dim` ("ep", "edp", "pp", "stage": the stage's data-
-        parallel ranks in stage-local order, or "world"), in group order."""
+        """Global ranks of `rank`'s group along `dim` ("tp", "ep", "edp", "pp", "stage": the stage's data-
+        parallel ranks in stage-local order, those of `rank`'s tensor-parallel index, or "world"), in
+        group order."""
         c = self.coordinates(rank)
         if dim == "world":
             return list(range(self.world_size))
@@ -193,7 +197,9 @@ class ParallelLayout:
             return [self.rank(d, c.pp, c.ep, c.cp, c.tp) for d in range(self.edp_size)]
         if dim == "pp":
             return [self.rank(c.edp, s, c.ep, c.cp, c.tp) for s in range(self.pp)]
-        raise ValueError(f"Unknown layout dimension {dim!r}; use ep, edp, pp, stage or world.")
+        if dim == "tp":
+            return [self.rank(c.edp, c.pp, c.ep, c.cp, t) for t in range(self.tp)]
+        raise ValueError(f"Unknown layout dimension {dim!r}; use tp, ep, edp, pp, stage or world.")
 
     def all_groups(self, dim: str) -> list[list[int]]:
         """Every group along `dim` (each a list of global ranks), ordered by their first rank."""

@@ -31,8 +31,8 @@ class OptimizerSteps:
     """Optimizer construction and the optimizer step of an EP-aware strategy (a mixin of XPUMoEStrategy).
 
     Expects the host strategy to set `topology`, `shard_optimizer`, `optimizer_options`,
-    `pipeline_parallel_size`, `bucket_size_mb`, `overlap_grad_reduce`, `_pipeline` and `_grad_sync`,
-    and Lightning's `lightning_module` and `optimizers`.
+    `pipeline_parallel_size`, `tensor_parallel_size`, `bucket_size_mb`, `overlap_grad_reduce`, `_pipeline`
+    and `_grad_sync`, and Lightning's `lightning_module` and `optimizers`.
     """
 
     last_grad_norm: Tensor | None = None  # the last step's global gradient norm (before clipping)
@@ -45,6 +45,9 @@ class OptimizerSteps:
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
         if not self.shard_optimizer:
+            if self.tensor_parallel_size > 1:
+                # DTensor and plain parameters side by side: torch's multi-tensor kernels take one kind
+                adamw_kwargs = {**adamw_kwargs, "foreach": False}
             return torch.optim.AdamW(params, **adamw_kwargs)
         from strategies.optim.sharded_optimizer import EPShardedAdamW
 

@@ -11,7 +11,9 @@ goes into it for `XPUMoEStrategy`:
   optimizer's own `sharded_state_dict()`, or for a plain torch optimizer its per-parameter state keyed
   by parameter name with expert moments wrapped like the weights.
 
-So a run saved at (W=4, E=4) resumes at (W=2, E=2), at W=1, or the reverse.
+Tensor-parallel parameters and their AdamW moments are DTensors already and go in as the global
+tensors they are. So a run saved at (W=4, E=4) resumes at (W=2, E=2), at W=1, or the reverse, and one
+saved at T=2 resumes at T=1 and the reverse.
 `mula.checkpoint.consolidate_checkpoint` turns the directory into a single-file checkpoint.
 """
 

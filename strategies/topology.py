@@ -1,13 +1,16 @@
 """Process groups of a parallel layout, all taken from one named `DeviceMesh`.
 
-`mula.parallel_layout.ParallelLayout` says where every rank sits (rank order, innermost first: EP,
-pipeline stage, expert-data parallel); `build_mesh` turns it into one `DeviceMesh` with dimensions
-("edp", "pp", "ep") and `topology_from_layout` takes every group from it:
+`mula.parallel_layout.ParallelLayout` says where every rank sits (rank order, innermost first: TP,
+EP, pipeline stage, expert-data parallel); `build_mesh` turns it into one `DeviceMesh` with dimensions
+("edp", "pp", "ep", "tp") and `topology_from_layout` takes every group from it:
 
+    TP group     mesh "tp"       T consecutive ranks splitting every dense layer (one node's fabric);
+                                 they read the same data, so they are NOT data-parallel ranks
     EP group     mesh "ep"       E consecutive ranks: the all-to-all of tokens (one node's fabric)
     EDP group    mesh "edp"      ranks holding the same experts of the same stage: expert gradients
                                  are averaged here, never over the whole world
-    stage group  ("edp", "ep")   the W / P ranks replicating a stage's dense parameters
+    stage group  ("edp", "ep")   the W / (P * T) ranks replicating a stage's dense parameters (the same
+                                 TP shards): gradients are reduced here, over no TP rank
                  flattened "dp"  (`world_group`: the stage's data-parallel world)
     PP group     mesh "pp"       one rank per stage: activations, the global gradient norm
     world        all flattened   what checkpoints of the sharded optimizer are laid over
@@ -16,7 +19,7 @@ With W = 8, E = 4, P = 1: EP groups [0..3], [4..7]; EDP groups [0, 4], [1, 5], .
 on EP rank p is global expert p * E_local + j (`ParallelLayout.experts_of`).
 
 `world_size`, `rank` and `world_group` of a topology describe its stage's data-parallel world (stage-
-local rank edp * E + ep); `stage_ranks` maps local ranks to global ones.
+local rank edp * E + ep, W / (P * T) ranks); `stage_ranks` maps local ranks to global ones.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class ExpertParallelTopology:
     Groups are None when running without torch.distributed (a single process); code paths then skip
     communication because every group has size 1. `layout` and `mesh` are the job's `ParallelLayout`
     and `DeviceMesh` (None when built by hand or without a process group); `stage_mesh` and
-    `world_mesh` are the mesh's flattened stage and world dimensions.
+    `world_mesh` are the mesh's flattened stage and world dimensions; `tp_*` this rank's tensor-parallel
+    group (T = 1: none).
     """
 
     world_size: int
@@ -57,10 +61,15 @@ class ExpertParallelTopology:
     mesh: Any = None
     stage_mesh: Any = None
     world_mesh: Any = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None  # this rank's tensor-parallel group, None when T = 1
+    tp_mesh: Any = None  # the mesh's "tp" dimension (what DTensor parameters are laid over), None when T = 1
 
     @property
     def stage_layout(self) -> ParallelLayout:
-        """The layout of this rank's stage alone (its W / P ranks, E): where stage-local ranks sit."""
+        """The layout of this rank's data-parallel world alone (its W / (P x T) ranks, E): where
+        stage-local ranks sit."""
         return ParallelLayout(world_size=self.world_size, ep=self.ep_size)
 
     @property
@@ -140,7 +149,7 @@ def topology_from_layout(layout: ParallelLayout, device_type: str | None = None)
     rank = dist.get_rank()
     where = layout.coordinates(rank)
     return ExpertParallelTopology(
-        world_size=layout.stage_size,
+        world_size=layout.dp_size,
         rank=layout.stage_local_rank(rank),
         ep_size=layout.ep,
         edp_size=layout.edp_size,
@@ -152,11 +161,15 @@ def topology_from_layout(layout: ParallelLayout, device_type: str | None = None)
         pp_size=layout.pp,
         pp_rank=where.pp,
         pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
-        stage_ranks=None if layout.pp == 1 else layout.group_ranks("stage", rank),
+        stage_ranks=None if layout.pp == layout.tp == 1 else layout.group_ranks("stage", rank),
         layout=layout,
         mesh=mesh,
         stage_mesh=stage_mesh,
         world_mesh=world_mesh,
+        tp_size=layout.tp,
+        tp_rank=where.tp,
+        tp_group=mesh.get_group("tp") if layout.tp > 1 else None,
+        tp_mesh=mesh["tp"] if layout.tp > 1 else None,
     )
 
 

@@ -46,9 +46,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from mula.layout_rules import check_degrees, check_experts, validate_schedule
+from mula.layout_rules import check_degrees, check_experts, check_tensor_parallel, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -56,11 +57,13 @@ from mula.lightning_compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
+from mula.model import Mula
 from mula.moe import is_expert_param
 from mula.parallel_layout import ParallelLayout
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.devices.environments import PALSEnvironment
 from strategies.experts.expert_parallel import apply_expert_parallel
+from strategies.optim.grad_reduce import local_tensor
 from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
 from strategies.pipeline.steps import PipelineSteps
@@ -72,10 +75,11 @@ from strategies.sharded_state import (
     rescale_loop_progress,
     save_sharded,
 )
+from strategies.tensor_parallel import TensorParallelSteps, apply_tensor_parallel
 from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 
-class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
+class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, ParallelStrategy):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
 
     W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
@@ -101,6 +105,14 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         pipeline_virtual_stages: V, stages per rank with "interleaved-1f1b" (P x V stages in all).
         pipeline_stage_layers: blocks per stage (P x V numbers summing to the model's layers); default
             an even split.
+        tensor_parallel_size: T, Megatron-style tensor parallelism of a dense model (strategies/
+            tensor_parallel.py, docs/tensor-parallel.md): T consecutive ranks (innermost, one node's
+            fabric) split every attention (by heads), MLP, the embedding and the LM head (by
+            vocabulary) and read the same data; the data-parallel size is W / (P x T). T must divide
+            the heads, KV heads, MLP width and vocabulary; not yet available with experts, pipeline
+            stages, tied embeddings or shard_optimizer=True.
+        sequence_parallel: with T > 1, the norms and the residual stream hold 1/T of the sequence
+            (reduce-scatter / all-gather around each layer instead of all-reduce).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -122,6 +134,8 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         pipeline_schedule: str = "1f1b",
         pipeline_virtual_stages: int = 1,
         pipeline_stage_layers: list[int] | None = None,
+        tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Any = None,
@@ -139,7 +153,15 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_degrees(int(expert_parallel_size), int(pipeline_parallel_size))
+        check_degrees(int(expert_parallel_size), int(pipeline_parallel_size), int(tensor_parallel_size))
+        check_tensor_parallel(None, int(tensor_parallel_size), int(pipeline_parallel_size))
+        if int(tensor_parallel_size) > 1 and shard_optimizer:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} is not yet available with shard_optimizer=True "
+                "(its flat buffers do not hold tensor-parallel shards yet); use shard_optimizer=False."
+            )
+        if sequence_parallel and int(tensor_parallel_size) == 1:
+            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
         validate_schedule(pipeline_schedule, int(pipeline_parallel_size), int(pipeline_virtual_stages))
@@ -153,6 +175,8 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         # Micro-batches per optimizer step with P > 1, for data that is not a MulaDataModule (whose
         # micro_batch_size the strategy reads itself).
         self.pipeline_microbatches: int | None = None
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.sequence_parallel = bool(sequence_parallel)
         self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = parse_optimizer_options(optimizer_options or {})
@@ -192,17 +216,19 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank of a stage is a data-parallel rank: experts are split, tokens are not."""
+        """Every rank of a stage is a data-parallel rank (experts are split, tokens are not), save that
+        the T ranks of a tensor-parallel group read the same data."""
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's data-parallel index: its rank inside its pipeline stage (the global rank when P = 1)."""
+        """This rank's data-parallel index: its rank inside its pipeline stage's data-parallel world (the
+        global rank when P = T = 1; the same on the T ranks of a tensor-parallel group)."""
         return self.topology.rank if self.topology is not None else self.global_rank
 
     @property
     def data_parallel_size(self) -> int:
-        """Data-parallel ranks: W / P (the ranks of one pipeline stage)."""
+        """Data-parallel ranks: W / (P x T) (the ranks of one pipeline stage, one per TP group)."""
         return self.topology.world_size if self.topology is not None else self.world_size
 
     @property
@@ -263,6 +289,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
             world_size=world_size,
             ep=self.expert_parallel_size,
             pp=self.pipeline_parallel_size,
+            tp=self.tensor_parallel_size,
             schedule=self.pipeline_schedule,
             virtual_stages=self.pipeline_virtual_stages,
             stage_layers=None if self.pipeline_stage_layers is None else tuple(self.pipeline_stage_layers),
@@ -309,6 +336,8 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
         if apply_expert_parallel(module, self.topology) is None:
             check_experts(0, self.expert_parallel_size)  # a model without experts (and without a config)
         self._materialize(module)
+        if self.tensor_parallel_size > 1:
+            self._split_tensors(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas(module)
@@ -330,6 +359,15 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
             child.to_empty(device=self.root_device)
             child.reset_parameters()
 
+    def _split_tensors(self, module: nn.Module) -> None:
+        """Split the dense model over this rank's TP group (once: Lightning calls setup again after fit)."""
+        model = getattr(module, "model", None)
+        if not isinstance(model, Mula):
+            raise ValueError("tensor_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
+        assert self.topology is not None
+        if not any(isinstance(p, DTensor) for p in model.parameters()):
+            apply_tensor_parallel(model, self.topology.tp_mesh, self.sequence_parallel)
+
     @torch.no_grad()
     def _sync_replicas(self, module: nn.Module) -> None:
         """Make replicas identical, as DDP does: dense from rank 0, experts from EDP rank 0."""
@@ -342,8 +380,8 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
             if is_expert_param(name):
                 if topo.edp_size > 1:
                     dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
-            else:  # from the first rank of this pipeline stage (rank 0 when P = 1)
-                dist.broadcast(tensor.data, src=topo.to_global(0), group=topo.world_group)
+            else:  # from the first data-parallel rank of this stage (rank 0 when P = T = 1)
+                dist.broadcast(local_tensor(tensor.data), src=topo.to_global(0), group=topo.world_group)
 
     # ----- collectives -----------------------------------------------------------------------
     @override
@@ -410,6 +448,7 @@ class XPUMoEStrategy(PipelineSteps, OptimizerSteps, ParallelStrategy):
             "world_size": self.world_size,
             "expert_parallel_size": self.expert_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
         }
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)

@@ -68,7 +68,7 @@ _PLANNED_TYPES: dict[str, dict[str, Any]] = {
     "strategy": {
         "expert_parallel_size": int, "shard_optimizer": bool, "optimizer_options": dict | None,
         "pipeline_parallel_size": int, "pipeline_schedule": str, "pipeline_virtual_stages": int,
-        "pipeline_stage_layers": list[int] | None,
+        "pipeline_stage_layers": list[int] | None, "tensor_parallel_size": int, "sequence_parallel": bool,
     },
 }  # fmt: skip
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mula.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
 from mula.moe import is_expert_param
@@ -38,9 +39,37 @@ from strategies.topology import ExpertParallelTopology
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's part of `t`: the local shard of a DTensor (a tensor-parallel parameter or gradient),
+    sharing its storage; `t` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def laid_out_grad(p: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of parameter `p` in `p`'s own layout.
+
+    A DTensor gradient can come back in another layout than its parameter: Partial (a sum over the TP
+    group still to be taken: a norm weight under sequence parallelism sees 1/T of the tokens on each
+    rank) or Replicate for a split parameter (the vocabulary-parallel embedding). Redistributing it to
+    the parameter's placements takes the missing sum over the TP group (an all-reduce) or this rank's
+    slice; skipping the all-reduce would silently train such weights on 1/T of the batch
+    (tests/test_tensor_parallel.py checks it)."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
+def local_grad(p: Tensor, grad: Tensor) -> Tensor:
+    """This rank's gradient of parameter `p` as a plain tensor shaped like `p`'s local tensor
+    (`laid_out_grad`, then its local shard)."""
+    return local_tensor(laid_out_grad(p, grad))
+
+
 def param_entry(index: int, name: str, p: Tensor, group: int, topology: ExpertParallelTopology) -> ParamEntry:
     """The layout planner's view of parameter ``p``: its domain and its place in the global parameter
-    (stacked expert parameters ``[E_local, ...]`` sit at ``ep_rank * numel`` of ``ep_size * numel``)."""
+    (stacked expert parameters ``[E_local, ...]`` sit at ``ep_rank * numel`` of ``ep_size * numel``).
+    A tensor-parallel (DTensor) parameter is its local shard: buckets hold local tensors."""
+    p = local_tensor(p)
     shape = tuple(p.shape)
     if not is_expert_param(name):
         return ParamEntry(index, name, shape, p.numel(), str(p.dtype), group, "dense", 0, p.numel(), shape)
@@ -252,6 +281,7 @@ class GradReducer:
                 self._launch_ready(st.domain)
 
     def _accumulate(self, slot: Slot, st: ReduceState, grad: Tensor) -> None:
+        grad = local_grad(self.params[slot.entry.index], grad)
         if st.reduce_work and self.zero_stage == 1:
             self._wait(st)  # the in-flight reduction still uses grad_full
         if st.grad_full is None:
@@ -373,7 +403,10 @@ class GradReducer:
         for b, st in zip(self.buckets, self.states):
             for slot in b.slots:
                 p = self.params[slot.entry.index]
-                p.grad = st.grad_full[slot.start : slot.start + slot.entry.numel].view_as(p)
+                view = st.grad_full[slot.start : slot.start + slot.entry.numel].view(slot.entry.shape)
+                if isinstance(p, DTensor):  # the reduced local shard, as the parameter's DTensor gradient
+                    view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
+                p.grad = view
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (flat buffers are zeroed or overwritten, never freed)."""

@@ -12,9 +12,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
 
 from mula.moe import is_expert_param
-from strategies.optim.grad_reduce import GradReducer, param_entry
+from strategies.optim.grad_reduce import GradReducer, laid_out_grad, local_tensor, param_entry
 from strategies.topology import ExpertParallelTopology, reduce_over_stages
 
 
@@ -39,6 +40,7 @@ class GradientSynchronizer:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self._reducer: GradReducer | None = None
         self._enabled = True
+        self._params = [p for _, p in named]
         if topology.world_size == 1 or not named:
             return
         entries = [param_entry(i, n, p, 0, topology) for i, (n, p) in enumerate(named)]
@@ -74,6 +76,10 @@ class GradientSynchronizer:
         if self._reducer is not None:
             self._reducer.reduce()
             self._reducer.point_grads()
+            return
+        for p in self._params:  # one data-parallel rank: only tensor-parallel gradients to complete
+            if p.grad is not None:
+                p.grad = laid_out_grad(p, p.grad)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (when the strategy tears down)."""
@@ -89,18 +95,31 @@ def grad_norm(
 
     Dense gradients are identical on every rank and each expert's gradient is identical across its
     EDP group, so the global squared norm is dense^2 (counted once) + the sum over the EP group of the
-    local experts' squared norms: each element is counted exactly once. A non-finite element makes its
-    square non-finite, and the sums carry it to every rank: the verdict costs no extra collective.
+    local experts' squared norms: each element is counted exactly once. Likewise a tensor-parallel
+    parameter split over the TP group (a DTensor with a Shard placement) adds its local shards' squares
+    summed over that group, while one replicated over it (a norm weight) counts once. A non-finite
+    element makes its square non-finite, and the sums carry it to every rank: the verdict costs no
+    extra collective.
     """
-    dense, experts = [], []
+    dense, experts, split = [], [], []
     for name, p in named_params:
         if p.grad is not None:
-            (experts if is_expert_param(name) else dense).append(p.grad)
-    device = (dense + experts)[0].device if dense or experts else torch.device("cpu")
+            if is_expert_param(name):
+                experts.append(p.grad)
+            elif isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+                split.append(local_tensor(p.grad))
+            else:
+                dense.append(local_tensor(p.grad))
+    every = dense + experts + split
+    device = every[0].device if every else torch.device("cpu")
     dense_sq = _sum_sq(dense, device)
     expert_sq = _sum_sq(experts, device)
     if topology.ep_size > 1:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=topology.ep_group)
+    if topology.tp_size > 1:
+        split_sq = _sum_sq(split, device)
+        dist.all_reduce(split_sq, op=dist.ReduceOp.SUM, group=topology.tp_group)
+        dense_sq = dense_sq + split_sq
     total = reduce_over_stages(dense_sq + expert_sq, topology).sqrt()
     return total, torch.isfinite(total)
 
@@ -108,7 +127,7 @@ def grad_norm(
 def scale_grads_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: float, norm: Tensor) -> None:
     """Scale every gradient by min(1, max_norm / norm): clipping by a global norm from `grad_norm`."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad for _, p in named_params if p.grad is not None]
+    grads = [local_tensor(p.grad) for _, p in named_params if p.grad is not None]
     for g in grads:
         g.mul_(coef.to(g.dtype))
 

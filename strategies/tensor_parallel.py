@@ -1,0 +1,207 @@
+"""Megatron-style tensor (and sequence) parallelism of a dense `Mula`, applied from outside.
+
+In the spirit of torchtitan's `parallelize`: the plain model is built as usual, then
+`apply_tensor_parallel` hands `torch.distributed.tensor.parallel.parallelize_module` one plan per
+module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md):
+
+    embed        vocabulary-parallel (RowwiseParallel: rows of the table split over T)
+    attention    q/k/v column-parallel (each rank computes num_heads / T heads, kv_heads / T KV
+                 heads), o_proj row-parallel (one all-reduce, or reduce-scatter under SP)
+    QK-norm      `ShardedFeatureNorm`: Mula normalises q and k over ALL heads' features (as OLMoE),
+                 so the per-rank statistics are all-reduced over the TP group; the weight is split
+                 like the heads
+    MLP          gate/up column-parallel, down row-parallel
+    lm_head      column-parallel: the logits stay a DTensor split over the vocabulary, and the
+                 strategy runs the loss under `loss_parallel` (a vocabulary-parallel cross-entropy)
+    norms        untouched (replicated, full sequence); with `sequence_parallel` they run on
+                 1/T of the sequence (SequenceParallel), the residual stream stays split along the
+                 sequence, and the layers' inputs are all-gathered / outputs reduce-scattered
+
+Parameters become DTensors over the TP mesh (Shard for split weights, Replicate for norm weights
+under sequence parallelism); gradients are reduced over the data-parallel group with their local
+tensors (strategies/optim/grad_reduce.py, `local_grad` there completes partial ones over the TP group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from typing_extensions import override
+
+from mula.model import MLP, Attention, LayerNorm, Mula, RMSNorm
+
+
+class ShardedFeatureNorm(nn.Module):
+    """An RMSNorm or LayerNorm over the last dimension of a tensor whose features are split over the TP
+    group (q or k after a column-parallel projection): the sums over features are all-reduced over the
+    group (differentiably), so each rank normalises its slice exactly as the whole tensor would be.
+
+    `weight` (RMSNorm only) is this rank's slice, a DTensor Shard(0) over `tp_mesh`.
+    """
+
+    def __init__(self, norm: nn.Module, tp_mesh: Any) -> None:
+        super().__init__()
+        self.group = tp_mesh.get_group()
+        self.eps = norm.eps
+        self.rms = isinstance(norm, RMSNorm)
+        if self.rms:
+            self.features = norm.weight.shape[0]
+            self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)]))
+        else:
+            self.features = norm.dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise x [..., features / T] over all `features` of the group."""
+        xf = x.float()
+        if self.rms:
+            mean_sq = _sum(xf.pow(2), self.group) / self.features
+            y = (xf * torch.rsqrt(mean_sq + self.eps)).to(x.dtype)
+            return self.weight.to_local() * y
+        mean = _sum(xf, self.group) / self.features
+        centred = xf - mean
+        var = _sum(centred.pow(2), self.group) / self.features
+        return (centred * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+def _sum(x: Tensor, group: Any) -> Tensor:
+    """The sum of x over its last dimension and over the group, differentiable (the backward sums the
+    gradients over the group): torch's functional all-reduce where it has a backward (newer torch),
+    else `torch.distributed.nn.functional.all_reduce` (older torch, deprecated since)."""
+    local = x.sum(-1, keepdim=True)
+    if hasattr(funcol, "all_reduce_backward"):
+        return funcol.all_reduce(local, "sum", group)
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(local, group=group)
+
+
+def _split_attention(attn: Attention, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Heads over T: q/k/v column-parallel, o_proj row-parallel, QK-norm over all heads."""
+    t = tp_mesh.size()
+    plan: dict[str, Any] = {
+        "q_proj": ColwiseParallel(),
+        "k_proj": ColwiseParallel(),
+        "v_proj": ColwiseParallel(),
+        "o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
+    }
+    parallelize_module(attn, tp_mesh, plan)
+    attn.num_heads, attn.kv_heads = attn.num_heads // t, attn.kv_heads // t  # this rank's heads
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name)
+        if isinstance(norm, (RMSNorm, LayerNorm)):
+            setattr(attn, name, ShardedFeatureNorm(norm, tp_mesh))
+
+
+def _split_mlp(mlp: MLP, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """SwiGLU over T: gate/up column-parallel, down row-parallel."""
+    down = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    parallelize_module(
+        mlp, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": down}
+    )
+
+
+def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = False) -> Mula:
+    """Split a dense `Mula` over the 1-D `tp_mesh` in place (see the module docstring); returns it.
+
+    Every TP rank must call it with the same weights (replicas are made identical afterwards over the
+    data-parallel group; DTensor's distribution takes each shard from the TP group's first rank).
+    """
+    if model.config.num_experts > 0:
+        raise ValueError("Tensor parallelism is not yet available for MoE models; use a dense model.")
+    sp = sequence_parallel
+    # under SP the residual stream between layers is this rank's 1/T of the sequence (a local tensor)
+    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    lm_head = ColwiseParallel(
+        input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+    )
+    parallelize_module(model, tp_mesh, {"embed": embed, "lm_head": lm_head})
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for block in model.layers:
+        _split_attention(block.attn, tp_mesh, sp)
+        assert isinstance(block.mlp, MLP)
+        _split_mlp(block.mlp, tp_mesh, sp)
+        if sp:
+            plan: dict[str, Any] = {
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                # attention's (x, cos, sin): only x is split along the sequence
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "mlp": gather,
+            }
+            parallelize_module(block, tp_mesh, plan)
+    if sp:
+        parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})
+        model.register_forward_pre_hook(_check_sequence_split(tp_mesh.size()))
+    return model
+
+
+def _check_sequence_split(t: int) -> Any:
+    """A forward pre-hook refusing a sequence that T ranks cannot split evenly (before any collective)."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        seq = args[0].shape[1]
+        if seq % t:
+            raise ValueError(
+                f"sequence_parallel splits the sequence over tensor_parallel_size={t} ranks, but this batch's "
+                f"sequence length {seq} is not divisible by {t}; choose a seq_len divisible by it."
+            )
+
+    return check
+
+
+class TensorParallelSteps:
+    """The strategy's Lightning step hooks under tensor parallelism (a mixin of XPUMoEStrategy, before
+    `PipelineSteps`): the forward and the backward of every step run under `loss_parallel`, so the
+    cross-entropy of the vocabulary-split logits is computed without gathering them (torch requires the
+    context around both). Expects `tensor_parallel_size`."""
+
+    tensor_parallel_size: int
+
+    @contextmanager
+    def loss_context(self) -> Generator[None, None, None]:
+        """`loss_parallel` under tensor parallelism, else nothing."""
+        if self.tensor_parallel_size > 1:
+            with loss_parallel():
+                yield
+        else:
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's training step, its loss vocabulary-parallel under TP."""
+        with self.loss_context():
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's validation step, its loss vocabulary-parallel under TP."""
+        with self.loss_context():
+            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's test step, its loss vocabulary-parallel under TP."""
+        with self.loss_context():
+            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward of the step's loss, under the same context as its forward."""
+        with self.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]

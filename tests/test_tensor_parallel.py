@@ -1,0 +1,273 @@
+"""Tensor (and sequence) parallelism of a dense model under XPUMoEStrategy, 1 process vs 4 gloo ranks.
+
+Reference: one process, the same MulaLightningModule, gradient accumulation over the same global
+batches. On W = 4 CPU ranks, fp32, 6 optimizer steps with global-norm clipping: T = 2 (DP = 2),
+T = 2 with sequence parallelism, and T = 4 (DP = 1) on the tiny dense model. Every logged loss and
+every global gradient norm within 1e-5 (relative), every parameter (gathered to its full tensor)
+within 1e-4. The T = 2 model has RMSNorm weights and QK-norm (normalised over all heads, split over
+the TP group) and grouped KV heads. Dropping the TP all-reduce of partial gradients (the norm weights
+under sequence parallelism) must break the equality: the classic silent bug, caught. Layouts that are
+not available yet are refused with one sentence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from callbacks import MemoryMetrics
+from mula.config import resolve_config
+from mula.model import Mula
+from mula.module import MulaLightningModule
+from mula.parallel_layout import ParallelLayout
+from strategies import XPUMoEStrategy
+from strategies.tensor_parallel import apply_tensor_parallel
+
+MICRO, SEQ, MICROS_PER_STEP, STEPS, WORLD = 2, 16, 4, 6, 4
+# RMSNorm weights (partial gradients under SP), QK-norm over all heads, GQA (4 heads, 2 KV heads)
+RMS = dict(
+    vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+    max_position_embeddings=64, norm="rmsnorm", qk_norm=True,
+)  # fmt: skip
+# the tiny dense preset (non-parametric LayerNorm, no QK-norm), small
+TINY = dict(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+
+
+def _module(overrides: dict) -> MulaLightningModule:
+    torch.manual_seed(0)
+    return MulaLightningModule(
+        "mula-tiny-dense", overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
+    )
+
+
+class _Batches:
+    """Data-parallel rank `dp_rank`'s micro-batches of every step: each global batch of MICROS_PER_STEP
+    micro-batches split into contiguous runs over `dp_size` ranks (TP ranks read the same)."""
+
+    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0, steps: int = STEPS) -> None:
+        self.dp_rank, self.dp_size, self.first_step, self.steps = dp_rank, dp_size, first_step, steps
+        self.consumed = 0  # micro-batches trained on (counted by _StepLosses)
+
+    def __iter__(self):
+        per_rank = MICROS_PER_STEP // self.dp_size
+        for step in range(self.first_step, self.steps):
+            g = torch.Generator().manual_seed(1000 + step)
+            batch = torch.randint(0, RMS["vocab_size"], (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
+            yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
+
+def _fit(
+    overrides: dict,
+    strategy,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    *,
+    save_dir=None,
+    ckpt_path=None,
+    first_step=0,
+    steps=STEPS,
+) -> tuple[_StepLosses, dict]:
+    """Train to step `steps` (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
+    into `save_dir`); return the step losses and every parameter as its full (gathered) tensor."""
+    batches = _Batches(dp_rank, dp_size, first_step, steps)
+    losses = _StepLosses(batches)
+    world = WORLD if strategy is not None else 1
+    trainer = cpu_trainer(
+        world,
+        strategy,
+        max_steps=steps,
+        accumulate_grad_batches=MICROS_PER_STEP // dp_size,
+        callbacks=[losses, MemoryMetrics()],  # it meters DTensors and functional collectives' results
+        gradient_clip_val=0.5,
+        save_dir=save_dir,
+        log_every_n_steps=2,
+    )
+    trainer.fit(_module(overrides), batches, ckpt_path=ckpt_path)
+    params = {}
+    for name, p in trainer.lightning_module.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[name] = full.detach().clone()
+    return losses, params
+
+
+def _drop_partial_reduction() -> None:
+    """The classic bug: a partial (Partial-placement) gradient taken as if it were complete."""
+    import strategies.optim.grad_reduce as grad_reduce
+
+    proper = grad_reduce.laid_out_grad
+
+    def dropped(p, grad):
+        if any(pl.is_partial() for pl in getattr(grad, "placements", ())):
+            return DTensor.from_local(grad.to_local(), p.device_mesh, p.placements, run_check=False)
+        return proper(p, grad)
+
+    grad_reduce.laid_out_grad = dropped
+
+
+def _run_tp(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    out = {}
+    for key, overrides, tp, sp in (("t2", RMS, 2, False), ("t2sp", RMS, 2, True), ("t4", TINY, 4, False)):
+        strategy = XPUMoEStrategy(tensor_parallel_size=tp, sequence_parallel=sp, shard_optimizer=False)
+        losses, params = _fit(overrides, strategy, rank // tp, world // tp)
+        assert strategy.data_parallel_size == world // tp
+        out[key] = {"losses": losses.losses, "norms": losses.norms, "params": params}
+    _drop_partial_reduction()
+    strategy = XPUMoEStrategy(tensor_parallel_size=2, sequence_parallel=True, shard_optimizer=False)
+    losses, params = _fit(RMS, strategy, rank // 2, world // 2)
+    out["dropped"] = {"losses": losses.losses, "params": params}
+    # sequence parallelism refuses a sequence its ranks cannot split evenly, before any collective
+    model = apply_tensor_parallel(
+        Mula(resolve_config("mula-tiny-dense", TINY)), init_device_mesh("cpu", (world,)), True
+    )
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4") as err:
+        model(torch.zeros(1, 6, dtype=torch.long))
+    out["uneven"] = str(err.value)
+    return out
+
+
+def _assert_matches(run: dict, ref: _StepLosses, ref_params: dict) -> None:
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0)
+    assert run["params"].keys() == ref_params.keys()
+    for name, value in ref_params.items():
+        torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-4, msg=name)
+
+
+def test_tensor_parallel_matches_single_process() -> None:
+    ref_rms, ref_rms_params = _fit(RMS, None)
+    ref_tiny, ref_tiny_params = _fit(TINY, None)
+    assert len(ref_rms.losses) == STEPS
+    runs = run_distributed(_run_tp, WORLD)
+    for rank_out in runs:  # every rank holds the same full model
+        _assert_matches(rank_out["t2"], ref_rms, ref_rms_params)
+        _assert_matches(rank_out["t2sp"], ref_rms, ref_rms_params)
+        _assert_matches(rank_out["t4"], ref_tiny, ref_tiny_params)
+    assert all(r["uneven"].endswith("choose a seq_len divisible by it.") for r in runs)
+    # without the TP all-reduce of partial gradients the norm weights train on half the tokens
+    dropped = runs[0]["dropped"]["params"]
+    moved = max(float((dropped[n] - v).abs().max()) for n, v in ref_rms_params.items() if "norm" in n)
+    assert moved > 1e-3, moved
+
+
+def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
+    layout = ParallelLayout(world_size=8, tp=2, ep=1, pp=1)
+    assert layout.dp_size == 4
+    assert layout.all_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # the data-parallel (gradient-reduction) world of each TP index excludes the TP peers
+    assert layout.group_ranks("stage", 0) == [0, 2, 4, 6]
+    assert layout.group_ranks("stage", 3) == [1, 3, 5, 7]
+    assert layout.mesh_shape() == (4, 1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: XPUMoEStrategy(tensor_parallel_size=2), "not yet available with shard_optimizer=True"),
+        (
+            lambda: XPUMoEStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=False),
+            "not yet available with pipeline_parallel_size=2",
+        ),
+        (
+            lambda: XPUMoEStrategy(sequence_parallel=True),
+            "sequence_parallel=True needs tensor_parallel_size > 1",
+        ),
+        (
+            lambda: ParallelLayout(world_size=4, tp=2).validate(resolve_config("mula-tiny-moe")),
+            "not yet available for MoE models",
+        ),
+        (
+            lambda: ParallelLayout(world_size=4, tp=4).validate(
+                resolve_config("mula-tiny-dense", {"num_heads": 2})
+            ),
+            "2 attention heads are not divisible by tensor_parallel_size=4",
+        ),
+        (
+            lambda: ParallelLayout(world_size=4, tp=2).validate(
+                resolve_config("mula-tiny-dense", {"vocab_size": 255})
+            ),
+            "255 vocabulary entries are not divisible by tensor_parallel_size=2",
+        ),
+        (
+            lambda: ParallelLayout(world_size=4, tp=2).validate(
+                resolve_config("mula-tiny-dense", {"tie_embeddings": True})
+            ),
+            "not yet available with tie_embeddings",
+        ),
+        (
+            lambda: ParallelLayout(world_size=6, tp=4),
+            "world size 6 is not divisible by tensor_parallel_size=4",
+        ),
+    ],
+)
+def test_unavailable_tensor_parallel_layouts_are_refused_in_one_sentence(make, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as err:
+        make()
+    message = str(err.value)
+    assert message.count(". ") == 0 and message.endswith("."), message
+
+
+def test_planner_refuses_tensor_parallelism_and_fit_skips_its_memory_check() -> None:
+    """`mula plan` does not model T > 1 yet: it says so instead of planning T = 1; `mula fit`'s
+    start-of-run memory check is skipped with a warning rather than refusing the run."""
+    from mula.plan.command import check_fit_memory
+    from mula.plan.settings import plan_inputs
+
+    trainer = {
+        "devices": 4,
+        "accelerator": "cpu",
+        "strategy": {
+            "class_path": "strategies.XPUMoEStrategy",
+            "init_args": {"tensor_parallel_size": 2, "shard_optimizer": False},
+        },
+    }
+    model, data = {"config": "mula-tiny-dense"}, {"global_batch_size": 8, "seq_len": 16}
+    with pytest.raises(ValueError, match="mula plan does not yet model tensor_parallel_size=2"):
+        plan_inputs(trainer, model, data)
+    with pytest.warns(UserWarning, match="does not yet model tensor parallelism"):
+        check_fit_memory(trainer, model, data, world_size=4, device_memory_gb=1e-9)
+
+
+def _resume_across_t(rank: int, world: int, root: str) -> dict:
+    """T = 2 saves at step 2; T = 1 resumes from it (and saves at step 4); T = 2 resumes from that."""
+    lightning_env(rank, world)
+
+    def strategy(tp: int) -> XPUMoEStrategy:
+        return XPUMoEStrategy(tensor_parallel_size=tp, shard_optimizer=False)
+
+    _fit(RMS, strategy(2), rank // 2, world // 2, save_dir=f"{root}/t2")
+    down, _ = _fit(
+        RMS,
+        strategy(1),
+        rank,
+        world,
+        save_dir=f"{root}/t1",
+        ckpt_path=f"{root}/t2/epoch=0-step=2.ckpt",
+        first_step=2,
+    )
+    up, params = _fit(
+        RMS, strategy(2), rank // 2, world // 2, ckpt_path=f"{root}/t1/epoch=0-step=4.ckpt", first_step=4
+    )
+    return {"down": down.losses, "up": up.losses, "params": params}
+
+
+def test_checkpoints_resume_at_another_tensor_parallel_size(tmp_path) -> None:
+    """Sharded checkpoints hold global tensors: 2 -> 1 and 1 -> 2 continue the uninterrupted losses."""
+    ref, ref_params = _fit(RMS, None)
+    out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(out["down"]), torch.tensor(ref.losses[2:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(out["up"]), torch.tensor(ref.losses[4:]), rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(out["params"][name], value, rtol=0, atol=1e-4, msg=name)
+    # the T = 2 directory holds whole tensors: mula's weights reader (export-hf's too) reads them
+    from mula.checkpoint import load_weights
+
+    _, at_two = _fit(RMS, None, steps=2)
+    saved = tmp_path / "t2" / "epoch=0-step=2.ckpt"
+    weights = load_weights(saved).state_dict()
+    for name, value in at_two.items():
+        torch.testing.assert_close(weights[name.removeprefix("model.")], value, rtol=0, atol=1e-4, msg=name)
