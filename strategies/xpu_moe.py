@@ -110,7 +110,8 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             fabric) split every attention (by heads), MLP, the embedding and the LM head (by
             vocabulary) and read the same data; the data-parallel size is W / (P x T). T must divide
             the heads, KV heads, MLP width and vocabulary; not yet available with experts, pipeline
-            stages, tied embeddings or shard_optimizer=True.
+            stages or tied embeddings. With `shard_optimizer` the flat buffers hold each rank's local
+            TP shard, its state sharded over the data-parallel group.
         sequence_parallel: with T > 1, the norms and the residual stream hold 1/T of the sequence
             (reduce-scatter / all-gather around each layer instead of all-reduce).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
@@ -155,11 +156,6 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         )
         check_degrees(int(expert_parallel_size), int(pipeline_parallel_size), int(tensor_parallel_size))
         check_tensor_parallel(None, int(tensor_parallel_size), int(pipeline_parallel_size))
-        if int(tensor_parallel_size) > 1 and shard_optimizer:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} is not yet available with shard_optimizer=True "
-                "(its flat buffers do not hold tensor-parallel shards yet); use shard_optimizer=False."
-            )
         if sequence_parallel and int(tensor_parallel_size) == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if bucket_size_mb <= 0:

@@ -70,6 +70,7 @@ def _fit(
     ckpt_path=None,
     first_step=0,
     steps=STEPS,
+    precision="32-true",
 ) -> tuple[_StepLosses, dict]:
     """Train to step `steps` (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
     into `save_dir`); return the step losses and every parameter as its full (gathered) tensor."""
@@ -85,6 +86,7 @@ def _fit(
         gradient_clip_val=0.5,
         save_dir=save_dir,
         log_every_n_steps=2,
+        precision=precision,
     )
     trainer.fit(_module(overrides), batches, ckpt_path=ckpt_path)
     params = {}
@@ -130,6 +132,53 @@ def _run_tp(rank: int, world: int) -> dict:
     return out
 
 
+def _run_tp_sharded(rank: int, world: int) -> dict:
+    """T = 2 and T = 2 with SP under the sharded optimizer (the second with small buckets, so
+    parameters, row-split ones included, are cut between the data-parallel ranks' shards)."""
+    lightning_env(rank, world)
+    out = {}
+    for key, sp, options in (("t2", False, {}), ("t2sp", True, {"bucket_numel": 700, "align": 4})):
+        strategy = XPUMoEStrategy(tensor_parallel_size=2, sequence_parallel=sp, optimizer_options=options)
+        losses, params = _fit(RMS, strategy, rank // 2, world // 2)
+        opt = strategy._sharded_optimizer()
+        assert opt is not None and opt.master.dtype == torch.float32
+        # the flat buffers hold local TP shards: the state is 1/(T x DP) of the model (plus padding)
+        out[key] = {
+            "losses": losses.losses, "norms": losses.norms, "params": params,
+            "owned": opt.owned_numel(), "split": bool(opt._tp_split_ranges),
+        }  # fmt: skip
+    # bf16-true: bf16 local shards in the model, fp32 masters and moments in the optimizer's shard
+    strategy = XPUMoEStrategy(tensor_parallel_size=2, sequence_parallel=True)
+    losses, params = _fit(RMS, strategy, rank // 2, world // 2, precision="bf16-true")
+    out["bf16"] = {
+        "losses": losses.losses,
+        "param_dtypes": {p.dtype for p in params.values()},
+        "master_dtype": strategy._sharded_optimizer().master.dtype,
+    }
+    return out
+
+
+def test_tensor_parallel_with_the_sharded_optimizer_matches_single_process() -> None:
+    """EPShardedAdamW over local TP shards: dense state sharded over the data-parallel group (no TP
+    rank in it), clipping by the global norm (TP-split elements summed over the TP group, replicated
+    ones once), parameters all-gathered into the local shards."""
+    ref, ref_params = _fit(RMS, None)
+    runs = run_distributed(_run_tp_sharded, WORLD)
+    total = sum(v.numel() for v in ref_params.values())
+    for rank_out in runs:
+        for key in ("t2", "t2sp"):
+            _assert_matches(rank_out[key], ref, ref_params)
+            assert rank_out[key]["split"]
+    # every element's state is owned exactly once: replicated (norm) weights once per TP rank
+    replicated = sum(v.numel() for n, v in ref_params.items() if n.endswith(("attn_norm.weight", "mlp_norm.weight")))
+    replicated += ref_params["model.norm.weight"].numel()
+    for key in ("t2", "t2sp"):
+        assert sum(r[key]["owned"] for r in runs) == total + replicated
+    bf16 = runs[0]["bf16"]
+    assert bf16["param_dtypes"] == {torch.bfloat16} and bf16["master_dtype"] == torch.float32
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
+
+
 def _assert_matches(run: dict, ref: _StepLosses, ref_params: dict) -> None:
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0)
@@ -167,7 +216,6 @@ def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
 @pytest.mark.parametrize(
     ("make", "needle"),
     [
-        (lambda: XPUMoEStrategy(tensor_parallel_size=2), "not yet available with shard_optimizer=True"),
         (
             lambda: XPUMoEStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=False),
             "not yet available with pipeline_parallel_size=2",
@@ -232,12 +280,12 @@ def test_planner_refuses_tensor_parallelism_and_fit_skips_its_memory_check() -> 
         check_fit_memory(trainer, model, data, world_size=4, device_memory_gb=1e-9)
 
 
-def _resume_across_t(rank: int, world: int, root: str) -> dict:
+def _resume_across_t(rank: int, world: int, root: str, shard: bool = False) -> dict:
     """T = 2 saves at step 2; T = 1 resumes from it (and saves at step 4); T = 2 resumes from that."""
     lightning_env(rank, world)
 
     def strategy(tp: int) -> XPUMoEStrategy:
-        return XPUMoEStrategy(tensor_parallel_size=tp, shard_optimizer=False)
+        return XPUMoEStrategy(tensor_parallel_size=tp, shard_optimizer=shard)
 
     _fit(RMS, strategy(2), rank // 2, world // 2, save_dir=f"{root}/t2")
     down, _ = _fit(
@@ -255,10 +303,13 @@ def _resume_across_t(rank: int, world: int, root: str) -> dict:
     return {"down": down.losses, "up": up.losses, "params": params}
 
 
-def test_checkpoints_resume_at_another_tensor_parallel_size(tmp_path) -> None:
-    """Sharded checkpoints hold global tensors: 2 -> 1 and 1 -> 2 continue the uninterrupted losses."""
+@pytest.mark.parametrize("shard", [False, True], ids=["adamw", "sharded"])
+def test_checkpoints_resume_at_another_tensor_parallel_size(tmp_path, shard: bool) -> None:
+    """Sharded checkpoints hold global tensors: 2 -> 1 and 1 -> 2 continue the uninterrupted losses,
+    with torch's AdamW (DTensor moments) and with the sharded optimizer (its flat state addressed in
+    the flattened global parameters, a row-split weight's local shard one piece per row)."""
     ref, ref_params = _fit(RMS, None)
-    out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
+    out = run_distributed(_resume_across_t, WORLD, str(tmp_path), shard)[0]
     torch.testing.assert_close(torch.tensor(out["down"]), torch.tensor(ref.losses[2:]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(out["up"]), torch.tensor(ref.losses[4:]), rtol=1e-5, atol=0)
     for name, value in ref_params.items():

@@ -45,6 +45,13 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def is_tp_split(p: Tensor) -> bool:
+    """Whether `p` is split over the TP group (a DTensor with a Shard placement): its elements differ
+    between TP ranks, so sums over them (the gradient norm) add up over the TP group; a parameter
+    replicated over it counts once."""
+    return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+
+
 def laid_out_grad(p: Tensor, grad: Tensor) -> Tensor:
     """The gradient of parameter `p` in `p`'s own layout.
 

@@ -12,10 +12,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
 
 from mula.moe import is_expert_param
-from strategies.optim.grad_reduce import GradReducer, laid_out_grad, local_tensor, param_entry
+from strategies.optim.grad_reduce import GradReducer, is_tp_split, laid_out_grad, local_tensor, param_entry
 from strategies.topology import ExpertParallelTopology, reduce_over_stages
 
 
@@ -106,7 +105,7 @@ def grad_norm(
         if p.grad is not None:
             if is_expert_param(name):
                 experts.append(p.grad)
-            elif isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+            elif is_tp_split(p):
                 split.append(local_tensor(p.grad))
             else:
                 dense.append(local_tensor(p.grad))

@@ -3,7 +3,8 @@
 Each bucket's full parameter buffer (in the model's dtype) is the concatenation of the domain ranks'
 shards, so after the update every rank sends its fp32 master shard (cast to the model dtype) and
 receives the others' -- one all-gather per bucket, or one broadcast per shard rooted at its owner
-when the domain uses rooted collectives (gloo on CPU).
+when the domain uses rooted collectives (gloo on CPU). A tensor-parallel (DTensor) parameter's local
+shard is what lives in the buffer: the all-gather runs over its data-parallel group only.
 """
 
 from __future__ import annotations
@@ -14,12 +15,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mula.flat_buffers import Bucket
-from strategies.optim.grad_reduce import ReduceState
+from strategies.optim.grad_reduce import ReduceState, local_tensor
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _repoint(p: Tensor, view: Tensor) -> None:
+    """Make parameter ``p`` (its local shard, for a DTensor) a view of ``view``. A DTensor's ``.data``
+    and ``to_local()`` do not reach the tensor it wraps, so its ``_local_tensor`` is re-pointed."""
+    if isinstance(p, DTensor):
+        p._local_tensor.data = view
+    else:
+        p.data = view
 
 
 class ParamGather:
@@ -53,9 +64,10 @@ class ParamGather:
             full = torch.zeros(b.numel, dtype=dtype, device=device)
             for slot in b.slots:
                 p = params[slot.entry.index]
-                view = full[slot.start : slot.start + slot.entry.numel]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
+                local = local_tensor(p.detach())  # a tensor-parallel parameter's own shard
+                view = full[slot.start : slot.start + slot.entry.numel].view(local.shape)
+                view.copy_(local)
+                _repoint(p, view)
             self.full.append(full)
             native = not dom.rooted and dom.size > 1
             needs_send = native and (dtype != torch.float32 or offload)

@@ -55,7 +55,7 @@ from torch import Tensor
 from mula.flat_buffers import ParamEntry, Segment, padding_bound
 from strategies.optim import state as optim_state
 from strategies.optim.adamw import adamw_update
-from strategies.optim.grad_reduce import GradReducer, param_entry
+from strategies.optim.grad_reduce import GradReducer, is_tp_split, local_tensor, param_entry
 from strategies.optim.param_gather import ParamGather
 from strategies.optim.sharding_options import ShardingOptions, torch_dtype
 from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
@@ -174,6 +174,13 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self.buckets = self.reducer.buckets
         self.entries = entries
         self._names = {id(p): e.name for e, p in zip(entries, self._params)}
+        # where this rank's shard holds elements of TP-split parameters (the norm sums them over TP)
+        self._tp_split_ranges = [
+            (off + seg.shard_start, off + seg.shard_start + seg.length)
+            for e, p in zip(entries, self._params)
+            if is_tp_split(p)
+            for off, seg in self.local_segments(e)
+        ]
         self._allocate()
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.state_device)
         # Mutable scalars live in one shared object: Lightning's LightningOptimizer runs our methods
@@ -257,7 +264,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             for seg in b.segments(st.domain.rank):
                 p = self._params[seg.slot.entry.index]
                 lo = st.shard_offset + seg.shard_start
-                src = p.detach().reshape(-1)[seg.param_start : seg.param_start + seg.length]
+                src = local_tensor(p.detach()).reshape(-1)[seg.param_start : seg.param_start + seg.length]
                 self.master[lo : lo + seg.length].copy_(src)
 
     # ----------------------------------------------------------------------------------------
@@ -314,23 +321,37 @@ class EPShardedAdamW(torch.optim.Optimizer):
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"clip_grad_norm_ supports norm_type 2 or inf, got {norm_type}.")
         self.reduce_gradients()
-        parts = []
+        inf = norm_type == float("inf")
+        parts, split = [], []
         for name, (lo, hi) in self.reducer.domain_ranges.items():
             g = self.shard_grad[lo:hi].float()
-            if norm_type == float("inf"):
+            if inf:
                 parts.append(g.abs().max() if g.numel() else g.new_zeros(()))
             else:
                 sq = torch.dot(g, g)
                 if name == "dense" and not self.options.ep_aware:
                     sq = sq / self.topology.ep_size  # each dense element is held by E ranks
                 parts.append(sq)
-        local = torch.stack(parts).max() if norm_type == float("inf") else torch.stack(parts).sum()
+        for lo, hi in self._tp_split_ranges:  # TP-split elements: summed over the TP group below
+            g = self.shard_grad[lo:hi].float()
+            split.append(g.abs().max() if inf else torch.dot(g, g))
+        local = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+        zero = local.new_zeros(())
+        split_part = (torch.stack(split).max() if inf else torch.stack(split).sum()) if split else zero
+        if not inf:  # `local` counted them too: keep them apart, to be summed over the TP group
+            local = local - split_part
         # a square (or |g|) is non-finite exactly when an element is: the flag costs no extra pass
-        bad = (~torch.isfinite(local)).float()
-        total = torch.stack([torch.where(bad > 0, torch.zeros_like(local), local), bad])
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        bad = (~torch.isfinite(local)).float() + (~torch.isfinite(split_part)).float()
+        total = torch.stack([torch.where(bad > 0, zero, local), torch.where(bad > 0, zero, split_part), bad])
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if self.topology.world_size > 1:
             dist.all_reduce(total, op=op, group=self.topology.world_group)
+        if self.topology.tp_size > 1:
+            # the data-parallel world holds one TP shard: split elements differ over the TP group (sum
+            # them), replicated ones are the same on every TP rank (count them once)
+            tail = total[1:]
+            dist.all_reduce(tail, op=op, group=self.topology.tp_group)
+        total = torch.stack([total[0] + total[1] if not inf else total[:2].max(), total[2]])
         reduce_over_stages(total, self.topology, op)  # each stage holds its part of the model
         finite = total[1] == 0
         norm = total[0] if norm_type == float("inf") else total[0].sqrt()
@@ -490,6 +511,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def name_of(self, p: Tensor) -> str:
         """The name ``p`` was given in ``named_params``."""
         return self._names[id(p)]
+
+    def param_of(self, entry: ParamEntry) -> Tensor:
+        """The parameter ``entry`` describes (a DTensor under tensor parallelism)."""
+        return self._params[entry.index]
 
     def local_segments(self, entry: ParamEntry) -> list[tuple[int, Segment]]:
         """(shard offset of its bucket, segment) of every piece of ``entry`` this rank owns."""

@@ -12,10 +12,12 @@ tensor DCP reads chunk offsets from, as torchrec uses it), holding views of the 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mula.flat_buffers import ParamEntry, Segment
 from strategies.topology import gather_groups_over_stages, names_cover
@@ -79,39 +81,97 @@ def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) ->
     local = saved.to_local() if hasattr(saved, "to_local") else saved
     if isinstance(local, Tensor) and hasattr(local, "local_shards"):
         by_offset = {o[0]: t for t, o in zip(local.local_shards(), local.local_offsets())}
-    elif isinstance(local, Tensor) and local.numel() == entry.global_numel:
+    elif isinstance(local, Tensor) and local.numel() == _global_numel(opt, entry):
         by_offset = {0: local}
     else:
         raise ValueError(f"Optimizer state for {entry.name} is not a tensor from sharded_state_dict().")
-    for offset, seg in opt.local_segments(entry):
-        t = by_offset.get(seg.global_start)
-        if t is None or t.numel() != seg.length:
+    whole = by_offset.get(0) if len(by_offset) == 1 else None
+    for piece, start in _pieces(opt, entry, buf):
+        t = by_offset.get(start)
+        if t is None and whole is not None and whole.numel() == _global_numel(opt, entry):
+            t = whole[start : start + piece.numel()]  # one process: the whole tensor
+        if t is None or t.numel() != piece.numel():
             raise ValueError(f"Optimizer state for {entry.name} does not match this layout's shards.")
-        dst = buf[_range(offset, seg)]
-        if dst.data_ptr() != t.data_ptr():
-            dst.copy_(t)
+        if piece.data_ptr() != t.data_ptr():
+            piece.copy_(t)
 
 
 def _global_tensor(opt: EPShardedAdamW, buf: Tensor, entry: ParamEntry, mesh: Any) -> Any:
     """``entry``'s flattened global state as a DTensor over the world whose local part is this rank's
     pieces (views of ``buf``), or a plain view when there is no process group (one rank holds all)."""
-    segments = opt.local_segments(entry)
+    pieces = _pieces(opt, entry, buf)
     if mesh is None:
-        return buf[:0] if not segments else buf[_range(*segments[0])]
+        return buf[:0] if not pieces else pieces[0][0]
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-    pieces = [buf[_range(o, s)] for o, s in segments]
-    offsets = [(s.global_start,) for _, s in segments]
-    if not segments:
+    numel = _global_numel(opt, entry)
+    offsets = [(start,) for _, start in pieces]
+    chunks = [piece for piece, _ in pieces]
+    if not pieces:
         # A rank holding nothing of this parameter still contributes a chunk: DCP drops a key without
         # local chunks from a rank's plan, and a missing key derails its loading. It sits at the end
         # of the tensor: DCP de-duplicates chunks by (key, offset) across ranks, so an empty chunk at
         # a real chunk's offset could replace that chunk.
-        pieces, offsets = [buf[:0]], [(entry.global_numel,)]
-    local = LocalShardsWrapper(pieces, offsets)
-    size = torch.Size([entry.global_numel])
+        chunks, offsets = [buf[:0]], [(numel,)]
+    local = LocalShardsWrapper(chunks, offsets)
+    size = torch.Size([numel])
     return DTensor.from_local(local, mesh, [Shard(0)], shape=size, stride=(1,), run_check=False)
+
+
+def _global_numel(opt: EPShardedAdamW, entry: ParamEntry) -> int:
+    """Elements of ``entry``'s global parameter: a tensor-parallel parameter's whole tensor."""
+    p = opt.param_of(entry)
+    return p.numel() if isinstance(p, DTensor) else entry.global_numel
+
+
+def _pieces(opt: EPShardedAdamW, entry: ParamEntry, buf: Tensor) -> list[tuple[Tensor, int]]:
+    """(view of ``buf``, offset in the flattened global parameter) of every run of ``entry``'s state
+    this rank owns, each contiguous in both. A tensor-parallel parameter's local shard is a box of the
+    global tensor: its flat ranges are cut where the box's rows leave the global tensor's
+    (``_tp_runs``), so a row-split weight (Shard(1)) gives one piece per row of the local shard."""
+    p = opt.param_of(entry)
+    runs = _tp_runs(p) if isinstance(p, DTensor) else None
+    out: list[tuple[Tensor, int]] = []
+    for offset, seg in opt.local_segments(entry):
+        view = buf[_range(offset, seg)]
+        if runs is None:
+            out.append((view, seg.global_start))
+            continue
+        length, start_of = runs
+        pos = seg.param_start
+        while pos < seg.param_start + seg.length:
+            run, within = divmod(pos, length)
+            n = min(length - within, seg.param_start + seg.length - pos)
+            out.append((view[pos - seg.param_start : pos - seg.param_start + n], start_of(run) + within))
+            pos += n
+    return out
+
+
+def _tp_runs(p: Any) -> tuple[int, Any]:
+    """For a DTensor parameter: (L, start) where the local shard's flattened elements come in runs of L
+    contiguous in the flattened global tensor too, run k starting at global flat offset start(k).
+
+    The local shard is the box [offset, offset + local shape) of the global tensor; let j be the last
+    dimension where the box is narrower than the tensor. Dimensions after j are whole, so each index
+    of the dimensions before j gives one run of prod(local shape[j:]) elements."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(p.shape)
+    local, origin = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    narrower = [d for d in range(len(shape)) if local[d] != shape[d]]
+    j = narrower[-1] if narrower else 0
+    length = math.prod(local[j:])
+    outer, strides = local[:j], [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+
+    def start(run: int) -> int:
+        flat = sum(origin[d] * strides[d] for d in range(len(shape)))
+        for d in reversed(range(len(outer))):
+            run, index = divmod(run, outer[d])
+            flat += index * strides[d]
+        return flat
+
+    return max(length, 1), start
 
 
 def _range(offset: int, seg: Segment) -> slice:
