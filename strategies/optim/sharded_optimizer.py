@@ -8,6 +8,11 @@ Layout (W ranks, expert-parallel size E, EDP = W / E; see strategies/topology.py
   across the EDP group, so their gradients are reduce-scattered over EDP and each rank keeps 1/EDP of
   its P_expert/E local expert elements, i.e. P_expert/W.
 
+Under tensor parallelism (T > 1, docs/tensor-parallel.md) "all W ranks" is the data-parallel world
+of one TP index (W / T ranks, ``topology.world_group``): the buffers hold each rank's *local* TP shard
+(a DTensor parameter's local tensor), so every TP index shards its own part of the model, and the
+global norm sums TP-split elements over the TP group (replicated ones, e.g. norm weights, once).
+
 Each rank therefore holds 12 * (P_dense + P_expert) / W bytes (fp32 master + exp_avg + exp_avg_sq)
 plus a few alignment-padding elements per bucket (see ``flat_buffers.padding_bound``). An EP-unaware
 optimizer (everything sharded over EDP, the comparison in benchmarks/optimizer.py) holds

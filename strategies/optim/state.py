@@ -2,7 +2,9 @@
 
 Per parameter (global name) the fp32 master weights, exp_avg and exp_avg_sq are 1-D tensors over
 the flattened *global* parameter (expert parameters in global expert order), each rank contributing
-the piece its shards hold, so a checkpoint saved at one (W, E) layout loads at any other.
+the piece its shards hold, so a checkpoint saved at one (W, E) layout loads at any other. A
+tensor-parallel parameter's pieces are its local shard's runs mapped into the global tensor
+(``_pieces``), so one saved at one T loads at any other, T = 1 included.
 
 Each is a DTensor ``Shard(0)`` over the job mesh's flattened world dimension (``topology.world_mesh``). The pieces are irregular (bucket packing
 and alignment decide where a parameter is cut, and a rank may hold none of it), which DTensor's even
