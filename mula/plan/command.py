@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from typing import Any, Literal
 
 from mula.layout_rules import micro_batches_per_step
 from mula.plan.layout import Layout
 from mula.plan.machines import load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
-from mula.plan.settings import PlanInputs, plan_inputs, tensor_parallel_size
+from mula.plan.settings import PlanInputs, plan_inputs
 from mula.plan.step_time import comm_volumes, step_time
 
 GB = 1e9
@@ -327,15 +326,7 @@ def check_fit_memory(
     world_size: int,
     device_memory_gb: float | None,
 ) -> None:
-    """The start-of-run check of `mula fit`: raise ValueError (exit 2) when the plan exceeds the device.
-    Skipped, with a warning, under tensor parallelism, which the planner does not model yet."""
-    if tensor_parallel_size(trainer) > 1:
-        warnings.warn(
-            "The start-of-run memory check does not yet model tensor parallelism; skipped "
-            f"(tensor_parallel_size={tensor_parallel_size(trainer)}).",
-            stacklevel=2,
-        )
-        return
+    """The start-of-run check of `mula fit`: raise ValueError (exit 2) when the plan exceeds the device."""
     inputs = plan_inputs(trainer, model, data, world_size=world_size)
     if device_memory_gb is not None:
         inputs.device_bytes, inputs.device_note = int(device_memory_gb * GB), "--device_memory_gb"
