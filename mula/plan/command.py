@@ -35,7 +35,8 @@ PLAN_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "search": (
         bool,
         False,
-        "List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) that fit, fastest first.",
+        "List the layouts (E, P, T and sequence parallelism, micro-batch, checkpointing, ZeRO stage, bf16 weights) "
+        "that fit, fastest first.",
     ),
     "scaling_nodes": (
         list[int] | None,
@@ -279,7 +280,8 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
         lines.append(
             f"step time {result['step_time_s']:.3f} s (compute {parts['compute_s']:.3f}, all-to-all "
             f"{parts['all_to_all_s']:.3f}, grad sync {parts['grad_sync_s']:.3f}, param gather "
-            f"{parts['param_gather_s']:.3f}, pipeline {parts['pipeline_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
+            f"{parts['param_gather_s']:.3f}, pipeline {parts['pipeline_s']:.3f}, tensor parallel "
+            f"{parts['tensor_parallel_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {100 * result['mfu']:.1f} %"
         )
     else:
