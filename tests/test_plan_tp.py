@@ -3,6 +3,9 @@ where the strategy runs it, within a node, and every listed layout one the strat
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mula import MulaConfig
 from mula.plan import plan_memory
 from mula.plan.machines import load_machine
 from mula.plan.search import candidate_layouts, search_layouts
@@ -10,6 +13,7 @@ from mula.plan.settings import plan_inputs
 from strategies import XPUMoEStrategy
 
 AURORA = load_machine("aurora")  # 12 tiles per node
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _inputs(config: str):
@@ -51,3 +55,39 @@ def test_search_tries_tensor_parallel_sizes_the_strategy_runs() -> None:
 def test_search_keeps_moe_models_at_one_tensor_parallel_rank() -> None:
     """TP is not yet available for MoE models: the search does not offer it."""
     assert {lay.tp_size for lay in candidate_layouts(_inputs("mula-tiny-moe"))} == {1}
+
+
+FRONTIER_RECIPES = {"mula-gpt-175b": (175.2, 128), "mula-gpt-1t": (1009.2, 384)}  # billions, nodes
+
+
+def test_frontier_machine_and_dense_gpt_presets() -> None:
+    """frontier.yaml: 8 GCDs of 64 GB and 191.5 TFLOP/s per node; the presets have the paper's shapes."""
+    frontier = load_machine("frontier")
+    assert (frontier.tiles_per_node, frontier.memory_per_tile_gb, frontier.peak_bf16_tflops) == (8, 64, 191.5)
+    for name, (layers, hidden, heads) in {
+        "mula-gpt-175b": (96, 12288, 96),
+        "mula-gpt-1t": (128, 25600, 160),
+    }.items():
+        config = MulaConfig.from_name(name)
+        assert (config.num_layers, config.hidden_size, config.num_heads, config.num_experts) == (
+            layers,
+            hidden,
+            heads,
+            0,
+        )
+        assert round(config.num_params() / 1e9, 1) == FRONTIER_RECIPES[name][0]
+        assert config.intermediate_size % 8 == 0 and config.num_heads % 8 == 0  # T = 8 (a node) splits them
+
+
+def test_frontier_recipes_fit_as_mula_plan_says(capsys) -> None:
+    """Each Frontier recipe is planned on its nodes of frontier.yaml and fits a 64 GB GCD (docs/scaling.md)."""
+    import json
+
+    from mula.cli import main
+
+    for name, (_, nodes) in FRONTIER_RECIPES.items():
+        recipe = ROOT / "recipes" / "frontier" / f"{name}.yaml"
+        main(["plan", "-c", str(recipe), "--machine=frontier", "--format=json"])
+        result = json.loads(capsys.readouterr().out)
+        assert result["fits"], name
+        assert result["layout"]["world_size"] == nodes * 8
