@@ -17,10 +17,9 @@ numbers differ between layouts, and the T = 1 plan of each misses them.
 
 from __future__ import annotations
 
-import lightning.pytorch as L
 import pytest
 import torch
-from dist_helpers import lightning_env, run_distributed
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
 from callbacks import MemoryMetrics
 from mula.config import resolve_config
@@ -78,11 +77,9 @@ def _measure(rank: int, world: int) -> list[dict[str, float]]:
         module = MulaLightningModule(
             "mula-tiny-dense", overrides=overrides, decay_steps=10, activation_checkpointing=ckpt
         )
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world, strategy=strategy, max_steps=1, precision=precision,
-            log_every_n_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, use_distributed_sampler=False,
-            callbacks=[MemoryMetrics()],
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=1, callbacks=[MemoryMetrics()],
+            precision=precision, log_every_n_steps=1,
         )  # fmt: skip
         gen = torch.Generator().manual_seed(rank // tp)
         batch = torch.randint(0, overrides["vocab_size"], (B, SEQ + 1), generator=gen)

@@ -21,7 +21,7 @@ from collections import defaultdict
 import lightning.pytorch as L
 import pytest
 import torch
-from dist_helpers import lightning_env, run_distributed
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_plan_volumes import CollectiveMeter
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -118,10 +118,9 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
         module = MulaLightningModule(
             "mula-tiny-dense", overrides=overrides, decay_steps=10, activation_checkpointing=ckpt
         )
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world, strategy=strategy, max_steps=1, accumulate_grad_batches=MICROS,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, callbacks=[_Window(meter, collectives)],
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=MICROS,
+            callbacks=[_Window(meter, collectives)],
         )  # fmt: skip
         trainer.fit(module, _Micro(rank // tp, overrides["vocab_size"]))
         out[name] = {"tensor_parallel": meter.bytes, "grad_reduce": collectives.bytes.get("grad_reduce", 0.0)}
