@@ -11,7 +11,7 @@ tp_local_shape`). Activations (`mem/activation_bytes`, the peak of saved-tensor 
 
 Layouts on the tiny dense model: T = 2 (RMSNorm, QK-norm over split heads, grouped KV heads), the
 same with sequence parallelism (norm and residual regions on 1/T of the sequence), T = 4 (the preset's
-LayerNorm), T = 2 with SP under attention checkpointing. Not vacuous: the measured
+LayerNorm), T = 2 with SP under attention checkpointing, T = 2 with SP and T = 4 under bf16 autocast. Not vacuous: the measured
 numbers differ between layouts, and the T = 1 plan of each misses them.
 """
 
@@ -40,6 +40,8 @@ LAYOUTS = [
     (RMS, 2, True, "32-true", "none"),
     (TINY, 4, False, "32-true", "none"),
     (RMS, 2, True, "32-true", ["attention"]),
+    (RMS, 2, True, "bf16-mixed", "none"),
+    (TINY, 4, False, "bf16-mixed", "none"),
 ]
 KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes")
 

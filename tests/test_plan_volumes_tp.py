@@ -3,7 +3,8 @@
 4 gloo CPU ranks train the tiny dense model with `XPUMoEStrategy(tensor_parallel_size=T,
 sequence_parallel=...)` under Lightning's Trainer, one optimizer step of two accumulated micro-batches:
 T = 2 (RMSNorm, QK-norm over split heads, grouped KV heads), T = 2 with sequence parallelism, T = 4
-(LayerNorm), T = 2 with SP under attention checkpointing. DTensor issues its collectives as torch's
+(LayerNorm), T = 2 with SP under attention checkpointing, and bf16 autocast (T = 2 with SP; T = 4 with
+everything recomputed). DTensor issues its collectives as torch's
 functional collectives (`_c10d_functional` ops: all_reduce, all_gather_into_tensor,
 reduce_scatter_tensor), in forward and in backward, some from inside DTensor's own operator handlers
 (the vocabulary-parallel loss): a dispatch mode that steps aside for DTensor arguments (as torch's
@@ -37,12 +38,20 @@ RMS = dict(
     max_position_embeddings=64, norm="rmsnorm", qk_norm=True,
 )  # fmt: skip
 TINY = dict(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=64)
-# name: (overrides, T, sequence parallel, checkpointing)
+# name: (overrides, T, sequence parallel, checkpointing, precision)
 LAYOUTS = {
-    "T=2": (RMS, 2, False, "none"),
-    "T=2 SP": (RMS, 2, True, "none"),
-    "T=4 LayerNorm": (TINY, 4, False, "none"),
-    "T=2 SP, attention recomputed": (RMS, 2, True, ["attention"]),
+    "T=2": (RMS, 2, False, "none", "32-true"),
+    "T=2 SP": (RMS, 2, True, "none", "32-true"),
+    "T=4 LayerNorm": (TINY, 4, False, "none", "32-true"),
+    "T=2 SP, attention recomputed": (RMS, 2, True, ["attention"], "32-true"),
+    "T=2 SP, bf16 autocast": (RMS, 2, True, "none", "bf16-mixed"),
+    "T=4 two blocks, bf16 autocast, full recompute": (
+        {**TINY, "num_layers": 2},
+        4,
+        False,
+        "full",
+        "bf16-mixed",
+    ),
 }
 
 
@@ -110,7 +119,7 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
     collectives = CollectiveMeter(32)
     collectives.install()
     out = {}
-    for name, (overrides, tp, sp, ckpt) in LAYOUTS.items():
+    for name, (overrides, tp, sp, ckpt, precision) in LAYOUTS.items():
         meter = FunctionalCollectiveMeter()
         collectives.bytes.clear()
         strategy = XPUMoEStrategy(tensor_parallel_size=tp, sequence_parallel=sp, shard_optimizer=False)
@@ -120,7 +129,7 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
         )
         trainer = cpu_trainer(
             world, strategy, max_steps=1, accumulate_grad_batches=MICROS,
-            callbacks=[_Window(meter, collectives)],
+            callbacks=[_Window(meter, collectives)], precision=precision,
         )  # fmt: skip
         trainer.fit(module, _Micro(rank // tp, overrides["vocab_size"]))
         out[name] = {"tensor_parallel": meter.bytes, "grad_reduce": collectives.bytes.get("grad_reduce", 0.0)}
@@ -133,10 +142,10 @@ def measured() -> list[dict[str, dict[str, float]]]:
 
 
 def _volumes(name: str):
-    overrides, tp, sp, ckpt = LAYOUTS[name]
+    overrides, tp, sp, ckpt, precision = LAYOUTS[name]
     layout = Layout(
         world_size=WORLD, tp_size=tp, sequence_parallel=sp, micro_batch=B, seq_len=SEQ, micro_batches=MICROS,
-        checkpointing=ckpt, shard_optimizer=False, collectives="rooted",
+        precision=precision, checkpointing=ckpt, shard_optimizer=False, collectives="rooted",
     )  # fmt: skip
     (volumes,) = comm_volumes(resolve_config("mula-tiny-dense", overrides), layout)
     return volumes
