@@ -11,8 +11,9 @@ tp_local_shape`). Activations (`mem/activation_bytes`, the peak of saved-tensor 
 
 Layouts on the tiny dense model: T = 2 (RMSNorm, QK-norm over split heads, grouped KV heads), the
 same with sequence parallelism (norm and residual regions on 1/T of the sequence), T = 4 (the preset's
-LayerNorm), T = 2 with SP under attention checkpointing, T = 2 with SP and T = 4 under bf16 autocast. Not vacuous: the measured
-numbers differ between layouts, and the T = 1 plan of each misses them.
+LayerNorm), T = 2 with SP under attention checkpointing, T = 2 with SP and T = 4 under bf16 autocast.
+Not vacuous: the measured numbers differ between layouts, the T = 1 plan of each misses them, and so
+does a plan without SP for the SP layouts.
 """
 
 from __future__ import annotations
