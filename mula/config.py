@@ -383,4 +383,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_OLMOE, "name": "mula-220b-a10b", "hidden_size": 3072, "num_heads": 24, "num_experts": 240,
         "expert_intermediate_size": 1536, "num_layers": 64,
     },
+    # The dense GPT shapes Frontier trained with tensor, pipeline and data parallelism (arXiv 2312.12705,
+    # "Optimizing Distributed Training on Frontier for Large Language Models"; shapes as issue 24 quotes
+    # them): 175B = GPT-3's 96 layers, hidden 12,288, 96 heads; 1T = 128 layers, hidden 25,600, 160 heads.
+    # Mula's blocks are SwiGLU: intermediate_size = 8h/3 keeps GPT's 8h^2 MLP weights per layer (rounded
+    # down to a multiple of 8 for the 1T, so that T = 8 splits it). Non-parametric LayerNorm, no QK-norm,
+    # untied head, as mula-1b. Vocabulary and context: GPT-3's 2,048 tokens and Megatron's GPT-2 BPE
+    # vocabulary padded to 51,200 -- not yet checked against the Frontier paper's own values.
+    **{
+        name: {
+            **_OLMOE, "name": name, "vocab_size": 51200, "max_position_embeddings": 2048, "norm": "layernorm",
+            "qk_norm": False, "num_experts": 0, "num_layers": layers, "hidden_size": hidden,
+            "num_heads": heads, "intermediate_size": 8 * hidden // 3 // 8 * 8,
+        }
+        for name, layers, hidden, heads in (("mula-gpt-175b", 96, 12288, 96), ("mula-gpt-1t", 128, 25600, 160))
+    },
 }  # fmt: skip

@@ -263,27 +263,6 @@ def test_unavailable_tensor_parallel_layouts_are_refused_in_one_sentence(make, n
     assert message.count(". ") == 0 and message.endswith("."), message
 
 
-def test_planner_refuses_tensor_parallelism_and_fit_skips_its_memory_check() -> None:
-    """`mula plan` does not model T > 1 yet: it says so instead of planning T = 1; `mula fit`'s
-    start-of-run memory check is skipped with a warning rather than refusing the run."""
-    from mula.plan.command import check_fit_memory
-    from mula.plan.settings import plan_inputs
-
-    trainer = {
-        "devices": 4,
-        "accelerator": "cpu",
-        "strategy": {
-            "class_path": "strategies.XPUMoEStrategy",
-            "init_args": {"tensor_parallel_size": 2, "shard_optimizer": False},
-        },
-    }
-    model, data = {"config": "mula-tiny-dense"}, {"global_batch_size": 8, "seq_len": 16}
-    with pytest.raises(ValueError, match="mula plan does not yet model tensor_parallel_size=2"):
-        plan_inputs(trainer, model, data)
-    with pytest.warns(UserWarning, match="does not yet model tensor parallelism"):
-        check_fit_memory(trainer, model, data, world_size=4, device_memory_gb=1e-9)
-
-
 def _resume_across_t(rank: int, world: int, root: str, shard: bool = False) -> dict:
     """T = 2 saves at step 2; T = 1 resumes from it (and saves at step 4); T = 2 resumes from that."""
     lightning_env(rank, world)

@@ -47,11 +47,13 @@ def _norm(config: MulaConfig, dim: int, r: int) -> int:
     return 4 * dim + 8  # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
 
 
-def _attention(config: MulaConfig, b: int) -> int:
-    """Per-token bytes attention saves beyond its (normalised) input."""
-    q = config.num_heads * config.head_size
-    kv = config.kv_heads * config.head_size
-    out = 4 * b * q + 4 * config.num_heads  # SDPA: q, k, v (kv repeated to q heads), output, lse
+def _attention(config: MulaConfig, b: int, t: int = 1) -> int:
+    """Per-token bytes attention saves beyond its (normalised) input, on one of `t` tensor-parallel ranks
+    (each computes num_heads / t heads)."""
+    heads = config.num_heads // t
+    q = heads * config.head_size
+    kv = config.kv_heads // t * config.head_size
+    out = 4 * b * q + 4 * heads  # SDPA: q, k, v (kv repeated to q heads), output, lse
     if config.qk_norm:
         out += _norm(config, q, b) + _norm(config, kv, b)
     return out
@@ -83,18 +85,22 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
     input and of its weight (the weights' copies only outside recomputed parts); a recomputed part
     keeps its fp32 input instead."""
     b, r, h = layout.compute_bytes, layout.param_bytes, config.hidden_size
+    t = layout.tp_size
+    # the norm and residual regions' tokens on this rank: all of them, or 1/T under sequence parallelism
+    region = tokens // t if layout.sequence_parallel else tokens
     mixed = r > b
     if "full" in parts:
-        return tokens * r * h
+        return region * r * h
     e_local = config.num_experts // layout.ep_size
     weights = 0  # matmul weight elements whose autocast copies live until backward
     norm = (r * h) if "norms" in parts else _norm(config, h, r)
-    per_token = 2 * norm
+    per_token = 0
     if "attention" in parts:
         per_token += r * h if mixed else b * h  # the checkpoint's input: the normalised activation
     else:
-        per_token += (3 if mixed else 1) * b * h + _attention(config, b)  # q/k/v inputs (shared unless cast)
-        weights += config._attn_matmul_params()
+        # q/k/v inputs (shared unless cast; under TP the whole sequence, all-gathered under SP), heads / T
+        per_token += (3 if mixed else 1) * b * h + _attention(config, b, t)
+        weights += config._attn_matmul_params() // t
     if moe:
         if "moe" in parts:
             per_token += r * h if mixed else b * h
@@ -103,10 +109,10 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
             weights += config.num_experts * h + (
                 0 if layout.device_type == "cpu" else e_local * config._expert_params()
             )
-    else:
-        per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size
-        weights += 3 * h * config.intermediate_size
-    out = tokens * per_token + (weights * b if mixed else 0)
+    else:  # gate/up inputs (the whole sequence), the intermediate features split over T
+        per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size // t
+        weights += 3 * h * config.intermediate_size // t
+    out = tokens * per_token + region * 2 * norm + (weights * b if mixed else 0)
     if moe and "moe" not in parts and layout.device_type == "cpu":
         # the padded layout gathers the local experts' weights in bucket order
         out += e_local * config._expert_params() * b
@@ -126,10 +132,13 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
     if first:
         total += layout.micro_batch * (layout.seq_len + 1) * 8  # token ids (the embedding's indices)
     if last:
-        h, b, r = config.hidden_size, layout.compute_bytes, layout.param_bytes
-        total += tokens * (_norm(config, h, r) + b * h + 4 * config.vocab_size + 8)
+        h, b, r, t = config.hidden_size, layout.compute_bytes, layout.param_bytes, layout.tp_size
+        region = tokens // t if layout.sequence_parallel else tokens
+        # the final norm (1/T of the sequence under SP), the LM head's input (whole), the
+        # vocabulary-parallel log-softmax (V / T columns) and the targets
+        total += region * _norm(config, h, r) + tokens * (b * h + 4 * config.vocab_size // t + 8)
         if r > b:
-            total += config.vocab_size * h * b  # the LM head's autocast weight copy
+            total += config.vocab_size // t * h * b  # the LM head's autocast weight copy
     return total
 
 

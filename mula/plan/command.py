@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from typing import Any, Literal
 
 from mula.layout_rules import micro_batches_per_step
 from mula.plan.layout import Layout
 from mula.plan.machines import load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
-from mula.plan.settings import PlanInputs, plan_inputs, tensor_parallel_size
+from mula.plan.settings import PlanInputs, plan_inputs
 from mula.plan.step_time import comm_volumes, step_time
 
 GB = 1e9
@@ -36,7 +35,8 @@ PLAN_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "search": (
         bool,
         False,
-        "List the layouts (E, P, micro-batch, checkpointing, ZeRO stage, bf16 weights) that fit, fastest first.",
+        "List the layouts (E, P, T and sequence parallelism, micro-batch, checkpointing, ZeRO stage, bf16 weights) "
+        "that fit, fastest first.",
     ),
     "scaling_nodes": (
         list[int] | None,
@@ -215,7 +215,7 @@ def scaling(inputs: PlanInputs, base_nodes: int, node_counts: list[int]) -> list
         ratio = w / base_layout.world_size
         weak_batch = int(inputs.global_batch * ratio)
         weak = step_time(inputs.config, base_layout.replace(world_size=w), inputs.machine, weak_batch)
-        dp = w // base_layout.pp_size
+        dp = base_layout.replace(world_size=w).dp_size  # W / (P * T)
         strong_eff = None
         if inputs.global_batch >= base_layout.micro_batch * dp:  # every rank still has a micro-batch
             m = micro_batches_per_step(inputs.global_batch, dp, base_layout.micro_batch, check=False)
@@ -280,7 +280,8 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
         lines.append(
             f"step time {result['step_time_s']:.3f} s (compute {parts['compute_s']:.3f}, all-to-all "
             f"{parts['all_to_all_s']:.3f}, grad sync {parts['grad_sync_s']:.3f}, param gather "
-            f"{parts['param_gather_s']:.3f}, pipeline {parts['pipeline_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
+            f"{parts['param_gather_s']:.3f}, pipeline {parts['pipeline_s']:.3f}, tensor parallel "
+            f"{parts['tensor_parallel_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {100 * result['mfu']:.1f} %"
         )
     else:
@@ -327,15 +328,7 @@ def check_fit_memory(
     world_size: int,
     device_memory_gb: float | None,
 ) -> None:
-    """The start-of-run check of `mula fit`: raise ValueError (exit 2) when the plan exceeds the device.
-    Skipped, with a warning, under tensor parallelism, which the planner does not model yet."""
-    if tensor_parallel_size(trainer) > 1:
-        warnings.warn(
-            "The start-of-run memory check does not yet model tensor parallelism; skipped "
-            f"(tensor_parallel_size={tensor_parallel_size(trainer)}).",
-            stacklevel=2,
-        )
-        return
+    """The start-of-run check of `mula fit`: raise ValueError (exit 2) when the plan exceeds the device."""
     inputs = plan_inputs(trainer, model, data, world_size=world_size)
     if device_memory_gb is not None:
         inputs.device_bytes, inputs.device_note = int(device_memory_gb * GB), "--device_memory_gb"

@@ -132,7 +132,7 @@ def format_dry_run(result: dict[str, Any]) -> str:
         ok = "yes" if row["dry_run"] == row["plan"] else "NO"
         lines.append(f"  {name:<22}{row['dry_run']:>18,}{row['plan']:>18,}  {ok}")
     lines.append(
-        f"  checkpoint: model {ck['model_tensors']} tensors ({ck['model_dtensors']} expert DTensors), "
+        f"  checkpoint: model {ck['model_tensors']} tensors ({ck['model_dtensors']} DTensors), "
         f"optimizer {ck['optimizer_tensors']} sharded tensors ({ck['optimizer_local_elements']:,} elements on this rank)"
     )
     return "\n".join(lines)
@@ -148,7 +148,9 @@ def _measure(strategy: Any, module: Any) -> tuple[dict[str, int], dict[str, int]
                 f"--dry_run reads the optimizer's {method}(); {type(optimizer).__name__} has none "
                 "(use the sharded optimizer: shard_optimizer=true)."
             )
-    tensors = sum(p.numel() * p.element_size() for p in module.parameters())
+    # this rank's tensors: a tensor-parallel DTensor parameter holds its local shard (numel() is global)
+    shards = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    tensors = sum(t.numel() * t.element_size() for t in shards)
     measured = {
         "params": optimizer.param_bytes(),
         "grads": optimizer.grad_buffer_bytes(),

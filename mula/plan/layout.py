@@ -36,7 +36,9 @@ class Layout:
     world_size: W ranks; ep_size: E (expert-parallel group size, divides W / P and the experts);
     pp_size: P pipeline stages (one node per stage in Optimus' rank order); pp_schedule and
     pp_virtual_stages: the pipeline schedule; pp_stage_layers: layers per stage (None: even split).
-    These six make `parallel`, the `ParallelLayout` the strategy builds for the same settings.
+    tp_size: T tensor-parallel ranks (innermost) splitting every dense layer (`strategies.tensor_parallel`);
+    sequence_parallel: the norm and residual regions on 1/T of the sequence (needs T > 1).
+    These seven make `parallel`, the `ParallelLayout` the strategy builds for the same settings.
     micro_batch, seq_len: one micro-batch's sequences and tokens per sequence; micro_batches: per
     optimizer step on each data-parallel rank (gradient accumulation, or the pipeline's micro-batches).
     precision: Lightning's `trainer.precision` string. checkpointing: `model.activation_checkpointing`.
@@ -54,6 +56,8 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     pp_stage_layers: list[int] | None = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
     micro_batch: int = 1
     seq_len: int = 2048
     micro_batches: int = 1
@@ -80,10 +84,13 @@ class Layout:
             world_size=self.world_size,
             ep=self.ep_size,
             pp=self.pp_size,
+            tp=self.tp_size,
             schedule=self.pp_schedule,
             virtual_stages=self.pp_virtual_stages,
             stage_layers=None if self.pp_stage_layers is None else tuple(self.pp_stage_layers),
         )
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         for name in ("micro_batch", "seq_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
@@ -106,7 +113,8 @@ class Layout:
 
     @property
     def dp_size(self) -> int:
-        """Ranks of one pipeline stage (W / P): the dense parameters' data-parallel group."""
+        """Ranks of one pipeline stage and tensor-parallel index (W / (P * T)): the dense parameters'
+        data-parallel group."""
         return self.parallel.dp_size
 
     @property

@@ -22,7 +22,7 @@ from mula.config import MulaConfig
 from mula.flat_buffers import ParamEntry, plan_buckets
 from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
-from mula.plan.parameters import ParamSpec, model_parameters
+from mula.plan.parameters import ParamSpec, model_parameters, tp_local_shape
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
 
@@ -75,11 +75,12 @@ def stage_params(
 
 
 def optimizer_entries(params: Sequence[ParamSpec], layout: Layout) -> list[ParamEntry]:
-    """The optimizer's layout entries on one rank (expert stacks sliced to num_experts / E)."""
+    """The optimizer's layout entries on one rank (expert stacks sliced to num_experts / E, dense layers
+    to their local tensor-parallel shard: the DTensor parameters' local tensors)."""
     dtype = {4: "torch.float32", 2: "torch.bfloat16", 8: "torch.float64"}[layout.param_bytes]
     out = []
     for i, p in enumerate(params):
-        shape = p.shape
+        shape = tp_local_shape(p.name, p.shape, layout.tp_size)
         if p.is_expert:
             shape = (shape[0] // layout.ep_size, *shape[1:])
         n = 1
@@ -119,7 +120,7 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     return params_alloc, tensors, grads, optimizer, buffers
 
 
-_STATE_FIELDS = ("ep_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
+_STATE_FIELDS = ("ep_size", "tp_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
                  "align", "ep_aware", "shard_optimizer", "collectives", "offload")  # fmt: skip
 
 

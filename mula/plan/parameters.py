@@ -46,6 +46,29 @@ class ParamSpec:
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
+# The dimension `strategies.tensor_parallel` splits each parameter along over the T ranks (a DTensor
+# Shard(dim)), by the name's ending: vocabulary rows of the embedding and the LM head, output features
+# of the column-parallel q/k/v and gate/up projections (and of the QK-norm weights, split like the heads),
+# input features of the row-parallel o_proj and down_proj. Everything else (the block norms) is replicated.
+TP_SPLIT_DIMS = {
+    "embed.weight": 0, "lm_head.weight": 0,
+    "attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.weight": 0, "attn.o_proj.weight": 1,
+    "attn.q_norm.weight": 0, "attn.k_norm.weight": 0,
+    "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1,
+}  # fmt: skip
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    """The shape of the local shard of parameter `name` (full `shape`) on the first of `tp_size`
+    tensor-parallel ranks: DTensor's Shard(dim) keeps ceil(n / T) rows of the split dimension there
+    (`check_tensor_parallel` makes T divide every split dimension, so every rank holds as many)."""
+    if tp_size == 1:
+        return shape
+    for suffix, dim in TP_SPLIT_DIMS.items():
+        if name == suffix or name.endswith("." + suffix):
+            return (*shape[:dim], -(-shape[dim] // tp_size), *shape[dim + 1 :])
+    return shape
+
 
 def model_parameters(config: MulaConfig, no_decay: tuple[str, ...] = ("embed.weight",)) -> list[ParamSpec]:
     """Every trainable parameter of `config`'s model in the sharded optimizer's registration order."""

@@ -1,7 +1,8 @@
 """`mula plan --search`: the layouts that fit the device, fastest first.
 
 Varies the expert-parallel size E (divisors of the experts up to one node), pipeline stages P (1, 2, 4,
-8), the micro-batch (1, 2, 4, 8), activation checkpointing (none, moe, moe+attention, full), the ZeRO
+8), the tensor-parallel size T (1, 2, 4, 8 up to one node, with and without sequence parallelism; where
+the strategy runs it: a dense model, one stage, torch's AdamW for now), the micro-batch (1, 2, 4, 8), activation checkpointing (none, moe, moe+attention, full), the ZeRO
 stage (1, 2) and bf16 weights (bf16-true with fp32 masters in the sharded optimizer, or the recipe's
 precision) at the recipe's ranks, sequence length and global batch. Without a machine (no step-time
 model) the layouts are sorted by memory instead.
@@ -21,6 +22,19 @@ from mula.plan.step_time import step_time
 CHECKPOINTING: list[Any] = ["none", ["moe"], ["moe", "attention"], "full"]
 MICRO_BATCHES = (1, 2, 4, 8)
 PIPELINE = (1, 2, 4, 8)
+TENSOR = (1, 2, 4, 8)
+# XPUMoEStrategy refuses shard_optimizer=True with tensor_parallel_size > 1 until the sharded optimizer's
+# flat buffers hold tensor-parallel shards (its __init__); the search follows it
+TP_SHARDED_OPTIMIZER = False
+
+
+def _tensor_choices(inputs: PlanInputs, node: int) -> list[tuple[int, bool]]:
+    """(T, sequence parallel) pairs to try: T up to one node (TP stays on a node's fabric), SP where
+    T splits the sequence."""
+    seq = inputs.layout.seq_len
+    return [(1, False)] + [
+        (t, sp) for t in TENSOR[1:] if t <= node for sp in (False, True) if not sp or seq % t == 0
+    ]
 
 
 def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
@@ -30,14 +44,24 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
     eps = [e for e in range(1, node + 1) if config.num_experts % e == 0] if config.is_moe else [1]
     bf16 = "bf16-mixed" if base.precision == "bf16-true" else base.precision
     out = []
-    for e, p, mb, ckpt, zero, precision in itertools.product(
-        eps, PIPELINE, MICRO_BATCHES, CHECKPOINTING, (1, 2), ("bf16-true", bf16)
+    for e, p, (t, sp), mb, ckpt, zero, precision in itertools.product(
+        eps,
+        PIPELINE,
+        _tensor_choices(inputs, node),
+        MICRO_BATCHES,
+        CHECKPOINTING,
+        (1, 2),
+        ("bf16-true", bf16),
     ):
-        dp = max(1, base.world_size // p)  # P > W: the layout refuses it below
+        sharded = t == 1 or TP_SHARDED_OPTIMIZER
+        if not sharded and (zero == 2 or precision == "bf16-true"):
+            continue  # torch AdamW: no ZeRO stage, and no fp32 masters for bf16 weights
+        dp = max(1, base.world_size // (p * t))  # P * T > W: the layout refuses it below
         try:
             layout = base.replace(
-                ep_size=e, pp_size=p, micro_batch=mb, micro_batches=micro_batches_per_step(inputs.global_batch, dp, mb, check=False),
-                checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=True,
+                ep_size=e, pp_size=p, tp_size=t, sequence_parallel=sp, micro_batch=mb,
+                micro_batches=micro_batches_per_step(inputs.global_batch, dp, mb, check=False),
+                checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=sharded,
                 pp_stage_layers=None, pp_virtual_stages=1 if p == 1 else base.pp_virtual_stages,
             )  # fmt: skip
             check_runnable(config, layout, inputs.global_batch)  # what the strategy would refuse
@@ -58,7 +82,8 @@ def search_layouts(inputs: PlanInputs, limit: int = 15) -> list[dict[str, Any]]:
             step_time(inputs.config, layout, inputs.machine, inputs.global_batch) if inputs.machine else None
         )
         rows.append({
-            "E": layout.ep_size, "P": layout.pp_size, "micro_batch": layout.micro_batch,
+            "E": layout.ep_size, "P": layout.pp_size, "T": layout.tp_size, "SP": layout.sequence_parallel,
+            "micro_batch": layout.micro_batch,
             "checkpointing": layout.checkpointing, "zero_stage": layout.zero_stage,
             "bf16_weights": layout.precision == "bf16-true", "total_gb": round(mem.total / 1e9, 2),
             "step_time_s": None if time is None else round(time.step_time_s, 3),

@@ -23,7 +23,7 @@ from mula.sharding_options import ShardingOptions
 # the XPUMoEStrategy arguments the planner reads (their defaults come from its signature)
 _STRATEGY_ARGS = ("expert_parallel_size", "shard_optimizer", "pipeline_parallel_size", "pipeline_schedule",
                   "pipeline_virtual_stages", "pipeline_stage_layers", "optimizer_options",
-                  "tensor_parallel_size")  # fmt: skip
+                  "tensor_parallel_size", "sequence_parallel")  # fmt: skip
 
 
 @dataclass
@@ -49,12 +49,6 @@ def _strategy(trainer: dict[str, Any]) -> dict[str, Any] | None:
         return None
     defaults = signatures()["strategy"]
     return {**{name: defaults[name] for name in _STRATEGY_ARGS}, **(strategy.get("init_args") or {})}
-
-
-def tensor_parallel_size(trainer: dict[str, Any]) -> int:
-    """The recipe's XPUMoEStrategy tensor_parallel_size (1 under any other strategy)."""
-    strategy = _strategy(trainer)
-    return 1 if strategy is None else int(strategy["tensor_parallel_size"])
 
 
 def _local_device_type(accelerator: Any) -> str:
@@ -124,12 +118,6 @@ def plan_inputs(
     global_batch = int(data.get("global_batch_size") or micro * world)
     kwargs: dict[str, Any] = {}
     if strategy is not None:
-        tp = int(strategy["tensor_parallel_size"])
-        if tp > 1:
-            raise ValueError(
-                f"mula plan does not yet model tensor_parallel_size={tp} (per-rank weights, gradients, "
-                "optimizer state and activations under tensor parallelism); plan with tensor_parallel_size=1."
-            )
         options = strategy.get("optimizer_options") or {}
         ShardingOptions.from_kwargs(**options)  # the sentence the optimizer would stop with
         kwargs = {
@@ -139,11 +127,14 @@ def plan_inputs(
             "pp_schedule": strategy["pipeline_schedule"],
             "pp_virtual_stages": int(strategy["pipeline_virtual_stages"]),
             "pp_stage_layers": strategy["pipeline_stage_layers"],
+            "tp_size": int(strategy["tensor_parallel_size"]),
+            "sequence_parallel": bool(strategy["sequence_parallel"]),
             **{name: options[name] for name in SHARDING_FIELDS if name in options},
         }
         if kwargs.get("collectives", "auto") == "auto":
             kwargs["collectives"] = "rooted" if device_type == "cpu" else "native"
-    dp = max(1, world // int(kwargs.get("pp_size", 1)))  # W < P: the layout refuses it below
+    # data-parallel ranks W / (P * T) (W < P * T: the layout refuses it below)
+    dp = max(1, world // (int(kwargs.get("pp_size", 1)) * int(kwargs.get("tp_size", 1))))
     layout = Layout(
         world_size=world,
         micro_batch=micro,

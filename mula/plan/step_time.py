@@ -15,14 +15,20 @@ Per optimizer step, on one rank of the slowest pipeline stage (one stage per nod
     bucket (ZeRO-2: once per micro-batch), or the all-reduce of replicated AdamW (twice that, in the
     parameters' dtype); the reduction overlaps the last micro-batch's backward, the all-gather
     overlaps nothing unless `overlap_param_gather`;
+  - tensor parallelism (`tensor_parallel_sends`), per micro-batch, over the T ranks of a node: the
+    all-reduce of every row-parallel output (forward) and of every column-parallel input's gradient
+    (backward), or under sequence parallelism the all-gather of each layer's input and reduce-scatter
+    of its output (and the reverse in backward); the QK-norm sums over split heads, the
+    vocabulary-parallel loss's three per-token reductions, and, under SP, the all-reduce of the
+    replicated norm weights' partial gradients; not overlapped with compute;
   - pipeline: the activations and their gradients each rank sends to its neighbouring stages (the
     residual stream in the parameters' dtype, plus the two fp32 router-loss sums of an MoE model),
     inter-node; and the bubble (P-1)/(v*m) of the stage's compute and all-to-all time.
 
 Volumes are counted as a bandwidth-optimal algorithm moves them (the "bus bytes" of nccl-tests): what
 an all-to-all sends to other ranks, (n-1)/n of a reduce-scatter's or all-gather's buffer, 2(n-1)/n of
-an all-reduce's. tests/test_plan_volumes.py checks them against the bytes real runs hand to these
-collectives. The all-to-all is not overlapped with compute (Mula's dispatcher is synchronous).
+an all-reduce's. tests/test_plan_volumes.py and tests/test_plan_volumes_tp.py check them against the
+bytes real runs hand to these collectives. The all-to-all is not overlapped with compute (Mula's dispatcher is synchronous).
 Everything else that is real but small (router, norms, optimizer update, the all-to-all's expert
 counts, kernel launch latency) is not modelled.
 """
@@ -53,11 +59,13 @@ class StepTime:
     flops_per_step: float
     world_size: int
     peak_flops: float
+    tensor_parallel_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
         """Predicted wall time of one optimizer step."""
-        return self.compute_s + self.all_to_all_s + self.grad_sync_s + self.param_gather_s + self.pipeline_s
+        parts = self.all_to_all_s + self.grad_sync_s + self.param_gather_s + self.pipeline_s
+        return self.compute_s + parts + self.tensor_parallel_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,7 +79,14 @@ class StepTime:
 
     def as_dict(self) -> dict[str, float]:
         """Parts, total, tokens/s and MFU."""
-        keys = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
+        keys = (
+            "compute_s",
+            "all_to_all_s",
+            "grad_sync_s",
+            "param_gather_s",
+            "pipeline_s",
+            "tensor_parallel_s",
+        )
         out = {k: getattr(self, k) for k in keys}
         return {**out, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
@@ -95,7 +110,8 @@ class Volumes:
     all_to_all: expert token rows (every pass); grad_reduce: the gradient reduce-scatters (sharded
     optimizer) or all-reduces (replicated AdamW), dense and expert buckets; param_gather: the sharded
     optimizer's parameter all-gathers; pipeline: activations and gradients sent to neighbouring stages;
-    grad_rounds: gradient reductions per step (the micro-batches under ZeRO-2, else 1).
+    grad_rounds: gradient reductions per step (the micro-batches under ZeRO-2, else 1); tensor_parallel:
+    the tensor-parallel group's collectives (`tensor_parallel_sends`).
     """
 
     all_to_all: float = 0.0
@@ -103,6 +119,7 @@ class Volumes:
     param_gather: float = 0.0
     pipeline: float = 0.0
     grad_rounds: int = 1
+    tensor_parallel: float = 0.0
 
 
 def _ring(numel: int, elem_bytes: int, group: int) -> float:
@@ -113,9 +130,11 @@ def _ring(numel: int, elem_bytes: int, group: int) -> float:
 def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float]:
     """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`."""
     if not layout.shard_optimizer:
-        # torch AdamW: every gradient is all-reduced once, unpadded, in the parameters' dtype
-        dense = sum(q.numel for q in params if not q.is_expert)
-        expert = sum(q.numel for q in params if q.is_expert) // layout.ep_size
+        # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
+        # in the parameters' dtype
+        entries = optimizer_entries(params, layout)
+        dense = sum(e.numel for e in entries if e.domain == "dense")
+        expert = sum(e.numel for e in entries if e.domain == "expert")
         pb = layout.param_bytes
         return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0
     # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
@@ -148,6 +167,53 @@ def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...])
     return sends * max(1, layout.micro_batches) * message
 
 
+def tensor_parallel_sends(
+    config: MulaConfig, layout: Layout, blocks: list[int], first: bool, last: bool
+) -> float:
+    """Bus bytes a rank's tensor-parallel collectives move per step, for a rank holding `blocks` (and the
+    embedding when `first`, the final norm and LM head when `last`), as `strategies.tensor_parallel`
+    issues them (module docstring). Activations of one micro-batch are `tokens x hidden` elements: the
+    residual stream's and the gradients flowing into it in the parameters' dtype, the row-parallel
+    matmuls' outputs (and their gradients) in the compute dtype."""
+    t = layout.tp_size
+    if t == 1:
+        return 0.0
+    parts = parse_activation_checkpointing(layout.checkpointing)
+    tokens = layout.micro_batch * layout.seq_len
+    r, b, act = layout.param_bytes, layout.compute_bytes, tokens * config.hidden_size
+    ring = (t - 1) / t
+    # one QK-norm's statistics over split heads: sums of [tokens] fp32, forward and backward
+    stats = (1 if config.norm == "rmsnorm" else 2) * 2 * tokens * 4 * 2 * ring if config.qk_norm else 0.0
+    # (one QK-norm pair's forward: q and k, one sum each under RMSNorm, mean and variance under LayerNorm)
+    if layout.sequence_parallel:
+        # all-gather of the attention and MLP inputs (r), reduce-scatter of their outputs (b), forward;
+        # backward the reverse: reduce-scatter of the inputs' gradients, all-gather of the outputs'
+        attn_fwd = act * (r + b) * ring
+        block = 2 * attn_fwd + 2 * act * (r + b) * ring
+        outer = (
+            act * r * ring * (2 * first + 2 * last)
+        )  # embedding's reduce-scatter / LM head's gather, both ways
+    else:
+        # all-reduce of the o_proj and down_proj outputs (forward), of the q, k, v, gate and up inputs'
+        # gradients (backward)
+        attn_fwd = 2 * act * b * ring
+        block = 2 * attn_fwd + 5 * 2 * act * r * ring
+        outer = 2 * act * r * ring * (first + last)  # the embedding's output, the LM head input's gradient
+    per_layer = block + 2 * stats
+    # the forwards activation checkpointing runs again, with their collectives
+    if "full" in parts:
+        per_layer += 2 * attn_fwd + stats
+    elif "attention" in parts:
+        per_layer += attn_fwd + stats
+    loss = 3 * 2 * tokens * 4 * ring if last else 0.0  # max, sum of exponentials, target logit
+    out = max(1, layout.micro_batches) * (len(blocks) * per_layer + outer + loss)
+    if layout.sequence_parallel and config.norm == "rmsnorm":
+        # the replicated norm weights' partial gradients, all-reduced once per step
+        norms = 2 * len(blocks) + last
+        out += norms * 2 * config.hidden_size * r * ring
+    return out
+
+
 def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     """Bytes each pipeline rank (one entry per rank of the pipeline, the first first) sends per step."""
     params = model_parameters(config, tuple(layout.no_decay))
@@ -167,7 +233,8 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
         held = stage_params(params, holds.blocks, holds.first, holds.last)
         reduce, gather = _optimizer_volumes(held, layout)
         sends = _pipeline_sends(config, layout, holds.stages)
-        out.append(Volumes(a2a, rounds * reduce, gather, sends, rounds))
+        tp = tensor_parallel_sends(config, layout, holds.blocks, holds.first, holds.last)
+        out.append(Volumes(a2a, rounds * reduce, gather, sends, rounds, tp))
     return out
 
 
@@ -209,4 +276,5 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     pipeline = 0.0
     if p > 1:
         pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + vol.pipeline / inter
-    return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak)
+    tp = vol.tensor_parallel / intra  # the TP group stays on a node's fabric
+    return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp)
