@@ -93,6 +93,33 @@ def test_dry_run_bytes_equal_the_plan(argv, rank, stage, ep_rank):
     assert ck["global_elements"] == sum(math.prod(p.shape) for p in specs)
 
 
+TENSOR = [
+    "-c", str(RECIPES / "mula-tiny-dense.yaml"), "-c", str(RECIPES / "strategies" / "tensor-parallel.yaml"),
+    "--trainer.accelerator=cpu", "--trainer.devices=12", "--trainer.num_nodes=8", "--data.micro_batch_size=1",
+    "--data.global_batch_size=96",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "rank"),
+    [
+        ([], 0),  # T = 2 with sequence parallelism (the recipe), the sharded optimizer over W / T = 48 ranks
+        (["--trainer.strategy.init_args.tensor_parallel_size=4"], 95),
+        (["--trainer.strategy.init_args.sequence_parallel=false", "--data.global_batch_size=192"], 37),
+    ],
+)
+def test_tensor_parallel_dry_run_bytes_equal_the_plan(extra, rank):
+    """Tensor-parallel layouts: each rank's local shards in the sharded optimizer's flat buffers, as planned."""
+    inputs, kwargs = _inputs([*TENSOR, *extra])
+    assert inputs.layout.world_size == 96 and inputs.layout.tp_size > 1
+    result = dry_run(inputs, kwargs["trainer"], kwargs["model"], rank)
+    assert result["allocated_bytes"] == 0
+    plan = plan_stage(inputs.config, inputs.layout, 0)
+    for name, field in MEASURED.items():
+        assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
+    assert dry_run_matches(result)
+
+
 def _mula(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mula", "plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=300

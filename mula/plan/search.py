@@ -23,9 +23,6 @@ CHECKPOINTING: list[Any] = ["none", ["moe"], ["moe", "attention"], "full"]
 MICRO_BATCHES = (1, 2, 4, 8)
 PIPELINE = (1, 2, 4, 8)
 TENSOR = (1, 2, 4, 8)
-# XPUMoEStrategy refuses shard_optimizer=True with tensor_parallel_size > 1 until the sharded optimizer's
-# flat buffers hold tensor-parallel shards (its __init__); the search follows it
-TP_SHARDED_OPTIMIZER = False
 
 
 def _tensor_choices(inputs: PlanInputs, node: int) -> list[tuple[int, bool]]:
@@ -53,15 +50,12 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
         (1, 2),
         ("bf16-true", bf16),
     ):
-        sharded = t == 1 or TP_SHARDED_OPTIMIZER
-        if not sharded and (zero == 2 or precision == "bf16-true"):
-            continue  # torch AdamW: no ZeRO stage, and no fp32 masters for bf16 weights
         dp = max(1, base.world_size // (p * t))  # P * T > W: the layout refuses it below
         try:
             layout = base.replace(
                 ep_size=e, pp_size=p, tp_size=t, sequence_parallel=sp, micro_batch=mb,
                 micro_batches=micro_batches_per_step(inputs.global_batch, dp, mb, check=False),
-                checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=sharded,
+                checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=True,
                 pp_stage_layers=None, pp_virtual_stages=1 if p == 1 else base.pp_virtual_stages,
             )  # fmt: skip
             check_runnable(config, layout, inputs.global_batch)  # what the strategy would refuse
