@@ -223,10 +223,7 @@ def main(
             f"At {per_core:,.0f} tokens/s per core, 4T tokens take 4e12 / ({per_core:,.0f} x cores per node x "
             f"nodes) seconds: {4e12 / (per_core * 64 * 128) / 3600:,.1f} h on 128 nodes of 64 cores. "
             f"Starting one worker process (spawn, importing litdata and torch, loading the tokenizer) took "
-            f"{start_s:.1f} s here, paid once per worker. The {workers}-worker row needs {workers} free cores: "
-            f"with a load average of {load:.1f} on {os.cpu_count()} cores its per-core figure measures the "
-            "other jobs' share of the cores more than prepare's parallel efficiency (measure it on a dedicated "
-            "node). The rate "
+            f"{start_s:.1f} s here, paid once per worker. {_workers_note(workers, load)} The rate "
             "depends on the tokenizer and the text (a 50k-vocabulary BPE on English web text is slower per "
             "token than this one on code), so measure with `--tokenizer` on a sample of your corpus.",
         ]
@@ -235,6 +232,22 @@ def main(
     if doc is not None:
         write_section(Path(doc), SECTION, text)
     return text
+
+
+def _workers_note(workers: int, load: float) -> str:
+    """What the many-worker row measures, given the load average the run saw (its own processes included)."""
+    cores = os.cpu_count() or 1
+    if load > cores:  # more runnable processes than cores: other jobs took a share
+        return (
+            f"The {workers}-worker row needs {workers} free cores: with a load average of {load:.1f} on {cores} "
+            "cores its per-core figure measures the other jobs' share of the cores more than prepare's parallel "
+            "efficiency (measure it on a dedicated node)."
+        )
+    return (
+        f"The {workers}-worker row puts a worker on every core of this host, beside the parent process "
+        "(planning, the job's bar, merging) and the kernel's writes of the chunks: its per-core rate is what "
+        "a node whose every core runs a worker can expect, the 1-worker rate an upper bound."
+    )
 
 
 if __name__ == "__main__":
