@@ -56,8 +56,7 @@ class OptimizerSteps:
         check_zero_stage(self.pipeline_parallel_size, options.get("zero_stage", 1))
         if options.get("overlap_param_gather"):
             options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
-        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
-        return EPShardedAdamW(params, named, self.topology, **adamw_kwargs, **options)
+        return EPShardedAdamW(params, self._trainable(), self.topology, **adamw_kwargs, **options)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -78,9 +77,8 @@ class OptimizerSteps:
             return
         # A pipeline step's backward passes interleave with forwards: reduce once after all of them.
         overlap = self.overlap_grad_reduce and self._pipeline is None
-        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
         assert self.topology is not None
-        self._grad_sync = GradientSynchronizer(named, self.topology, self.bucket_size_mb, overlap)
+        self._grad_sync = GradientSynchronizer(self._trainable(), self.topology, self.bucket_size_mb, overlap)
 
     # ----- the training step -----------------------------------------------------------------
     @property
