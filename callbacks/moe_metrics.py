@@ -78,12 +78,18 @@ class MoEMetrics(L.Callback):
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters plus optimizer state tensors held by this rank (unsharded optimizers)."""
+    """Bytes of parameters plus optimizer state tensors held by this rank (unsharded optimizers); a
+    tensor-parallel DTensor counts its local shard, not the global tensor."""
     total = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            total += p.numel() * p.element_size()
+            total += _local_bytes(p)
             for value in optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
+                    total += _local_bytes(value)
     return total
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()

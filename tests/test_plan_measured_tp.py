@@ -4,8 +4,7 @@ layout): per rank, `mula.plan.plan_memory` against what `MemoryMetrics` logs aft
 optimizer step.
 
 Parameter, gradient and optimizer-state bytes (`mem/param_bytes`, `mem/grad_bytes`, and the local
-tensors of AdamW's parameters and moments, counted here: `MoEMetrics`' `optim/state_bytes` counts a
-DTensor at its global size) must be equal: the planner sizes every
+tensors of AdamW's parameters and moments, counted here) must be equal: the planner sizes every
 parameter by the local shard that `strategies.tensor_parallel` gives a rank (`mula.plan.parameters.
 tp_local_shape`). Activations (`mem/activation_bytes`, the peak of saved-tensor bytes) within 10 %.
 
