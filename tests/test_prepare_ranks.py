@@ -22,6 +22,7 @@ from test_data import make_docs, token_stream, tokenizer_path  # noqa: F401  (th
 
 from mula.data import prepare as prepare_module
 from mula.data.prepare import SUMMARY_FILE, SourceSpec, prepare
+from mula.data.shuffle import shuffle_shape
 from mula.data.tokenizer import load_tokenizer
 
 # Files of mixed sizes: several tasks per source even for these small inputs (as in test_data).
@@ -132,10 +133,14 @@ def test_ranks_and_workers_write_the_same_bytes(tmp_path, tokenizer_path, monkey
     run_distributed(_prepare_rank, 2, str(tmp_path), tokenizer_path, str(tmp_path / "two-by-two"), 2)
     assert output_bytes(tmp_path / "two-by-two") == ref
 
-    # The global shuffle: the same bytes from 1 process and from 4 ranks, the seed recorded.
+    # The global shuffle: the same bytes from 1 process, 4 ranks and 2 ranks x 2 workers, the seed recorded.
     shuffled = reference(tmp_path, tokenizer_path, monkeypatch, shuffle_seed=7, name="shuffled")
     run_distributed(_prepare_rank, 4, str(tmp_path), tokenizer_path, str(tmp_path / "four-shuffled"), 0, 7)
     assert output_bytes(tmp_path / "four-shuffled") == shuffled
+    run_distributed(
+        _prepare_rank, 2, str(tmp_path), tokenizer_path, str(tmp_path / "two-by-two-shuffled"), 2, 7
+    )
+    assert output_bytes(tmp_path / "two-by-two-shuffled") == shuffled
     assert json.loads(shuffled[SUMMARY_FILE])["shuffle_seed"] == 7
     assert json.loads(shuffled["web/mula_source.json"])["fingerprint"]["shuffle_seed"] == 7
 
@@ -183,13 +188,18 @@ def test_shuffle_permutes_documents_across_the_source_and_resumes(tmp_path, toke
         prepare_module, "_run_task", lambda t: ran.append((t.kind, t.source, t.index)) or real_run_task(t)
     )
     prepare(sources, tokenizer_path, str(tmp_path / "resumed"), shuffle_seed=1, **kwargs)
-    assert not [r for r in ran if r[0] == "tokenize"], "the first pass was complete"
+    assert not [r for r in ran if r[0] in ("tokenize", "split")], "the first two passes were complete"
     assert [r for r in first if r[0] == "bucket"] == [("bucket", "web", 0)] and (
         "bucket",
         "web",
         0,
     ) not in ran
-    every_bucket = {("bucket", source, i) for kind, source, i in first if kind == "tokenize"}
+    every_bucket = set()
+    for source in ("web", "papers"):
+        tasks = sum(1 for kind, s, _ in first if kind == "tokenize" and s == source)
+        coarse, fine = shuffle_shape(tasks)
+        assert sum(1 for kind, s, _ in first if kind == "split" and s == source) == coarse
+        every_bucket |= {("bucket", source, i) for i in range(coarse * fine)}
     assert sorted(ran) == sorted(every_bucket - {("bucket", "web", 0)})
     assert output_bytes(tmp_path / "resumed") == output_bytes(tmp_path / "a")
 

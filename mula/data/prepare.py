@@ -18,8 +18,9 @@ are merged in task order. The bytes are therefore the same for any number of ran
 A job launched by torchrun, srun or mpiexec (``ranks.py``): rank 0 lists the inputs, takes the lock and
 plans (which sources are up to date, which tasks an interrupted job finished); every rank runs every
 world-th remaining task with its worker processes; rank 0 then merges, writes the markers and the
-summary. With ``shuffle_seed`` the tasks scatter their documents to buckets and a second pass gathers
-each bucket in a permuted order (``shuffle.py``).
+summary. With ``shuffle_seed`` the tasks scatter their documents to coarse buckets, a second pass splits
+each coarse bucket into fine ones and a third gathers each fine bucket in a permuted order
+(``shuffle.py``); each pass starts once every rank has finished the one before.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ from mula.data.chunks import TaskChunkWriter
 from mula.data.paths import expand_paths, expand_pattern
 from mula.data.ranks import Ranks, describe_error, job_ranks, shared_error
 from mula.data.readers import FORMATS, ReadStats, iter_documents
-from mula.data.shuffle import gather_bucket, remove_scatter, write_scatter
+from mula.data.shuffle import (
+    gather_bucket,
+    remove_scatter,
+    remove_split,
+    shuffle_shape,
+    split_coarse,
+    write_scatter,
+)
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -186,10 +194,13 @@ class _Task:
     chunk_bytes: str
     source: str = ""
     input_bytes: int = 0
-    # The global shuffle (mula/data/shuffle.py): pass-1 tasks scatter, pass-2 "bucket" tasks gather.
-    kind: str = "tokenize"  # or "bucket"
+    # The global shuffle (mula/data/shuffle.py): pass-1 tasks scatter, pass-2 "split" tasks spread one
+    # coarse bucket over its fine ones, pass-3 "bucket" tasks gather one fine bucket into chunks.
+    kind: str = "tokenize"  # or "split" or "bucket"
     shuffle_seed: int | None = None
-    buckets: int = 0  # = the number of tokenize tasks of the source
+    tasks: int = 0  # the tokenize tasks of the source
+    coarse: int = 0  # the coarse buckets (pass 1 -> 2) and fine buckets per coarse one (pass 2 -> 3)
+    fine: int = 0
     eos_id: int = -1
     dtype: str = "uint16"
 
@@ -205,7 +216,8 @@ class _SourcePlan:
     tasks: list[_Task]
     done: set[int]  # tasks finished by an earlier, interrupted run
     up_to_date: SourceSummary | None  # set when the source is finished and unchanged: nothing to do
-    buckets: list[_Task] = field(default_factory=list)  # the shuffle's pass 2 (empty without a shuffle)
+    splits: list[_Task] = field(default_factory=list)  # the shuffle's pass 2 (empty without a shuffle)
+    buckets: list[_Task] = field(default_factory=list)  # the shuffle's pass 3 (empty without a shuffle)
 
 
 class _PrepareLock(RunDirLock):
@@ -245,8 +257,11 @@ def _encode_into(tok: LoadedTokenizer, texts: list[str], add: Callable[[Any], No
     return tokens
 
 
-def _bucket_result_path(out_dir: str, bucket: int) -> str:
-    return os.path.join(out_dir, f"{bucket}.bucket.json")
+def _result_path(task: _Task) -> str:
+    """The file a task writes last: its presence means the task is complete."""
+    if task.kind == "tokenize":
+        return _stats_path(task.out_dir, task.index)
+    return os.path.join(task.out_dir, f"{task.index}.{task.kind}.json")
 
 
 def _run_task(task: _Task) -> dict[str, Any]:
@@ -254,17 +269,23 @@ def _run_task(task: _Task) -> dict[str, Any]:
     (with a shuffle seed: into the task's scatter files), or gather one shuffle bucket into its chunks.
 
     Returns the task's counts and the size and sha256 of each chunk it wrote (also saved, last, as
-    ``<task>.stats.json`` or ``<bucket>.bucket.json``: its presence means the task is complete).
+    ``_result_path(task)``: its presence means the task is complete).
     """
-    if task.kind == "bucket":
-        docs = gather_bucket(
-            task.out_dir, task.index, task.buckets, task.shuffle_seed, task.eos_id, task.dtype
+    assert task.kind == "tokenize" or task.shuffle_seed is not None
+    if task.kind == "split":
+        result = split_coarse(
+            task.out_dir, task.index, task.tasks, task.fine, task.shuffle_seed, task.eos_id, task.dtype
         )
+        atomic_write_text(_result_path(task), json.dumps(result))
+        return result
+    if task.kind == "bucket":
+        docs = gather_bucket(task.out_dir, task.index, task.fine, task.shuffle_seed, task.eos_id, task.dtype)
         with TaskChunkWriter(task.out_dir, task.index, task.chunk_bytes) as writer:
             for ids in docs:
                 writer.add(ids)
         result = {"tokens": int(sum(len(d) for d in docs)), "chunks": writer.chunks}
-        atomic_write_text(_bucket_result_path(task.out_dir, task.index), json.dumps(result))
+        atomic_write_text(_result_path(task), json.dumps(result))
+        remove_split(task.out_dir, task.index, task.fine)
         return result
 
     tok = _WORKER_TOKENIZER
@@ -292,7 +313,7 @@ def _run_task(task: _Task) -> dict[str, Any]:
                     batch = []
         tokens += _encode_into(tok, batch, add)
     if task.shuffle_seed is not None:
-        write_scatter(task.out_dir, task.index, kept, task.shuffle_seed, task.buckets, task.dtype)
+        write_scatter(task.out_dir, task.index, kept, task.shuffle_seed, task.coarse, task.dtype)
     result: dict[str, Any] = {
         "files": len(task.files),
         "documents": stats.documents,
@@ -428,45 +449,43 @@ def _plan_source(
         for i, group in enumerate(_plan_tasks(files, sizes))
     ]
     size_of = dict(zip(files, sizes))
-    shuffle = {"shuffle_seed": shuffle_seed, "buckets": len(tasks), "eos_id": tokenizer.eos_id}
-    shuffle["dtype"] = _token_dtype_name(tokenizer)
+    coarse, fine = shuffle_shape(len(tasks))
+    shuffle = dict(shuffle_seed=shuffle_seed, tasks=len(tasks), coarse=coarse, fine=fine)
+    shuffle.update(eos_id=tokenizer.eos_id, dtype=_token_dtype_name(tokenizer))
     for task in tasks:
         task.input_bytes = sum(size_of[f] for f in task.files)
         if shuffle_seed is not None:
             vars(task).update(shuffle)
-    buckets = [
-        _Task(
-            b,
-            [],
-            partial_dir,
-            spec.format,
-            spec.text_key,
-            skip_bad_records,
-            chunk_bytes,
-            spec.name,
-            kind="bucket",
-        )
-        for b in range(len(tasks) if shuffle_seed is not None else 0)
-    ]
-    for bucket in buckets:
-        vars(bucket).update(shuffle)
+
+    def shuffle_pass(kind: str, count: int) -> list[_Task]:
+        common = (partial_dir, spec.format, spec.text_key, skip_bad_records, chunk_bytes, spec.name)
+        return [
+            _Task(i, [], *common, kind=kind, **shuffle)
+            for i in range(count if shuffle_seed is not None else 0)
+        ]
+
+    splits, buckets = shuffle_pass("split", coarse), shuffle_pass("bucket", coarse * fine)
     # One listing per source, not one stat per task: cheap on a shared filesystem.
     present = set(os.listdir(partial_dir))
     done = {t.index for t in tasks if os.path.basename(_stats_path(partial_dir, t.index)) in present}
-    return _SourcePlan(spec, fingerprint, final_dir, partial_dir, tasks, done, None, buckets)
+    return _SourcePlan(spec, fingerprint, final_dir, partial_dir, tasks, done, None, splits, buckets)
 
 
-def _buckets_to_run(plans: list[_SourcePlan]) -> list[_Task]:
-    """Rank 0, every tokenize task done: the shuffle buckets not finished by an earlier run."""
+def _shuffle_pass_to_run(plans: list[_SourcePlan], kind: str) -> list[_Task]:
+    """Rank 0, the pass before done everywhere: the shuffle's ``kind`` tasks an earlier run did not finish.
+
+    Once every split is done the scatter files have no reader left: they are removed here, before the
+    gather pass, so a source's disk footprint peaks at about twice its tokens.
+    """
     todo = []
     for plan in plans:
-        if plan.buckets:
-            present = set(os.listdir(plan.partial_dir))
-            todo += [
-                b
-                for b in plan.buckets
-                if os.path.basename(_bucket_result_path(plan.partial_dir, b.index)) not in present
-            ]
+        work = plan.splits if kind == "split" else plan.buckets
+        if not work:
+            continue
+        if kind == "bucket":
+            remove_scatter(plan.partial_dir, len(plan.tasks))
+        present = set(os.listdir(plan.partial_dir))
+        todo += [t for t in work if os.path.basename(_result_path(t)) not in present]
     return todo
 
 
@@ -486,18 +505,17 @@ def _finish_source(plan: _SourcePlan) -> SourceSummary:
     writers = plan.tasks
     if plan.buckets:  # the chunks were written by the shuffle's buckets
         writers = plan.buckets
-        results = [_read_json(_bucket_result_path(plan.partial_dir, b.index)) for b in plan.buckets]
+        results = [_read_json(_result_path(b)) for b in plan.buckets]
         if any(r is None for r in results):
             raise RuntimeError(
                 f"source {plan.spec.name!r}: a shuffle bucket has no result after every rank ended."
             )
     chunks = {name: entry for r in results for name, entry in r["chunks"].items()}
     _merge_indexes(plan.partial_dir, writers, chunks)
-    for task in plan.tasks:
-        os.remove(_stats_path(plan.partial_dir, task.index))
-    for bucket in plan.buckets:
-        os.remove(_bucket_result_path(plan.partial_dir, bucket.index))
-    remove_scatter(plan.partial_dir, len(plan.buckets))
+    for task in [*plan.tasks, *plan.splits, *plan.buckets]:
+        os.remove(_result_path(task))
+    for bucket in plan.buckets:  # left by a bucket task killed between its result and its cleanup
+        remove_split(plan.partial_dir, bucket.index, bucket.fine)
     os.remove(os.path.join(plan.partial_dir, "fingerprint.json"))
     marker = {"fingerprint": plan.fingerprint, "stats": totals, "chunks": chunks}
     atomic_write_text(os.path.join(plan.partial_dir, SOURCE_MARKER), json.dumps(marker))
@@ -750,20 +768,20 @@ def _prepare_job(
     if bar is not None:
         bar.close()
     reports = ranks.gather(report)
-    # The shuffle's second pass starts once every rank has finished the first (its buckets read every task).
-    buckets = ranks.on_zero(lambda: _raise_failures(reports) or _buckets_to_run(plans))
-    bucket_reports = None
-    if any(p.buckets for p in plans):
+    # Each shuffle pass starts once every rank has finished the one before (it reads what every task wrote).
+    previous = reports
+    for kind in ("split", "bucket") if any(p.buckets for p in plans) else ():
+        work = ranks.on_zero(lambda: _raise_failures(previous) or _shuffle_pass_to_run(plans, kind))  # noqa: B023
         if ranks.rank == 0:
-            log.info("%d shuffle buckets to run on %d rank(s)", len(buckets), ranks.world)
-        share = buckets[ranks.rank :: ranks.world]
-        bucket_reports = ranks.gather(
+            log.info("%d shuffle %s tasks to run on %d rank(s)", len(work), kind, ranks.world)
+        share = work[ranks.rank :: ranks.world]
+        previous = ranks.gather(
             _run_share(ranks, share, loaded, summary.tokenizer["path"], eos_token, num_workers)
         )
 
     def finish_job() -> tuple[PrepareSummary, list[tuple[str, str]]]:
         assert reports is not None
-        _raise_failures(bucket_reports or [])
+        _raise_failures(previous)
         for plan in plans:
             summary.sources.append(plan.up_to_date or _finish_source(plan))
         atomic_write_text(
