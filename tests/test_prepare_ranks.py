@@ -21,7 +21,9 @@ from dist_helpers import free_port, run_distributed
 from test_data import make_docs, token_stream, tokenizer_path  # noqa: F401  (the fixture)
 
 from mula.data import prepare as prepare_module
-from mula.data.prepare import SUMMARY_FILE, SourceSpec, prepare
+from mula.data import prepare_plan
+from mula.data.prepare import prepare
+from mula.data.prepare_summary import SUMMARY_FILE, SourceSpec
 from mula.data.shuffle import shuffle_shape
 from mula.data.tokenizer import load_tokenizer
 
@@ -81,7 +83,7 @@ def reference(
     name: str = "ref",
 ) -> dict[str, bytes]:
     """One process, no worker processes."""
-    monkeypatch.setattr(prepare_module, "_MIN_TASK_BYTES", _SMALL_TASKS)
+    monkeypatch.setattr(prepare_plan, "_MIN_TASK_BYTES", _SMALL_TASKS)
     if not (tmp_path / "in").exists():
         make_inputs(tmp_path / "in")
     prepare(
@@ -99,7 +101,7 @@ def reference(
 def _prepare_rank(
     rank: int, world: int, root: str, tokenizer: str, out: str, workers: int, seed: int | None = None
 ) -> dict:
-    prepare_module._MIN_TASK_BYTES = _SMALL_TASKS
+    prepare_plan._MIN_TASK_BYTES = _SMALL_TASKS
     summary = prepare(
         _sources(root),
         tokenizer,
@@ -226,7 +228,8 @@ def test_verify_finds_a_changed_chunk(tmp_path, tokenizer_path, monkeypatch):  #
 _LAUNCHER = """
 import os, sys, time
 import mula.data.prepare as p
-p._MIN_TASK_BYTES = {small}
+import mula.data.prepare_plan as pp
+pp._MIN_TASK_BYTES = {small}
 real, ran = p._run_task, []
 def held(task):
     # With PREPARE_TEST_HOLD set, each rank finishes one task and then waits (for the SIGKILL).
