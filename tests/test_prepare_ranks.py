@@ -382,9 +382,9 @@ def test_prepare_reads_the_launchers_of_mula_fit(env, kind, monkeypatch):
 
     for name in [k for k in os.environ if _LAUNCHER_VARS.match(k) or k in _LAUNCH_KEYS]:
         monkeypatch.delenv(name)
-    assert ranks._launcher_environment() is None and ranks.job_ranks().world == 1  # a plain process
+    assert ranks.launcher_environment() is None and ranks.job_ranks().world == 1  # a plain process
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    found = ranks._launcher_environment()
+    found = ranks.launcher_environment()
     assert type(found).__name__ == kind and (found.global_rank(), found.world_size()) == (3, 8)
     assert ranks.job_ranks(distributed=False).world == 1
