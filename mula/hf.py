@@ -1,4 +1,6 @@
-"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense).
+"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE), OLMo (dense) and Qwen3-MoE.
+
+Qwen3-MoE shares OLMoE's weight names; its config mapping is `mula.hf_qwen3_moe`.
 
 - `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
 - `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mula import hf_tokenizer
+from mula import hf_qwen3_moe, hf_tokenizer
 from mula.checkpoint import (
     atomic_write,
     model_from_state_dict,
@@ -35,7 +37,11 @@ from mula.checkpoint import (
 from mula.config import MulaConfig
 from mula.model import Mula
 
-SUPPORTED = {"olmoe": "OlmoeForCausalLM", "olmo": "OlmoForCausalLM"}
+SUPPORTED = {
+    "olmoe": "OlmoeForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE,
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -56,13 +62,15 @@ def _rope_theta(d: dict[str, Any]) -> float:
 
 
 def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
-    """MulaConfig from a transformers OLMoE/OLMo config dict (config.json or `config.to_dict()`).
+    """MulaConfig from a transformers OLMoE/OLMo/Qwen3-MoE config dict (config.json or `config.to_dict()`).
 
     Missing keys take transformers' defaults for that model type, i.e. what transformers would load.
     """
     model_type = d.get("model_type")
     if model_type not in SUPPORTED:
         raise _unsupported((d.get("architectures") or [model_type])[0])
+    if model_type == hf_qwen3_moe.MODEL_TYPE:
+        return hf_qwen3_moe.config_from_hf(d, name, _rope_theta(d))
     if d.get("clip_qkv") is not None:
         raise ValueError(
             f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None)."
@@ -145,14 +153,19 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
-def check_router_bias(state_dict: dict[str, Tensor]) -> None:
-    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE has no such term."""
+def check_router_bias(state_dict: dict[str, Tensor], family: str = "OLMoE") -> None:
+    """Refuse weights whose routers carry a non-zero balancing bias: transformers' `family` has no such term."""
     for key, value in state_dict.items():
         if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
             raise ValueError(
                 f"{key} is non-zero (router bias balancing, router_bias_update_rate > 0) and transformers' "
-                "OLMoE cannot express a router bias, so exporting would silently change the routing."
+                f"{family} cannot express a router bias, so exporting would silently change the routing."
             )
+
+
+def _family(config: MulaConfig) -> str:
+    """The transformers family name `config` exports to, for messages."""
+    return "Qwen3-MoE" if hf_qwen3_moe.exports(config) else "OLMoE"
 
 
 def config_to_hf(
@@ -163,6 +176,9 @@ def config_to_hf(
     `token_ids`: eos/bos/pad_token_id of the exported tokenizer (`hf_tokenizer.special_token_ids`);
     None without one. (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
     """
+    if hf_qwen3_moe.exports(config):
+        check_softmax_routing(config, "Qwen3-MoE")
+        return hf_qwen3_moe.config_to_hf(config, dtype, token_ids)
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {
@@ -266,7 +282,7 @@ def iter_hf_tensors(
 
 
 def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Mula state dict from transformers OLMoE/OLMo weights, per-expert (4.x, files) or fused (5.x)."""
+    """Mula state dict from transformers OLMoE/OLMo/Qwen3-MoE weights, per-expert (4.x, files) or fused (5.x)."""
     out: dict[str, Tensor] = {}
     per_expert: dict[str, Tensor] = {}
     for key, value in hf_state.items():
@@ -281,7 +297,7 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
             continue
         else:
             out[_from_hf_key(key)] = value
-    for i in range(config.num_layers if config.is_moe and per_expert else 0):
+    for i in (i for i in range(config.num_layers) if per_expert and config.is_moe_layer(i)):
         p = f"model.layers.{i}.mlp.experts"
         try:
             out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
@@ -307,7 +323,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
 
 # ----- in memory -------------------------------------------------------------------------------
 def from_hf(hf_model: Any) -> Mula:
-    """A `Mula` with the weights of a transformers `OlmoeForCausalLM` or `OlmoForCausalLM`."""
+    """A `Mula` with the weights of a transformers `OlmoeForCausalLM`, `OlmoForCausalLM` or
+    `Qwen3MoeForCausalLM`."""
     cls_name = type(hf_model).__name__
     if cls_name not in SUPPORTED.values():
         raise _unsupported(cls_name)
@@ -320,11 +337,12 @@ def from_hf(hf_model: Any) -> Mula:
 
 
 def to_hf(model: Mula) -> Any:
-    """A transformers `OlmoeForCausalLM` (MoE) or `OlmoForCausalLM` (dense) with `model`'s weights."""
+    """A transformers `OlmoeForCausalLM` (MoE), `OlmoForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE
+    with per-head QK-norm) with `model`'s weights."""
     import transformers  # optional dependency: only needed here
 
     config = model.config
-    check_router_bias(model.state_dict())
+    check_router_bias(model.state_dict(), _family(config))
     dtype = next(model.parameters()).dtype
     d = config_to_hf(config, dtype)
     arch = d["architectures"][0]
@@ -368,7 +386,7 @@ def _read_hf_state(hf_dir: Path) -> dict[str, Tensor]:
 
 
 def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike) -> Mula:
-    """Convert a transformers OLMoE/OLMo directory (config.json + weights) into a Mula weights file."""
+    """Convert a transformers OLMoE/OLMo/Qwen3-MoE directory (config.json + weights) into a Mula weights file."""
     hf_dir, output = Path(hf_dir), Path(output)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {hf_dir} does not exist.")
@@ -415,7 +433,7 @@ def export_hf(
     verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt, verify=False)  # verified above
-    check_router_bias(state)
+    check_router_bias(state, _family(config))
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)
