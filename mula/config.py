@@ -446,6 +446,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_QWEN3_MOE, "name": "qwen3-30b-a3b", "hidden_size": 2048, "num_layers": 48, "num_heads": 32,
         "intermediate_size": 6144, "expert_intermediate_size": 768,
     },
+    # A single-node size of the family: transformers' Qwen3MoeConfig defaults ("Qwen3-15B-A2B" style),
+    # i.e. 24 of Qwen3-30B-A3B's blocks: 15.6B total, 2.0B active (recipes/qwen3-moe-15b-a2b.yaml)
+    "qwen3-moe-15b-a2b": {
+        **_QWEN3_MOE, "name": "qwen3-moe-15b-a2b", "hidden_size": 2048, "num_layers": 24, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
     # 235B total, 22B active (model card)
     "qwen3-235b-a22b": {
         **_QWEN3_MOE, "name": "qwen3-235b-a22b", "hidden_size": 4096, "num_layers": 94, "num_heads": 64,

@@ -134,3 +134,36 @@ def test_tensor_parallelism_refuses_per_head_qk_norm():
     config = resolve_config("mula-tiny-dense", {"qk_norm": True, "qk_norm_per_head": True})
     with pytest.raises(ValueError, match="not yet available with qk_norm_per_head"):
         ParallelLayout(world_size=4, tp=2).validate(config)
+
+
+def test_single_node_recipe_instantiates_and_fits_one_h100_node(capsys, tmp_path, monkeypatch):
+    """recipes/qwen3-moe-15b-a2b.yaml: composed on base/paper.yaml, parsed and instantiated by the CLI
+    without building the model, and `mula plan` on recipes/machines/h100.yaml's one node says it fits."""
+    import json
+    from pathlib import Path
+
+    from mula.cli import MulaCLI, main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen3-moe-15b-a2b.yaml"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["mula"])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+    class Probe(MulaCLI):
+        def _run_subcommand(self, subcommand: str) -> None:
+            pass
+
+    cli = Probe(args=["fit", "-c", str(recipe)])
+    config = cli.model.config
+    assert cli.model.model is None and config.name == "qwen3-moe-15b-a2b" and config.qk_norm_per_head
+    assert (config.aux_loss_scope, config.router_aux_loss_coef, config.router_z_loss_coef) == (
+        "global",
+        1e-3,
+        0,
+    )
+    assert cli.datamodule.seq_len <= config.max_position_embeddings
+    assert round(config.num_params() / 1e9, 1) == 15.6 and round(config.num_active_params() / 1e9, 1) == 2.0
+    main(["plan", "-c", str(recipe), "--machine=h100", "--nodes=1", "--format=json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["world_size"] == 8 and out["layout"]["ep_size"] == 8
+    assert out["fits"] and out["per_rank_bytes"]["total"] <= 80e9
