@@ -69,8 +69,6 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     model_type = d.get("model_type")
     if model_type not in SUPPORTED:
         raise _unsupported((d.get("architectures") or [model_type])[0])
-    if model_type == hf_qwen3_moe.MODEL_TYPE:
-        return hf_qwen3_moe.config_from_hf(d, name, _rope_theta(d))
     if d.get("clip_qkv") is not None:
         raise ValueError(
             f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None)."
@@ -79,6 +77,8 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
         raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported by Mula (SwiGLU uses silu).")
+    if model_type == hf_qwen3_moe.MODEL_TYPE:
+        return hf_qwen3_moe.config_from_hf(d, name, _rope_theta(d))
     moe = model_type == "olmoe"
     hidden = d.get("hidden_size", 2048 if moe else 4096)
     heads = d.get("num_attention_heads", 16 if moe else 32)
@@ -153,19 +153,16 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
-def check_router_bias(state_dict: dict[str, Tensor], family: str = "OLMoE") -> None:
-    """Refuse weights whose routers carry a non-zero balancing bias: transformers' `family` has no such term."""
+def check_router_bias(state_dict: dict[str, Tensor], config: MulaConfig | None = None) -> None:
+    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE and Qwen3-MoE
+    (the family `config` exports to) have no such term."""
+    family = "Qwen3-MoE" if config is not None and hf_qwen3_moe.exports(config) else "OLMoE"
     for key, value in state_dict.items():
         if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
             raise ValueError(
                 f"{key} is non-zero (router bias balancing, router_bias_update_rate > 0) and transformers' "
                 f"{family} cannot express a router bias, so exporting would silently change the routing."
             )
-
-
-def _family(config: MulaConfig) -> str:
-    """The transformers family name `config` exports to, for messages."""
-    return "Qwen3-MoE" if hf_qwen3_moe.exports(config) else "OLMoE"
 
 
 def config_to_hf(
@@ -297,7 +294,9 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
             continue
         else:
             out[_from_hf_key(key)] = value
-    for i in (i for i in range(config.num_layers) if per_expert and config.is_moe_layer(i)):
+    for i in range(config.num_layers if config.is_moe and per_expert else 0):
+        if not config.is_moe_layer(i):
+            continue  # a dense first block
         p = f"model.layers.{i}.mlp.experts"
         try:
             out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
@@ -342,7 +341,7 @@ def to_hf(model: Mula) -> Any:
     import transformers  # optional dependency: only needed here
 
     config = model.config
-    check_router_bias(model.state_dict(), _family(config))
+    check_router_bias(model.state_dict(), config)
     dtype = next(model.parameters()).dtype
     d = config_to_hf(config, dtype)
     arch = d["architectures"][0]
@@ -433,7 +432,7 @@ def export_hf(
     verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt, verify=False)  # verified above
-    check_router_bias(state, _family(config))
+    check_router_bias(state, config)
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)

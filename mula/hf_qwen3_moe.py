@@ -51,12 +51,9 @@ def _dense_prefix(d: dict[str, Any], layers: int) -> int:
 def config_from_hf(d: dict[str, Any], name: str, rope_theta: float) -> MulaConfig:
     """MulaConfig from a transformers Qwen3-MoE config dict; missing keys take transformers' defaults.
 
-    `rope_theta`: the plain-RoPE base `mula.hf` read (it refuses RoPE scaling).
+    `rope_theta`: the plain-RoPE base `mula.hf` read (it refuses RoPE scaling, attention biases and
+    activations other than silu before calling this).
     """
-    if d.get("attention_bias", False):
-        raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported by Mula (SwiGLU uses silu).")
     if d.get("use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by Mula (full causal attention only).")
     # transformers 5 writes num_local_experts (its attribute map), the published configs num_experts

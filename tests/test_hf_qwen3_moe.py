@@ -156,6 +156,8 @@ def test_config_mapping_and_refusals():
     with pytest.raises(ValueError, match=r"make blocks \[1\] dense"):
         config_from_hf({**base, "mlp_only_layers": [1]})
     assert config_from_hf({**base, "mlp_only_layers": [0, 1]}).num_dense_layers == 2
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        config_from_hf({**base, "attention_bias": True})
     with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
         config_from_hf({**base, "use_sliding_window": True})
     with pytest.raises(ValueError, match="RoPE scaling type 'yarn'"):

@@ -48,7 +48,8 @@ def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
     features normalised in `groups` independent groups (heads, under `qk_norm_per_head`)."""
     if config.norm == "rmsnorm":
         return 4 * dim + 4 * groups + r * dim
-    return 4 * dim + 8 * groups  # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
+    # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
+    return 4 * dim + 8 * groups
 
 
 def _attention(config: MulaConfig, b: int, t: int = 1) -> int:
