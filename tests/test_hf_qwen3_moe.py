@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf import randomize  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from mula import Mula, MulaConfig  # noqa: E402
@@ -30,14 +31,7 @@ VARIANTS = {  # the preset, and with a dense first block (mlp_only_layers=[0]), 
 def random_mula(overrides: dict) -> Mula:
     """The tiny preset with every weight random (norm weights around 1, not exactly 1)."""
     torch.manual_seed(0)
-    model = Mula(MulaConfig.from_name(PRESET, **overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.1)
-    return model
+    return randomize(Mula(MulaConfig.from_name(PRESET, **overrides)).eval(), std=0.1)
 
 
 def ids(vocab: int, seed: int = 0) -> torch.Tensor:
@@ -74,9 +68,7 @@ def test_from_a_transformers_model_and_its_aux_loss():
         norm_topk_prob=True, rope_theta=5000.0, mlp_only_layers=[0], rms_norm_eps=1e-6,
     )  # fmt: skip
     torch.manual_seed(1)
-    hf = Qwen3MoeForCausalLM(cfg).eval()
-    for name, p in hf.named_parameters():
-        p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    hf = randomize(Qwen3MoeForCausalLM(cfg).eval())
     x = ids(256, 1)
     out = hf(x, output_router_logits=True)
     mula = from_hf(hf)

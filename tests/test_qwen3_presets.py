@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_config import meta_counts
 
 from mula import Mula, MulaConfig
 
@@ -15,17 +16,6 @@ EXACT = {  # hand-computed below (test_exact_counts_by_hand)
     "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
     "qwen3-235b-a22b": (235_093_634_560, 22_190_763_520),
 }
-
-
-def meta_counts(cfg: MulaConfig) -> tuple[int, int]:
-    """(total, active) of the Mula module on the meta device; active keeps top_k/E of the experts."""
-    with torch.device("meta"):
-        model = Mula(cfg)
-    total = active = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        active += p.numel() * cfg.top_k // cfg.num_experts if ".experts." in name else p.numel()
-    return total, active
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
