@@ -18,6 +18,8 @@ BACKENDS = ("auto", "triton", "torch", "loop")
 # How the router's load-balancing loss counts expert frequencies, and how it picks experts.
 AUX_LOSS_SCOPES = ("micro_batch", "global")
 ROUTING_MODES = ("learned", "uniform")
+# How the router turns logits into scores (`mula.moe.router`): OLMoE/Qwen3-MoE's softmax, DeepSeek-V3's sigmoid.
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 def check_backend_name(backend: str) -> None:
@@ -38,7 +40,17 @@ class MulaConfig:
 
     `norm="layernorm"` is OLMo-1B's non-parametric LayerNorm (no weight, no bias); `"rmsnorm"` has a
     weight. With `qk_norm`, q and k are normalised (same norm kind) over the whole projection
-    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE.
+    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE; with
+    `qk_norm_per_head` too, each head's `head_dim` features are normalised on their own, by one norm
+    weight of `head_dim` shared by the heads, as Qwen3 does.
+
+    Routing (MoE; every option off by default, `mula.moe.router`): `router_scoring` "softmax" (OLMoE,
+    Qwen3-MoE) or "sigmoid" (DeepSeek-V3); group-limited routing over `n_group` equal groups of experts
+    of which each token may use `topk_group` (1 and 1: no limit); the kept scores renormalised to sum
+    to 1 with `norm_topk_prob`; the combine weights multiplied by `routed_scaling_factor`. `router_bias`
+    keeps the per-expert selection bias buffer (DeepSeek-V3's `e_score_correction_bias`) even when
+    `router_bias_update_rate` is 0, i.e. frozen (imported DeepSeek-V3 weights); a positive
+    `router_bias_update_rate` implies it and updates it after every step.
     """
 
     name: str = "custom"
@@ -53,11 +65,17 @@ class MulaConfig:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     qk_norm: bool = True
+    qk_norm_per_head: bool = False
     intermediate_size: int = 8192
     num_experts: int = 64
     top_k: int = 8
     expert_intermediate_size: int = 1024
     norm_topk_prob: bool = False
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
     num_dense_layers: int = 0
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
@@ -75,13 +93,17 @@ class MulaConfig:
     # so a run may change them when it starts from imported or earlier weights.
     ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-        "norm", "norm_eps", "qk_norm", "tie_embeddings", "num_experts",
+        "norm", "norm_eps", "qk_norm", "qk_norm_per_head", "tie_embeddings", "num_experts",
     )  # fmt: skip
     # ... plus, by kind of MLP, the fields that only one kind uses
     MOE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
         "top_k",
         "expert_intermediate_size",
         "norm_topk_prob",
+        "router_scoring",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
         "num_dense_layers",
     )
     DENSE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = ("intermediate_size",)
@@ -104,6 +126,8 @@ class MulaConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
             )
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise ValueError("qk_norm_per_head=True needs qk_norm=True (it says how the QK-norm normalises).")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
         check_backend_name(self.expert_backend)
@@ -144,6 +168,27 @@ class MulaConfig:
             raise ValueError(f"aux_loss_scope must be one of {AUX_LOSS_SCOPES}, got {self.aux_loss_scope!r}.")
         if self.routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}.")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS}, got {self.router_scoring!r}.")
+        if not self.routed_scaling_factor > 0.0:  # also refuses NaN
+            raise ValueError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}.")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"Group-limited routing needs n_group >= 1 and 1 <= topk_group <= n_group, got n_group="
+                f"{self.n_group}, topk_group={self.topk_group} (1 and 1: no group limit)."
+            )
+        if self.n_group > 1 and self.is_moe:
+            per_group, kept = divmod(self.num_experts, self.n_group)
+            if kept or per_group < 2:
+                raise ValueError(
+                    f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at "
+                    "least 2 experts (a group's score is the sum of its two best)."
+                )
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"top_k={self.top_k} exceeds the {self.topk_group * per_group} experts that "
+                    f"topk_group={self.topk_group} groups of {per_group} hold."
+                )
 
     # ----- resolved values ------------------------------------------------------------------
     @property
@@ -154,6 +199,11 @@ class MulaConfig:
     def is_moe_layer(self, index: int) -> bool:
         """True when block `index` has an MoE MLP (an MoE model's blocks from `num_dense_layers` on)."""
         return self.is_moe and index >= self.num_dense_layers
+
+    @property
+    def has_router_bias(self) -> bool:
+        """True when every router holds the selection bias buffer (`router_bias`, or bias balancing on)."""
+        return self.router_bias or self.router_bias_update_rate > 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -232,11 +282,17 @@ class MulaConfig:
         """Parameters of one block, MoE (`moe`, counting `experts` experts) or dense."""
         h = self.hidden_size
         n = self._attn_matmul_params() + 2 * self._norm_params(h)
-        if self.qk_norm:
-            n += self._norm_params(self.num_heads * self.head_size) + self._norm_params(
-                self.kv_heads * self.head_size
-            )
+        n += sum(self._norm_params(dim) for dim in self.qk_norm_dims())
         return n + self._mlp_matmul_params(experts, moe)
+
+    def qk_norm_dims(self) -> tuple[int, ...]:
+        """Features of the q and k norms' weights: () without QK-norm, (head_dim, head_dim) per head,
+        else the whole projections (num_heads * head_dim, num_kv_heads * head_dim)."""
+        if not self.qk_norm:
+            return ()
+        if self.qk_norm_per_head:
+            return (self.head_size, self.head_size)
+        return (self.num_heads * self.head_size, self.kv_heads * self.head_size)
 
     def _mlp_matmul_params(self, experts: int, moe: bool) -> int:
         """Matmul parameters of one block's MLP: router + `experts` experts if `moe`, else the SwiGLU."""
@@ -278,9 +334,8 @@ class MulaConfig:
                 (p + "attn.v_proj.weight", (kv, h)),
                 (p + "attn.o_proj.weight", (h, q)),
             ]
-            if self.qk_norm:
-                norm(p + "attn.q_norm", q)
-                norm(p + "attn.k_norm", kv)
+            for name, dim in zip(("attn.q_norm", "attn.k_norm"), self.qk_norm_dims()):
+                norm(p + name, dim)
             norm(p + "mlp_norm", h)
             if self.is_moe_layer(i):
                 e, f = self.num_experts, self.expert_intermediate_size
@@ -316,8 +371,8 @@ class MulaConfig:
         where N counts the matmul parameters a token goes through: attention projections, the dense
         MLP or the router plus `top_k` experts, and the LM head (even when tied). Embedding lookups and
         norms are not matmuls and are left out. The second term is the attention score and value
-        matmuls (QK^T and AV, forward + backward, no causal discount); `num_heads * head_dim` equals
-        `hidden_size` for every preset.
+        matmuls (QK^T and AV, forward + backward, no causal discount); `num_heads * head_dim` is
+        `hidden_size` for the OLMo/OLMoE-shaped presets, twice it for Qwen3-MoE's.
         """
         matmul = sum(self.layer_matmul_params(i) for i in range(self.num_layers))
         matmul += self.vocab_size * self.hidden_size
@@ -355,6 +410,19 @@ _OLMOE: dict[str, Any] = {
     "tie_embeddings": False,
 }  # fmt: skip
 
+# Qwen3-MoE (transformers' Qwen3MoeForCausalLM): per-head QK RMSNorm, head_dim 128 decoupled from
+# hidden/heads, GQA with 4 KV heads, 128 experts top-8 renormalised, no shared experts, every block MoE,
+# RoPE theta 1e6, RMSNorm eps 1e-6, untied head, vocabulary 151,936. Shapes from the published
+# config.json files, huggingface.co/Qwen/Qwen3-30B-A3B and huggingface.co/Qwen/Qwen3-235B-A22B
+# (intermediate_size is their dense MLP width, unused while every block is MoE). Router aux loss weight
+# 0.001 as there; no z-loss (transformers' Qwen3-MoE has none).
+_QWEN3_MOE: dict[str, Any] = {
+    "vocab_size": 151936, "num_kv_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "norm": "rmsnorm", "norm_eps": 1e-6, "qk_norm": True, "qk_norm_per_head": True,
+    "num_experts": 128, "top_k": 8, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+    "router_z_loss_coef": 0.0, "init_std": 0.02, "tie_embeddings": False,
+}  # fmt: skip
+
 PRESETS: dict[str, dict[str, Any]] = {
     # a few million parameters; vocab 4096 = the demo tokenizer's size; trains on 2 CPU cores
     "mula-tiny-moe": {
@@ -366,6 +434,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_OLMOE, "name": "mula-tiny-dense", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
         "num_heads": 4, "max_position_embeddings": 1024, "norm": "layernorm", "qk_norm": False,
         "num_experts": 0, "intermediate_size": 512,
+    },
+    # Qwen3-MoE's structure at test size (head_dim 64 != hidden/heads = 32, 2 KV heads)
+    "qwen3-moe-tiny": {
+        **_QWEN3_MOE, "name": "qwen3-moe-tiny", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "max_position_embeddings": 1024,
+        "intermediate_size": 256, "num_experts": 16, "top_k": 4, "expert_intermediate_size": 64,
+    },
+    # 30.5B total, 3.3B active (model card)
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE, "name": "qwen3-30b-a3b", "hidden_size": 2048, "num_layers": 48, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
+    # A single-node size of the family: transformers' Qwen3MoeConfig defaults ("Qwen3-15B-A2B" style),
+    # i.e. 24 of Qwen3-30B-A3B's blocks: 15.6B total, 2.0B active (recipes/qwen3-moe-15b-a2b.yaml)
+    "qwen3-moe-15b-a2b": {
+        **_QWEN3_MOE, "name": "qwen3-moe-15b-a2b", "hidden_size": 2048, "num_layers": 24, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
+    # 235B total, 22B active (model card)
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE, "name": "qwen3-235b-a22b", "hidden_size": 4096, "num_layers": 94, "num_heads": 64,
+        "intermediate_size": 12288, "expert_intermediate_size": 1536,
     },
     # = OLMo-1B-hf (untied, non-parametric LayerNorm, no QK-norm)
     "mula-1b": {

@@ -1,4 +1,6 @@
-"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense).
+"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE), OLMo (dense) and Qwen3-MoE.
+
+Qwen3-MoE shares OLMoE's weight names; its config mapping is `mula.hf_qwen3_moe`.
 
 - `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
 - `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mula import hf_tokenizer
+from mula import hf_qwen3_moe, hf_tokenizer
 from mula.checkpoint import (
     atomic_write,
     model_from_state_dict,
@@ -35,7 +37,11 @@ from mula.checkpoint import (
 from mula.config import MulaConfig
 from mula.model import Mula
 
-SUPPORTED = {"olmoe": "OlmoeForCausalLM", "olmo": "OlmoForCausalLM"}
+SUPPORTED = {
+    "olmoe": "OlmoeForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE,
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -56,7 +62,7 @@ def _rope_theta(d: dict[str, Any]) -> float:
 
 
 def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
-    """MulaConfig from a transformers OLMoE/OLMo config dict (config.json or `config.to_dict()`).
+    """MulaConfig from a transformers OLMoE/OLMo/Qwen3-MoE config dict (config.json or `config.to_dict()`).
 
     Missing keys take transformers' defaults for that model type, i.e. what transformers would load.
     """
@@ -71,6 +77,8 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
         raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported by Mula (SwiGLU uses silu).")
+    if model_type == hf_qwen3_moe.MODEL_TYPE:
+        return hf_qwen3_moe.config_from_hf(d, name, _rope_theta(d))
     moe = model_type == "olmoe"
     hidden = d.get("hidden_size", 2048 if moe else 4096)
     heads = d.get("num_attention_heads", 16 if moe else 32)
@@ -111,7 +119,25 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     )
 
 
+def check_softmax_routing(config: MulaConfig, family: str) -> None:
+    """Refuse an MoE config whose routing `family`'s softmax top-k router cannot express."""
+    if not config.is_moe:
+        return
+    options = {
+        "router_scoring": (config.router_scoring, "softmax"),
+        "n_group": (config.n_group, 1),
+        "routed_scaling_factor": (config.routed_scaling_factor, 1.0),
+    }
+    for field, (value, plain) in options.items():
+        if value != plain:
+            raise ValueError(
+                f"transformers' {family} routes by a softmax top-k without groups or scaling, so a model with "
+                f"{field}={value!r} (Mula's default: {plain!r}) cannot be exported to it."
+            )
+
+
 def _check_expressible(config: MulaConfig) -> None:
+    check_softmax_routing(config, "OLMoE")
     if config.num_dense_layers:
         raise ValueError(
             f"transformers' OLMoE has an MoE MLP in every block, so a model whose first "
@@ -127,13 +153,15 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
-def check_router_bias(state_dict: dict[str, Tensor]) -> None:
-    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE has no such term."""
+def check_router_bias(state_dict: dict[str, Tensor], config: MulaConfig | None = None) -> None:
+    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE and Qwen3-MoE
+    (the family `config` exports to) have no such term."""
+    family = "Qwen3-MoE" if config is not None and hf_qwen3_moe.exports(config) else "OLMoE"
     for key, value in state_dict.items():
         if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
             raise ValueError(
                 f"{key} is non-zero (router bias balancing, router_bias_update_rate > 0) and transformers' "
-                "OLMoE cannot express a router bias, so exporting would silently change the routing."
+                f"{family} cannot express a router bias, so exporting would silently change the routing."
             )
 
 
@@ -145,6 +173,9 @@ def config_to_hf(
     `token_ids`: eos/bos/pad_token_id of the exported tokenizer (`hf_tokenizer.special_token_ids`);
     None without one. (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
     """
+    if hf_qwen3_moe.exports(config):
+        check_softmax_routing(config, "Qwen3-MoE")
+        return hf_qwen3_moe.config_to_hf(config, dtype, token_ids)
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {
@@ -248,7 +279,7 @@ def iter_hf_tensors(
 
 
 def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Mula state dict from transformers OLMoE/OLMo weights, per-expert (4.x, files) or fused (5.x)."""
+    """Mula state dict from transformers OLMoE/OLMo/Qwen3-MoE weights, per-expert (4.x, files) or fused (5.x)."""
     out: dict[str, Tensor] = {}
     per_expert: dict[str, Tensor] = {}
     for key, value in hf_state.items():
@@ -264,6 +295,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
         else:
             out[_from_hf_key(key)] = value
     for i in range(config.num_layers if config.is_moe and per_expert else 0):
+        if not config.is_moe_layer(i):
+            continue  # a dense first block
         p = f"model.layers.{i}.mlp.experts"
         try:
             out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
@@ -289,7 +322,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
 
 # ----- in memory -------------------------------------------------------------------------------
 def from_hf(hf_model: Any) -> Mula:
-    """A `Mula` with the weights of a transformers `OlmoeForCausalLM` or `OlmoForCausalLM`."""
+    """A `Mula` with the weights of a transformers `OlmoeForCausalLM`, `OlmoForCausalLM` or
+    `Qwen3MoeForCausalLM`."""
     cls_name = type(hf_model).__name__
     if cls_name not in SUPPORTED.values():
         raise _unsupported(cls_name)
@@ -302,11 +336,12 @@ def from_hf(hf_model: Any) -> Mula:
 
 
 def to_hf(model: Mula) -> Any:
-    """A transformers `OlmoeForCausalLM` (MoE) or `OlmoForCausalLM` (dense) with `model`'s weights."""
+    """A transformers `OlmoeForCausalLM` (MoE), `OlmoForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE
+    with per-head QK-norm) with `model`'s weights."""
     import transformers  # optional dependency: only needed here
 
     config = model.config
-    check_router_bias(model.state_dict())
+    check_router_bias(model.state_dict(), config)
     dtype = next(model.parameters()).dtype
     d = config_to_hf(config, dtype)
     arch = d["architectures"][0]
@@ -350,7 +385,7 @@ def _read_hf_state(hf_dir: Path) -> dict[str, Tensor]:
 
 
 def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike) -> Mula:
-    """Convert a transformers OLMoE/OLMo directory (config.json + weights) into a Mula weights file."""
+    """Convert a transformers OLMoE/OLMo/Qwen3-MoE directory (config.json + weights) into a Mula weights file."""
     hf_dir, output = Path(hf_dir), Path(output)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {hf_dir} does not exist.")
@@ -397,7 +432,7 @@ def export_hf(
     verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt, verify=False)  # verified above
-    check_router_bias(state)
+    check_router_bias(state, config)
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)
