@@ -44,3 +44,27 @@ def test_mula_plan_on_the_recipe_files_is_the_reference_layout(name, capsys, mon
     reference = plan_memory(MulaConfig.from_name(name), run.layout())
     assert plan["per_rank_bytes"] == reference.per_rank_bytes()
     assert plan["fits"]
+
+
+def test_weak_scaling_loses_to_contention_beyond_one_network_group():
+    import dataclasses
+
+    from mula.plan.command import scaling
+    from mula.plan.settings import PlanInputs
+
+    aurora = load_machine("aurora")
+    assert aurora.cross_group_slowdown(64) == 1.0  # one Dragonfly group
+    ratio = aurora.inter_node_gbps / (aurora.global_gbps_per_node / aurora.tiles_per_node)
+    assert aurora.cross_group_slowdown(128) == pytest.approx(
+        1 + 0.5 * (ratio - 1)
+    )  # half the traffic crosses
+    run, config = OPTIMUS_RUNS["mula-220b-a10b"], MulaConfig.from_name("mula-220b-a10b")
+
+    def curve(machine):
+        inputs = PlanInputs(config, run.layout(32), run.global_batch(32), machine.device_bytes, "", machine)
+        return {r["nodes"]: r["weak_efficiency"] for r in scaling(inputs, 32, [32, 512, 1024])}
+
+    with_groups, without = curve(aurora), curve(dataclasses.replace(aurora, nodes_per_group=None))
+    assert with_groups[512] == pytest.approx(without[512])  # a stage's 64 nodes stay in one group
+    assert with_groups[1024] < without[1024] - 0.05  # 128 nodes per stage: two groups
+    assert 0.8 < with_groups[1024] < 0.95  # the paper: about 90 % at 12,288 tiles

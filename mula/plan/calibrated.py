@@ -31,16 +31,24 @@ def curve(machine: Machine, kind: str, group: int, inter: bool) -> Curve | None:
 
 
 def collective_seconds(
-    machine: Machine, kind: str, group: int, inter: bool, bus_bytes: float, calls: float, bytes_per_s: float
+    machine: Machine,
+    kind: str,
+    group: int,
+    inter: bool,
+    bus_bytes: float,
+    calls: float,
+    bytes_per_s: float,
+    slowdown: float = 1.0,
 ) -> float:
     """Seconds for `calls` calls of `kind` moving `bus_bytes` in total: the calibrated alpha + beta
-    curve, else `bus_bytes / bytes_per_s` (the machine file's bandwidth, no latency)."""
+    curve, else `bus_bytes / bytes_per_s` (the machine file's bandwidth, no latency); the bandwidth
+    term `slowdown` times slower (contention on the global links, `Machine.cross_group_slowdown`)."""
     if group <= 1 or (bus_bytes == 0 and calls == 0):
         return 0.0
     measured = curve(machine, kind, group, inter)
     if measured is None:
-        return bus_bytes / bytes_per_s
-    return measured.seconds(bus_bytes, calls)
+        return slowdown * bus_bytes / bytes_per_s
+    return calls * measured.alpha_s + slowdown * measured.beta_s_per_byte * bus_bytes
 
 
 def compute_flops_per_s(machine: Machine, compute_bytes: int, forward: bool = False) -> float:

@@ -318,23 +318,20 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     # leave the node once the stage does
     spans = layout.dp_size > node
     bw = inter if spans else intra
+    # beyond one network group the data-parallel collectives share the global links (contention)
+    contention = machine.cross_group_slowdown(layout.dp_size / node) if spans else 1.0
     reduce_kind = "reduce_scatter" if layout.shard_optimizer else "all_reduce"
     m = max(1, layout.micro_batches)
     backward = compute * 2 / 3 / m  # one micro-batch's backward, which a gradient reduction overlaps
     # ZeRO-2 reduces after every micro-batch, everything else once, during the last backward
     rounds = vol.grad_rounds
     one_round = collective_seconds(
-        machine,
-        reduce_kind,
-        layout.dp_size,
-        spans,
-        vol.grad_reduce / rounds,
-        vol.grad_reduce_calls / rounds,
-        bw,
-    )
+        machine, reduce_kind, layout.dp_size, spans, vol.grad_reduce / rounds, vol.grad_reduce_calls / rounds, bw,
+        contention,
+    )  # fmt: skip
     grad_sync = rounds * max(0.0, one_round - backward)
     gather = collective_seconds(
-        machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw
+        machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw, contention
     )
     if layout.overlap_param_gather:
         gather = max(0.0, gather - compute / 3 / m)
