@@ -18,6 +18,8 @@ BACKENDS = ("auto", "triton", "torch", "loop")
 # How the router's load-balancing loss counts expert frequencies, and how it picks experts.
 AUX_LOSS_SCOPES = ("micro_batch", "global")
 ROUTING_MODES = ("learned", "uniform")
+# How the router turns logits into scores (`mula.moe.router`): OLMoE/Qwen3-MoE's softmax, DeepSeek-V3's sigmoid.
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 def check_backend_name(backend: str) -> None:
@@ -48,6 +50,14 @@ class MulaConfig:
     DeepSeek-V2-Lite), per-head query/key widths `qk_nope_head_dim` + `qk_rope_head_dim` (RoPE on the
     latter only, one RoPE key shared by all heads) and value width `v_head_dim`. MLA ignores `head_dim`,
     `num_kv_heads` and `qk_norm` (its latents have their own RMSNorms).
+
+    Routing (MoE; every option off by default, `mula.moe.router`): `router_scoring` "softmax" (OLMoE,
+    Qwen3-MoE) or "sigmoid" (DeepSeek-V3); group-limited routing over `n_group` equal groups of experts
+    of which each token may use `topk_group` (1 and 1: no limit); the kept scores renormalised to sum
+    to 1 with `norm_topk_prob`; the combine weights multiplied by `routed_scaling_factor`. `router_bias`
+    keeps the per-expert selection bias buffer (DeepSeek-V3's `e_score_correction_bias`) even when
+    `router_bias_update_rate` is 0, i.e. frozen (imported DeepSeek-V3 weights); a positive
+    `router_bias_update_rate` implies it and updates it after every step.
     """
 
     name: str = "custom"
@@ -67,6 +77,11 @@ class MulaConfig:
     top_k: int = 8
     expert_intermediate_size: int = 1024
     norm_topk_prob: bool = False
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
     num_dense_layers: int = 0
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
@@ -99,6 +114,10 @@ class MulaConfig:
         "top_k",
         "expert_intermediate_size",
         "norm_topk_prob",
+        "router_scoring",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
         "num_dense_layers",
     )
     DENSE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = ("intermediate_size",)
@@ -199,6 +218,27 @@ class MulaConfig:
             raise ValueError(f"aux_loss_scope must be one of {AUX_LOSS_SCOPES}, got {self.aux_loss_scope!r}.")
         if self.routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}.")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS}, got {self.router_scoring!r}.")
+        if not self.routed_scaling_factor > 0.0:  # also refuses NaN
+            raise ValueError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}.")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"Group-limited routing needs n_group >= 1 and 1 <= topk_group <= n_group, got n_group="
+                f"{self.n_group}, topk_group={self.topk_group} (1 and 1: no group limit)."
+            )
+        if self.n_group > 1 and self.is_moe:
+            per_group, kept = divmod(self.num_experts, self.n_group)
+            if kept or per_group < 2:
+                raise ValueError(
+                    f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at "
+                    "least 2 experts (a group's score is the sum of its two best)."
+                )
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"top_k={self.top_k} exceeds the {self.topk_group * per_group} experts that "
+                    f"topk_group={self.topk_group} groups of {per_group} hold."
+                )
 
     # ----- resolved values ------------------------------------------------------------------
     @property
@@ -209,6 +249,11 @@ class MulaConfig:
     def is_moe_layer(self, index: int) -> bool:
         """True when block `index` has an MoE MLP (an MoE model's blocks from `num_dense_layers` on)."""
         return self.is_moe and index >= self.num_dense_layers
+
+    @property
+    def has_router_bias(self) -> bool:
+        """True when every router holds the selection bias buffer (`router_bias`, or bias balancing on)."""
+        return self.router_bias or self.router_bias_update_rate > 0
 
     @property
     def num_moe_layers(self) -> int:

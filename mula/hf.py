@@ -111,7 +111,25 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     )
 
 
+def check_softmax_routing(config: MulaConfig, family: str) -> None:
+    """Refuse an MoE config whose routing `family`'s softmax top-k router cannot express."""
+    if not config.is_moe:
+        return
+    options = {
+        "router_scoring": (config.router_scoring, "softmax"),
+        "n_group": (config.n_group, 1),
+        "routed_scaling_factor": (config.routed_scaling_factor, 1.0),
+    }
+    for field, (value, plain) in options.items():
+        if value != plain:
+            raise ValueError(
+                f"transformers' {family} routes by a softmax top-k without groups or scaling, so a model with "
+                f"{field}={value!r} (Mula's default: {plain!r}) cannot be exported to it."
+            )
+
+
 def _check_expressible(config: MulaConfig) -> None:
+    check_softmax_routing(config, "OLMoE")
     if config.num_dense_layers:
         raise ValueError(
             f"transformers' OLMoE has an MoE MLP in every block, so a model whose first "

@@ -43,8 +43,12 @@ class MoELayer(nn.Module):
             config.num_experts,
             config.top_k,
             config.norm_topk_prob,
-            use_bias=config.router_bias_update_rate > 0,
+            use_bias=config.has_router_bias,
             mode=config.routing_mode,
+            scoring=config.router_scoring,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            scaling_factor=config.routed_scaling_factor,
         )
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_backend
