@@ -525,6 +525,22 @@ _OLMOE: dict[str, Any] = {
     "tie_embeddings": False,
 }  # fmt: skip
 
+# DeepSeek-V3 (arXiv 2412.19437 and deepseek-ai/DeepSeek-V3's config.json): MLA, 3 dense blocks, 1 shared +
+# 256 routed experts top-8 by sigmoid scores in 8 groups of which 4, scaled by 2.5. Pretrained at 4K context
+# (YaRN extends it afterwards; Mula has no YaRN), init std 0.006 (the report's; config.json says 0.02).
+# Balancing as the report: the bias (update speed 0.001) and a balance loss of weight 1e-4 -- Mula's loss is
+# top_k times DeepSeek's and over the batch, not per sequence, so 1e-4 / 8. No z-loss.
+_DEEPSEEK_V3: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 7168, "num_layers": 61, "num_heads": 128,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "norm": "rmsnorm", "norm_eps": 1e-6,
+    "qk_norm": False, "intermediate_size": 18432, "num_experts": 256, "top_k": 8,
+    "expert_intermediate_size": 2048, "norm_topk_prob": True, "router_scoring": "sigmoid", "n_group": 8,
+    "topk_group": 4, "routed_scaling_factor": 2.5, "router_bias": True, "router_bias_update_rate": 0.001,
+    "router_aux_loss_coef": 1.25e-5, "router_z_loss_coef": 0.0, "num_dense_layers": 3,
+    "num_shared_experts": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "init_std": 0.006, "tie_embeddings": False,
+}  # fmt: skip
+
 PRESETS: dict[str, dict[str, Any]] = {
     # a few million parameters; vocab 4096 = the demo tokenizer's size; trains on 2 CPU cores
     "mula-tiny-moe": {
@@ -568,4 +584,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         }
         for name, layers, hidden, heads in (("mula-gpt-175b", 96, 12288, 96), ("mula-gpt-1t", 128, 25600, 160))
     },
+    # The DeepSeek-V3 family (docs/models.md). A tiny test shape: every feature on (MLA with a q latent,
+    # a dense first block, one shared expert, sigmoid routing over 4 groups of which 2, scaling, bias).
+    "deepseek-v3-tiny": {
+        **_DEEPSEEK_V3, "name": "deepseek-v3-tiny", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "max_position_embeddings": 1024, "intermediate_size": 384, "num_experts": 16,
+        "top_k": 4, "expert_intermediate_size": 64, "n_group": 4, "topk_group": 2, "num_dense_layers": 1,
+        "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    },
+    # = DeepSeek-V3 (-Base), deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active (the multi-
+    # token prediction module's 14B are not in the published 671B, nor here)
+    "deepseek-v3-671b": {**_DEEPSEEK_V3, "name": "deepseek-v3-671b"},
+    # = Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, a DeepseekV3ForCausalLM; arXiv 2502.16982):
+    # DeepSeek-V2-Lite's scale (27 layers, 64 experts top-6, 2 shared, no q latent) with V3's sigmoid router
+    "deepseek-v3-16b": {
+        **_DEEPSEEK_V3, "name": "deepseek-v3-16b", "vocab_size": 163840, "hidden_size": 2048, "num_layers": 27,
+        "num_heads": 16, "max_position_embeddings": 8192, "rope_theta": 50000.0, "norm_eps": 1e-5,
+        "intermediate_size": 11264, "num_experts": 64, "top_k": 6, "expert_intermediate_size": 1408,
+        "num_shared_experts": 2, "num_dense_layers": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.446, "q_lora_rank": None,
+    },
+    # Optimus' 1.1T DeepSeek-V3 variant (IntelLabs/Optimus-LM submit_dsv3-1trillion_job.pbs:
+    # MODEL_CHOICE=deepseek-ai/DeepSeek-V3--N264-L96, i.e. DeepSeek-V3 with 96 layers and 264 routed
+    # experts, everything else as published; optimus/config_utils.py): 1.11T parameters, 58B active
+    "deepseek-v3-1.1t": {**_DEEPSEEK_V3, "name": "deepseek-v3-1.1t", "num_layers": 96, "num_experts": 264},
 }  # fmt: skip

@@ -1,4 +1,5 @@
-"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense).
+"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense), and DeepSeek-V3
+(`mula.hf_deepseek_v3` holds that family's config mapping; the dispatch is here).
 
 - `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
 - `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mula import hf_tokenizer
+from mula import hf_deepseek_v3, hf_tokenizer
 from mula.checkpoint import (
     atomic_write,
     model_from_state_dict,
@@ -35,7 +36,11 @@ from mula.checkpoint import (
 from mula.config import MulaConfig
 from mula.model import Mula
 
-SUPPORTED = {"olmoe": "OlmoeForCausalLM", "olmo": "OlmoForCausalLM"}
+SUPPORTED = {
+    "olmoe": "OlmoeForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    hf_deepseek_v3.MODEL_TYPE: hf_deepseek_v3.ARCHITECTURE,
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -63,6 +68,8 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     model_type = d.get("model_type")
     if model_type not in SUPPORTED:
         raise _unsupported((d.get("architectures") or [model_type])[0])
+    if model_type == hf_deepseek_v3.MODEL_TYPE:
+        return hf_deepseek_v3.config_from_hf(d, name)
     if d.get("clip_qkv") is not None:
         raise ValueError(
             f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None)."
@@ -130,6 +137,10 @@ def check_softmax_routing(config: MulaConfig, family: str) -> None:
 
 def _check_expressible(config: MulaConfig) -> None:
     check_softmax_routing(config, "OLMoE")
+    if config.num_shared_experts:
+        raise ValueError(
+            "transformers' OLMoE has no shared experts; a model with num_shared_experts cannot be exported to it."
+        )
     if config.num_dense_layers:
         raise ValueError(
             f"transformers' OLMoE has an MoE MLP in every block, so a model whose first "
@@ -145,8 +156,11 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
-def check_router_bias(state_dict: dict[str, Tensor]) -> None:
-    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE has no such term."""
+def check_router_bias(state_dict: dict[str, Tensor], config: MulaConfig | None = None) -> None:
+    """Refuse weights whose routers carry a non-zero balancing bias where the target cannot hold it:
+    transformers' OLMoE has no such term (`config` a DeepSeek-V3: its `e_score_correction_bias` is one)."""
+    if config is not None and hf_deepseek_v3.is_family(config):
+        return
     for key, value in state_dict.items():
         if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
             raise ValueError(
@@ -162,7 +176,10 @@ def config_to_hf(
 
     `token_ids`: eos/bos/pad_token_id of the exported tokenizer (`hf_tokenizer.special_token_ids`);
     None without one. (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
+    A config with multi-head latent attention is a DeepSeek-V3 (`mula.hf_deepseek_v3.config_to_hf`).
     """
+    if hf_deepseek_v3.is_family(config):
+        return hf_deepseek_v3.config_to_hf(config, dtype, token_ids)
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {
@@ -244,11 +261,17 @@ def iter_hf_tensors(
     Experts come out per expert (4.x / on-disk layout) or fused like transformers 5.x modules.
     A tied LM head is left out (transformers re-ties it).
     """
+    deepseek = hf_deepseek_v3.is_family(config)
     for key, value in state_dict.items():
         if key == "lm_head.weight" and config.tie_embeddings:
             continue
+        if deepseek and key.endswith(".mlp.router.weight") and not config.has_router_bias:
+            # DeepSeek-V3 always has the correction bias; without Mula's, it is zero
+            yield _to_hf_key(key).replace(".weight", ".e_score_correction_bias"), torch.zeros(value.shape[0])
         if key.endswith(ROUTER_BIAS):
-            continue  # all zero (`check_router_bias`): OLMoE's routing without it is the same
+            if deepseek:
+                yield _to_hf_key(key).replace(".bias", ".e_score_correction_bias"), value
+            continue  # else all zero (`check_router_bias`): OLMoE's routing without it is the same
         if ".mlp.experts." not in key:
             yield _to_hf_key(key), value
             continue
@@ -270,8 +293,11 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
     out: dict[str, Tensor] = {}
     per_expert: dict[str, Tensor] = {}
     for key, value in hf_state.items():
-        if ".rotary_emb." in key:
-            continue  # non-persistent buffers some versions saved; Mula recomputes RoPE
+        if ".rotary_emb." in key or hf_deepseek_v3.is_mtp_key(config, key):
+            continue  # non-persistent buffers some versions saved (Mula recomputes RoPE); MTP modules
+        if key.endswith(hf_deepseek_v3.ROUTER_BIAS_HF):
+            out[_from_hf_key(key).replace(".e_score_correction_bias", ".bias")] = value
+            continue
         if ".mlp.experts." in key and key.endswith(".weight"):
             per_expert[key] = value
         elif key.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
@@ -282,6 +308,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
         else:
             out[_from_hf_key(key)] = value
     for i in range(config.num_layers if config.is_moe and per_expert else 0):
+        if not config.is_moe_layer(i):
+            continue  # a dense first block
         p = f"model.layers.{i}.mlp.experts"
         try:
             out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
@@ -324,7 +352,7 @@ def to_hf(model: Mula) -> Any:
     import transformers  # optional dependency: only needed here
 
     config = model.config
-    check_router_bias(model.state_dict())
+    check_router_bias(model.state_dict(), config)
     dtype = next(model.parameters()).dtype
     d = config_to_hf(config, dtype)
     arch = d["architectures"][0]
@@ -415,7 +443,7 @@ def export_hf(
     verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt, verify=False)  # verified above
-    check_router_bias(state)
+    check_router_bias(state, config)
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)

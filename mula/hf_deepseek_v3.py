@@ -49,9 +49,15 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     layers = d.get("num_hidden_layers", 61)
     dense = d.get("first_k_dense_replace", 3)
     refusals = (
-        (d.get("hidden_act", "silu") != "silu", f"hidden_act={d.get('hidden_act')!r} (Mula's SwiGLU uses silu)"),
+        (
+            d.get("hidden_act", "silu") != "silu",
+            f"hidden_act={d.get('hidden_act')!r} (Mula's SwiGLU uses silu)",
+        ),
         (bool(d.get("attention_bias", False)), "attention_bias=True (Mula has no biases)"),
-        (d.get("rope_interleave", True) is False, "rope_interleave=False (Mula uses DeepSeek's interleaved layout)"),
+        (
+            d.get("rope_interleave", True) is False,
+            "rope_interleave=False (Mula uses DeepSeek's interleaved layout)",
+        ),
         (d.get("num_key_value_heads") not in (None, heads), "num_key_value_heads != num_attention_heads"),
         (d.get("n_shared_experts", 1) in (0, None), "n_shared_experts=0"),
         (dense >= layers, f"first_k_dense_replace={dense} >= num_hidden_layers={layers} (no MoE block)"),
@@ -65,6 +71,7 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
         "n_group": d.get("n_group", 8),
         "topk_group": d.get("topk_group", 4),
         "routed_scaling_factor": float(d.get("routed_scaling_factor", 2.5)),
+        "router_bias": True,  # the checkpoint's e_score_correction_bias, kept (frozen unless balancing is on)
     }
     return MulaConfig(
         name=name,
