@@ -47,14 +47,18 @@ LAYOUTS = [
 
 
 def _module(
-    activation_checkpointing: str = "none", bias_rate: float = 0.0, dense_layers: int = 0
+    activation_checkpointing: str = "none",
+    bias_rate: float = 0.0,
+    dense_layers: int = 0,
+    model: tuple[str, dict] = ("mula-tiny-moe", OVERRIDES),
 ) -> MulaLightningModule:
+    """The test's module: `model` = (preset, overrides), by default the tiny OLMoE-style shape above."""
     torch.manual_seed(0)
-    overrides = {**OVERRIDES, "router_bias_update_rate": bias_rate}
+    preset, overrides = model[0], {**model[1], "router_bias_update_rate": bias_rate}
     if dense_layers:  # the first blocks dense, a SwiGLU of width 64
         overrides.update(num_dense_layers=dense_layers, intermediate_size=64)
     return MulaLightningModule(
-        "mula-tiny-moe", overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
+        preset, overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
         activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
 
@@ -120,6 +124,7 @@ def _fit(
     activation_checkpointing="none",
     bias_rate: float = 0.0,
     dense_layers: int = 0,
+    model: tuple[str, dict] = ("mula-tiny-moe", OVERRIDES),
 ):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
@@ -139,7 +144,8 @@ def _fit(
         precision=precision,
         gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
     )
-    trainer.fit(_module(activation_checkpointing, bias_rate, dense_layers), loader, ckpt_path=ckpt_path)
+    module = _module(activation_checkpointing, bias_rate, dense_layers, model)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     return losses, trainer
 
 
