@@ -56,9 +56,9 @@ def _latent_attention(config: MulaConfig, b: int) -> int:
     The q latent's norm (as a pre-norm on `q_lora_rank` features, its output saved by `q_b_proj`); the
     kv latent's norm (its fp32 input is a view of the `kv_a_proj_with_mqa` output when that is fp32
     already, so the whole output's storage counts: latent + RoPE key) and `kv_b_proj`'s input; SDPA's q,
-    k, v and output, each `max(qk width, v width)` per head (the narrower side is zero-padded) and its
-    log-sum-exp; with padding, `o_proj`'s input is a copy of the output's first v columns. RoPE saves
-    nothing per token (its tables only)."""
+    k, v and output, each `max(qk width, v width)` per head (the narrower side is zero-padded; an unpadded
+    v is a view of `kv_b_proj`'s output, which then stays whole) and its log-sum-exp; `o_proj`'s input,
+    a copy of the output's v columns. RoPE saves nothing per token (its tables only)."""
     heads, kv_rank, rope = config.num_heads, int(config.kv_lora_rank or 0), config.qk_rope_head_dim
     out = 0
     if config.q_lora_rank is not None:
@@ -66,10 +66,12 @@ def _latent_attention(config: MulaConfig, b: int) -> int:
     norm_input = 4 * (kv_rank + rope) if b == 4 else 4 * kv_rank
     out += norm_input + 4 + 2 * b * kv_rank  # + rstd, the normalised latent and the weight's product
     width = max(config.qk_head_size, config.v_head_size)
-    out += 4 * b * heads * width + 4 * heads
+    out += 3 * b * heads * width + 4 * heads  # q, k, output; log-sum-exp
     if width != config.v_head_size:
-        out += b * heads * config.v_head_size
-    return out
+        out += b * heads * width  # the zero-padded v
+    else:  # v is a view of kv_b_proj's output: its whole storage (no-RoPE keys and values) stays
+        out += b * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    return out + b * heads * config.v_head_size  # o_proj's input: a copy of the output's v columns
 
 
 def _attention(config: MulaConfig, b: int, t: int = 1) -> int:
