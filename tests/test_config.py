@@ -222,3 +222,27 @@ def test_architecture_fields_name_real_fields_and_resolve_defaults():
     assert config.architecture_differences(mixed) == [
         "intermediate_size: 64 vs None", "num_dense_layers: 1 vs 0",
     ]  # fmt: skip
+
+
+def test_shared_experts_are_dense_parameters_and_mla_refuses_tensor_parallelism():
+    """Shared experts sit under `shared_experts`, not `experts`: replicated over the expert-parallel group
+    and sharded by the optimizer as dense weights (the planner's ParamSpec agrees)."""
+    from mula.layout_rules import check_tensor_parallel
+    from mula.param_names import is_expert_param
+    from mula.plan.parameters import model_parameters
+
+    cfg = MulaConfig.from_name("deepseek-v3-tiny")
+    specs = {p.name: p for p in model_parameters(cfg)}
+    shared = [n for n in specs if ".shared_experts." in n]
+    assert len(shared) == 3 * cfg.num_moe_layers and not any(specs[n].is_expert for n in shared)
+    assert not is_expert_param("layers.1.mlp.shared_experts.gate_proj.weight")
+    assert is_expert_param("layers.1.mlp.experts.gate_up")
+    dense_mla = MulaConfig.from_name(
+        "deepseek-v3-tiny", num_experts=0, num_dense_layers=0, num_shared_experts=0
+    )
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        check_tensor_parallel(dense_mla, 2, 1)
+    with pytest.raises(ValueError, match="set kv_lora_rank"):
+        MulaConfig.from_name("mula-tiny-moe", qk_rope_head_dim=16)
+    with pytest.raises(ValueError, match="num_shared_experts needs an MoE model"):
+        MulaConfig.from_name("mula-tiny-dense", num_shared_experts=1)
