@@ -40,7 +40,9 @@ class MulaConfig:
 
     `norm="layernorm"` is OLMo-1B's non-parametric LayerNorm (no weight, no bias); `"rmsnorm"` has a
     weight. With `qk_norm`, q and k are normalised (same norm kind) over the whole projection
-    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE.
+    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE; with
+    `qk_norm_per_head` too, each head's `head_dim` features are normalised on their own, by one norm
+    weight of `head_dim` shared by the heads, as Qwen3 does.
 
     DeepSeek-V3 family (each off by default): `num_shared_experts` SwiGLU experts of width
     `shared_expert_intermediate_size` (None = `expert_intermediate_size`) that every token goes through,
@@ -72,6 +74,7 @@ class MulaConfig:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     qk_norm: bool = True
+    qk_norm_per_head: bool = False
     intermediate_size: int = 8192
     num_experts: int = 64
     top_k: int = 8
@@ -107,7 +110,7 @@ class MulaConfig:
     # so a run may change them when it starts from imported or earlier weights.
     ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-        "norm", "norm_eps", "qk_norm", "tie_embeddings", "num_experts",
+        "norm", "norm_eps", "qk_norm", "qk_norm_per_head", "tie_embeddings", "num_experts",
     )  # fmt: skip
     # ... plus, by kind of MLP, the fields that only one kind uses
     MOE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -145,6 +148,8 @@ class MulaConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
             )
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise ValueError("qk_norm_per_head=True needs qk_norm=True (it says how the QK-norm normalises).")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
         check_backend_name(self.expert_backend)
@@ -383,8 +388,9 @@ class MulaConfig:
             ("v_proj.weight", (kv, h)),
             ("o_proj.weight", (h, q)),
         ]
-        if self.qk_norm and self._norm_params(q):
-            shapes += [("q_norm.weight", (q,)), ("k_norm.weight", (kv,))]
+        for name, dim in zip(("q_norm.weight", "k_norm.weight"), self.qk_norm_dims()):
+            if self._norm_params(dim):
+                shapes.append((name, (dim,)))
         return shapes
 
     def _expert_params(self) -> int:
@@ -394,6 +400,15 @@ class MulaConfig:
         """Parameters of one block, MoE (`moe`, counting `experts` experts) or dense."""
         attn = sum(numel(shape) for _, shape in self._attn_shapes())  # with QK-norm or MLA's latent norms
         return attn + 2 * self._norm_params(self.hidden_size) + self._mlp_matmul_params(experts, moe)
+
+    def qk_norm_dims(self) -> tuple[int, ...]:
+        """Features of the q and k norms' weights: () without QK-norm, (head_dim, head_dim) per head,
+        else the whole projections (num_heads * head_dim, num_kv_heads * head_dim)."""
+        if not self.qk_norm:
+            return ()
+        if self.qk_norm_per_head:
+            return (self.head_size, self.head_size)
+        return (self.num_heads * self.head_size, self.kv_heads * self.head_size)
 
     def _mlp_matmul_params(self, experts: int, moe: bool) -> int:
         """Matmul parameters of one block's MLP: router + `experts` experts if `moe`, else the SwiGLU."""
@@ -464,7 +479,8 @@ class MulaConfig:
         tied). Embedding lookups and norms are not matmuls and are left out. The second term is the
         attention score and value matmuls (QK^T and AV, forward + backward, no causal discount):
         `6 * num_layers * attention_core_width * seq_len`, which under MLA weighs the query/key width
-        (`qk_nope_head_dim + qk_rope_head_dim`) and the value width per head separately.
+        (`qk_nope_head_dim + qk_rope_head_dim`) and the value width per head separately;
+        `num_heads * head_dim` is `hidden_size` for the OLMo/OLMoE-shaped presets, twice it for Qwen3-MoE's.
         """
         matmul = sum(self.layer_matmul_params(i) for i in range(self.num_layers))
         matmul += self.vocab_size * self.hidden_size
@@ -541,6 +557,19 @@ _DEEPSEEK_V3: dict[str, Any] = {
     "qk_rope_head_dim": 64, "v_head_dim": 128, "init_std": 0.006, "tie_embeddings": False,
 }  # fmt: skip
 
+# Qwen3-MoE (transformers' Qwen3MoeForCausalLM): per-head QK RMSNorm, head_dim 128 decoupled from
+# hidden/heads, GQA with 4 KV heads, 128 experts top-8 renormalised, no shared experts, every block MoE,
+# RoPE theta 1e6, RMSNorm eps 1e-6, untied head, vocabulary 151,936. Shapes from the published
+# config.json files, huggingface.co/Qwen/Qwen3-30B-A3B and huggingface.co/Qwen/Qwen3-235B-A22B
+# (intermediate_size is their dense MLP width, unused while every block is MoE). Router aux loss weight
+# 0.001 as there; no z-loss (transformers' Qwen3-MoE has none).
+_QWEN3_MOE: dict[str, Any] = {
+    "vocab_size": 151936, "num_kv_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "norm": "rmsnorm", "norm_eps": 1e-6, "qk_norm": True, "qk_norm_per_head": True,
+    "num_experts": 128, "top_k": 8, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+    "router_z_loss_coef": 0.0, "init_std": 0.02, "tie_embeddings": False,
+}  # fmt: skip
+
 PRESETS: dict[str, dict[str, Any]] = {
     # a few million parameters; vocab 4096 = the demo tokenizer's size; trains on 2 CPU cores
     "mula-tiny-moe": {
@@ -552,6 +581,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_OLMOE, "name": "mula-tiny-dense", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
         "num_heads": 4, "max_position_embeddings": 1024, "norm": "layernorm", "qk_norm": False,
         "num_experts": 0, "intermediate_size": 512,
+    },
+    # Qwen3-MoE's structure at test size (head_dim 64 != hidden/heads = 32, 2 KV heads)
+    "qwen3-moe-tiny": {
+        **_QWEN3_MOE, "name": "qwen3-moe-tiny", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "max_position_embeddings": 1024,
+        "intermediate_size": 256, "num_experts": 16, "top_k": 4, "expert_intermediate_size": 64,
+    },
+    # 30.5B total, 3.3B active (model card)
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE, "name": "qwen3-30b-a3b", "hidden_size": 2048, "num_layers": 48, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
+    # A single-node size of the family: transformers' Qwen3MoeConfig defaults ("Qwen3-15B-A2B" style),
+    # i.e. 24 of Qwen3-30B-A3B's blocks: 15.6B total, 2.0B active (recipes/qwen3-moe-15b-a2b.yaml)
+    "qwen3-moe-15b-a2b": {
+        **_QWEN3_MOE, "name": "qwen3-moe-15b-a2b", "hidden_size": 2048, "num_layers": 24, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
+    # 235B total, 22B active (model card)
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE, "name": "qwen3-235b-a22b", "hidden_size": 4096, "num_layers": 94, "num_heads": 64,
+        "intermediate_size": 12288, "expert_intermediate_size": 1536,
     },
     # = OLMo-1B-hf (untied, non-parametric LayerNorm, no QK-norm)
     "mula-1b": {

@@ -1,5 +1,7 @@
-"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense), and DeepSeek-V3
-(`mula.hf_deepseek_v3` holds that family's config mapping; the dispatch is here).
+"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE), OLMo (dense), Qwen3-MoE and DeepSeek-V3.
+
+Qwen3-MoE shares OLMoE's weight names; its config mapping is `mula.hf_qwen3_moe`. DeepSeek-V3's config
+mapping (and its router bias name) is `mula.hf_deepseek_v3`; the dispatch is here.
 
 - `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
 - `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mula import hf_deepseek_v3, hf_tokenizer
+from mula import hf_deepseek_v3, hf_qwen3_moe, hf_tokenizer
 from mula.checkpoint import (
     atomic_write,
     model_from_state_dict,
@@ -40,6 +42,7 @@ SUPPORTED = {
     "olmoe": "OlmoeForCausalLM",
     "olmo": "OlmoForCausalLM",
     hf_deepseek_v3.MODEL_TYPE: hf_deepseek_v3.ARCHITECTURE,
+    hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE,
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -61,15 +64,14 @@ def _rope_theta(d: dict[str, Any]) -> float:
 
 
 def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
-    """MulaConfig from a transformers OLMoE/OLMo config dict (config.json or `config.to_dict()`).
+    """MulaConfig from a transformers OLMoE/OLMo/Qwen3-MoE/DeepSeek-V3 config dict (config.json or
+    `config.to_dict()`).
 
     Missing keys take transformers' defaults for that model type, i.e. what transformers would load.
     """
     model_type = d.get("model_type")
     if model_type not in SUPPORTED:
         raise _unsupported((d.get("architectures") or [model_type])[0])
-    if model_type == hf_deepseek_v3.MODEL_TYPE:
-        return hf_deepseek_v3.config_from_hf(d, name)
     if d.get("clip_qkv") is not None:
         raise ValueError(
             f"clip_qkv={d['clip_qkv']} is not supported by Mula (OLMo-1B-hf and OLMoE use None)."
@@ -78,6 +80,10 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
         raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported by Mula (SwiGLU uses silu).")
+    if model_type == hf_qwen3_moe.MODEL_TYPE:
+        return hf_qwen3_moe.config_from_hf(d, name, _rope_theta(d))
+    if model_type == hf_deepseek_v3.MODEL_TYPE:
+        return hf_deepseek_v3.config_from_hf(d, name, _rope_theta(d))
     moe = model_type == "olmoe"
     hidden = d.get("hidden_size", 2048 if moe else 4096)
     heads = d.get("num_attention_heads", 16 if moe else 32)
@@ -157,15 +163,16 @@ def _check_expressible(config: MulaConfig) -> None:
 
 
 def check_router_bias(state_dict: dict[str, Tensor], config: MulaConfig | None = None) -> None:
-    """Refuse weights whose routers carry a non-zero balancing bias where the target cannot hold it:
-    transformers' OLMoE has no such term (`config` a DeepSeek-V3: its `e_score_correction_bias` is one)."""
+    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE and Qwen3-MoE
+    (the family `config` exports to) have no such term (DeepSeek-V3's `e_score_correction_bias` is one)."""
     if config is not None and hf_deepseek_v3.is_family(config):
         return
+    family = "Qwen3-MoE" if config is not None and hf_qwen3_moe.exports(config) else "OLMoE"
     for key, value in state_dict.items():
         if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
             raise ValueError(
                 f"{key} is non-zero (router bias balancing, router_bias_update_rate > 0) and transformers' "
-                "OLMoE cannot express a router bias, so exporting would silently change the routing."
+                f"{family} cannot express a router bias, so exporting would silently change the routing."
             )
 
 
@@ -180,6 +187,9 @@ def config_to_hf(
     """
     if hf_deepseek_v3.is_family(config):
         return hf_deepseek_v3.config_to_hf(config, dtype, token_ids)
+    if hf_qwen3_moe.exports(config):
+        check_softmax_routing(config, "Qwen3-MoE")
+        return hf_qwen3_moe.config_to_hf(config, dtype, token_ids)
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {
@@ -289,7 +299,7 @@ def iter_hf_tensors(
 
 
 def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Mula state dict from transformers OLMoE/OLMo weights, per-expert (4.x, files) or fused (5.x)."""
+    """Mula state dict from transformers OLMoE/OLMo/Qwen3-MoE weights, per-expert (4.x, files) or fused (5.x)."""
     out: dict[str, Tensor] = {}
     per_expert: dict[str, Tensor] = {}
     for key, value in hf_state.items():
@@ -335,7 +345,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
 
 # ----- in memory -------------------------------------------------------------------------------
 def from_hf(hf_model: Any) -> Mula:
-    """A `Mula` with the weights of a transformers `OlmoeForCausalLM` or `OlmoForCausalLM`."""
+    """A `Mula` with the weights of a transformers `OlmoeForCausalLM`, `OlmoForCausalLM` or
+    `Qwen3MoeForCausalLM`."""
     cls_name = type(hf_model).__name__
     if cls_name not in SUPPORTED.values():
         raise _unsupported(cls_name)
@@ -348,7 +359,8 @@ def from_hf(hf_model: Any) -> Mula:
 
 
 def to_hf(model: Mula) -> Any:
-    """A transformers `OlmoeForCausalLM` (MoE) or `OlmoForCausalLM` (dense) with `model`'s weights."""
+    """A transformers `OlmoeForCausalLM` (MoE), `OlmoForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE
+    with per-head QK-norm) with `model`'s weights."""
     import transformers  # optional dependency: only needed here
 
     config = model.config
@@ -396,7 +408,7 @@ def _read_hf_state(hf_dir: Path) -> dict[str, Tensor]:
 
 
 def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike) -> Mula:
-    """Convert a transformers OLMoE/OLMo directory (config.json + weights) into a Mula weights file."""
+    """Convert a transformers OLMoE/OLMo/Qwen3-MoE directory (config.json + weights) into a Mula weights file."""
     hf_dir, output = Path(hf_dir), Path(output)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {hf_dir} does not exist.")

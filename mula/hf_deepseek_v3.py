@@ -8,8 +8,9 @@ Mula's balancing bias buffer `mlp.router.bias` is transformers' `mlp.gate.e_scor
 dense first blocks' MLP carry transformers' own names in Mula already.
 
 What Mula does not compute is refused on import in one sentence: YaRN or any other RoPE scaling (and
-its softmax `mscale`), `rope_interleave=False`, attention biases, an activation other than SiLU, fewer
-key/value heads than heads, no shared expert, or no MoE block at all. Multi-token prediction modules
+its softmax `mscale`), attention biases and an activation other than SiLU (`mula.hf`'s checks for every
+family); here `rope_interleave=False`, fewer key/value heads than heads, no shared expert, or no MoE
+block at all. Multi-token prediction modules
 (`num_nextn_predict_layers`, the published checkpoints' `model.layers.61.*`) are not part of Mula's
 model: their weights are skipped on import and an export declares none.
 """
@@ -32,19 +33,9 @@ def is_family(config: MulaConfig) -> bool:
     return config.is_mla
 
 
-def _rope_theta(d: dict[str, Any]) -> float:
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"RoPE scaling {rope_type!r} (YaRN's context extension and its softmax mscale) is not supported "
-            "by Mula's multi-head latent attention; remove rope_scaling to train at the original context."
-        )
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-
-
-def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
-    """MulaConfig from a transformers DeepSeek-V3 config dict; missing keys take `DeepseekV3Config`'s defaults."""
+def config_from_hf(d: dict[str, Any], name: str, rope_theta: float) -> MulaConfig:
+    """MulaConfig from a transformers DeepSeek-V3 config dict (`mula.hf` has refused what no family
+    supports, e.g. RoPE scaling, and read `rope_theta`); missing keys take `DeepseekV3Config`'s defaults."""
     heads = d.get("num_attention_heads", 128)
     layers = d.get("num_hidden_layers", 61)
     dense = d.get("first_k_dense_replace", 3)
@@ -80,7 +71,7 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
         num_layers=layers,
         num_heads=heads,
         max_position_embeddings=d.get("max_position_embeddings", 4096),
-        rope_theta=_rope_theta(d),
+        rope_theta=rope_theta,
         norm="rmsnorm",
         norm_eps=d.get("rms_norm_eps", 1e-6),
         qk_norm=False,

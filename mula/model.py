@@ -37,7 +37,11 @@ __all__ = [
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE, grouped-query heads and optional QK-norm, via SDPA."""
+    """Causal self-attention with RoPE, grouped-query heads and optional QK-norm, via SDPA.
+
+    The QK-norm normalises the whole projected q and k (OLMoE), or each head on its own with one
+    weight of head_dim shared by the heads (`qk_norm_per_head`, Qwen3); before RoPE either way.
+    """
 
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
@@ -51,15 +55,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_dim, bias=False)
         self.v_proj = nn.Linear(h, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, h, bias=False)
-        # OLMoE normalises the whole projected q and k (not per head)
-        self.q_norm = make_norm(config, q_dim) if config.qk_norm else nn.Identity()
-        self.k_norm = make_norm(config, kv_dim) if config.qk_norm else nn.Identity()
+        self.per_head = config.qk_norm_per_head
+        q_norm_dim, k_norm_dim = config.qk_norm_dims() or (q_dim, kv_dim)
+        self.q_norm = make_norm(config, q_norm_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, k_norm_dim) if config.qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B,T,H] -> [B,T,H]."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x)).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x)).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if not self.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, t, self.num_heads, self.head_dim), k.view(b, t, self.kv_heads, self.head_dim)
+        if self.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_heads != self.num_heads:

@@ -133,7 +133,7 @@ def test_save_pretrained_imports_and_trains(tmp_path):
 def test_refusals():
     base = config_to_hf(MulaConfig.from_name(TINY))
     for change, match in (
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "YaRN"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "RoPE scaling type 'yarn'"),
         ({"rope_interleave": False}, "rope_interleave=False"),
         ({"attention_bias": True}, "attention_bias"),
         ({"n_shared_experts": 0}, "n_shared_experts=0"),

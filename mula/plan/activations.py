@@ -7,9 +7,12 @@ per token and layer, with h the hidden size, q/kv the attention projection width
 
 * a pre-norm (RMSNorm) saves its fp32 input, its rstd and its normalised output: 4h + 4 + r*h;
   its consumer saves the scaled output (b*h) -- shared by q/k/v, or by the router and the experts;
-* attention: the q/k norms (as above on q and kv), SDPA's q, k, v, output and log-sum-exp
-  (4*b*q + 4*heads; the output projection reads SDPA's output in place);
-* router: logits and probabilities in fp32, z-loss log-sum-exp, top-k indices: 8E + 4 + 8K;
+* attention: the q/k norms (as above on q and kv, with one rstd per head under `qk_norm_per_head`),
+  SDPA's q, k, v, output and log-sum-exp (4*b*q + 4*heads; the output projection reads SDPA's output
+  in place);
+* router: logits and probabilities (softmax, or sigmoid scores) in fp32, z-loss log-sum-exp, top-k
+  indices: 8E + 4 + 8K; sigmoid scoring adds the normalising sum (4), `norm_topk_prob` the kept
+  weights and their sum (4K + 4);
 * experts, per routed row: input, gate and up (b*(h + 2I)); the combine keeps the expert outputs
   (b*h) and weights; under expert parallelism the all-to-all dispatcher's send-plan index, and the
   combine weight riding with each row (CPU) or the returned rows and weights (GPU). On CPU without
@@ -43,11 +46,13 @@ from mula.config import MulaConfig
 from mula.plan.layout import Layout
 
 
-def _norm(config: MulaConfig, dim: int, r: int) -> int:
-    """Per-token bytes a pre-norm over `dim` saves (fp32 input, statistics, normalised output)."""
+def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
+    """Per-token bytes a norm over `dim` features saves (fp32 input, statistics, normalised output), the
+    features normalised in `groups` independent groups (heads, under `qk_norm_per_head`)."""
     if config.norm == "rmsnorm":
-        return 4 * dim + 4 + r * dim
-    return 4 * dim + 8  # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
+        return 4 * dim + 4 * groups + r * dim
+    # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
+    return 4 * dim + 8 * groups
 
 
 def _latent_attention(config: MulaConfig, b: int) -> int:
@@ -84,7 +89,8 @@ def _attention(config: MulaConfig, b: int, t: int = 1) -> int:
     kv = config.kv_heads // t * config.head_size
     out = 4 * b * q + 4 * heads  # SDPA: q, k, v (kv repeated to q heads), output, lse
     if config.qk_norm:
-        out += _norm(config, q, b) + _norm(config, kv, b)
+        groups = (heads, config.kv_heads // t) if config.qk_norm_per_head else (1, 1)
+        out += _norm(config, q, b, groups[0]) + _norm(config, kv, b, groups[1])
     return out
 
 
@@ -92,6 +98,8 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
     """Per-token bytes of the router and the experts (weight copies excluded)."""
     e, k, h, i = config.num_experts, config.top_k, config.hidden_size, config.expert_intermediate_size
     router = 8 * e + 4 + 8 * k
+    router += 4 if config.router_scoring == "sigmoid" else 0  # the sum normalising the scores
+    router += 4 * k + 4 if config.norm_topk_prob else 0  # the renormalisation's inputs
     rows = b * (h + 2 * i)  # expert input, gate and up pre-activations
     if layout.ep_size > 1:
         rows += 8  # the all-to-all dispatcher's send plan: its index, for the un-permute's backward
