@@ -176,6 +176,33 @@ def check_router_bias(state_dict: dict[str, Tensor], config: MulaConfig | None =
             )
 
 
+def shared_config_fields(
+    config: MulaConfig, dtype: torch.dtype, token_ids: dict[str, int | None] | None
+) -> dict[str, Any]:
+    """The config.json fields every family writes alike: sizes, SiLU, plain RoPE, no attention bias, the
+    exported tokenizer's eos/bos/pad_token_id (None without one), the weights' dtype."""
+    ids = token_ids or {}
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.init_std,
+        "use_cache": True,
+        "pad_token_id": ids.get("pad_token_id"),
+        "bos_token_id": ids.get("bos_token_id"),
+        "eos_token_id": ids.get("eos_token_id"),
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def config_to_hf(
     config: MulaConfig, dtype: torch.dtype = torch.float32, token_ids: dict[str, int | None] | None = None
 ) -> dict[str, Any]:
@@ -186,7 +213,7 @@ def config_to_hf(
     A config with multi-head latent attention is a DeepSeek-V3 (`mula.hf_deepseek_v3.config_to_hf`).
     """
     if hf_deepseek_v3.is_family(config):
-        return hf_deepseek_v3.config_to_hf(config, dtype, token_ids)
+        return hf_deepseek_v3.config_to_hf(config, shared_config_fields(config, dtype, token_ids))
     if hf_qwen3_moe.exports(config):
         check_softmax_routing(config, "Qwen3-MoE")
         return hf_qwen3_moe.config_to_hf(config, dtype, token_ids)
@@ -195,27 +222,10 @@ def config_to_hf(
     d: dict[str, Any] = {
         "architectures": [SUPPORTED["olmoe" if moe else "olmo"]],
         "model_type": "olmoe" if moe else "olmo",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
+        **shared_config_fields(config, dtype, token_ids),
         "intermediate_size": config.expert_intermediate_size if moe else config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "initializer_range": config.init_std,
-        "use_cache": True,
-        # token ids belong to the tokenizer exported with the model (None without one)
-        "pad_token_id": (token_ids or {}).get("pad_token_id"),
-        "bos_token_id": (token_ids or {}).get("bos_token_id"),
-        "eos_token_id": (token_ids or {}).get("eos_token_id"),
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "clip_qkv": None,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if moe:
         d.update(

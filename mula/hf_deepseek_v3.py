@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from mula.config import MulaConfig
 
 MODEL_TYPE = "deepseek_v3"
@@ -106,21 +104,16 @@ def check_expressible(config: MulaConfig) -> None:
         raise ValueError(f"transformers' DeepSeek-V3 needs {' and '.join(problems)}; this config has not.")
 
 
-def config_to_hf(
-    config: MulaConfig, dtype: torch.dtype = torch.float32, token_ids: dict[str, int | None] | None = None
-) -> dict[str, Any]:
-    """config.json contents of `config` as a `DeepseekV3ForCausalLM`, every field explicit."""
+def config_to_hf(config: MulaConfig, shared: dict[str, Any]) -> dict[str, Any]:
+    """config.json contents of `config` as a `DeepseekV3ForCausalLM`, every field explicit: `shared` (the
+    fields every family writes alike, `mula.hf.shared_config_fields`) and DeepSeek-V3's own."""
     check_expressible(config)
-    ids = token_ids or {}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
+        **shared,
         "intermediate_size": config.intermediate_size,
         "moe_intermediate_size": config.expert_intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_heads,
         "n_shared_experts": config.num_shared_experts,
         "n_routed_experts": config.num_experts,
@@ -139,20 +132,7 @@ def config_to_hf(
         "v_head_dim": config.v_head_dim,
         "rope_interleave": True,
         "num_nextn_predict_layers": 0,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "initializer_range": config.init_std,
         "rms_norm_eps": config.norm_eps,
-        "use_cache": True,
-        "pad_token_id": ids.get("pad_token_id"),
-        "bos_token_id": ids.get("bos_token_id"),
-        "eos_token_id": ids.get("eos_token_id"),
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 

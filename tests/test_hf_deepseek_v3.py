@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf import randomize
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from mula import Mula, MulaConfig
@@ -24,12 +25,11 @@ VARIANTS = {  # the tiny preset, and DeepSeek-V2-Lite / Moonlight's plain q proj
 }
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every weight random (norms around 1, not exactly 1), the router biases too."""
+def randomize_all(model: torch.nn.Module, seed: int) -> None:
+    """test_hf's `randomize` (norms around 1, the rest normal), and the router biases random too."""
     torch.manual_seed(seed)
+    randomize(model, std=0.1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("router.bias", "e_score_correction_bias")):
                 b.copy_(0.05 * torch.randn_like(b))
@@ -37,7 +37,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 def random_mula(variant: str) -> Mula:
     model = Mula(MulaConfig.from_name(TINY, **VARIANTS[variant])).eval()
-    randomize(model, 0)
+    randomize_all(model, 0)
     return model
 
 
@@ -48,7 +48,7 @@ def random_hf(variant: str) -> DeepseekV3ForCausalLM:
         if k != "torch_dtype"
     }
     model = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(d)).eval()
-    randomize(model, 1)
+    randomize_all(model, 1)
     return model
 
 

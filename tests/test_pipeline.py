@@ -272,15 +272,17 @@ def _assemble(ranks: list[dict], name: str) -> torch.Tensor:
     return torch.cat([pieces[k] for k in sorted(pieces)]) if len(pieces) > 1 else next(iter(pieces.values()))
 
 
-def _assert_trained_like(runs: list[dict], key: tuple, ref: _StepLosses, ref_params: dict) -> None:
+def _assert_trained_like(
+    runs: list[dict], key: tuple, ref: _StepLosses, ref_params: dict, norm_rtol: float = 1e-5
+) -> None:
     """Every rank of the runs' layout `key` saw the reference's losses and gradient norms (the global
-    ones), and the ranks' parameters together are the reference's."""
+    ones, within `norm_rtol`), and the ranks' parameters together are the reference's."""
     for r in runs:
         torch.testing.assert_close(
             torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
         )
         torch.testing.assert_close(
-            torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
+            torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=norm_rtol, atol=0, msg=str(key)
         )
     ranks = [r[key]["params"] for r in runs]
     assert set().union(*ranks) == set(ref_params), key
@@ -346,14 +348,19 @@ def _run_dense_first(rank: int, world: int) -> dict:
         strategy = XPUMoEStrategy(
             pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_virtual_stages=virtual
         )
-        losses, trainer = _fit(world, strategy, bias_rate=BIAS_RATE, dense_layers=dense)
-        out[(dense, schedule)] = {
-            "losses": losses.losses,
-            "norms": losses.norms,
-            "params": _local_params(trainer),
-            "bias": _router_biases(trainer),
-        }
+        out[(dense, schedule)] = _trained(*_fit(world, strategy, bias_rate=BIAS_RATE, dense_layers=dense))
     return out
+
+
+def _trained(losses: _StepLosses, trainer) -> dict:
+    """What a rank's run leaves to compare with one process: step losses and norms, its parameters and
+    router biases."""
+    return {
+        "losses": losses.losses,
+        "norms": losses.norms,
+        "params": _local_params(trainer),
+        "bias": _router_biases(trainer),
+    }
 
 
 def test_dense_first_blocks_train_the_same_under_stages() -> None:
