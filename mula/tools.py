@@ -1,7 +1,7 @@
 """The `mula` tools: data, tokenizer, weights conversion, evaluation and plots, one function each.
 
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
-    mula eval --help | mula report RUN_DIR
+    mula eval --help | mula report RUN_DIR | mula calibrate --help
 
 Each tool's options are its function's signature and docstring, parsed by jsonargparse (so `-c file.yaml`,
 `--print_config` and `--help` work as for `mula fit`); `mula.entry` dispatches here, without building
@@ -150,6 +150,7 @@ def report(run_dir: str, output: str | None = None) -> None:
 
 def tools() -> dict[str, Callable[..., Any]]:
     """Non-training subcommands: name -> function whose signature and docstring define the arguments."""
+    from mula.calibrate.command import calibrate
     from mula.data.prepare import prepare
     from mula.data.tokenizer import train_tokenizer
 
@@ -160,6 +161,7 @@ def tools() -> dict[str, Callable[..., Any]]:
         "export-hf": export_hf,
         "eval": evaluate,
         "report": report,
+        "calibrate": calibrate,
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -26,6 +27,7 @@ class Machine:
     intra_node_gbps: float
     inter_node_gbps: float
     compute_mfu: float
+    calibration: dict[str, Any] | None = None  # `mula calibrate`'s measured curves (mula.plan.calibrated)
 
     @property
     def device_bytes(self) -> int:
@@ -49,7 +51,8 @@ def load_machine(name_or_path: str) -> Machine:
         )
     data = yaml.safe_load(path.read_text()) or {}
     known = {f.name for f in dataclasses.fields(Machine)}
-    missing, unknown = sorted(known - set(data)), sorted(set(data) - known)
+    required = {f.name for f in dataclasses.fields(Machine) if f.default is dataclasses.MISSING}
+    missing, unknown = sorted(required - set(data)), sorted(set(data) - known)
     if missing or unknown:
         raise ValueError(f"Machine file {path} is missing {missing} / has unknown keys {unknown}.")
     return Machine(**data)
