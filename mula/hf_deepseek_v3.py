@@ -9,8 +9,8 @@ dense first blocks' MLP carry transformers' own names in Mula already.
 
 What Mula does not compute is refused on import in one sentence: YaRN or any other RoPE scaling (and
 its softmax `mscale`), attention biases and an activation other than SiLU (`mula.hf`'s checks for every
-family); here `rope_interleave=False`, fewer key/value heads than heads, no shared expert, or no MoE
-block at all. Multi-token prediction modules
+family); here `rope_interleave=False`, fewer key/value heads than heads, no shared expert, no MoE block
+at all, or a `topk_method` other than DeepSeek-V3's `noaux_tc`. Multi-token prediction modules
 (`num_nextn_predict_layers`, the published checkpoints' `model.layers.61.*`) are not part of Mula's
 model: their weights are skipped on import and an export declares none.
 """
@@ -38,11 +38,6 @@ def config_from_hf(d: dict[str, Any], name: str, rope_theta: float) -> MulaConfi
     layers = d.get("num_hidden_layers", 61)
     dense = d.get("first_k_dense_replace", 3)
     refusals = (
-        (
-            d.get("hidden_act", "silu") != "silu",
-            f"hidden_act={d.get('hidden_act')!r} (Mula's SwiGLU uses silu)",
-        ),
-        (bool(d.get("attention_bias", False)), "attention_bias=True (Mula has no biases)"),
         (
             d.get("rope_interleave", True) is False,
             "rope_interleave=False (Mula uses DeepSeek's interleaved layout)",
