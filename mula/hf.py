@@ -216,7 +216,7 @@ def config_to_hf(
         return hf_deepseek_v3.config_to_hf(config, shared_config_fields(config, dtype, token_ids))
     if hf_qwen3_moe.exports(config):
         check_softmax_routing(config, "Qwen3-MoE")
-        return hf_qwen3_moe.config_to_hf(config, dtype, token_ids)
+        return hf_qwen3_moe.config_to_hf(config, shared_config_fields(config, dtype, token_ids))
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {
