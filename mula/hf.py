@@ -212,11 +212,19 @@ def config_to_hf(
     None without one. (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
     A config with multi-head latent attention is a DeepSeek-V3 (`mula.hf_deepseek_v3.config_to_hf`).
     """
+    family = None
     if hf_deepseek_v3.is_family(config):
-        return hf_deepseek_v3.config_to_hf(config, shared_config_fields(config, dtype, token_ids))
-    if hf_qwen3_moe.exports(config):
+        family = hf_deepseek_v3
+    elif hf_qwen3_moe.exports(config):
         check_softmax_routing(config, "Qwen3-MoE")
-        return hf_qwen3_moe.config_to_hf(config, shared_config_fields(config, dtype, token_ids))
+        family = hf_qwen3_moe
+    if family is not None:  # the family's module says what is its own
+        return {
+            "architectures": [family.ARCHITECTURE],
+            "model_type": family.MODEL_TYPE,
+            **shared_config_fields(config, dtype, token_ids),
+            **family.config_to_hf(config),
+        }
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {

@@ -99,14 +99,11 @@ def check_expressible(config: MulaConfig) -> None:
         raise ValueError(f"transformers' DeepSeek-V3 needs {' and '.join(problems)}; this config has not.")
 
 
-def config_to_hf(config: MulaConfig, shared: dict[str, Any]) -> dict[str, Any]:
-    """config.json contents of `config` as a `DeepseekV3ForCausalLM`, every field explicit: `shared` (the
-    fields every family writes alike, `mula.hf.shared_config_fields`) and DeepSeek-V3's own."""
+def config_to_hf(config: MulaConfig) -> dict[str, Any]:
+    """DeepSeek-V3's own config.json fields for `config` (`mula.hf.config_to_hf` adds the architecture and
+    the fields every family writes alike), every one explicit."""
     check_expressible(config)
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        **shared,
         "intermediate_size": config.intermediate_size,
         "moe_intermediate_size": config.expert_intermediate_size,
         "num_key_value_heads": config.num_heads,

@@ -98,15 +98,11 @@ def check_expressible(config: MulaConfig) -> None:
         raise ValueError("Dense first blocks need a positive intermediate_size for Qwen3-MoE's dense MLP.")
 
 
-def config_to_hf(config: MulaConfig, shared: dict[str, Any]) -> dict[str, Any]:
-    """config.json contents of a transformers `Qwen3MoeForCausalLM` for `config`; every field explicit:
-    `shared` (the fields every family writes alike, `mula.hf.shared_config_fields`) and Qwen3-MoE's own
-    (the routing and bias were checked by `mula.hf`)."""
+def config_to_hf(config: MulaConfig) -> dict[str, Any]:
+    """Qwen3-MoE's own config.json fields for `config` (`mula.hf.config_to_hf` adds the architecture and
+    the fields every family writes alike; the routing and bias were checked there), every one explicit."""
     check_expressible(config)
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        **shared,
         "intermediate_size": config.intermediate_size,
         "moe_intermediate_size": config.expert_intermediate_size,
         "num_key_value_heads": config.kv_heads,
