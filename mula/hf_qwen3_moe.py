@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from mula.config import MulaConfig
 
 MODEL_TYPE = "qwen3_moe"
@@ -100,37 +98,16 @@ def check_expressible(config: MulaConfig) -> None:
         raise ValueError("Dense first blocks need a positive intermediate_size for Qwen3-MoE's dense MLP.")
 
 
-def config_to_hf(
-    config: MulaConfig, dtype: torch.dtype, token_ids: dict[str, int | None] | None
-) -> dict[str, Any]:
-    """config.json contents of a transformers `Qwen3MoeForCausalLM` for `config`; every field explicit
-    (the routing and bias were checked by `mula.hf`)."""
+def config_to_hf(config: MulaConfig) -> dict[str, Any]:
+    """Qwen3-MoE's own config.json fields for `config` (`mula.hf.config_to_hf` adds the architecture and
+    the fields every family writes alike; the routing and bias were checked there), every one explicit."""
     check_expressible(config)
-    ids = token_ids or {}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "moe_intermediate_size": config.expert_intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_size,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "initializer_range": config.init_std,
         "rms_norm_eps": config.norm_eps,
-        "use_cache": True,
-        "pad_token_id": ids.get("pad_token_id"),
-        "bos_token_id": ids.get("bos_token_id"),
-        "eos_token_id": ids.get("eos_token_id"),
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": config.num_layers,
@@ -141,5 +118,4 @@ def config_to_hf(
         "norm_topk_prob": config.norm_topk_prob,
         "router_aux_loss_coef": config.router_aux_loss_coef,
         "output_router_logits": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }

@@ -92,6 +92,11 @@ def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
             f"tensor_parallel_size={tp_size} is not yet available for MoE models (this one has "
             f"{config.num_experts} experts); use a dense model or tensor_parallel_size=1."
         )
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not yet available with multi-head latent attention "
+            "(kv_lora_rank); use tensor_parallel_size=1."
+        )
     if getattr(config, "qk_norm_per_head", False):
         # its one head_dim weight would see different heads on each TP rank (gradients summed over TP)
         raise ValueError(

@@ -95,8 +95,7 @@ class StepTime:
 def _recompute_flops_per_token(config: MulaConfig, layout: Layout, index: int) -> float:
     """Forward FLOPs per token of block `index` that activation checkpointing runs a second time."""
     parts = parse_activation_checkpointing(layout.checkpointing)
-    q = config.num_heads * config.head_size
-    attn = 2 * config._attn_matmul_params() + 4 * q * layout.seq_len
+    attn = 2 * config._attn_matmul_params() + 2 * config.attention_core_width * layout.seq_len
     mlp = 2 * (config.layer_matmul_params(index) - config._attn_matmul_params())
     if "full" in parts:
         return attn + mlp
@@ -288,8 +287,8 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     flops = float(config.flops_per_token(layout.seq_len)) * tokens
     peak = machine.peak_bf16_tflops * 1e12
     # the slowest stage's share of the blocks' FLOPs (dense first blocks weigh less than MoE ones)
-    q = config.num_heads * config.head_size
-    block = [6 * config.layer_matmul_params(i) + 12 * q * layout.seq_len for i in range(config.num_layers)]
+    core = 6 * config.attention_core_width * layout.seq_len  # QK^T and AV, forward and backward
+    block = [6 * config.layer_matmul_params(i) + core for i in range(config.num_layers)]
 
     def stage_seconds(layers: list[int]) -> float:
         base = flops / w * (sum(block[i] for i in layers) * p / sum(block))
