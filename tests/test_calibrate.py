@@ -127,3 +127,12 @@ def test_bad_input_stops_before_measuring(tmp_path, args, said, capsys, monkeypa
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and said in lines[0], lines
     assert not (tmp_path / "m.yaml").exists()
+
+
+def test_matmul_shapes_follow_the_attention_and_expert_kinds():
+    from mula.calibrate.measure import matmul_shapes
+
+    mla = matmul_shapes(MulaConfig.from_name("deepseek-v3-tiny"), 64)
+    assert {"q_a", "q_b", "kv_a", "kv_b", "shared_up", "mlp_up"} <= set(mla) and "qkv" not in mla
+    assert {"qkv", "expert_up"} <= set(matmul_shapes(MulaConfig.from_name("mula-tiny-moe"), 64))
+    assert "expert_up" not in matmul_shapes(MulaConfig.from_name("mula-tiny-dense"), 64)

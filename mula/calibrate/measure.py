@@ -46,11 +46,28 @@ def _best_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 
 
 def matmul_shapes(config: MulaConfig, tokens: int) -> dict[str, tuple[int, int, int]]:
-    """(M, K, N) of the matmuls one layer runs per micro-batch of `tokens`: its projections, the dense
-    MLP, one expert's share of the routed rows (tokens x top_k / experts), and one head's attention."""
-    h, d = config.hidden_size, config.head_size
-    q, kv = config.num_heads * d, (config.num_kv_heads or config.num_heads) * d
-    shapes = {"qkv": (tokens, h, q + 2 * kv), "o_proj": (tokens, q, h), "attention": (tokens, d, tokens)}
+    """(M, K, N) of the matmuls one layer runs per micro-batch of `tokens`: its projections (MLA's latent
+    ones where it has them), the dense MLP, one expert's share of the routed rows (tokens x top_k /
+    experts), the shared experts, and one head's attention."""
+    h, heads = config.hidden_size, config.num_heads
+    if config.kv_lora_rank:  # multi-head latent attention (mula/mla.py)
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        shapes = {"attention": (tokens, qk, tokens), "o_proj": (tokens, heads * config.v_head_dim, h)}
+        if config.q_lora_rank:
+            shapes |= {
+                "q_a": (tokens, h, config.q_lora_rank),
+                "q_b": (tokens, config.q_lora_rank, heads * qk),
+            }
+        else:
+            shapes |= {"q": (tokens, h, heads * qk)}
+        shapes |= {
+            "kv_a": (tokens, h, config.kv_lora_rank + config.qk_rope_head_dim),
+            "kv_b": (tokens, config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+        }
+    else:
+        d = config.head_size
+        q, kv = heads * d, (config.num_kv_heads or heads) * d
+        shapes = {"qkv": (tokens, h, q + 2 * kv), "o_proj": (tokens, q, h), "attention": (tokens, d, tokens)}
     if config.num_dense_layers or not config.is_moe:
         shapes |= {
             "mlp_up": (tokens, h, 2 * config.intermediate_size),
@@ -60,6 +77,9 @@ def matmul_shapes(config: MulaConfig, tokens: int) -> dict[str, tuple[int, int, 
         rows = max(1, tokens * config.top_k // config.num_experts)
         f = config.expert_intermediate_size
         shapes |= {"expert_up": (rows, h, 2 * f), "expert_down": (rows, f, h)}
+        if config.num_shared_experts:
+            width = config.num_shared_experts * (config.shared_expert_intermediate_size or f)
+            shapes |= {"shared_up": (tokens, h, 2 * width), "shared_down": (tokens, width, h)}
     return shapes
 
 
