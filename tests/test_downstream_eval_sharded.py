@@ -188,3 +188,31 @@ def test_mula_eval_tensor_parallel_weights_file_matches_one_device(workdir, tmp_
         assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in single[task]["samples"]]
         for mine, ref in zip(ours, single[task]["samples"]):
             assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
+
+
+def test_mula_eval_at_layout_refuses_corrupted_checkpoint_on_every_rank(workdir, tmp_path):
+    """A copy of the sharded checkpoint with one shard byte flipped: global rank 0 hashes it once the 4
+    ranks are up and every rank stops with the verification's sentence before the model is built."""
+    import shutil
+
+    from mula.checkpoint import manifest_path, verify_checkpoint
+
+    ckpt = _checkpoint(workdir / "run", STEPS)
+    copy = tmp_path / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    shutil.copy(manifest_path(ckpt), manifest_path(copy))
+    shard = next(p for p in sorted(copy.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    expected = verify_checkpoint(copy)
+    assert expected is not None
+
+    rc, log = _mula(
+        workdir, "eval", "--ckpt", str(copy), "--tasks", str(workdir / "tasks" / "tiny_mc.yaml"),
+        "--device", "cpu", "--devices", "4", "--strategy", json.dumps(STRATEGY),
+    )  # fmt: skip
+    errors = [line for line in log.splitlines() if line.startswith("mula: error:")]
+    assert rc == 2 and errors, log[-3000:]
+    assert len(errors) <= 4 and all(expected.split(":")[0] in line for line in errors), log[-3000:]
+    assert "Running loglikelihood" not in log and not list(copy.parent.glob("*.eval.json"))

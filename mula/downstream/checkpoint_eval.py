@@ -168,23 +168,22 @@ def evaluate_checkpoint(
     Bad input (missing or corrupted checkpoint, a tokenizer larger than the model's vocabulary, a device or
     dtype the model cannot run on, a layout that cannot hold the model) raises FileNotFoundError /
     ValueError before the model is built. With `settings.strategy` every rank calls this; the other
-    ranks than global rank 0 get (None, []) and write nothing.
+    ranks than global rank 0 get (None, []) and write nothing, and the checkpoint is verified once the
+    ranks are up, by global rank 0 alone (one read of it, not one per rank).
     """
     ckpt = Path(ckpt)
-    if settings.strategy is not None:  # a layout that cannot hold the model: before reading any tensor
-        from mula.downstream.trainer_eval import check_layout, strategy_from_spec
+    if settings.strategy is None:
+        verify_for_reading(ckpt, settings.verify)
+    else:  # a layout that cannot hold the model: before reading any tensor
+        from mula.downstream.trainer_eval import check_layout, evaluate_with_strategy, strategy_from_spec
 
-        world = settings.devices * settings.num_nodes
-        check_layout(strategy_from_spec(settings.strategy), world, checkpoint_config(ckpt))
-    verify_for_reading(ckpt, settings.verify)
+        config = checkpoint_config(ckpt)
+        check_layout(strategy_from_spec(settings.strategy), settings.devices * settings.num_nodes, config)
     todo = pending_tasks(ckpt, settings)
     record = read_results(ckpt) or {"checkpoint": ckpt.name, "tasks": {}}
     if not todo.specs:
         return record, []
     if settings.strategy is not None:
-        from mula.downstream.trainer_eval import evaluate_with_strategy
-
-        config = checkpoint_config(ckpt)
         tok = load_tokenizer_for(ckpt, config, settings.tokenizer)
         results = evaluate_with_strategy(ckpt, config, tok, todo, settings)
         if results is None:

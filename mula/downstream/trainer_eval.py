@@ -92,13 +92,35 @@ def check_layout(strategy: Any, world_size: int, config: MulaConfig) -> None:
 
 
 class _ScoreOnTestStart(L.Callback):
-    """Scores the tasks once the strategy has set up and loaded the model (the test loop's start)."""
+    """Verifies the checkpoint when the ranks are up (global rank 0 reads it, every rank gets its verdict,
+    before the model is built) and scores the tasks once the strategy has set up and loaded the model."""
 
     def __init__(
-        self, tokenizer: LoadedTokenizer, tasks: ResolvedTasks, limit: int | float | None, batch_size: int
+        self,
+        ckpt: Path,
+        verify: bool,
+        tokenizer: LoadedTokenizer,
+        tasks: ResolvedTasks,
+        limit: int | float | None,
+        batch_size: int,
     ) -> None:
+        self.ckpt, self.verify = ckpt, verify
         self.tokenizer, self.tasks, self.limit, self.batch_size = tokenizer, tasks, limit, batch_size
         self.results: dict[str, Any] = {}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from mula.checkpoint import verify_for_reading
+
+        problem = None
+        if trainer.is_global_zero:
+            try:
+                verify_for_reading(self.ckpt, self.verify)
+            except (ValueError, FileNotFoundError) as err:
+                problem = str(err)
+        problem = trainer.strategy.broadcast(problem)
+        if problem is not None:
+            raise ValueError(problem)
 
     @override
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -130,9 +152,9 @@ def evaluate_with_strategy(
     module = MulaLightningModule(
         config,
         init_weights=None if sharded else str(ckpt),
-        verify_init_weights=False,  # verified by the caller
+        verify_init_weights=False,  # verified in the scorer's setup
     )
-    scorer = _ScoreOnTestStart(tokenizer, tasks, settings.limit, settings.batch_size)
+    scorer = _ScoreOnTestStart(ckpt, settings.verify, tokenizer, tasks, settings.limit, settings.batch_size)
     trainer = L.Trainer(
         accelerator=device.type,
         devices=settings.devices,
