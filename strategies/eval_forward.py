@@ -82,6 +82,11 @@ class SpreadForward:
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # split over the vocabulary
         return logits[:, :width]
 
+    def close(self) -> None:
+        """The evaluation is over: release the pipeline's forward-only schedules of its batch shapes."""
+        if self.pipeline is not None:
+            self.pipeline.release_eval_schedules()
+
     def share(self, scores: Tensor) -> Tensor:
         """The last pipeline stage's `scores` on every stage of its pipeline group (as is without stages)."""
         if self._last_stage is None:

@@ -47,7 +47,8 @@ def evaluate_trainer_model(
     from mula.downstream.evaluate import evaluate
     from mula.downstream.lm import MulaLM
 
-    spread = getattr(trainer.strategy, "spread_forward", None)
+    spread_forward = getattr(trainer.strategy, "spread_forward", None)
+    spread = spread_forward() if spread_forward is not None else None
     lm = MulaLM(
         pl_module.model,
         tokenizer,
@@ -55,10 +56,14 @@ def evaluate_trainer_model(
         prefix_token_id=hf_tokenizer.special_token_ids(tokenizer)["bos_token_id"],
         data_parallel=True,
         on_batch=on_batch,
-        spread=spread() if spread is not None else None,
+        spread=spread,
     )
-    with trainer.precision_plugin.forward_context():  # the trainer's precision (autocast or none)
-        results = evaluate(lm, tasks, limit)
+    try:
+        with trainer.precision_plugin.forward_context():  # the trainer's precision (autocast or none)
+            results = evaluate(lm, tasks, limit)
+    finally:
+        if spread is not None and hasattr(spread, "close"):
+            spread.close()  # buffers kept for the evaluation's batch shapes, not for training
     return results if trainer.is_global_zero else {}
 
 

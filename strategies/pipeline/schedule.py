@@ -134,6 +134,11 @@ class PipelineRunner:
         schedule.eval(*args, target=tokens if self.has_last else None)
         return self._eval_logits.pop() if self._eval_logits else None
 
+    def release_eval_schedules(self) -> None:
+        """Drop the forward-only schedules (and their stages' receive buffers), e.g. after an evaluation
+        of many batch shapes during training."""
+        self._eval_schedules.clear()
+
     def _keep_logits(self, output: Any, target: Tensor) -> Tensor:
         logits = output[0] if self.module.config.is_moe else output
         self._eval_logits.append(logits.detach())
