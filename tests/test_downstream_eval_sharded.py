@@ -1,11 +1,13 @@
 """Downstream evaluation under the training layout, on 4 gloo CPU ranks.
 
-The tiny MoE is trained by `mula fit` at (W=4, E=2, P=2) with `callbacks.DownstreamEval` every 2 steps
-and a sharded checkpoint at step 2. Against one process scoring that checkpoint (MulaLM on the whole
-model, fp32): `mula eval --strategy ... --devices 4` at the same layout gives the same per-example
-log-likelihoods (1e-5; 1e-7 relative for a ~3e4-nat document, below fp32's spacing there) and metrics, and the accuracy DownstreamEval logged during the fit is the same.
-A layout that cannot hold the model, or a bad strategy entry, is one sentence before anything loads.
-Tasks, data and model are local (tests/test_downstream_eval.py's).
+The tiny MoE is trained by `mula fit` at (W=4, E=2, P=2) for 4 steps with `callbacks.DownstreamEval`
+and a sharded checkpoint every 2 steps. Against one process scoring each checkpoint (MulaLM on the whole
+model, fp32): `mula eval --run --strategy ... --devices 4` at the same layout gives the same per-example
+log-likelihoods (1e-5; 1e-7 relative for a ~3e4-nat document, below fp32's spacing there) and metrics,
+and the accuracy DownstreamEval logged during the fit is the same. Tensor parallelism (T=2, sequence
+parallel) on a dense weights file matches too. A layout that cannot hold the model, or a bad strategy
+entry, is one sentence before anything loads; a corrupted shard, one sentence on every rank before the
+model is built. Tasks, data and model are local (tests/test_downstream_eval.py's).
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ from test_downstream_eval import (  # the same tasks, fast training settings and
     _write_tasks,
 )
 
-STEPS = 2
+STEPS = 4
 LAYOUT = {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "gpipe"}
 STRATEGY = {"class_path": "strategies.XPUMoEStrategy", "init_args": LAYOUT}
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """Tasks and the run trained at (W=4, E=2, P=2), DownstreamEval logging eval/tiny_mc/acc at step 2."""
+    """Tasks and the run trained at (W=4, E=2, P=2), DownstreamEval logging eval/tiny_mc/acc at steps 2, 4."""
     path = tmp_path_factory.mktemp("downstream_sharded")
     _write_tasks(path / "tasks")
     trainer = {
@@ -68,11 +70,11 @@ def workdir(tmp_path_factory) -> Path:
     return path
 
 
-def _one_process(workdir: Path, tasks: list[str]) -> dict:
-    """The reference: one process, the whole model of the step-2 checkpoint, batches of 3, fp32."""
+def _one_process(workdir: Path, step: int, tasks: list[str]) -> dict:
+    """The reference: one process, the whole model of the step's checkpoint, batches of 3, fp32."""
     from dist_helpers import run_distributed
 
-    ckpt = _checkpoint(workdir / "run", STEPS)
+    ckpt = _checkpoint(workdir / "run", step)
     (single,) = run_distributed(
         _evaluate_checkpoint, 1, ckpt, workdir / "data" / "stdlib-tokenizer.json", tasks, _env(workdir)
     )
@@ -80,51 +82,44 @@ def _one_process(workdir: Path, tasks: list[str]) -> dict:
 
 
 def test_mula_eval_at_training_layout_matches_one_device(workdir):
-    """`mula eval --strategy (E=2, P=2) --devices 4` on the sharded checkpoint == one process: every
-    per-example log-likelihood within 1e-5 (multiple choice and rolling windows), the same metrics; and
-    DownstreamEval's eval/tiny_mc/acc logged during the (E=2, P=2) fit is the one-process accuracy."""
+    """`mula eval --run --strategy (E=2, P=2) --devices 4` evaluates both checkpoints (steps 2 and 4) in one
+    launch and == one process on each: every per-example log-likelihood within 1e-5 (multiple choice and
+    rolling windows), the same metrics, printed and logged by rank 0 only; and DownstreamEval's
+    eval/tiny_mc/acc (and acc_norm) logged during the (E=2, P=2) fit are the one-process values."""
     tasks = [str(workdir / "tasks" / "tiny_mc.yaml"), str(workdir / "tasks" / "tiny_ppl.yaml")]
-    ckpt = _checkpoint(workdir / "run", STEPS)
+    run = workdir / "run"
     rc, log = _mula(
-        workdir,
-        "eval",
-        "--ckpt",
-        str(ckpt),
-        "--tasks",
-        ",".join(tasks),
-        "--batch_size",
-        "3",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--strategy",
-        json.dumps(STRATEGY),
-        "--devices",
-        "4",
-    )
+        workdir, "eval", "--run", str(run), "--tasks", ",".join(tasks), "--batch_size", "3",
+        "--device", "cpu", "--dtype", "float32", "--strategy", json.dumps(STRATEGY), "--devices", "4",
+    )  # fmt: skip
     assert rc == 0, log[-3000:]
-    assert log.count("tiny_mc") == 2  # one table (acc, acc_norm), printed by rank 0 only
-    record = json.loads(ckpt.with_name(ckpt.name + ".eval.json").read_text())
-    assert record["step"] == STEPS
-    single = _one_process(workdir, tasks)
-    for task in ("tiny_mc", "tiny_ppl"):
-        ours = sorted(record["tasks"][task]["samples"], key=lambda s: s["doc_id"])
-        theirs = single[task]["samples"]
-        assert len(ours) == len(theirs) == (len(QUESTIONS) if task == "tiny_mc" else 2)
-        for mine, ref in zip(ours, theirs):
-            assert mine["doc_id"] == ref["doc_id"]
-            # 1e-5, or 1e-7 of the value for the long document's ~3e4 nats, where fp32's spacing is 2e-3
-            assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
-        assert record["tasks"][task]["metrics"] == pytest.approx(single[task]["metrics"], rel=1e-6)
+    metric_lines = [line for line in log.splitlines() if line.startswith("  tiny_")]
+    assert len(metric_lines) == 2 * 4  # 2 checkpoints x (acc, acc_norm, word_perplexity, bits_per_byte)
+    assert (run / "downstream_eval.png").exists() and len(list(run.glob("version_*"))) == 2
 
-    with open(next((workdir / "run").glob("version_*/metrics.csv"))) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("eval/tiny_mc/acc")]
-    assert [int(r["step"]) for r in rows] == [STEPS]
-    assert float(rows[0]["eval/tiny_mc/acc"]) == pytest.approx(single["tiny_mc"]["metrics"]["acc"], abs=1e-9)
-    assert float(rows[0]["eval/tiny_mc/acc_norm"]) == pytest.approx(
-        single["tiny_mc"]["metrics"]["acc_norm"], abs=1e-9
-    )
+    with open(run / "version_0" / "metrics.csv") as f:  # the fit's logger
+        logged = {int(r["step"]): r for r in csv.DictReader(f) if r.get("eval/tiny_mc/acc")}
+    assert sorted(logged) == [2, STEPS]
+    for step in (2, STEPS):
+        ckpt = _checkpoint(run, step)
+        record = json.loads(ckpt.with_name(ckpt.name + ".eval.json").read_text())
+        assert record["step"] == step
+        single = _one_process(workdir, step, tasks)
+        for task in ("tiny_mc", "tiny_ppl"):
+            ours = sorted(record["tasks"][task]["samples"], key=lambda s: s["doc_id"])
+            theirs = single[task]["samples"]
+            assert len(ours) == len(theirs) == (len(QUESTIONS) if task == "tiny_mc" else 2)
+            for mine, ref in zip(ours, theirs):
+                assert mine["doc_id"] == ref["doc_id"]
+                # 1e-5, or 1e-7 of the value for the long document's ~3e4 nats, where fp32's spacing is 2e-3
+                assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
+            assert record["tasks"][task]["metrics"] == pytest.approx(single[task]["metrics"], rel=1e-6)
+        for name in ("acc", "acc_norm"):
+            expected = single["tiny_mc"]["metrics"][name]
+            assert float(logged[step][f"eval/tiny_mc/{name}"]) == pytest.approx(expected, abs=1e-9), (
+                step,
+                name,
+            )
 
 
 def test_mula_eval_layout_errors_are_one_sentence_before_loading(workdir, capsys, monkeypatch):

@@ -177,7 +177,8 @@ def evaluate_with_strategy(
     # the test loop runs its hooks only with a batch: one short sequence, its loss computed and dropped
     tokens = 2 * getattr(strategy, "tensor_parallel_size", 1)  # splits under sequence parallelism
     dummy = DataLoader([torch.zeros(tokens + 1, dtype=torch.long)], batch_size=1)
-    with warnings.catch_warnings():  # the dummy batch's test/loss is not worth a sync_dist warning
-        warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    with warnings.catch_warnings():  # Lightning's advice for test runs does not apply to this one
+        warnings.filterwarnings("ignore", message=".*sync_dist=True.*")  # the dummy batch's test/loss
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
         trainer.test(module, dataloaders=dummy, ckpt_path=str(ckpt) if sharded else None, verbose=False)
     return scorer.results if trainer.is_global_zero else None
