@@ -123,8 +123,8 @@ def test_mula_eval_at_training_layout_matches_one_device(workdir):
 
 
 def test_mula_eval_layout_errors_are_one_sentence_before_loading(workdir, capsys, monkeypatch):
-    """A layout not dividing the world, experts not divisible by E, an unknown strategy class, several
-    processes without a strategy: one line, exit 2, no result written."""
+    """A layout not dividing the world, experts not divisible by E, an unknown strategy class or argument,
+    several processes without a strategy: one line, exit 2, no result written."""
     from mula.cli import main
 
     monkeypatch.setattr("sys.argv", ["mula"])
@@ -141,6 +141,7 @@ def test_mula_eval_layout_errors_are_one_sentence_before_loading(workdir, capsys
         ),
         "experts": (["--strategy", strategy(expert_parallel_size=3), "--devices", "3"], "experts"),
         "class": (["--strategy", '{"class_path": "strategies.Nope"}', "--devices", "2"], "strategies.Nope"),
+        "argument": (["--strategy", strategy(expert_size=2), "--devices", "2"], "expert_size"),
         "no strategy": (["--devices", "2"], "needs --strategy"),
     }
     before = set(ckpt.parent.iterdir())

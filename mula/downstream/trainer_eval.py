@@ -85,7 +85,10 @@ def strategy_from_spec(spec: Any) -> Any:
     init_args = spec.get("init_args") or {}
     if not isinstance(init_args, dict):
         raise ValueError(f"strategy init_args must be a mapping, got {init_args!r}.")
-    return cls(**init_args)
+    try:
+        return cls(**init_args)
+    except TypeError as err:  # an argument the class does not take
+        raise ValueError(f"strategy {spec['class_path']}: {err}.") from None
 
 
 def check_layout(strategy: Any, world_size: int, config: MulaConfig) -> None:
