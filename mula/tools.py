@@ -71,6 +71,9 @@ def evaluate(
     device: str | None = None,
     dtype: str = "auto",
     verify: bool = True,
+    strategy: dict[str, Any] | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
 ) -> None:
     """Evaluate a checkpoint, or every checkpoint of a run, on lm-evaluation-harness tasks (the `eval` extra).
 
@@ -91,6 +94,14 @@ def evaluate(
         device: cpu, cuda, xpu, cuda:1, ...; default: the first accelerator present, else the CPU.
         dtype: auto (bf16 autocast on an accelerator that has it, fp32 on the CPU), float32 or bfloat16.
         verify: Check each checkpoint against its manifest first and refuse a corrupted one.
+        strategy: Evaluate at a training layout instead of on one device: a recipe's trainer.strategy
+            entry, e.g. '{class_path: strategies.XPUMoEStrategy, init_args: {expert_parallel_size: 2,
+            pipeline_parallel_size: 2}}'. Each rank holds its experts, stages or tensor shards only (a sharded
+            checkpoint is read by each rank for its part, at any layout it was saved at); the documents are
+            split over the data-parallel ranks. Launch as mula fit: --devices N (Lightning starts the
+            processes) or under torchrun / srun / mpiexec.
+        devices: Processes per node with --strategy (as trainer.devices).
+        num_nodes: Nodes with --strategy (as trainer.num_nodes).
     """
     from pathlib import Path
 
@@ -103,7 +114,7 @@ def evaluate(
 
     if (ckpt is None) == (run is None):
         raise ValueError("give exactly one of --ckpt (one checkpoint) and --run (every checkpoint of a run).")
-    check_options(batch_size, device, dtype)
+    check_options(batch_size, device, dtype, devices, num_nodes, strategy)
     target = Path(ckpt or run)  # type: ignore[arg-type]
     if not target.exists():
         raise FileNotFoundError(f"{'Checkpoint' if ckpt else 'Run directory'} {target} does not exist.")
@@ -115,6 +126,9 @@ def evaluate(
         device=device,
         dtype=dtype,
         verify=verify,
+        strategy=strategy,
+        devices=devices,
+        num_nodes=num_nodes,
     )
     if ckpt is not None:
         evaluate_one(target, settings, _print_results)
