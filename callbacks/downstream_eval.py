@@ -81,7 +81,7 @@ class DownstreamEval(L.Callback):
         from mula.downstream import require_lm_eval
 
         require_lm_eval()
-        from mula.downstream.tasks import resolve_tasks
+        from mula.downstream.tasks import check_documents_per_rank, resolve_tasks
 
         path = self.tokenizer or getattr(trainer.datamodule, "tokenizer_path", None)
         if path is None:
@@ -89,6 +89,9 @@ class DownstreamEval(L.Callback):
         self._loaded_tokenizer = load_tokenizer(path)
         hf_tokenizer.check_fits(self._loaded_tokenizer, pl_module.config)
         self._resolved = resolve_tasks(self.tasks, self.include_path)
+        # the documents are split over the data-parallel ranks: refused now, not at the first evaluation
+        ranks = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+        check_documents_per_rank(self._resolved, ranks, self.limit)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -391,3 +391,18 @@ def test_downstream_eval_callback_logs_and_sigkill_resume_is_exact(workdir, refe
         1024,
         1536,
     ]
+
+
+def test_a_task_with_fewer_documents_than_ranks_is_refused_before_evaluating(tmp_path):
+    """lm-eval skips a rank without requests, which would leave the other ranks' collectives: refused."""
+    from mula.downstream.tasks import check_documents_per_rank, documents_per_task, resolve_tasks
+
+    mc, ppl = _write_tasks(tmp_path)
+    tasks = resolve_tasks([str(mc), str(ppl)])
+    assert documents_per_task(tasks) == {"tiny_mc": len(QUESTIONS), "tiny_ppl": 2}
+    assert documents_per_task(tasks, limit=0.5)["tiny_mc"] == -(-len(QUESTIONS) // 2)
+    check_documents_per_rank(tasks, 2)  # two ranks: one perplexity document each
+    with pytest.raises(ValueError, match="'tiny_ppl' has 2 document\\(s\\) to evaluate, fewer than the 3"):
+        check_documents_per_rank(tasks, 3)
+    with pytest.raises(ValueError, match="has 1 document"):
+        check_documents_per_rank(tasks, 2, limit=1)

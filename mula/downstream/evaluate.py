@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mula.downstream.lm import MulaLM
-from mula.downstream.tasks import ResolvedTasks
+from mula.downstream.tasks import ResolvedTasks, check_documents_per_rank
 
 
 def evaluate(lm: MulaLM, tasks: ResolvedTasks, limit: int | float | None = None) -> dict[str, Any]:
@@ -24,6 +24,7 @@ def evaluate(lm: MulaLM, tasks: ResolvedTasks, limit: int | float | None = None)
     """
     from lm_eval.evaluator import simple_evaluate
 
+    check_documents_per_rank(tasks, lm.world_size, limit)  # the same answer on every rank: no hang
     out = simple_evaluate(
         model=lm,
         tasks=tasks.specs,

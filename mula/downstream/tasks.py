@@ -76,3 +76,40 @@ def _unknown(spec: str, known: list[str]) -> str:
         f"unknown task {spec!r}{hint}: not an lm-eval task, group or tag, nor a task YAML file "
         "(`lm-eval ls tasks` lists them)."
     )
+
+
+def documents_per_task(tasks: ResolvedTasks, limit: int | float | None = None) -> dict[str, int]:
+    """How many documents lm-eval will evaluate of each task (of every task of a group), `limit` applied
+    as lm-eval applies it (the first N, or a fraction of each task, rounded up). Loads the tasks' data."""
+    import math
+
+    from lm_eval.tasks import get_task_dict
+
+    counts: dict[str, int] = {}
+
+    def walk(entries: dict) -> None:
+        for key, task in entries.items():
+            if isinstance(task, dict):  # a group: its tasks
+                walk(task)
+                continue
+            n = len(task.eval_docs)
+            if limit is not None:
+                n = min(n, int(math.ceil(n * limit)) if limit < 1 else int(limit))
+            counts[getattr(key, "group_name", None) or str(key)] = n
+
+    walk(get_task_dict(tasks.specs, tasks.manager))
+    return counts
+
+
+def check_documents_per_rank(tasks: ResolvedTasks, ranks: int, limit: int | float | None = None) -> None:
+    """Refuse, before any evaluation, a task with fewer documents than the data-parallel ranks that split
+    them: lm-eval skips a rank without requests, which then leaves the others' collectives (a hang)."""
+    if ranks <= 1:
+        return
+    for name, n in documents_per_task(tasks, limit).items():
+        if n < ranks:
+            raise ValueError(
+                f"task {name!r} has {n} document(s) to evaluate, fewer than the {ranks} data-parallel ranks "
+                "that split them, and every rank needs one; evaluate it on fewer ranks, or with a larger "
+                "--limit / more documents."
+            )
