@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from test_plan_volumes_tp import FunctionalCollectiveMeter  # DTensor's collectives' bus bytes
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel import _Batches
 from torch.distributed.device_mesh import init_device_mesh
@@ -28,6 +29,7 @@ from mula.model import Mula
 from mula.module import MulaLightningModule
 from mula.moe import is_expert_param
 from mula.plan import Layout, plan_memory
+from mula.plan.step_time import comm_volumes
 from strategies import XPUMoEStrategy
 from strategies.tensor_parallel import apply_tensor_parallel
 
@@ -55,11 +57,24 @@ class _Logged(L.Callback):
             self.counts.append(pl_module.step_expert_counts.clone())
 
 
+class _Metered(L.Callback):
+    """DTensor's (functional) collectives counted during training batches, the optimizer step included."""
+
+    def __init__(self) -> None:
+        self.meter = FunctionalCollectiveMeter()
+
+    def on_train_batch_start(self, *args) -> None:
+        self.meter.__enter__()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.meter.__exit__(None, None, None)
+
+
 def _fit(strategy, dp_rank: int = 0, dp_size: int = 1) -> tuple[_StepLosses, _Logged, dict, object]:
     batches = _Batches(dp_rank, dp_size)
     losses, logged = _StepLosses(batches), _Logged()
     world = WORLD if strategy is not None else 1
-    callbacks = [losses, logged] + ([MoEMetrics()] if strategy is not None else [])
+    callbacks = [losses, logged] + ([MoEMetrics(), _Metered()] if strategy is not None else [])
     trainer = cpu_trainer(
         world, strategy, max_steps=STEPS, accumulate_grad_batches=MICROS_PER_STEP // dp_size,
         callbacks=callbacks, gradient_clip_val=0.5, log_every_n_steps=1,
@@ -111,6 +126,7 @@ def _run(rank: int, world: int) -> dict:
         )
         losses, logged, params, trainer = _fit(strategy, rank // 2, world // 2)
         out[key] = _result(losses, logged, params)
+        out[key]["tp_bytes"] = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter.bytes
         if shard:
             opt = strategy._sharded_optimizer()
             module = trainer.lightning_module
@@ -167,16 +183,36 @@ def test_dropping_the_tp_sum_of_partial_moe_gradients_is_caught(runs) -> None:
 
 def test_plan_matches_the_tensor_parallel_moe_run(runs) -> None:
     """Per rank, T = 2 x E = 2 under the sharded optimizer: experts whole per TP rank (sliced over EP),
-    the router and experts replicated over TP, dense layers split; the plan's bytes are the run's."""
+    the router and experts replicated over TP, dense layers split; the plan's parameter, gradient and
+    optimizer bytes are the run's (activations: tests/test_plan_measured_tp.py, at a longer sequence)."""
     _, out = runs
-    layout = Layout(
-        world_size=WORLD, tp_size=2, ep_size=2, micro_batch=MICRO, seq_len=SEQ, shard_optimizer=True,
-        collectives="rooted",
-    )  # fmt: skip
-    plan = plan_memory(resolve_config("mula-tiny-moe", MOE), layout)
+    plan = plan_memory(resolve_config("mula-tiny-moe", MOE), _layout(2, False, True))
     for rank, rank_out in enumerate(out):
         row = rank_out["memory"]
         assert plan.param_tensor_bytes == row["params"], rank
         assert plan.params == row["optim/param_bytes"], rank
         assert plan.grads == row["grads"] == row["optim/grad_buffer_bytes"], rank
         assert plan.optimizer == row["optim/state_bytes"], rank
+
+
+def _layout(ep: int, sp: bool, shard: bool, tp: int = 2) -> Layout:
+    return Layout(
+        world_size=WORLD, tp_size=tp, ep_size=ep, sequence_parallel=sp, micro_batch=MICRO, seq_len=SEQ,
+        micro_batches=MICROS_PER_STEP // (WORLD // tp), shard_optimizer=shard, collectives="rooted",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("key", "ep", "sp", "shard"),
+    [("t2e2", 2, False, False), ("t2e2_sharded", 2, False, True), ("t2sp", 1, True, False)],
+)
+def test_step_time_volumes_match_the_tensor_parallel_bytes(
+    runs, key: str, ep: int, sp: bool, shard: bool
+) -> None:
+    """`comm_volumes`' tensor-parallel bytes are those DTensor hands to the functional collectives: the
+    MoE output's and input gradient's all-gathers (none under SP), the router-loss sums, and the partial
+    router and expert gradients (every micro-batch under the sharded optimizer, once a step without)."""
+    _, out = runs
+    (volumes,) = comm_volumes(resolve_config("mula-tiny-moe", MOE), _layout(ep, sp, shard))
+    for rank_out in out:
+        assert STEPS * volumes.tensor_parallel == pytest.approx(rank_out[key]["tp_bytes"], rel=1e-9), key
