@@ -2,12 +2,14 @@
 
 Reference: one process, the same MulaLightningModule, gradient accumulation over the same global
 batches. On W = 4 CPU ranks, fp32, 6 optimizer steps with global-norm clipping and the router-bias
-update: T = 2 x E = 2 (DP = 2, EDP = 1) with torch's AdamW and with the sharded optimizer, and T = 2
-with sequence parallelism (E = 1, DP = EDP = 2). Every logged loss (total, aux and z) and gradient
-norm within 1e-5, every parameter (gathered to its full tensor, experts over the EP group) within 1e-4,
-the step's global expert counts equal. Dropping the TP sum of the router's and experts' partial
-gradients must break the equality. The T = 2 x E = 2 sharded run's per-rank parameter, gradient and
-optimizer bytes equal `mula plan`'s.
+update: T = 2 x E = 2 (DP = 2, EDP = 1) with torch's AdamW and with the sharded optimizer (the MoE
+layer recomputed), and T = 2 with sequence parallelism (E = 1, DP = EDP = 2, blocks recomputed).
+Every logged loss (total, aux and z) and gradient norm within 1e-5, every parameter (gathered to its
+full tensor, experts over the EP group) within 1e-4, the step's global expert counts equal. Dropping
+the TP sum of the router's and experts' partial gradients must break the equality. The T = 2 x E = 2
+sharded run's per-rank parameter, gradient and optimizer bytes equal `mula plan`'s, and every run's
+DTensor collective bytes the step-time model's. A checkpoint of T = 2 x E = 2 resumes at T = 1 and
+back, continuing the uninterrupted losses.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ MOE = dict(
     num_dense_layers=1, num_experts=4, top_k=2, expert_intermediate_size=32, max_position_embeddings=64,
     router_bias_update_rate=1e-3,
 )  # fmt: skip
+# the 4-rank runs: key -> (E, sequence parallel, sharded optimizer, activation checkpointing)
+RUNS = {
+    "t2e2": (2, False, False, "none"),
+    "t2e2_sharded": (2, False, True, ["moe"]),  # the MoE layer (its split and gather) recomputed
+    "t2sp": (1, True, False, "full"),
+}
 
 
 class _Logged(L.Callback):
@@ -70,7 +78,9 @@ class _Metered(L.Callback):
         self.meter.__exit__(None, None, None)
 
 
-def _fit(strategy, dp_rank: int = 0, dp_size: int = 1) -> tuple[_StepLosses, _Logged, dict, object]:
+def _fit(
+    strategy, dp_rank: int = 0, dp_size: int = 1, checkpointing="none"
+) -> tuple[_StepLosses, _Logged, dict, object]:
     batches = _Batches(dp_rank, dp_size)
     losses, logged = _StepLosses(batches), _Logged()
     world = WORLD if strategy is not None else 1
@@ -81,7 +91,13 @@ def _fit(strategy, dp_rank: int = 0, dp_size: int = 1) -> tuple[_StepLosses, _Lo
     )  # fmt: skip
     torch.manual_seed(0)
     module = MulaLightningModule(
-        "mula-tiny-moe", overrides=MOE, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
+        "mula-tiny-moe",
+        overrides=MOE,
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=1,
+        decay_steps=10,
+        activation_checkpointing=checkpointing,
     )
     trainer.fit(module, batches)
     topo = getattr(strategy, "topology", None)
@@ -116,15 +132,11 @@ def _run(rank: int, world: int) -> dict:
 
     lightning_env(rank, world)
     out = {}
-    for key, ep, sp, shard in (
-        ("t2e2", 2, False, False),
-        ("t2e2_sharded", 2, False, True),
-        ("t2sp", 1, True, False),
-    ):
+    for key, (ep, sp, shard, checkpointing) in RUNS.items():
         strategy = XPUMoEStrategy(
             tensor_parallel_size=2, expert_parallel_size=ep, sequence_parallel=sp, shard_optimizer=shard
         )
-        losses, logged, params, trainer = _fit(strategy, rank // 2, world // 2)
+        losses, logged, params, trainer = _fit(strategy, rank // 2, world // 2, checkpointing)
         out[key] = _result(losses, logged, params)
         out[key]["tp_bytes"] = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter.bytes
         if shard:
@@ -150,7 +162,7 @@ def runs() -> tuple[dict, list[dict]]:
     return ref, run_distributed(_run, WORLD)
 
 
-@pytest.mark.parametrize("key", ["t2e2", "t2e2_sharded", "t2sp"])
+@pytest.mark.parametrize("key", list(RUNS))
 def test_moe_under_tensor_parallelism_matches_single_process(runs, key: str) -> None:
     """Losses (total, aux, z), gradient norms, global expert counts and every parameter, on every rank."""
     ref, out = runs
@@ -186,7 +198,7 @@ def test_plan_matches_the_tensor_parallel_moe_run(runs) -> None:
     the router and experts replicated over TP, dense layers split; the plan's parameter, gradient and
     optimizer bytes are the run's (activations: tests/test_plan_measured_tp.py, at a longer sequence)."""
     _, out = runs
-    plan = plan_memory(resolve_config("mula-tiny-moe", MOE), _layout(2, False, True))
+    plan = plan_memory(resolve_config("mula-tiny-moe", MOE), _layout("t2e2_sharded"))
     for rank, rank_out in enumerate(out):
         row = rank_out["memory"]
         assert plan.param_tensor_bytes == row["params"], rank
@@ -195,24 +207,57 @@ def test_plan_matches_the_tensor_parallel_moe_run(runs) -> None:
         assert plan.optimizer == row["optim/state_bytes"], rank
 
 
-def _layout(ep: int, sp: bool, shard: bool, tp: int = 2) -> Layout:
+def _layout(key: str) -> Layout:
+    ep, sp, shard, checkpointing = RUNS[key]
     return Layout(
-        world_size=WORLD, tp_size=tp, ep_size=ep, sequence_parallel=sp, micro_batch=MICRO, seq_len=SEQ,
-        micro_batches=MICROS_PER_STEP // (WORLD // tp), shard_optimizer=shard, collectives="rooted",
+        world_size=WORLD, tp_size=2, ep_size=ep, sequence_parallel=sp, micro_batch=MICRO, seq_len=SEQ,
+        micro_batches=MICROS_PER_STEP // (WORLD // 2), shard_optimizer=shard, checkpointing=checkpointing,
+        collectives="rooted",
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("key", "ep", "sp", "shard"),
-    [("t2e2", 2, False, False), ("t2e2_sharded", 2, False, True), ("t2sp", 1, True, False)],
-)
-def test_step_time_volumes_match_the_tensor_parallel_bytes(
-    runs, key: str, ep: int, sp: bool, shard: bool
-) -> None:
+@pytest.mark.parametrize("key", list(RUNS))
+def test_step_time_volumes_match_the_tensor_parallel_bytes(runs, key: str) -> None:
     """`comm_volumes`' tensor-parallel bytes are those DTensor hands to the functional collectives: the
     MoE output's and input gradient's all-gathers (none under SP), the router-loss sums, and the partial
-    router and expert gradients (every micro-batch under the sharded optimizer, once a step without)."""
+    router and expert gradients (every micro-batch under the sharded optimizer, once a step without), and
+    the collectives of the forwards activation checkpointing runs again."""
     _, out = runs
-    (volumes,) = comm_volumes(resolve_config("mula-tiny-moe", MOE), _layout(ep, sp, shard))
+    (volumes,) = comm_volumes(resolve_config("mula-tiny-moe", MOE), _layout(key))
     for rank_out in out:
         assert STEPS * volumes.tensor_parallel == pytest.approx(rank_out[key]["tp_bytes"], rel=1e-9), key
+
+
+def _resume_across_t(rank: int, world: int, root: str) -> dict:
+    """T = 2 x E = 2 saves at step 2; T = 1 x E = 2 resumes from it (and saves at step 4); T = 2 x E = 2
+    resumes from that. Sharded optimizer, sharded (DCP) checkpoints of global tensors."""
+    lightning_env(rank, world)
+
+    def fit(tp: int, first: int, last: int, save: str | None, ckpt: str | None) -> list[float]:
+        strategy = XPUMoEStrategy(tensor_parallel_size=tp, expert_parallel_size=2)
+        batches = _Batches(rank // tp, world // tp, first, last)
+        losses = _StepLosses(batches)
+        trainer = cpu_trainer(
+            world, strategy, max_steps=last, accumulate_grad_batches=MICROS_PER_STEP // (world // tp),
+            callbacks=[losses], gradient_clip_val=0.5, save_dir=save,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        module = MulaLightningModule(
+            "mula-tiny-moe", overrides=MOE, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
+        )
+        trainer.fit(module, batches, ckpt_path=ckpt)
+        return losses.losses
+
+    fit(2, 0, 2, f"{root}/t2", None)
+    down = fit(1, 2, STEPS, f"{root}/t1", f"{root}/t2/epoch=0-step=2.ckpt")
+    up = fit(2, 4, STEPS, None, f"{root}/t1/epoch=1-step=4.ckpt")  # epoch 1: the first run ended one
+    return {"down": down, "up": up}
+
+
+def test_moe_checkpoints_resume_at_another_tensor_parallel_size(runs, tmp_path) -> None:
+    """Router, experts (global DTensors over the EP group) and their optimizer state are whole tensors in
+    the checkpoint: 2 -> 1 and 1 -> 2 continue the uninterrupted run's losses."""
+    ref, _ = runs
+    out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(out["down"]), torch.tensor(ref["losses"][2:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(out["up"]), torch.tensor(ref["losses"][4:]), rtol=1e-5, atol=0)
