@@ -78,21 +78,34 @@ class _Metered(L.Callback):
         self.meter.__exit__(None, None, None)
 
 
+class _WholeSteps(_Batches):
+    """One micro-batch per step and data-parallel rank: its contiguous 1/dp_size of the global batch."""
+
+    def __iter__(self):
+        for step in range(self.first_step, self.steps):
+            g = torch.Generator().manual_seed(1000 + step)
+            batch = torch.randint(0, MOE["vocab_size"], (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
+            yield batch.chunk(self.dp_size)[self.dp_rank]
+
+
 def _fit(
-    strategy, dp_rank: int = 0, dp_size: int = 1, checkpointing="none"
+    strategy, dp_rank: int = 0, dp_size: int = 1, checkpointing="none", scope: str = "micro_batch"
 ) -> tuple[_StepLosses, _Logged, dict, object]:
-    batches = _Batches(dp_rank, dp_size)
+    """6 steps; under the global aux-loss scope without accumulation (one micro-batch per rank and step,
+    so that the scope's frequencies are the global batch's in every micro-batch, one process's too)."""
+    whole = scope == "global"
+    batches = (_WholeSteps if whole else _Batches)(dp_rank, dp_size)
     losses, logged = _StepLosses(batches), _Logged()
     world = WORLD if strategy is not None else 1
     callbacks = [losses, logged] + ([MoEMetrics(), _Metered()] if strategy is not None else [])
     trainer = cpu_trainer(
-        world, strategy, max_steps=STEPS, accumulate_grad_batches=MICROS_PER_STEP // dp_size,
+        world, strategy, max_steps=STEPS, accumulate_grad_batches=1 if whole else MICROS_PER_STEP // dp_size,
         callbacks=callbacks, gradient_clip_val=0.5, log_every_n_steps=1,
     )  # fmt: skip
     torch.manual_seed(0)
     module = MulaLightningModule(
         "mula-tiny-moe",
-        overrides=MOE,
+        overrides={**MOE, "aux_loss_scope": scope},
         lr=1e-2,
         min_lr=1e-3,
         warmup_steps=1,
@@ -143,6 +156,9 @@ def _run(rank: int, world: int) -> dict:
             opt = strategy._sharded_optimizer()
             module = trainer.lightning_module
             out["memory"] = {"params": param_bytes(module), "grads": grad_bytes(module, opt), **opt.metrics()}
+    # the global aux-loss scope: each rank's own counts summed over all ranks (each token once)
+    strategy = XPUMoEStrategy(tensor_parallel_size=2, expert_parallel_size=2)
+    out["global"] = _result(*_fit(strategy, rank // 2, world // 2, scope="global")[:3])
     _drop_partial_sum()
     strategy = XPUMoEStrategy(tensor_parallel_size=2, expert_parallel_size=2, shard_optimizer=False)
     out["dropped"] = _result(*_fit(strategy, rank // 2, world // 2)[:3])
@@ -159,13 +175,15 @@ def _run(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> tuple[dict, list[dict]]:
     ref = _result(*_fit(None)[:3])
+    ref["global"] = _result(*_fit(None, scope="global")[:3])
     return ref, run_distributed(_run, WORLD)
 
 
-@pytest.mark.parametrize("key", list(RUNS))
+@pytest.mark.parametrize("key", [*RUNS, "global"])
 def test_moe_under_tensor_parallelism_matches_single_process(runs, key: str) -> None:
     """Losses (total, aux, z), gradient norms, global expert counts and every parameter, on every rank."""
     ref, out = runs
+    ref = ref["global"] if key == "global" else ref
     assert len(ref["losses"]) == STEPS
     for rank_out in out:
         run = rank_out[key]
