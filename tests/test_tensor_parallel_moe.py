@@ -104,14 +104,9 @@ def _fit(
     )  # fmt: skip
     torch.manual_seed(0)
     module = MulaLightningModule(
-        "mula-tiny-moe",
-        overrides={**MOE, "aux_loss_scope": scope},
-        lr=1e-2,
-        min_lr=1e-3,
-        warmup_steps=1,
-        decay_steps=10,
-        activation_checkpointing=checkpointing,
-    )
+        "mula-tiny-moe", overrides={**MOE, "aux_loss_scope": scope}, lr=1e-2, min_lr=1e-3, warmup_steps=1,
+        decay_steps=10, activation_checkpointing=checkpointing,
+    )  # fmt: skip
     trainer.fit(module, batches)
     topo = getattr(strategy, "topology", None)
     params = {}
