@@ -89,17 +89,22 @@ class _WholeSteps(_Batches):
 
 
 def _fit(
-    strategy, dp_rank: int = 0, dp_size: int = 1, checkpointing="none", scope: str = "micro_batch"
+    strategy,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    checkpointing="none",
+    scope: str = "micro_batch",
+    steps=STEPS,
 ) -> tuple[_StepLosses, _Logged, dict, object]:
-    """6 steps; under the global aux-loss scope without accumulation (one micro-batch per rank and step,
+    """`steps` steps (6); under the global aux-loss scope without accumulation (one micro-batch per rank and step,
     so that the scope's frequencies are the global batch's in every micro-batch, one process's too)."""
     whole = scope == "global"
-    batches = (_WholeSteps if whole else _Batches)(dp_rank, dp_size)
+    batches = (_WholeSteps if whole else _Batches)(dp_rank, dp_size, steps=steps)
     losses, logged = _StepLosses(batches), _Logged()
     world = WORLD if strategy is not None else 1
     callbacks = [losses, logged] + ([MoEMetrics(), _Metered()] if strategy is not None else [])
     trainer = cpu_trainer(
-        world, strategy, max_steps=STEPS, accumulate_grad_batches=1 if whole else MICROS_PER_STEP // dp_size,
+        world, strategy, max_steps=steps, accumulate_grad_batches=1 if whole else MICROS_PER_STEP // dp_size,
         callbacks=callbacks, gradient_clip_val=0.5, log_every_n_steps=1,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -269,8 +274,15 @@ def _resume_across_t(rank: int, world: int, root: str) -> dict:
 
 def test_moe_checkpoints_resume_at_another_tensor_parallel_size(runs, tmp_path) -> None:
     """Router, experts (global DTensors over the EP group) and their optimizer state are whole tensors in
-    the checkpoint: 2 -> 1 and 1 -> 2 continue the uninterrupted run's losses."""
+    the checkpoint: 2 -> 1 and 1 -> 2 continue the uninterrupted run's losses, and mula's weights reader
+    (export-hf's) reads the T = 2 x E = 2 directory as one process's weights."""
+    from mula.checkpoint import load_weights
+
     ref, _ = runs
     out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
     torch.testing.assert_close(torch.tensor(out["down"]), torch.tensor(ref["losses"][2:]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(out["up"]), torch.tensor(ref["losses"][4:]), rtol=1e-5, atol=0)
+    at_two = _fit(None, steps=2)[2]
+    weights = load_weights(tmp_path / "t2" / "epoch=0-step=2.ckpt").state_dict()
+    for name, value in at_two.items():
+        torch.testing.assert_close(weights[name.removeprefix("model.")], value, rtol=0, atol=1e-4, msg=name)
