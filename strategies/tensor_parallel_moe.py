@@ -17,8 +17,8 @@ communicates over TP only to split and gather its tokens, and no expert weight i
             each TP rank's loss already holds the whole sum). The step's expert counts (router-bias
             update, expert-load metrics) and the global aux-loss scope sum each rank's own counts over
             every rank, so they are exact without a TP term.
-    grads   the router's and the experts' gradients on a TP rank come from its tokens only: the
-            parameters are marked (`mark_tp_partial`) and the gradient-reduce engine sums them over the
+    grads   the router's and the (routed and shared) experts' gradients on a TP rank come from its
+            tokens only: the layer's parameters are marked (`mark_tp_partial`) and the gradient-reduce engine sums them over the
             TP group before they enter a bucket (`strategies.optim.grad_reduce.laid_out_grad`), then
             averages them over data parallelism as any replicated weight (experts over their EDP group).
 """

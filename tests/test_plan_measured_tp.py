@@ -37,7 +37,8 @@ RMS = dict(
 TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
             max_position_embeddings=256)  # fmt: skip
 # an MoE block after a dense one: under TP its layer routes 1/T of the tokens, experts whole
-MOE = {**RMS, "num_experts": 4, "top_k": 2, "expert_intermediate_size": 64, "num_dense_layers": 1}
+MOE = {**RMS, "num_experts": 4, "top_k": 2, "expert_intermediate_size": 64, "num_dense_layers": 1,
+       "num_shared_experts": 1}  # fmt: skip
 # (overrides, T, sequence parallel, precision, checkpointing)
 LAYOUTS = [
     (RMS, 2, False, "32-true", "none"),

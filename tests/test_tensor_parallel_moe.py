@@ -36,11 +36,12 @@ from strategies import XPUMoEStrategy
 from strategies.tensor_parallel import apply_tensor_parallel
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS, WORLD = 2, 16, 4, 6, 4
-# a dense first block (column/row-parallel MLP) and an MoE block; RMSNorm and QK-norm, GQA
+# a dense first block (column/row-parallel MLP) and an MoE block with a shared expert (whole, on this
+# rank's tokens like the routed ones); RMSNorm and QK-norm, GQA
 MOE = dict(
     vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
     num_dense_layers=1, num_experts=4, top_k=2, expert_intermediate_size=32, max_position_embeddings=64,
-    router_bias_update_rate=1e-3,
+    router_bias_update_rate=1e-3, num_shared_experts=1, shared_expert_intermediate_size=16,
 )  # fmt: skip
 # the 4-rank runs: key -> (E, sequence parallel, sharded optimizer, activation checkpointing)
 RUNS = {

@@ -152,7 +152,7 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
             )
             if config.num_shared_experts:  # a dense SwiGLU on the same input: gate/up casts, 4 features
                 shared = config.shared_intermediate_size
-                per_token += (2 * b * h if mixed else 0) + 4 * b * shared
+                moe_bytes += (tokens // t) * ((2 * b * h if mixed else 0) + 4 * b * shared)
                 weights += 3 * h * shared
     else:  # gate/up inputs (the whole sequence), the intermediate features split over T
         per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size // t

@@ -197,7 +197,8 @@ def tensor_parallel_sends(
     matmuls' outputs (and their gradients) in the compute dtype. An MoE block's layer routes 1/T of the
     tokens (`strategies.tensor_parallel_moe`): without SP its output is all-gathered (compute dtype) and
     its input's gradient too (parameters' dtype), under SP neither; its router-loss sums are all-reduced
-    every forward, and its router's and experts' partial gradients once per reduction round."""
+    every forward, and its router's and (routed and shared) experts' partial gradients once per
+    reduction round."""
     t = layout.tp_size
     if t == 1:
         return 0.0
@@ -249,7 +250,10 @@ def tensor_parallel_sends(
         partial += (2 * len(blocks) + last) * config.hidden_size  # the norm weights
     moe_layers = sum(config.is_moe_layer(i) for i in blocks)
     e_local = config.num_experts // layout.ep_size
-    partial += moe_layers * (config.num_experts * config.hidden_size + e_local * config._expert_params())
+    shared = 3 * config.hidden_size * config.shared_intermediate_size if config.num_shared_experts else 0
+    partial += moe_layers * (
+        config.num_experts * config.hidden_size + e_local * config._expert_params() + shared
+    )
     return out + rounds * partial * 2 * r * ring
 
 
