@@ -76,8 +76,9 @@ def check_experts(num_experts: int, ep_size: int) -> None:
 
 
 def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
-    """Refuse tensor parallelism where it is not available yet, or a model whose heads, KV heads, MLP
-    width or vocabulary T does not divide (`config`: a `MulaConfig`; None checks the layout alone)."""
+    """Refuse tensor parallelism where it is not available yet, or a model whose heads, KV heads, dense
+    MLP width or vocabulary T does not divide (`config`: a `MulaConfig`; None checks the layout alone).
+    MoE layers are accepted: their experts stay whole and their tokens are split over the T ranks."""
     if tp_size == 1:
         return
     if pp_size > 1:
@@ -87,11 +88,6 @@ def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
         )
     if config is None:
         return
-    if int(getattr(config, "num_experts", 0)) > 0:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} is not yet available for MoE models (this one has "
-            f"{config.num_experts} experts); use a dense model or tensor_parallel_size=1."
-        )
     if getattr(config, "kv_lora_rank", None) is not None:
         raise ValueError(
             f"tensor_parallel_size={tp_size} is not yet available with multi-head latent attention "
@@ -108,9 +104,12 @@ def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
             f"tensor_parallel_size={tp_size} is not yet available with tie_embeddings; use an untied model "
             "or tensor_parallel_size=1."
         )
-    for what, count in (("attention heads", config.num_heads), ("key/value heads", config.kv_heads),
-                        ("MLP features (intermediate_size)", config.intermediate_size),
-                        ("vocabulary entries", config.vocab_size)):  # fmt: skip
+    # MoE layers keep their experts whole (their tokens are split): only dense MLPs split their features
+    dense_mlps = config.num_moe_layers < config.num_layers
+    sizes = [("attention heads", config.num_heads), ("key/value heads", config.kv_heads),
+             ("MLP features (intermediate_size)", config.intermediate_size if dense_mlps else 0),
+             ("vocabulary entries", config.vocab_size)]  # fmt: skip
+    for what, count in sizes:
         if count % tp_size:
             raise ValueError(
                 f"The model's {count} {what} are not divisible by tensor_parallel_size={tp_size}; choose "

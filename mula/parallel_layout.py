@@ -6,9 +6,10 @@ thing; the strategy turns it into one named `DeviceMesh` (`strategies.topology.b
 
 Dimensions and rank order, innermost first (DESIGN.md "Parallel layout, in numbers"):
 
-    tp   tensor parallel: T consecutive ranks split every dense layer (one node's fabric; dense models)
+    tp   tensor parallel: T consecutive ranks split every dense layer (one node's fabric); MoE layers
+         keep their experts whole and split their tokens over the T ranks
     cp   context parallel (1 for now)
-    ep   expert parallel: E consecutive ranks exchange tokens all-to-all (one node's fabric)
+    ep   expert parallel: E ranks of one TP index (T apart) exchange tokens all-to-all (one node's fabric)
     pp   pipeline stage: P stages
     edp  expert-data parallel: the W / (P * E) ranks holding the same experts of the same stage
 

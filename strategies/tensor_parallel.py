@@ -1,4 +1,4 @@
-"""Megatron-style tensor (and sequence) parallelism of a dense `Mula`, applied from outside.
+"""Megatron-style tensor (and sequence) parallelism of a `Mula`, applied from outside.
 
 In the spirit of torchtitan's `parallelize`: the plain model is built as usual, then
 `apply_tensor_parallel` hands `torch.distributed.tensor.parallel.parallelize_module` one plan per
@@ -11,6 +11,8 @@ module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md):
                  so the per-rank statistics are all-reduced over the TP group; the weight is split
                  like the heads
     MLP          gate/up column-parallel, down row-parallel
+    MoE layer    experts whole, the tokens split over the TP group before routing
+                 (strategies/tensor_parallel_moe.py)
     lm_head      column-parallel: the logits stay a DTensor split over the vocabulary, and the
                  strategy runs the loss under `loss_parallel` (a vocabulary-parallel cross-entropy)
     norms        untouched (replicated, full sequence); with `sequence_parallel` they run on
@@ -43,6 +45,8 @@ from torch.distributed.tensor.parallel import (
 from typing_extensions import override
 
 from mula.model import MLP, Attention, LayerNorm, Mula, RMSNorm
+from mula.moe import MoELayer
+from strategies.tensor_parallel_moe import split_moe_tokens
 
 
 class ShardedFeatureNorm(nn.Module):
@@ -115,13 +119,11 @@ def _split_mlp(mlp: MLP, tp_mesh: Any, sequence_parallel: bool) -> None:
 
 
 def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = False) -> Mula:
-    """Split a dense `Mula` over the 1-D `tp_mesh` in place (see the module docstring); returns it.
+    """Split a `Mula` over the 1-D `tp_mesh` in place (see the module docstring); returns it.
 
     Every TP rank must call it with the same weights (replicas are made identical afterwards over the
     data-parallel group; DTensor's distribution takes each shard from the TP group's first rank).
     """
-    if model.config.num_experts > 0:
-        raise ValueError("Tensor parallelism is not yet available for MoE models; use a dense model.")
     sp = sequence_parallel
     # under SP the residual stream between layers is this rank's 1/T of the sequence (a local tensor)
     embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
@@ -132,8 +134,12 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for block in model.layers:
         _split_attention(block.attn, tp_mesh, sp)
-        assert isinstance(block.mlp, MLP)
-        _split_mlp(block.mlp, tp_mesh, sp)
+        moe = isinstance(block.mlp, MoELayer)
+        if moe:  # experts whole, tokens split (strategies/tensor_parallel_moe.py)
+            split_moe_tokens(block.mlp, tp_mesh, sp)
+        else:
+            assert isinstance(block.mlp, MLP)
+            _split_mlp(block.mlp, tp_mesh, sp)
         if sp:
             plan: dict[str, Any] = {
                 "attn_norm": SequenceParallel(),
@@ -142,23 +148,27 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
                 "attn": PrepareModuleInput(
                     input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
-                "mlp": gather,
             }
+            if not moe:  # an MoE layer takes its slice of the sequence as it is
+                plan["mlp"] = gather
             parallelize_module(block, tp_mesh, plan)
     if sp:
         parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})
-        model.register_forward_pre_hook(_check_sequence_split(tp_mesh.size()))
+    if sp or model.config.num_experts > 0:  # both split the sequence over the TP ranks
+        model.register_forward_pre_hook(_check_sequence_split(tp_mesh.size(), sp))
     return model
 
 
-def _check_sequence_split(t: int) -> Any:
-    """A forward pre-hook refusing a sequence that T ranks cannot split evenly (before any collective)."""
+def _check_sequence_split(t: int, sequence_parallel: bool) -> Any:
+    """A forward pre-hook refusing a sequence that T ranks cannot split evenly (before any collective):
+    sequence parallelism splits it, and so do MoE layers (their tokens are split over the TP ranks)."""
+    what = "sequence_parallel splits" if sequence_parallel else "MoE layers under tensor parallelism split"
 
     def check(module: nn.Module, args: tuple[Any, ...]) -> None:
         seq = args[0].shape[1]
         if seq % t:
             raise ValueError(
-                f"sequence_parallel splits the sequence over tensor_parallel_size={t} ranks, but this batch's "
+                f"{what} the sequence over tensor_parallel_size={t} ranks, but this batch's "
                 f"sequence length {seq} is not divisible by {t}; choose a seq_len divisible by it."
             )
 

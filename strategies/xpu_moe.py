@@ -106,12 +106,13 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         pipeline_virtual_stages: V, stages per rank with "interleaved-1f1b" (P x V stages in all).
         pipeline_stage_layers: blocks per stage (P x V numbers summing to the model's layers); default
             an even split.
-        tensor_parallel_size: T, Megatron-style tensor parallelism of a dense model (strategies/
-            tensor_parallel.py, docs/tensor-parallel.md): T consecutive ranks (innermost, one node's
-            fabric) split every attention (by heads), MLP, the embedding and the LM head (by
-            vocabulary) and read the same data; the data-parallel size is W / (P x T). T must divide
-            the heads, KV heads, MLP width and vocabulary; not yet available with experts, pipeline
-            stages or tied embeddings. With `shard_optimizer` the flat buffers hold each rank's local
+        tensor_parallel_size: T, Megatron-style tensor parallelism (strategies/tensor_parallel.py,
+            docs/tensor-parallel.md): T consecutive ranks (innermost, one node's fabric) split every
+            attention (by heads), dense MLP, the embedding and the LM head (by vocabulary) and read the
+            same data; the data-parallel size is W / (P x T). MoE layers keep their experts whole and
+            route 1/T of the tokens on each TP rank (strategies/tensor_parallel_moe.py). T must divide
+            the heads, KV heads, dense MLP width and vocabulary (and the sequence, with MoE layers or
+            SP); not yet available with pipeline stages or tied embeddings. With `shard_optimizer` the flat buffers hold each rank's local
             TP shard, its state sharded over the data-parallel group.
         sequence_parallel: with T > 1, the norms and the residual stream hold 1/T of the sequence
             (reduce-scatter / all-gather around each layer instead of all-reduce).
@@ -357,7 +358,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             child.reset_parameters()
 
     def _split_tensors(self, module: nn.Module) -> None:
-        """Split the dense model over this rank's TP group (once: Lightning calls setup again after fit)."""
+        """Split the model over this rank's TP group (once: Lightning calls setup again after fit)."""
         model = getattr(module, "model", None)
         if not isinstance(model, Mula):
             raise ValueError("tensor_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")

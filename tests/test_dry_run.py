@@ -106,6 +106,8 @@ TENSOR = [
         ([], 0),  # T = 2 with sequence parallelism (the recipe), the sharded optimizer over W / T = 48 ranks
         (["--trainer.strategy.init_args.tensor_parallel_size=4"], 95),
         (["--trainer.strategy.init_args.sequence_parallel=false", "--data.global_batch_size=192"], 37),
+        # the tiny MoE model: experts whole on each TP rank, sliced over E = 4 (T x E = 8 ranks)
+        (["--model.config=mula-tiny-moe", "--trainer.strategy.init_args.expert_parallel_size=4"], 13),
     ],
 )
 def test_tensor_parallel_dry_run_bytes_equal_the_plan(extra, rank):

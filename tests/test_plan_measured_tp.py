@@ -10,7 +10,9 @@ tp_local_shape`). Activations (`mem/activation_bytes`, the peak of saved-tensor 
 
 Layouts on the tiny dense model: T = 2 (RMSNorm, QK-norm over split heads, grouped KV heads), the
 same with sequence parallelism (norm and residual regions on 1/T of the sequence), T = 4 (the preset's
-LayerNorm), T = 2 with SP under attention checkpointing, T = 2 with SP and T = 4 under bf16 autocast.
+LayerNorm), T = 2 with SP under attention checkpointing, T = 2 with SP and T = 4 under bf16 autocast;
+an MoE block after a dense one at T = 2, with and without SP (the MoE layer routes 1/T of the tokens
+through whole experts: strategies/tensor_parallel_moe.py).
 Not vacuous: the measured numbers differ between layouts, the T = 1 plan of each misses them, and so
 does a plan without SP for the SP layouts.
 """
@@ -34,6 +36,9 @@ RMS = dict(
 )  # fmt: skip
 TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
             max_position_embeddings=256)  # fmt: skip
+# an MoE block after a dense one: under TP its layer routes 1/T of the tokens, experts whole
+MOE = {**RMS, "num_experts": 4, "top_k": 2, "expert_intermediate_size": 64, "num_dense_layers": 1,
+       "num_shared_experts": 1}  # fmt: skip
 # (overrides, T, sequence parallel, precision, checkpointing)
 LAYOUTS = [
     (RMS, 2, False, "32-true", "none"),
@@ -42,6 +47,8 @@ LAYOUTS = [
     (RMS, 2, True, "32-true", ["attention"]),
     (RMS, 2, True, "bf16-mixed", "none"),
     (TINY, 4, False, "bf16-mixed", "none"),
+    (MOE, 2, False, "32-true", "none"),
+    (MOE, 2, True, "32-true", "none"),
 ]
 KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes")
 
@@ -124,7 +131,8 @@ def test_tensor_parallelism_decides_the_numbers(measured) -> None:
     ignores sequence parallelism misses the activations of the SP layouts."""
     rows = [measured[0][i] for i in range(len(LAYOUTS))]
     assert len({row["mem/activation_bytes"] for row in rows}) == len(LAYOUTS)
-    assert len({row["mem/param_bytes"] for row in rows}) == 2  # T = 2 and T = 4
+    dense = [row for row, layout in zip(rows, LAYOUTS) if layout[0] is not MOE]
+    assert len({row["mem/param_bytes"] for row in dense}) == 2  # T = 2 and T = 4
     for index, row in enumerate(rows):
         flat = _plan(index, tp=1)
         assert flat.param_tensor_bytes != row["mem/param_bytes"]

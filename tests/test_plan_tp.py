@@ -52,9 +52,12 @@ def test_search_tries_tensor_parallel_sizes_the_strategy_runs() -> None:
         assert round(plan_memory(inputs.config, match[0]).total / 1e9, 2) == row["total_gb"]
 
 
-def test_search_keeps_moe_models_at_one_tensor_parallel_rank() -> None:
-    """TP is not yet available for MoE models: the search does not offer it."""
-    assert {lay.tp_size for lay in candidate_layouts(_inputs("mula-tiny-moe"))} == {1}
+def test_search_offers_tensor_parallelism_for_moe_models() -> None:
+    """MoE layers run under TP (tokens split, experts whole): the search offers T > 1 for MoE models too,
+    with expert parallelism beside it (T x E ranks)."""
+    layouts = candidate_layouts(_inputs("mula-tiny-moe"))
+    assert {lay.tp_size for lay in layouts} > {1}
+    assert any(lay.tp_size > 1 and lay.ep_size > 1 for lay in layouts)
 
 
 FRONTIER_RECIPES = {"mula-gpt-175b": (175.2, 128), "mula-gpt-1t": (1009.2, 384)}  # billions, nodes

@@ -7,7 +7,7 @@ every global gradient norm within 1e-5 (relative), every parameter (gathered to 
 within 1e-4. The T = 2 model has RMSNorm weights and QK-norm (normalised over all heads, split over
 the TP group) and grouped KV heads. Dropping the TP all-reduce of partial gradients (the norm weights
 under sequence parallelism) must break the equality: the classic silent bug, caught. Layouts that are
-not available yet are refused with one sentence.
+not available yet are refused with one sentence. MoE models: tests/test_tensor_parallel_moe.py.
 """
 
 from __future__ import annotations
@@ -227,10 +227,6 @@ def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
         (
             lambda: XPUMoEStrategy(sequence_parallel=True),
             "sequence_parallel=True needs tensor_parallel_size > 1",
-        ),
-        (
-            lambda: ParallelLayout(world_size=4, tp=2).validate(resolve_config("mula-tiny-moe")),
-            "not yet available for MoE models",
         ),
         (
             lambda: ParallelLayout(world_size=4, tp=4).validate(

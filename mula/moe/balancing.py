@@ -11,6 +11,13 @@
   bias_i += rate * sign(mean load - load_i) after each optimizer step, from the step's token counts
   summed over all micro-batches and ranks (`step_counts`: one all-reduce of [layers, E] per step), so
   every rank computes the same bias from the same numbers.
+* `TokenSplit`: how many ranks share the tokens of one micro-batch at an MoE layer. The plain model's
+  layer holds them all (`TokenSplit()`, the identity); under tensor parallelism each TP rank routes
+  1/T of them (`strategies.tensor_parallel_moe`), and `router_losses` takes the aux loss's
+  frequencies and mean probabilities and the z loss's mean over the whole micro-batch, as one process.
+
+Both global sums above add this rank's own counts over every rank: under tensor parallelism a TP rank
+counts only its 1/T of the micro-batch's tokens, so the sums stay exact (each token counted once).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mula.moe.router import Router
+from mula.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
 
 
 def _distributed() -> bool:
@@ -77,3 +84,34 @@ def update_router_bias(routers: Iterable[Router], counts: Tensor, rate: float) -
     for router, load in zip(routers, counts.float()):
         if router.bias is not None:
             router.bias.add_(torch.sign(load.mean() - load), alpha=rate)
+
+
+class TokenSplit:
+    """The tokens of a micro-batch at an MoE layer, all on this process (the plain model's layer).
+
+    A plain object held by `MoELayer.token_split`, replaced from outside when ranks share the tokens
+    (as `MoELayer.dispatcher` is): `parts` ranks, each holding an equal share, and `total`, the sum over
+    them of a per-rank tensor.
+    """
+
+    parts = 1
+
+    def total(self, t: Tensor) -> Tensor:
+        """t summed over the ranks sharing the micro-batch; its backward is the identity (every rank's
+        loss holds the same total, so each rank's share of the gradient is already whole)."""
+        return t
+
+    def router_losses(
+        self, route: RouterOutput, counts: Tensor, frequencies: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """(aux, z) of the whole micro-batch from this rank's `route` and `counts` [E]: the aux loss's
+        frequencies (`frequencies` when the global scope gives them) and mean probabilities and the z
+        loss's mean over every token of the micro-batch, whichever rank routed it."""
+        if self.parts == 1:
+            return load_balancing_loss(route.probs, counts, frequencies), router_z_loss(route.logits)
+        share = 1.0 / self.parts  # each rank holds 1/parts of the tokens: its mean counts that much
+        mean_probs = self.total(route.probs.mean(dim=0, keepdim=True) * share)  # [1, E]
+        if frequencies is None:
+            frequencies = self.total(counts).float() / (route.probs.shape[0] * self.parts)
+        aux = load_balancing_loss(mean_probs, counts, frequencies)
+        return aux, self.total(router_z_loss(route.logits) * share)

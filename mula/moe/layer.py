@@ -9,10 +9,10 @@ from torch import Tensor, nn
 
 from mula.config import MulaConfig
 from mula.layers import MLP
-from mula.moe.balancing import GlobalLoad
+from mula.moe.balancing import GlobalLoad, TokenSplit
 from mula.moe.dispatcher import Dispatcher, LocalDispatcher
 from mula.moe.experts import GroupedExperts
-from mula.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss
+from mula.moe.router import Router, expert_counts
 
 
 @dataclass
@@ -21,7 +21,7 @@ class MoEStats:
 
     aux_loss: Tensor  # scalar, E * sum_i f_i P_i
     z_loss: Tensor  # scalar, mean logsumexp(logits)^2
-    tokens_per_expert: Tensor  # [E] long, assignments per expert in this batch (sums to N*K)
+    tokens_per_expert: Tensor  # [E] long, assignments per expert of this rank's tokens (sums to N*K)
 
 
 class MoELayer(nn.Module):
@@ -33,6 +33,9 @@ class MoELayer(nn.Module):
 
     `dispatcher` is a plain attribute holding any `Dispatcher` (not a submodule: it has no state):
     the expert-parallel strategy replaces it (and slices `experts`) without touching this code.
+    `token_split` (a `TokenSplit`, also a plain attribute) says which share of the micro-batch's tokens
+    this layer sees: all of them, or 1/T under tensor parallelism (the strategy replaces it); the router
+    losses are those of the whole micro-batch either way.
     """
 
     def __init__(self, config: MulaConfig) -> None:
@@ -57,6 +60,7 @@ class MoELayer(nn.Module):
             MLP(config.hidden_size, config.shared_intermediate_size) if config.num_shared_experts else None
         )
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
+        self.token_split = TokenSplit()
         # aux_loss_scope="global": f over the step's global batch (training only; eval stays local)
         self.global_load = GlobalLoad() if config.aux_loss_scope == "global" else None
 
@@ -74,8 +78,8 @@ class MoELayer(nn.Module):
         f = None
         if self.global_load is not None and torch.is_grad_enabled():
             f = self.global_load.frequencies(counts, x.shape[0])
-        aux = load_balancing_loss(route.probs, counts, f)
-        stats = MoEStats(aux, router_z_loss(route.logits), counts)
+        aux, z = self.token_split.router_losses(route, counts, f)
+        stats = MoEStats(aux, z, counts)
         y = y.view(shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).view(shape)

@@ -24,6 +24,8 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   experts (width num_shared_experts * their width) on the router's input;
 * multi-head latent attention (`_latent_attention`): the latents' norms and projections' inputs,
   SDPA's q, k (qk width), v (the kv expansion's storage), output (v width) and log-sum-exp;
+* tensor parallelism: heads and dense MLP features 1/T per rank, and an MoE layer routes 1/T of the
+  tokens (its experts whole: strategies/tensor_parallel_moe.py);
 * mixed precision (fp32 weights, 16-bit autocast): every matmul keeps its own 16-bit copy of its input
   (q, k and v three) and of its weight, outside recomputed parts;
 * checkpointing keeps only a recomputed part's inputs: "norms" the residual (r*h) per norm, "attention"
@@ -139,22 +141,23 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
         # MLA reads it twice (the q and kv latent projections, or q_proj and the kv one)
         per_token += ((2 if config.is_mla else 3) if mixed else 1) * b * h + _attention(config, b, t)
         weights += config._attn_matmul_params() // t
+    moe_bytes = 0
     if moe:
-        if "moe" in parts:
-            per_token += r * h if mixed else b * h
-        else:
-            per_token += b * h + _moe_per_token(config, layout, b, r)  # router input (shared with experts)
+        if "moe" in parts:  # the checkpoint's input: whole under TP alone, 1/T of the sequence under SP
+            moe_bytes = region * (r * h if mixed else b * h)
+        else:  # under TP each rank routes 1/T of the tokens (strategies/tensor_parallel_moe.py)
+            moe_bytes = (tokens // t) * (b * h + _moe_per_token(config, layout, b, r))  # router input too
             weights += config.num_experts * h + (
                 0 if layout.device_type == "cpu" else e_local * config._expert_params()
             )
             if config.num_shared_experts:  # a dense SwiGLU on the same input: gate/up casts, 4 features
                 shared = config.shared_intermediate_size
-                per_token += (2 * b * h if mixed else 0) + 4 * b * shared
+                moe_bytes += (tokens // t) * ((2 * b * h if mixed else 0) + 4 * b * shared)
                 weights += 3 * h * shared
     else:  # gate/up inputs (the whole sequence), the intermediate features split over T
         per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size // t
         weights += 3 * h * config.intermediate_size // t
-    out = tokens * per_token + region * 2 * norm + (weights * b if mixed else 0)
+    out = tokens * per_token + moe_bytes + region * 2 * norm + (weights * b if mixed else 0)
     if moe and "moe" not in parts and layout.device_type == "cpu":
         # the padded layout gathers the local experts' weights in bucket order
         out += e_local * config._expert_params() * b

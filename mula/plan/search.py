@@ -27,10 +27,10 @@ TENSOR = (1, 2, 4, 8)
 
 def _tensor_choices(inputs: PlanInputs, node: int) -> list[tuple[int, bool]]:
     """(T, sequence parallel) pairs to try: T up to one node (TP stays on a node's fabric), SP where
-    T splits the sequence."""
-    seq = inputs.layout.seq_len
+    T splits the sequence (as an MoE model's layers always do under TP: their tokens are split)."""
+    seq, moe = inputs.layout.seq_len, inputs.config.is_moe
     return [(1, False)] + [
-        (t, sp) for t in TENSOR[1:] if t <= node for sp in (False, True) if not sp or seq % t == 0
+        (t, sp) for t in TENSOR[1:] if t <= node for sp in (False, True) if not (sp or moe) or seq % t == 0
     ]
 
 

@@ -194,7 +194,11 @@ def tensor_parallel_sends(
     embedding when `first`, the final norm and LM head when `last`), as `strategies.tensor_parallel`
     issues them (module docstring). Activations of one micro-batch are `tokens x hidden` elements: the
     residual stream's and the gradients flowing into it in the parameters' dtype, the row-parallel
-    matmuls' outputs (and their gradients) in the compute dtype."""
+    matmuls' outputs (and their gradients) in the compute dtype. An MoE block's layer routes 1/T of the
+    tokens (`strategies.tensor_parallel_moe`): without SP its output is all-gathered (compute dtype) and
+    its input's gradient too (parameters' dtype), under SP neither; its router-loss sums are all-reduced
+    every forward, and its router's and (routed and shared) experts' partial gradients once per
+    reduction round."""
     t = layout.tp_size
     if t == 1:
         return 0.0
@@ -205,33 +209,52 @@ def tensor_parallel_sends(
     # one QK-norm's statistics over split heads: sums of [tokens] fp32, forward and backward
     stats = (1 if config.norm == "rmsnorm" else 2) * 2 * tokens * 4 * 2 * ring if config.qk_norm else 0.0
     # (one QK-norm pair's forward: q and k, one sum each under RMSNorm, mean and variance under LayerNorm)
+    # the router losses' sums over the TP group: mean probabilities and z (fp32), counts (int64) unless
+    # the global scope gives the frequencies
+    counts = 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
+    router = 2 * (4 * config.num_experts + 4 + counts) * ring
     if layout.sequence_parallel:
         # all-gather of the attention and MLP inputs (r), reduce-scatter of their outputs (b), forward;
         # backward the reverse: reduce-scatter of the inputs' gradients, all-gather of the outputs'
-        attn_fwd = act * (r + b) * ring
-        block = 2 * attn_fwd + 2 * act * (r + b) * ring
+        attn_fwd = mlp_fwd = act * (r + b) * ring
+        attn, mlp = 2 * attn_fwd, 2 * mlp_fwd
+        moe_fwd, moe = router, router  # the MoE layer takes and returns its slice of the sequence
         outer = (
             act * r * ring * (2 * first + 2 * last)
         )  # embedding's reduce-scatter / LM head's gather, both ways
     else:
         # all-reduce of the o_proj and down_proj outputs (forward), of the q, k, v, gate and up inputs'
         # gradients (backward)
-        attn_fwd = 2 * act * b * ring
-        block = 2 * attn_fwd + 5 * 2 * act * r * ring
+        attn_fwd = mlp_fwd = 2 * act * b * ring
+        attn, mlp = attn_fwd + 3 * 2 * act * r * ring, mlp_fwd + 2 * 2 * act * r * ring
+        moe_fwd = act * b * ring + router  # the output's all-gather
+        moe = moe_fwd + act * r * ring  # and the input gradient's
         outer = 2 * act * r * ring * (first + last)  # the embedding's output, the LM head input's gradient
-    per_layer = block + 2 * stats
-    # the forwards activation checkpointing runs again, with their collectives
-    if "full" in parts:
-        per_layer += 2 * attn_fwd + stats
-    elif "attention" in parts:
-        per_layer += attn_fwd + stats
+    total = 0.0
+    for index in blocks:
+        is_moe = config.is_moe_layer(index)
+        block = attn + 2 * stats + (moe if is_moe else mlp)
+        # the forwards activation checkpointing runs again, with their collectives
+        if "full" in parts:
+            block += attn_fwd + stats + (moe_fwd if is_moe else mlp_fwd)
+        else:
+            block += (attn_fwd + stats) * ("attention" in parts) + moe_fwd * (is_moe and "moe" in parts)
+        total += block
     loss = 3 * 2 * tokens * 4 * ring if last else 0.0  # max, sum of exponentials, target logit
-    out = max(1, layout.micro_batches) * (len(blocks) * per_layer + outer + loss)
+    out = max(1, layout.micro_batches) * (total + outer + loss)
+    # partial gradients of weights replicated over TP, all-reduced once per reduction round (every
+    # micro-batch under the sharded optimizer, whose hooks consume each backward's gradients)
+    rounds = max(1, layout.micro_batches) if layout.shard_optimizer else 1
+    partial = 0
     if layout.sequence_parallel and config.norm == "rmsnorm":
-        # the replicated norm weights' partial gradients, all-reduced once per step
-        norms = 2 * len(blocks) + last
-        out += norms * 2 * config.hidden_size * r * ring
-    return out
+        partial += (2 * len(blocks) + last) * config.hidden_size  # the norm weights
+    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
+    e_local = config.num_experts // layout.ep_size
+    shared = 3 * config.hidden_size * config.shared_intermediate_size if config.num_shared_experts else 0
+    partial += moe_layers * (
+        config.num_experts * config.hidden_size + e_local * config._expert_params() + shared
+    )
+    return out + rounds * partial * 2 * r * ring
 
 
 def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
@@ -254,7 +277,8 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
         a2a = a2a_calls = 0.0
         if config.is_moe and e > 1:
             moe_layers = sum(config.is_moe_layer(i) for i in holds.blocks)  # dense first blocks send nothing
-            a2a = passes * moe_layers * rank_tokens * row * (e - 1) / e
+            # under TP each rank routes 1/T of its micro-batches' tokens
+            a2a = passes * moe_layers * rank_tokens // layout.tp_size * row * (e - 1) / e
             a2a_calls = a2a_messages * moe_layers * m
         held = stage_params(params, holds.blocks, holds.first, holds.last)
         reduce, gather, reduce_calls, gather_calls = _optimizer_volumes(held, layout)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from mula.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
 from mula.moe import is_expert_param
@@ -52,6 +52,18 @@ def is_tp_split(p: Tensor) -> bool:
     return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
 
 
+# the attribute marking a plain parameter replicated over the TP group whose gradient is partial there
+_TP_PARTIAL = "tp_partial_mesh"
+
+
+def mark_tp_partial(p: Tensor, tp_mesh: Any) -> None:
+    """Mark plain parameter `p` as replicated over the 1-D `tp_mesh` with a *partial* gradient on each
+    TP rank (an MoE layer's router and experts: each TP rank routes 1/T of the tokens,
+    strategies/tensor_parallel_moe.py). As Megatron marks its sequence-parallel weights: the mark
+    travels with the parameter, so every reducer (`laid_out_grad`) completes the sum."""
+    setattr(p, _TP_PARTIAL, tp_mesh)
+
+
 def laid_out_grad(p: Tensor, grad: Tensor) -> Tensor:
     """The gradient of parameter `p` in `p`'s own layout.
 
@@ -60,9 +72,13 @@ def laid_out_grad(p: Tensor, grad: Tensor) -> Tensor:
     rank) or Replicate for a split parameter (the vocabulary-parallel embedding). Redistributing it to
     the parameter's placements takes the missing sum over the TP group (an all-reduce) or this rank's
     slice; skipping the all-reduce would silently train such weights on 1/T of the batch
-    (tests/test_tensor_parallel.py checks it)."""
+    (tests/test_tensor_parallel.py checks it). A plain parameter marked by `mark_tp_partial` has a
+    plain gradient that is Partial all the same: it gets the same sum (a new tensor, `grad` is kept)."""
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
         return grad.redistribute(p.device_mesh, p.placements)
+    mesh = getattr(p, _TP_PARTIAL, None)
+    if mesh is not None:
+        return DTensor.from_local(grad, mesh, [Partial()], run_check=False).full_tensor()
     return grad
 
 

@@ -1,0 +1,289 @@
+"""MoE layers under tensor parallelism (tokens split over the TP group, experts whole), 1 process vs 4 gloo ranks.
+
+Reference: one process, the same MulaLightningModule, gradient accumulation over the same global
+batches. On W = 4 CPU ranks, fp32, 6 optimizer steps with global-norm clipping and the router-bias
+update: T = 2 x E = 2 (DP = 2, EDP = 1) with torch's AdamW and with the sharded optimizer (the MoE
+layer recomputed), and T = 2 with sequence parallelism (E = 1, DP = EDP = 2, blocks recomputed).
+Every logged loss (total, aux and z) and gradient norm within 1e-5, every parameter (gathered to its
+full tensor, experts over the EP group) within 1e-4, the step's global expert counts equal. Dropping
+the TP sum of the router's and experts' partial gradients must break the equality. The T = 2 x E = 2
+sharded run's per-rank parameter, gradient and optimizer bytes equal `mula plan`'s, and every run's
+DTensor collective bytes the step-time model's. A checkpoint of T = 2 x E = 2 resumes at T = 1 and
+back, continuing the uninterrupted losses.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from test_plan_volumes_tp import FunctionalCollectiveMeter  # DTensor's collectives' bus bytes
+from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
+from test_tensor_parallel import _Batches
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from callbacks import MoEMetrics
+from mula.config import resolve_config
+from mula.model import Mula
+from mula.module import MulaLightningModule
+from mula.moe import is_expert_param
+from mula.plan import Layout, plan_memory
+from mula.plan.step_time import comm_volumes
+from strategies import XPUMoEStrategy
+from strategies.tensor_parallel import apply_tensor_parallel
+
+MICRO, SEQ, MICROS_PER_STEP, STEPS, WORLD = 2, 16, 4, 6, 4
+# a dense first block (column/row-parallel MLP) and an MoE block with a shared expert (whole, on this
+# rank's tokens like the routed ones); RMSNorm and QK-norm, GQA
+MOE = dict(
+    vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+    num_dense_layers=1, num_experts=4, top_k=2, expert_intermediate_size=32, max_position_embeddings=64,
+    router_bias_update_rate=1e-3, num_shared_experts=1, shared_expert_intermediate_size=16,
+)  # fmt: skip
+# the 4-rank runs: key -> (E, sequence parallel, sharded optimizer, activation checkpointing)
+RUNS = {
+    "t2e2": (2, False, False, "none"),
+    "t2e2_sharded": (2, False, True, ["moe"]),  # the MoE layer (its split and gather) recomputed
+    "t2sp": (1, True, False, "full"),
+}
+
+
+class _Logged(L.Callback):
+    """Per optimizer step: the logged aux and z losses and the step's global expert counts."""
+
+    def __init__(self) -> None:
+        self.aux: list[float] = []
+        self.z: list[float] = []
+        self.counts: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.aux.append(float(trainer.callback_metrics["train/aux_loss"]))
+            self.z.append(float(trainer.callback_metrics["train/z_loss"]))
+            self.counts.append(pl_module.step_expert_counts.clone())
+
+
+class _Metered(L.Callback):
+    """DTensor's (functional) collectives counted during training batches, the optimizer step included."""
+
+    def __init__(self) -> None:
+        self.meter = FunctionalCollectiveMeter()
+
+    def on_train_batch_start(self, *args) -> None:
+        self.meter.__enter__()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.meter.__exit__(None, None, None)
+
+
+class _WholeSteps(_Batches):
+    """One micro-batch per step and data-parallel rank: its contiguous 1/dp_size of the global batch."""
+
+    def __iter__(self):
+        for step in range(self.first_step, self.steps):
+            g = torch.Generator().manual_seed(1000 + step)
+            batch = torch.randint(0, MOE["vocab_size"], (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
+            yield batch.chunk(self.dp_size)[self.dp_rank]
+
+
+def _fit(
+    strategy,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    checkpointing="none",
+    scope: str = "micro_batch",
+    steps=STEPS,
+) -> tuple[_StepLosses, _Logged, dict, object]:
+    """`steps` steps (6); under the global aux-loss scope without accumulation (one micro-batch per rank and step,
+    so that the scope's frequencies are the global batch's in every micro-batch, one process's too)."""
+    whole = scope == "global"
+    batches = (_WholeSteps if whole else _Batches)(dp_rank, dp_size, steps=steps)
+    losses, logged = _StepLosses(batches), _Logged()
+    world = WORLD if strategy is not None else 1
+    callbacks = [losses, logged] + ([MoEMetrics(), _Metered()] if strategy is not None else [])
+    trainer = cpu_trainer(
+        world, strategy, max_steps=steps, accumulate_grad_batches=1 if whole else MICROS_PER_STEP // dp_size,
+        callbacks=callbacks, gradient_clip_val=0.5, log_every_n_steps=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = MulaLightningModule(
+        "mula-tiny-moe", overrides={**MOE, "aux_loss_scope": scope}, lr=1e-2, min_lr=1e-3, warmup_steps=1,
+        decay_steps=10, activation_checkpointing=checkpointing,
+    )  # fmt: skip
+    trainer.fit(module, batches)
+    topo = getattr(strategy, "topology", None)
+    params = {}
+    for name, p in trainer.lightning_module.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if is_expert_param(name) and topo is not None and topo.ep_size > 1:  # this rank's experts only
+            parts = [torch.empty_like(full) for _ in range(topo.ep_size)]
+            dist.all_gather(parts, full.contiguous(), group=topo.ep_group)
+            full = torch.cat(parts)
+        params[name] = full.detach().clone()
+    return losses, logged, params, trainer
+
+
+def _result(losses: _StepLosses, logged: _Logged, params: dict) -> dict:
+    return {
+        "losses": losses.losses, "norms": losses.norms, "aux": logged.aux, "z": logged.z,
+        "counts": logged.counts, "params": params,
+    }  # fmt: skip
+
+
+def _drop_partial_sum() -> None:
+    """The classic bug: the router's and experts' partial gradients taken as if they were complete."""
+    import strategies.optim.grad_reduce as grad_reduce
+
+    proper = grad_reduce.laid_out_grad
+    grad_reduce.laid_out_grad = lambda p, g: g if hasattr(p, "tp_partial_mesh") else proper(p, g)
+
+
+def _run(rank: int, world: int) -> dict:
+    from callbacks.memory_metrics import grad_bytes, param_bytes
+
+    lightning_env(rank, world)
+    out = {}
+    for key, (ep, sp, shard, checkpointing) in RUNS.items():
+        strategy = XPUMoEStrategy(
+            tensor_parallel_size=2, expert_parallel_size=ep, sequence_parallel=sp, shard_optimizer=shard
+        )
+        losses, logged, params, trainer = _fit(strategy, rank // 2, world // 2, checkpointing)
+        out[key] = _result(losses, logged, params)
+        out[key]["tp_bytes"] = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter.bytes
+        if shard:
+            opt = strategy._sharded_optimizer()
+            module = trainer.lightning_module
+            out["memory"] = {"params": param_bytes(module), "grads": grad_bytes(module, opt), **opt.metrics()}
+    # the global aux-loss scope: each rank's own counts summed over all ranks (each token once)
+    strategy = XPUMoEStrategy(tensor_parallel_size=2, expert_parallel_size=2)
+    out["global"] = _result(*_fit(strategy, rank // 2, world // 2, scope="global")[:3])
+    _drop_partial_sum()
+    strategy = XPUMoEStrategy(tensor_parallel_size=2, expert_parallel_size=2, shard_optimizer=False)
+    out["dropped"] = _result(*_fit(strategy, rank // 2, world // 2)[:3])
+    # MoE layers split the sequence over the TP ranks: an uneven split is refused before any collective
+    model = apply_tensor_parallel(
+        Mula(resolve_config("mula-tiny-moe", MOE)), init_device_mesh("cpu", (world,))
+    )
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4") as err:
+        model(torch.zeros(1, 6, dtype=torch.long))
+    out["uneven"] = str(err.value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict, list[dict]]:
+    ref = _result(*_fit(None)[:3])
+    ref["global"] = _result(*_fit(None, scope="global")[:3])
+    return ref, run_distributed(_run, WORLD)
+
+
+@pytest.mark.parametrize("key", [*RUNS, "global"])
+def test_moe_under_tensor_parallelism_matches_single_process(runs, key: str) -> None:
+    """Losses (total, aux, z), gradient norms, global expert counts and every parameter, on every rank."""
+    ref, out = runs
+    ref = ref["global"] if key == "global" else ref
+    assert len(ref["losses"]) == STEPS
+    for rank_out in out:
+        run = rank_out[key]
+        for what in ("losses", "norms", "aux", "z"):
+            torch.testing.assert_close(
+                torch.tensor(run[what]), torch.tensor(ref[what]), rtol=1e-5, atol=0, msg=what
+            )
+        for mine, theirs in zip(run["counts"], ref["counts"]):
+            assert torch.equal(mine, theirs)
+        assert run["params"].keys() == ref["params"].keys()
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-4, msg=name)
+
+
+def test_dropping_the_tp_sum_of_partial_moe_gradients_is_caught(runs) -> None:
+    """Without the TP all-reduce the router and the experts train on half of each micro-batch."""
+    ref, out = runs
+    dropped = out[0]["dropped"]
+    moved = max(
+        float((dropped["params"][n] - v).abs().max())
+        for n, v in ref["params"].items()
+        if ".router." in n or is_expert_param(n)
+    )
+    assert moved > 1e-3, moved
+    assert all(r["uneven"].endswith("choose a seq_len divisible by it.") for r in out)
+
+
+def test_plan_matches_the_tensor_parallel_moe_run(runs) -> None:
+    """Per rank, T = 2 x E = 2 under the sharded optimizer: experts whole per TP rank (sliced over EP),
+    the router and experts replicated over TP, dense layers split; the plan's parameter, gradient and
+    optimizer bytes are the run's (activations: tests/test_plan_measured_tp.py, at a longer sequence)."""
+    _, out = runs
+    plan = plan_memory(resolve_config("mula-tiny-moe", MOE), _layout("t2e2_sharded"))
+    for rank, rank_out in enumerate(out):
+        row = rank_out["memory"]
+        assert plan.param_tensor_bytes == row["params"], rank
+        assert plan.params == row["optim/param_bytes"], rank
+        assert plan.grads == row["grads"] == row["optim/grad_buffer_bytes"], rank
+        assert plan.optimizer == row["optim/state_bytes"], rank
+
+
+def _layout(key: str) -> Layout:
+    ep, sp, shard, checkpointing = RUNS[key]
+    return Layout(
+        world_size=WORLD, tp_size=2, ep_size=ep, sequence_parallel=sp, micro_batch=MICRO, seq_len=SEQ,
+        micro_batches=MICROS_PER_STEP // (WORLD // 2), shard_optimizer=shard, checkpointing=checkpointing,
+        collectives="rooted",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("key", list(RUNS))
+def test_step_time_volumes_match_the_tensor_parallel_bytes(runs, key: str) -> None:
+    """`comm_volumes`' tensor-parallel bytes are those DTensor hands to the functional collectives: the
+    MoE output's and input gradient's all-gathers (none under SP), the router-loss sums, and the partial
+    router and expert gradients (every micro-batch under the sharded optimizer, once a step without), and
+    the collectives of the forwards activation checkpointing runs again."""
+    _, out = runs
+    (volumes,) = comm_volumes(resolve_config("mula-tiny-moe", MOE), _layout(key))
+    for rank_out in out:
+        assert STEPS * volumes.tensor_parallel == pytest.approx(rank_out[key]["tp_bytes"], rel=1e-9), key
+
+
+def _resume_across_t(rank: int, world: int, root: str) -> dict:
+    """T = 2 x E = 2 saves at step 2; T = 1 x E = 2 resumes from it (and saves at step 4); T = 2 x E = 2
+    resumes from that. Sharded optimizer, sharded (DCP) checkpoints of global tensors."""
+    lightning_env(rank, world)
+
+    def fit(tp: int, first: int, last: int, save: str | None, ckpt: str | None) -> list[float]:
+        strategy = XPUMoEStrategy(tensor_parallel_size=tp, expert_parallel_size=2)
+        batches = _Batches(rank // tp, world // tp, first, last)
+        losses = _StepLosses(batches)
+        trainer = cpu_trainer(
+            world, strategy, max_steps=last, accumulate_grad_batches=MICROS_PER_STEP // (world // tp),
+            callbacks=[losses], gradient_clip_val=0.5, save_dir=save,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        module = MulaLightningModule(
+            "mula-tiny-moe", overrides=MOE, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
+        )
+        trainer.fit(module, batches, ckpt_path=ckpt)
+        return losses.losses
+
+    fit(2, 0, 2, f"{root}/t2", None)
+    down = fit(1, 2, STEPS, f"{root}/t1", f"{root}/t2/epoch=0-step=2.ckpt")
+    up = fit(2, 4, STEPS, None, f"{root}/t1/epoch=1-step=4.ckpt")  # epoch 1: the first run ended one
+    return {"down": down, "up": up}
+
+
+def test_moe_checkpoints_resume_at_another_tensor_parallel_size(runs, tmp_path) -> None:
+    """Router, experts (global DTensors over the EP group) and their optimizer state are whole tensors in
+    the checkpoint: 2 -> 1 and 1 -> 2 continue the uninterrupted run's losses, and mula's weights reader
+    (export-hf's) reads the T = 2 x E = 2 directory as one process's weights."""
+    from mula.checkpoint import load_weights
+
+    ref, _ = runs
+    out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(out["down"]), torch.tensor(ref["losses"][2:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(out["up"]), torch.tensor(ref["losses"][4:]), rtol=1e-5, atol=0)
+    at_two = _fit(None, steps=2)[2]
+    weights = load_weights(tmp_path / "t2" / "epoch=0-step=2.ckpt").state_dict()
+    for name, value in at_two.items():
+        torch.testing.assert_close(weights[name.removeprefix("model.")], value, rtol=0, atol=1e-4, msg=name)
