@@ -99,11 +99,6 @@ def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
             f"tensor_parallel_size={tp_size} is not yet available with qk_norm_per_head (Qwen3's per-head "
             "QK-norm); use qk_norm_per_head=false or tensor_parallel_size=1."
         )
-    if config.tie_embeddings:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} is not yet available with tie_embeddings; use an untied model "
-            "or tensor_parallel_size=1."
-        )
     # MoE layers keep their experts whole (their tokens are split): only dense MLPs split their features
     dense_mlps = config.num_moe_layers < config.num_layers
     sizes = [("attention heads", config.num_heads), ("key/value heads", config.kv_heads),

@@ -14,7 +14,8 @@ module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md):
     MoE layer    experts whole, the tokens split over the TP group before routing
                  (strategies/tensor_parallel_moe.py)
     lm_head      column-parallel: the logits stay a DTensor split over the vocabulary, and the
-                 strategy runs the loss under `loss_parallel` (a vocabulary-parallel cross-entropy)
+                 strategy runs the loss under `loss_parallel` (a vocabulary-parallel cross-entropy);
+                 with tied embeddings it is the embedding's own table (both split along the vocabulary)
     norms        untouched (replicated, full sequence); with `sequence_parallel` they run on
                  1/T of the sequence (SequenceParallel), the residual stream stays split along the
                  sequence, and the layers' inputs are all-gathered / outputs reduce-scattered
@@ -131,6 +132,9 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
         input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
     )
     parallelize_module(model, tp_mesh, {"embed": embed, "lm_head": lm_head})
+    # tie_embeddings: both plans split the [V, H] table along the vocabulary (dim 0, Shard(0)), so the
+    # LM head can take the embedding's DTensor itself: one parameter, both uses' gradients summed in it
+    model.tie_weights()
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for block in model.layers:
         _split_attention(block.attn, tp_mesh, sp)

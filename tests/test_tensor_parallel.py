@@ -207,6 +207,34 @@ def test_tensor_parallel_matches_single_process() -> None:
     assert moved > 1e-3, moved
 
 
+TIED = {**RMS, "tie_embeddings": True}
+
+
+def _run_tp_tied(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    out = {}
+    for key, sp, shard in (("adamw", False, False), ("sharded_sp", True, True)):
+        strategy = XPUMoEStrategy(tensor_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard)
+        losses, params = _fit(TIED, strategy, rank // 2, world // 2)
+        model = strategy.lightning_module.model
+        out[key] = {
+            "losses": losses.losses, "norms": losses.norms, "params": params,
+            "tied": model.lm_head.weight is model.embed.weight and isinstance(model.embed.weight, DTensor),
+        }  # fmt: skip
+    return out
+
+
+def test_tied_embeddings_under_tensor_parallelism_match_single_process() -> None:
+    """The embedding and the LM head share one vocabulary-split table (both Shard(0) of [V, H]): the
+    gradients of both uses land in it, with torch AdamW and with the sharded optimizer under SP."""
+    ref, ref_params = _fit(TIED, None)
+    assert "model.lm_head.weight" not in ref_params  # one parameter
+    for rank_out in run_distributed(_run_tp_tied, WORLD):
+        for key in ("adamw", "sharded_sp"):
+            assert rank_out[key]["tied"]
+            _assert_matches(rank_out[key], ref, ref_params)
+
+
 def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
     layout = ParallelLayout(world_size=8, tp=2, ep=1, pp=1)
     assert layout.dp_size == 4
@@ -239,12 +267,6 @@ def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
                 resolve_config("mula-tiny-dense", {"vocab_size": 255})
             ),
             "255 vocabulary entries are not divisible by tensor_parallel_size=2",
-        ),
-        (
-            lambda: ParallelLayout(world_size=4, tp=2).validate(
-                resolve_config("mula-tiny-dense", {"tie_embeddings": True})
-            ),
-            "not yet available with tie_embeddings",
         ),
         (
             lambda: ParallelLayout(world_size=6, tp=4),
