@@ -109,8 +109,11 @@ class MulaLightningModule(L.LightningModule):
         if init_weights is not None:
             # here, before any work, rather than when the model is built
             from mula.checkpoint import verify_for_reading  # imported lazily: only needed with init_weights
+            from mula.checkpoint.group_verify import launch_world_size
 
-            verify_for_reading(init_weights, verify_init_weights)
+            # In a multi-rank launch the checksums wait for the process group (`_load_init_weights`),
+            # where each file is read by one rank instead of every process reading all of it here.
+            verify_for_reading(init_weights, verify_init_weights, defer=launch_world_size() > 1)
         self.lr, self.min_lr, self.warmup_steps, self.decay_steps = lr, min_lr, warmup_steps, decay_steps
         self.weight_decay, self.betas, self.eps = weight_decay, tuple(betas), eps
         self.no_decay = list(no_decay)
@@ -142,8 +145,10 @@ class MulaLightningModule(L.LightningModule):
     def _load_init_weights(self, path: str) -> None:
         """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
         from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
+        from mula.checkpoint.group_verify import settle
 
-        source = load_weights(path, verify=False)  # verified in __init__
+        settle(path)  # the checksums __init__ left for the process group, if it did (a collective)
+        source = load_weights(path, verify=False)  # verified in __init__ or just above
         diff = self.config.architecture_differences(source.config)
         if diff:
             raise ValueError(

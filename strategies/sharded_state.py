@@ -19,6 +19,7 @@ saved at T=2 resumes at T=1 and the reverse.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from mula.checkpoint.sharded import (
     is_sharded_checkpoint,
     read_sharded_meta,
     saved_keys,
+    start_sharded_write,
     write_sharded_checkpoint,
 )
 from mula.moe import is_expert_param
@@ -135,6 +137,16 @@ def save_sharded(
     state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
     write_sharded_checkpoint(path, state, checkpoint, is_global_zero)
+
+
+def start_save_sharded(
+    path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool, group: Any
+) -> Future:
+    """`save_sharded` in the background (`mula.checkpoint.sharded.start_sharded_write`): the tensors are
+    staged to host memory before this returns; the future completes when this rank's files are written."""
+    state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
+    return start_sharded_write(path, state, checkpoint, is_global_zero, group)
 
 
 def load_sharded(

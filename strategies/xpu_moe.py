@@ -26,6 +26,7 @@ or `trainer.strategy: xpu_moe` (E = 1).
 from __future__ import annotations
 
 from collections.abc import Generator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from mula.checkpoint.group_verify import settle
 from mula.layout_rules import check_degrees, check_experts, check_tensor_parallel, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
@@ -74,6 +76,7 @@ from strategies.sharded_state import (
     plain_optimizer_state,
     rescale_loop_progress,
     save_sharded,
+    start_save_sharded,
 )
 from strategies.tensor_parallel import TensorParallelSteps, apply_tensor_parallel
 from strategies.topology import ExpertParallelTopology, topology_from_layout
@@ -437,6 +440,21 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             raise TypeError(
                 "XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards)."
             )
+        path, optimizer_states = self._checkpoint_parts(checkpoint, filepath)
+        save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: Any, group: Any) -> Future:
+        """Begin writing a sharded checkpoint directory at `filepath` in the background (collective).
+
+        The tensors are staged to host memory before this returns, so training may go on; the future
+        completes when this rank's files are written. `group`: a gloo process group over every rank that
+        only the checkpoint writer uses (`callbacks.FaultTolerantCheckpoint(async_save=True)` makes it).
+        """
+        path, optimizer_states = self._checkpoint_parts(checkpoint, filepath)
+        return start_save_sharded(path, checkpoint, optimizer_states, self.is_global_zero, group)
+
+    def _checkpoint_parts(self, checkpoint: dict[str, Any], filepath: Any) -> tuple[Path, list[Any]]:
+        """The directory (rank 0's name) and the optimizer states; records the layout in `checkpoint`."""
         path = Path(self.broadcast(str(filepath)))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -447,12 +465,14 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             "tensor_parallel_size": self.tensor_parallel_size,
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
         }
-        save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
+        return path, optimizer_states
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # checksums left pending before the process group existed (auto-resume, --ckpt_path) are verified
+        # here by one reader per file; a failing auto-resume candidate falls back to an older checkpoint
+        path = settle(Path(self.broadcast(str(checkpoint_path))))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         meta = load_sharded(path, self.lightning_module, self._mesh, optimizers, names, weights_only)
