@@ -72,8 +72,9 @@ class MulaLightningModule(L.LightningModule):
         init_weights: A Mula weights file (`mula import-hf` output, `.pt`) or a Lightning `.ckpt` of
             this module to start from instead of a random initialisation.
         verify_init_weights: Verify `init_weights` against its manifest when the module is created
-            and refuse a corrupted or incomplete one (`mula.checkpoint.verify_for_reading`); on the
-            command line this is `--verify`.
+            and refuse a corrupted or incomplete one (`mula.checkpoint.verify_for_reading`; in a multi-rank
+            launch the checksums wait for the process group and each file is read by one rank,
+            `mula.checkpoint.group_verify`); on the command line this is `--verify`.
         activation_checkpointing: What backward recomputes instead of keeping in memory: "none",
             "full" (every block) or a list of block parts among "moe", "attention", "norms", e.g.
             `[moe, attention]`. Gradients are unchanged; a training setting, not the architecture.
@@ -145,9 +146,10 @@ class MulaLightningModule(L.LightningModule):
     def _load_init_weights(self, path: str) -> None:
         """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
         from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
-        from mula.checkpoint.group_verify import settle
+        from mula.checkpoint.group_verify import settle_for_reading
 
-        settle(path)  # the checksums __init__ left for the process group, if it did (a collective)
+        # with several ranks: verified here by one reader per file (a collective; __init__ checked sizes)
+        settle_for_reading(path, bool(self.hparams.get("verify_init_weights", True)))
         source = load_weights(path, verify=False)  # verified in __init__ or just above
         diff = self.config.architecture_differences(source.config)
         if diff:

@@ -129,6 +129,23 @@ def _plain_optimizer_template(
     return {"state": state, "param_groups": None}  # None: filled with the saved tuple by dcp.load
 
 
+def checkpoint_parts(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> tuple[Path, list[Any]]:
+    """What `XPUMoEStrategy` saves at `filepath` (collective: rank 0's name wins): the directory and the
+    optimizer states taken out of `checkpoint`, whose metadata records the layout it was saved at."""
+    path = Path(strategy.broadcast(str(filepath)))
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None else None
+    checkpoint["xpu_moe_layout"] = {
+        "world_size": strategy.world_size,
+        "expert_parallel_size": strategy.expert_parallel_size,
+        "pipeline_parallel_size": strategy.pipeline_parallel_size,
+        "tensor_parallel_size": strategy.tensor_parallel_size,
+        "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+    }
+    return path, optimizer_states
+
+
 def save_sharded(
     path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool
 ) -> None:

@@ -70,6 +70,7 @@ from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
 from strategies.pipeline.steps import PipelineSteps
 from strategies.sharded_state import (
+    checkpoint_parts,
     expert_mesh,
     load_sharded,
     model_state,
@@ -440,38 +441,19 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             raise TypeError(
                 "XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards)."
             )
-        path, optimizer_states = self._checkpoint_parts(checkpoint, filepath)
+        path, optimizer_states = checkpoint_parts(self, checkpoint, filepath)
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
 
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: Any, group: Any) -> Future:
-        """Begin writing a sharded checkpoint directory at `filepath` in the background (collective).
-
-        The tensors are staged to host memory before this returns, so training may go on; the future
-        completes when this rank's files are written. `group`: a gloo process group over every rank that
-        only the checkpoint writer uses (`callbacks.FaultTolerantCheckpoint(async_save=True)` makes it).
-        """
-        path, optimizer_states = self._checkpoint_parts(checkpoint, filepath)
+        """`save_checkpoint` in the background (collective): staged to host memory when this returns; the
+        future completes when this rank's files are written. `group`: the writer's own gloo group."""
+        path, optimizer_states = checkpoint_parts(self, checkpoint, filepath)
         return start_save_sharded(path, checkpoint, optimizer_states, self.is_global_zero, group)
-
-    def _checkpoint_parts(self, checkpoint: dict[str, Any], filepath: Any) -> tuple[Path, list[Any]]:
-        """The directory (rank 0's name) and the optimizer states; records the layout in `checkpoint`."""
-        path = Path(self.broadcast(str(filepath)))
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        checkpoint["xpu_moe_layout"] = {
-            "world_size": self.world_size,
-            "expert_parallel_size": self.expert_parallel_size,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
-        }
-        return path, optimizer_states
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata."""
-        # checksums left pending before the process group existed (auto-resume, --ckpt_path) are verified
-        # here by one reader per file; a failing auto-resume candidate falls back to an older checkpoint
+        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata.
+        Checksums left pending before the process group existed are verified first (`settle`)."""
         path = settle(Path(self.broadcast(str(checkpoint_path))))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}

@@ -165,6 +165,23 @@ def settle(path: str | os.PathLike, group: object | None = None) -> Path:
         add_verify_time(time.monotonic() - start)
 
 
+def settle_for_reading(path: str | os.PathLike, verify: bool = True, group: object | None = None) -> None:
+    """``reading.verify_for_reading`` of a user-named checkpoint once the process group exists (a
+    collective): with several ranks every rank takes part, one reader per file, whatever it left
+    pending (the first process of Lightning's own launcher verified in full before it started the
+    others, which deferred); in one process only what was left pending is verified."""
+    pending = _PENDING.pop(_key(path), None)
+    if not verify or (_group_size(group) == 1 and pending is None):
+        return
+    from mula.checkpoint.reading import verify_for_reading  # here: reading imports this module
+
+    start = time.monotonic()
+    try:
+        verify_for_reading(path, verifier=lambda c, v: verify_on_ranks(c, v, group))
+    finally:
+        add_verify_time(time.monotonic() - start)
+
+
 def _settle(path: Path, pending: Pending, group: object | None) -> Path:
     if pending.kind == "named":
         from mula.checkpoint.reading import refusal  # here: reading imports this module

@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 import os
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from mula.checkpoint import group_verify
 from mula.checkpoint.discovery import is_checkpoint_name
-from mula.checkpoint.manifest import WEIGHTS_REASON, manifest_path, read_manifest, verify_checkpoint
+from mula.checkpoint.manifest import WEIGHTS_REASON, Verify, manifest_path, read_manifest, verify_checkpoint
 from mula.checkpoint.sharded import DCP_METADATA_FILE, SHARDED_META_FILE, is_sharded_checkpoint
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,20 @@ def refusal(path: str | os.PathLike, problem: str) -> str:
     return f"Checkpoint {path} failed verification: {problem}; {_NO_VERIFY}."
 
 
-def verify_for_reading(path: str | os.PathLike, verify: bool = True, defer: bool = False) -> None:
+def verify_for_reading(
+    path: str | os.PathLike,
+    verify: bool = True,
+    defer: bool = False,
+    verifier: Callable[[Path, Verify], str | None] = verify_checkpoint,
+) -> None:
     """Refuse to read a corrupted or incomplete checkpoint (see the module docstring for the rule).
 
     Raises FileNotFoundError when ``path`` does not exist and ValueError, with one sentence saying
     why, when it fails verification; warns when it has no manifest to be verified against.
     ``defer``: check the manifest and sizes only and leave the checksums pending for the ranks of the
     process group to verify together where the checkpoint is loaded (``group_verify.settle``), so that
-    a multi-rank launch reads it once in total instead of once per process.
+    a multi-rank launch reads it once in total instead of once per process. ``verifier``:
+    ``group_verify.verify_on_ranks`` to verify with the process group (a collective).
     """
     path = Path(path)
     if not path.exists():
@@ -57,7 +64,7 @@ def verify_for_reading(path: str | os.PathLike, verify: bool = True, defer: bool
     target = path.resolve()  # last.ckpt -> step=N.ckpt, whose manifest is next to it
     for candidate in dict.fromkeys((target, path.absolute())):
         if manifest_path(candidate).exists():
-            problem = verify_checkpoint(candidate, "size" if defer else "checksum")
+            problem = verifier(candidate, "size" if defer else "checksum")
             if problem is not None:
                 raise ValueError(refusal(path, problem))
             if defer:

@@ -12,6 +12,7 @@ they are laid out across ranks) lives in ``strategies/sharded_state.py``.
 from __future__ import annotations
 
 import io
+import math
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mula.checkpoint.atomic import atomic_write
 from mula.checkpoint.staging import HostStager
@@ -105,6 +107,30 @@ def start_sharded_write(
 def saved_keys(path: str | os.PathLike) -> set[str]:
     """The flattened names of every tensor (and DCP-pickled object) stored in a sharded checkpoint."""
     return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def tensor_bytes_by_writer(path: str | os.PathLike) -> tuple[dict[int, int], int]:
+    """(tensor bytes each rank wrote, bytes of every saved tensor counted once) of a sharded checkpoint,
+    from DCP's index: the first sums to the second exactly when no two ranks wrote the same bytes.
+
+    A rank's bytes are the tensor payload of the chunks in its files (``__<rank>_<n>.distcp``), without
+    the files' framing and the pickled non-tensor entries.
+    """
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    chunk_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
+    total = 0
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        itemsize = md.properties.dtype.itemsize
+        total += math.prod(md.size) * itemsize
+        for chunk in md.chunks:
+            chunk_bytes[(fqn, tuple(chunk.offsets))] = math.prod(chunk.sizes) * itemsize
+    written: dict[int, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        rank = int(info.relative_path.split("_")[2])  # FileSystemWriter names a rank's files __<rank>_<n>
+        written[rank] = written.get(rank, 0) + chunk_bytes.get((index.fqn, tuple(index.offset or ())), 0)
+    return written, total
 
 
 def read_sharded_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:

@@ -65,4 +65,23 @@ class HostStager:
         """Nothing to release."""
 
 
-__all__ = ["HostStager", "stage_to_host"]
+def staged_bytes(obj: Any) -> int:
+    """Bytes of the tensors ``stage_to_host`` copies from ``obj`` (a DTensor's local part, every chunk of
+    a ``LocalShardsWrapper``): the host memory a staged copy takes, and the bytes this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return staged_bytes(obj.to_local())
+    if isinstance(obj, Tensor):
+        shards = getattr(obj, "local_shards", None)
+        if callable(shards):
+            return sum(c.numel() * c.element_size() for c in shards())
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(staged_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(staged_bytes(v) for v in obj)
+    return 0
+
+
+__all__ = ["HostStager", "stage_to_host", "staged_bytes"]
