@@ -24,12 +24,13 @@ from mula.checkpoint import sync_filesystem
 
 
 def writer_group() -> object | None:
-    """A gloo group over every rank for the background writer (a collective; None in one process).
+    """A gloo group over every rank for the background writer (a collective; None without a process group).
 
     DCP's asynchronous save runs its collectives from another thread, which must never interleave
-    with the training step's collectives on one group; gloo, because it stages on the host.
+    with the training step's collectives on one group; gloo, because it stages on the host (also for
+    a one-rank NCCL group, which DCP's asynchronous save refuses).
     """
-    if not _dist.is_distributed():
+    if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.new_group(backend="gloo")
 

@@ -53,8 +53,8 @@ class CheckpointSaving:
         """Write a crash-safe checkpoint of the current step (call on every rank at a step boundary).
 
         Returns its path, or None when a periodic/timed save was skipped (``on_save_error="skip"``).
-        With ``async_save`` a periodic or timed save returns once the state is staged in host memory
-        and is committed in the background; any other save first waits for the one in flight.
+        Every save first waits for the one in flight. With ``async_save`` a periodic or timed save
+        returns once the state is staged in host memory and is committed in the background.
         """
         step = trainer.global_step
         dirpath = self.resolve_dirpath(trainer)
