@@ -15,8 +15,9 @@ read from what `MemoryMetrics` and `MoEMetrics` log; each stage's largest rank a
 `plan_stage` for that stage. Activations are the peak saved-tensor bytes over the step's schedule.
 
 Part 2 (planned): the five paper presets at their recipe layouts on Aurora (`mula plan` on the recipe
-files, 32 nodes = 384 tiles), and at the layouts Optimus used (20B: E=12; 100B: E=12, P=4, MoE recomputed,
-micro-batch 4; 220B: E=12, P=8, everything recomputed, micro-batch 8) through the Python API.
+files, 32 nodes = 384 tiles), and at the layouts Optimus ran on 256 nodes (`mula.plan.references`: 100B
+E=12, P=4, 4 micro-batches of 1 sequence; 220B E=12, P=8, 8 of 1) at every checkpointing level.
+Part 3 (planned): 220B at Optimus' layout from 32 to 1,024 nodes, the global batch growing with the ranks.
 
     python benchmarks/memory.py            # every part (parts 1 and 1b: about two minutes on 2 cores)
     python benchmarks/memory.py --skip_measured
@@ -41,12 +42,12 @@ from rounds import run_gloo  # benchmarks/ is on sys.path when run as a script
 from torch.utils.data import DataLoader
 
 from mula import MulaConfig
-from mula.layout_rules import micro_batches_per_step
 from mula.plan import Layout, plan_memory
 from mula.plan.command import scaling
 from mula.plan.machines import load_machine
 from mula.plan.memory import plan_stage
 from mula.plan.recipe_reader import header_command
+from mula.plan.references import OPTIMUS_RUNS
 from mula.plan.settings import PlanInputs
 from mula.plan.step_time import step_time
 
@@ -253,63 +254,45 @@ def recipe_table(nodes: int) -> str:
 
 
 # Optimus' layouts (the paper): E inside a node, P stages of one node each, selective recomputation
-OPTIMUS = {
-    "mula-20b-a2b": {"ep_size": 12},
-    "mula-100b-a7b": {"ep_size": 12, "pp_size": 4, "checkpointing": ["moe"], "micro_batch": 4},
-    "mula-220b-a10b": {"ep_size": 12, "pp_size": 8, "checkpointing": "full", "micro_batch": 8},
-}
-
-
-def optimus_layout(name: str, nodes: int) -> Layout:
-    """The Optimus layout of `name` on `nodes` Aurora nodes (bf16 weights, sharded optimizer, ZeRO-1)."""
-    spec = {"micro_batch": 1, "checkpointing": "none", **OPTIMUS[name]}
-    world = 12 * nodes
-    dp = world // spec.get("pp_size", 1)
-    return Layout(
-        world_size=world, seq_len=2048, micro_batches=micro_batches_per_step(3072, dp, spec["micro_batch"], check=False),
-        precision="bf16-true", device_type="xpu", shard_optimizer=True, **spec,
-    )  # fmt: skip
-
-
-def optimus_table(nodes: int) -> str:
-    """Part 2b: the paper's layouts through the Python API (micro-batches as Optimus ran them)."""
+def optimus_table() -> str:
+    """Part 2b: the paper's layouts at 256 nodes as Optimus ran them (`mula.plan.references`), at each
+    activation-checkpointing level."""
     machine = load_machine("aurora")
     lines = [
-        f"Optimus' layouts on {nodes} Aurora nodes ({12 * nodes} tiles), Python API (`benchmarks/memory.py`)",
+        "Optimus' layouts on 256 Aurora nodes (3072 tiles), micro-batch 1, global batch 3072 (`mula.plan.references`)",
         "",
         *HEADER,
     ]
-    for name in OPTIMUS:
-        config, layout = MulaConfig.from_name(name), optimus_layout(name, nodes)
-        plan, time = plan_memory(config, layout), step_time(config, layout, machine, 3072)
-        desc = f"E={layout.ep_size}, P={layout.pp_size}, mb {layout.micro_batch}, ckpt {layout.checkpointing}"
-        fits = plan.total <= machine.device_bytes
-        lines.append(_row(name, desc, plan.per_rank_bytes(), fits, time.step_time_s, time.mfu))
+    for name, run in OPTIMUS_RUNS.items():
+        config = MulaConfig.from_name(name)
+        for checkpointing in ("none", ["moe"], "full"):
+            layout = run.layout(checkpointing=checkpointing)
+            plan, time = plan_memory(config, layout), step_time(config, layout, machine, run.global_batch())
+            desc = (
+                f"E={layout.ep_size}, P={layout.pp_size}, {layout.micro_batches} x mb 1, ckpt {checkpointing}"
+            )
+            fits = plan.total <= machine.device_bytes
+            lines.append(_row(name, desc, plan.per_rank_bytes(), fits, time.step_time_s, time.mfu))
     return "\n".join(lines)
 
 
-def scaling_table(base_nodes: int, node_counts: list[int]) -> str:
-    """Part 3: Mula-220B-A10B at Optimus' layout, weak and strong scaling from `base_nodes`."""
+def scaling_table(node_counts: list[int]) -> str:
+    """Part 3: Mula-220B-A10B at Optimus' layout (8 sequences per rank, no recompute), weak scaling from
+    the first of `node_counts`: the global batch grows with the data-parallel ranks, as in the paper."""
     machine = load_machine("aurora")
-    config = MulaConfig.from_name("mula-220b-a10b")
-    inputs = PlanInputs(
-        config, optimus_layout("mula-220b-a10b", base_nodes), 3072, machine.device_bytes, "", machine
-    )
+    config, run = MulaConfig.from_name("mula-220b-a10b"), OPTIMUS_RUNS["mula-220b-a10b"]
+    base = node_counts[0]
+    inputs = PlanInputs(config, run.layout(base), run.global_batch(base), machine.device_bytes, "", machine)
     lines = [
-        f"Mula-220B-A10B, Optimus' layout, scaling from {base_nodes} nodes ({12 * base_nodes} tiles); "
-        "weak: global batch 3072 sequences at the base, growing with the tiles; strong: 3072 fixed",
+        f"Mula-220B-A10B, Optimus' layout (E=12, P=8, 8 micro-batches of 1 per rank), from {base} nodes "
+        f"({12 * base} tiles, global batch {run.global_batch(base)}) growing with the tiles",
         "",
-        "| nodes | tiles | weak efficiency | weak tokens/s | strong efficiency |",
+        "| nodes | tiles | global batch | weak efficiency | weak tokens/s |",
         "|---|---|---|---|---|",
     ]
-    for row in scaling(inputs, base_nodes, node_counts):
-        strong = (
-            "n/a (batch < one micro-batch per rank)"
-            if row["strong_efficiency"] is None
-            else f"{100 * row['strong_efficiency']:.1f} %"
-        )
+    for row in scaling(inputs, base, node_counts):
         lines.append(
-            f"| {row['nodes']} | {row['ranks']} | {100 * row['weak_efficiency']:.1f} % | {row['weak_tokens_per_s']:,.0f} | {strong} |"
+            f"| {row['nodes']} | {row['ranks']} | {run.global_batch(row['nodes'])} | {100 * row['weak_efficiency']:.1f} % | {row['weak_tokens_per_s']:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -325,8 +308,8 @@ def main() -> None:
         print(measured_table(args.ep), end="\n\n")
         print(pipeline_table(), end="\n\n")
     print(recipe_table(args.nodes), end="\n\n")
-    print(optimus_table(args.nodes), end="\n\n")
-    print(scaling_table(args.nodes, [32, 64, 128, 256, 512, 1024]))
+    print(optimus_table(), end="\n\n")
+    print(scaling_table([32, 64, 128, 256, 512, 1024]))
 
 
 if __name__ == "__main__":

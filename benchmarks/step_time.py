@@ -1,21 +1,17 @@
 """The planner's step time (`mula.plan.step_time`) against measured step times on this CPU host.
 
-Two gloo CPU processes (one torch thread each) first measure the host's machine description: the
-peak matmul FLOP/s of one thread in the run's dtype (square matmuls, the best size), and the bus
-bandwidth of the collectives the runs issue between the two processes at the runs' message sizes
-(all_to_all_single of one micro-batch's expert rows, reduce_scatter_tensor and all_gather_into_tensor
-of the whole parameter buffer, the point-to-point send of one micro-batch's activations). The machine
-file (written to a temporary YAML file, read by `mula.plan.machines.load_machine`) has one intra-node
-bandwidth: the harmonic mean of the three collectives' (the rate at which equal volumes of the three
-move); its inter-node bandwidth, which prices only the pipeline sends here (both ranks sit on one
-"node"), is the point-to-point one.
+First `mula calibrate --devices 2` measures this host at the benchmark model's shapes (matmul rates
+per rank with both ranks busy, and every collective's latency and bandwidth over message sizes; or
+`--calibration FILE` reads a machine file it wrote). The planner prices each layout with it: compute
+at the measured rate of the model's matmuls, each collective by its own alpha + beta * bytes curve
+times the calls the layout makes (`comm_volumes`' `*_calls`, checked against real runs in
+tests/test_plan_volumes.py).
 
 Then, in interleaved rounds (every layout once per round), a small MoE (uniform routing, the model's
 balanced-routing assumption) trains full optimizer steps of one global batch -- forward, backward,
 gradient reduction, the sharded AdamW (native collectives) -- in each layout:
 
-  1 rank          calibrates `compute_mfu`: the planner's compute time at MFU 1 over the measured
-                  step time (the median over rounds), so this row's ratio is 1 by construction;
+  1 rank          one process (the other waits);
   DP=2 ZeRO-1/2   two data-parallel ranks with the sharded optimizer;
   E=2             expert parallelism (all-to-all dispatch), also with every block recomputed;
   P=2             two pipeline stages, 1F1B and GPipe.
@@ -41,11 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
 from rounds import by_case, run_gloo, spread
 
 from mula import MulaConfig
+from mula.calibrate.command import calibrate
 from mula.layout_rules import micro_batches_per_step
 from mula.module import MulaLightningModule
 from mula.plan import Layout
@@ -60,9 +56,6 @@ from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 SECTION = "## step time"
 PARTS = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
-# torch >= 2.10 renamed the tensor collectives (as strategies/optim/grad_reduce.py and param_gather.py)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
 
 
@@ -80,7 +73,7 @@ class Case:
 
 
 CASES = [
-    Case("1 rank (calibration)", world=1),
+    Case("1 rank", world=1),
     Case("DP=2 ZeRO-1"),
     Case("DP=2 ZeRO-2", zero=2),
     Case("E=2", ep=2),
@@ -102,60 +95,6 @@ class Spec:
     seq_len: int
     steps: int
     warmup: int
-
-
-def peak_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (512, 1024, 2048), reps: int = 3) -> float:
-    """FLOP/s of the fastest square matmul on this thread (the best of `reps` per size)."""
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        torch.mm(a, b)  # warm-up
-        for _ in range(reps):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
-
-
-def _timed(fn: Any, reps: int) -> float:
-    """The fastest of `reps` calls of the collective `fn` (every rank starts together)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def bandwidths(message: dict[str, int], dtype: torch.dtype, reps: int = 5) -> dict[str, float]:
-    """Bus bandwidth (bytes/s, nccl-tests' convention: the bytes each rank sends) of each collective
-    between the ranks of the world at `message[kind]` bytes per call."""
-    n, rank, item = dist.get_world_size(), dist.get_rank(), torch.empty((), dtype=dtype).element_size()
-    numel = {k: max(n, v // item // n * n) for k, v in message.items()}
-    x = torch.ones(numel["all_to_all"], dtype=dtype)
-    a2a = _timed(lambda: dist.all_to_all_single(torch.empty_like(x), x), reps)
-    full = torch.ones(numel["reduce_scatter"], dtype=dtype)
-    shard = torch.empty(full.numel() // n, dtype=dtype)
-    rs = _timed(lambda: _reduce_scatter(shard, full), reps)
-    ag = _timed(lambda: _all_gather(full, shard), reps)
-    p2p_x = torch.ones(numel["send"], dtype=dtype)
-
-    def p2p() -> None:  # rank 0 sends, rank 1 receives (a pipeline's activations)
-        if rank == 0:
-            dist.send(p2p_x, dst=1)
-        elif rank == 1:
-            dist.recv(p2p_x, src=0)
-
-    send = _timed(p2p, reps)
-    ring = (n - 1) / n
-    return {
-        "all_to_all": x.numel() * item * ring / a2a,
-        "reduce_scatter": full.numel() * item * ring / rs,
-        "all_gather": full.numel() * item * ring / ag,
-        "send": p2p_x.numel() * item / send,
-    }
 
 
 def _single_topology() -> ExpertParallelTopology:
@@ -236,18 +175,14 @@ def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
     return times
 
 
-def _measure(rank: int, world: int, spec: Spec, message: dict[str, int]) -> dict[str, Any] | None:
-    """Rank 0: the host's peak FLOP/s and bandwidths, and each case's median step time."""
-    dtype = DTYPES[spec.precision]
-    peak = peak_flops(dtype) if rank == 0 else 0.0  # one thread; the other rank waits
-    dist.barrier()
-    bw = bandwidths(message, dtype)
+def _measure(rank: int, world: int, spec: Spec) -> list[dict[str, Any]] | None:
+    """Rank 0: each case's median step time."""
     rows = []
     for case in spec.cases:
         times = _run_case(case, spec, rank)
         if rank == 0:
             rows.append({"case": case.name, "step_s": statistics.median(times)})
-    return {"peak_flops": peak, "bandwidth": bw, "rows": rows} if rank == 0 else None
+    return rows if rank == 0 else None
 
 
 def layout_of(case: Case, spec: Spec) -> Layout:
@@ -259,19 +194,6 @@ def layout_of(case: Case, spec: Spec) -> Layout:
         micro_batches=micro_batches_per_step(spec.global_batch, dp, spec.micro_batch), precision=spec.precision,
         checkpointing=case.checkpointing, shard_optimizer=True, zero_stage=case.zero, collectives="native",
     )  # fmt: skip
-
-
-def host_machine(peak: float, bw: dict[str, float], compute_mfu: float, path: Path) -> Machine:
-    """This host as a machine file (two "tiles" on one node), written to `path` and read back."""
-    intra = 3 / sum(1 / bw[k] for k in ("all_to_all", "reduce_scatter", "all_gather"))
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    data = {
-        "name": "this-cpu-host", "device_type": "cpu", "tiles_per_node": 2, "memory_per_tile_gb": ram_gb / 2,
-        "peak_bf16_tflops": peak / 1e12, "intra_node_gbps": intra / 1e9, "inter_node_gbps": bw["send"] / 1e9,
-        "compute_mfu": compute_mfu,
-    }  # fmt: skip
-    path.write_text(yaml.safe_dump(data))
-    return load_machine(str(path))
 
 
 def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machine: Machine) -> str:
@@ -308,8 +230,10 @@ def main(
     vocab_size: int = 2048,
     precision: str = "32-true",
     doc: str | None = None,
+    calibration: str | None = None,
 ) -> str:
-    """Measure the host, then run every layout in `rounds` interleaved rounds in one 2-process job."""
+    """Calibrate the host (`mula calibrate`, or read `calibration`, a machine file it wrote), then run every
+    layout in `rounds` interleaved rounds in one 2-process job."""
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}.")
     overrides = dict(
@@ -318,38 +242,30 @@ def main(
         max_position_embeddings=max(seq_len, 64), routing_mode="uniform",
     )  # fmt: skip
     config = MulaConfig.from_name("mula-tiny-moe", **overrides)
-    item = DTYPES[precision].itemsize
-    message = {
-        "all_to_all": micro_batch * seq_len * top_k * hidden_size * item,  # one dispatch's rows
-        "reduce_scatter": config.num_params() * item,  # the whole parameter buffer (one bucket)
-        "send": micro_batch * seq_len * hidden_size * item,  # one micro-batch's activations
-    }
     runs = [case for _ in range(rounds) for case in CASES]  # interleaved rounds: drift hits every layout
     spec = Spec(overrides, precision, runs, global_batch, micro_batch, seq_len, steps, warmup)
     for case in CASES:  # refuse, before any process starts, a case the strategy would refuse
         check_runnable(config, layout_of(case, spec), global_batch)
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
-    result = run_gloo(_measure, 2, spec, message)[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        calibration = statistics.median(r["step_s"] for r in result["rows"] if r["case"] == CASES[0].name)
-        unit = host_machine(result["peak_flops"], result["bandwidth"], 1.0, Path(tmp) / "unit.yaml")
-        at_peak = step_time(config, layout_of(CASES[0], spec), unit, global_batch).step_time_s
-        machine = host_machine(result["peak_flops"], result["bandwidth"], at_peak / calibration,
-                               Path(tmp) / "host.yaml")  # fmt: skip
-    bw = result["bandwidth"]
+    machine_file = Path(calibration) if calibration else Path(tempfile.mkdtemp()) / "this-host.yaml"
+    if not calibration:  # `mula calibrate` on this host, at this model's shapes
+        calibrate(output=str(machine_file), devices=2, model="mula-tiny-moe", overrides=overrides,
+                  seq_len=seq_len, micro_batch=micro_batch, progress=False)  # fmt: skip
+    machine = load_machine(str(machine_file))
+    rows = run_gloo(_measure, 2, spec)[0]
+    cal = machine.calibration or {}
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
         f"(FFN {expert_intermediate_size}, uniform routing), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M "
         f"parameters, {precision}; global batch {global_batch} x {seq_len} tokens in micro-batches of {micro_batch}; "
         f"2 gloo processes on {os.cpu_count()} CPU cores, 1 torch thread each; median of {steps} optimizer steps "
         f"after {warmup} warm-up steps, {rounds} interleaved rounds.\n\n"
-        f"Measured machine: peak matmul {machine.peak_bf16_tflops * 1e3:.1f} GFLOP/s (1 thread, {precision}); bus "
-        f"bandwidth all_to_all {bw['all_to_all'] / 1e9:.2f}, reduce_scatter {bw['reduce_scatter'] / 1e9:.2f}, "
-        f"all_gather {bw['all_gather'] / 1e9:.2f} GB/s (intra-node {machine.intra_node_gbps:.2f} GB/s, their "
-        f"harmonic mean), send {bw['send'] / 1e9:.2f} GB/s (inter-node: the pipeline's sends); calibrated "
-        f"compute_mfu {machine.compute_mfu:.3f}."
+        f"Machine: `mula calibrate --devices 2` on this host (measured {cal.get('measured_at')}): the model's "
+        f"matmuls at {1e3 * cal.get('model_tflops', {}).get('float32', 0):.1f} (fp32) / "
+        f"{1e3 * cal.get('model_tflops', {}).get('bfloat16', 0):.1f} (bf16) GFLOP/s per rank; every collective "
+        f"priced by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
     )
-    text = header + "\n\n" + table(result["rows"], config, spec, machine)
+    text = header + "\n\n" + table(rows, config, spec, machine)
     print(text)
     if doc is not None:
         write_section(Path(doc), SECTION, _doc_section(text))

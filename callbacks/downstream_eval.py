@@ -1,18 +1,19 @@
 """Downstream evaluation during training: lm-evaluation-harness tasks every N optimizer steps.
 
 Every rank evaluates the model it trains (`mula.downstream.MulaLM` over `pl_module.model`, under the
-trainer's precision) on its share of the documents: lm-eval splits them over the data-parallel ranks
-and gathers the results on rank 0, so every rank is busy (and its hang watchdog fed) and the time is
-1/W of one rank's. The metrics go to the trainer's loggers as `eval/<task>/<metric>` (`acc`, and
+trainer's precision, `mula.downstream.trainer_eval.evaluate_trainer_model`) on its share of the
+documents: lm-eval splits them over the data-parallel ranks and gathers the results on rank 0, so
+every rank is busy (and its hang watchdog fed) and the time is 1/W of one rank's. Under expert,
+pipeline or tensor parallelism the model stays laid out as it trains: the strategy's
+`spread_forward()` runs each forward across the ranks holding its parts (experts all-to-all,
+forward-only through the stages, tensor shards), the documents split over the data-parallel ranks,
+ranks with fewer batches running dummy ones so that every all-to-all has all its ranks. The metrics go to the trainer's loggers as `eval/<task>/<metric>` (`acc`, and
 `acc_norm` where the task has it) against the optimizer step, with `eval/tokens_seen`.
 
 Training is not disturbed: lm-eval seeds Python, NumPy and torch, so every generator a training step
 draws from (`callbacks.rng_state`: CPU and accelerator) is saved before and restored after; the
 model's train/eval mode is restored; no gradient is taken; the training data loader is not touched.
 A resumed run therefore continues exactly as an uninterrupted one.
-
-Not with expert or pipeline parallelism (a rank that does not hold the whole model cannot score its
-documents alone): evaluate the checkpoints with `mula eval --run` instead.
 """
 
 from __future__ import annotations
@@ -82,12 +83,6 @@ class DownstreamEval(L.Callback):
         require_lm_eval()
         from mula.downstream.tasks import resolve_tasks
 
-        for kind in ("expert", "pipeline"):
-            if getattr(trainer.strategy, f"{kind}_parallel_size", 1) > 1:
-                raise ValueError(
-                    f"DownstreamEval needs the whole model on every rank, which {kind} parallelism does not "
-                    "give; evaluate the checkpoints with `mula eval --run` instead."
-                )
         path = self.tokenizer or getattr(trainer.datamodule, "tokenizer_path", None)
         if path is None:
             raise ValueError("DownstreamEval cannot tell the run's tokenizer; give it as tokenizer=PATH.")
@@ -119,24 +114,21 @@ class DownstreamEval(L.Callback):
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """This rank's share of the evaluation; the metrics on rank 0 ({} elsewhere), every RNG as before."""
-        from mula import hf_tokenizer
-        from mula.downstream.evaluate import evaluate, metric_keys
-        from mula.downstream.lm import MulaLM
+        from mula.downstream.evaluate import metric_keys
+        from mula.downstream.trainer_eval import evaluate_trainer_model
 
         device = pl_module.device
         saved = capture_rng_state(device)
         try:
-            bos = hf_tokenizer.special_token_ids(self._loaded_tokenizer)["bos_token_id"]
-            lm = MulaLM(
-                pl_module.model,
+            results = evaluate_trainer_model(
+                trainer,
+                pl_module,
                 self._loaded_tokenizer,
-                batch_size=self.batch_size,
-                prefix_token_id=bos,
-                data_parallel=True,
+                self._resolved,
+                self.limit,
+                self.batch_size,
                 on_batch=lambda: heartbeat(trainer),  # a long evaluation is progress, not a hang
             )
-            with trainer.precision_plugin.forward_context():  # the training precision (autocast or none)
-                results = evaluate(lm, self._resolved, self.limit)
         finally:
             restore_rng_state(saved, device)
         metrics = metric_keys(results)

@@ -18,6 +18,8 @@ BACKENDS = ("auto", "triton", "torch", "loop")
 # How the router's load-balancing loss counts expert frequencies, and how it picks experts.
 AUX_LOSS_SCOPES = ("micro_batch", "global")
 ROUTING_MODES = ("learned", "uniform")
+# How the router turns logits into scores (`mula.moe.router`): OLMoE/Qwen3-MoE's softmax, DeepSeek-V3's sigmoid.
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 def check_backend_name(backend: str) -> None:
@@ -38,7 +40,26 @@ class MulaConfig:
 
     `norm="layernorm"` is OLMo-1B's non-parametric LayerNorm (no weight, no bias); `"rmsnorm"` has a
     weight. With `qk_norm`, q and k are normalised (same norm kind) over the whole projection
-    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE.
+    (`num_heads*head_dim` and `num_kv_heads*head_dim`), as OLMoE does, before RoPE; with
+    `qk_norm_per_head` too, each head's `head_dim` features are normalised on their own, by one norm
+    weight of `head_dim` shared by the heads, as Qwen3 does.
+
+    DeepSeek-V3 family (each off by default): `num_shared_experts` SwiGLU experts of width
+    `shared_expert_intermediate_size` (None = `expert_intermediate_size`) that every token goes through,
+    added to the routed output (stored as one SwiGLU of the summed width, as DeepSeek does); and
+    multi-head latent attention (`mula.mla`) when `kv_lora_rank` is set: keys and values from a
+    `kv_lora_rank` latent, queries from a `q_lora_rank` latent (None = a plain q projection, as
+    DeepSeek-V2-Lite), per-head query/key widths `qk_nope_head_dim` + `qk_rope_head_dim` (RoPE on the
+    latter only, one RoPE key shared by all heads) and value width `v_head_dim`. MLA ignores `head_dim`,
+    `num_kv_heads` and `qk_norm` (its latents have their own RMSNorms).
+
+    Routing (MoE; every option off by default, `mula.moe.router`): `router_scoring` "softmax" (OLMoE,
+    Qwen3-MoE) or "sigmoid" (DeepSeek-V3); group-limited routing over `n_group` equal groups of experts
+    of which each token may use `topk_group` (1 and 1: no limit); the kept scores renormalised to sum
+    to 1 with `norm_topk_prob`; the combine weights multiplied by `routed_scaling_factor`. `router_bias`
+    keeps the per-expert selection bias buffer (DeepSeek-V3's `e_score_correction_bias`) even when
+    `router_bias_update_rate` is 0, i.e. frozen (imported DeepSeek-V3 weights); a positive
+    `router_bias_update_rate` implies it and updates it after every step.
     """
 
     name: str = "custom"
@@ -53,11 +74,17 @@ class MulaConfig:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     qk_norm: bool = True
+    qk_norm_per_head: bool = False
     intermediate_size: int = 8192
     num_experts: int = 64
     top_k: int = 8
     expert_intermediate_size: int = 1024
     norm_topk_prob: bool = False
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
     num_dense_layers: int = 0
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
@@ -68,6 +95,14 @@ class MulaConfig:
     router_bias_update_rate: float = 0.0
     aux_loss_scope: str = "micro_batch"
     routing_mode: str = "learned"
+    # DeepSeek-V3 family: shared experts and multi-head latent attention (off by default)
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # The fields that define the function the weights compute (shapes and structure): a checkpoint
     # loads into a model only when these agree. The others are training settings (loss weights, init,
@@ -75,16 +110,24 @@ class MulaConfig:
     # so a run may change them when it starts from imported or earlier weights.
     ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-        "norm", "norm_eps", "qk_norm", "tie_embeddings", "num_experts",
+        "norm", "norm_eps", "qk_norm", "qk_norm_per_head", "tie_embeddings", "num_experts",
     )  # fmt: skip
     # ... plus, by kind of MLP, the fields that only one kind uses
     MOE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
         "top_k",
         "expert_intermediate_size",
         "norm_topk_prob",
+        "router_scoring",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
         "num_dense_layers",
     )
     DENSE_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+    # ... and, with MLA (`kv_lora_rank` set), its shapes
+    MLA_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
@@ -93,21 +136,25 @@ class MulaConfig:
                 raise ValueError(f"MulaConfig.{field} must be positive, got {getattr(self, field)}.")
         if self.norm not in NORMS:
             raise ValueError(f"MulaConfig.norm must be one of {NORMS}, got {self.norm!r}.")
-        if self.head_dim is None and self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads and self.kv_lora_rank is None:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
                 "set head_dim explicitly."
             )
-        if self.head_size % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_size}.")
+        self._check_mla()
+        if self.rope_dim % 2:
+            raise ValueError(f"The RoPE width must be even, got {self.rope_dim}.")
         if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
             )
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise ValueError("qk_norm_per_head=True needs qk_norm=True (it says how the QK-norm normalises).")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
         check_backend_name(self.expert_backend)
         self._check_routing()
+        self._check_shared_experts()
         if self.is_moe:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}.")
@@ -135,6 +182,38 @@ class MulaConfig:
                 f"intermediate_size must be positive for a dense model, got {self.intermediate_size}."
             )
 
+    def _check_mla(self) -> None:
+        if self.kv_lora_rank is None:
+            mla_only = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            set_ = [f for f in mla_only if getattr(self, f)]
+            if set_:
+                raise ValueError(
+                    f"{', '.join(set_)} only apply to multi-head latent attention; set kv_lora_rank to use it."
+                )
+            return
+        sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for field in sizes + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
+            if int(getattr(self, field)) <= 0:
+                raise ValueError(f"MulaConfig.{field} must be positive for MLA, got {getattr(self, field)}.")
+        if self.norm != "rmsnorm":
+            raise ValueError("Multi-head latent attention (kv_lora_rank) needs norm='rmsnorm', as DeepSeek.")
+        if self.qk_norm or self.num_kv_heads not in (None, self.num_heads) or self.head_dim is not None:
+            raise ValueError(
+                "Multi-head latent attention (kv_lora_rank) sets its own head widths and norms: leave "
+                "qk_norm False, num_kv_heads and head_dim None."
+            )
+
+    def _check_shared_experts(self) -> None:
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}.")
+        if self.num_shared_experts and not self.is_moe:
+            raise ValueError("num_shared_experts needs an MoE model (num_experts > 0).")
+        width = self.shared_expert_intermediate_size
+        if width is not None and (width <= 0 or not self.num_shared_experts):
+            raise ValueError(
+                f"shared_expert_intermediate_size={width} needs num_shared_experts > 0 and a positive width."
+            )
+
     def _check_routing(self) -> None:
         if not self.router_bias_update_rate >= 0.0:  # also refuses NaN
             raise ValueError(
@@ -144,6 +223,27 @@ class MulaConfig:
             raise ValueError(f"aux_loss_scope must be one of {AUX_LOSS_SCOPES}, got {self.aux_loss_scope!r}.")
         if self.routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}.")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS}, got {self.router_scoring!r}.")
+        if not self.routed_scaling_factor > 0.0:  # also refuses NaN
+            raise ValueError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}.")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"Group-limited routing needs n_group >= 1 and 1 <= topk_group <= n_group, got n_group="
+                f"{self.n_group}, topk_group={self.topk_group} (1 and 1: no group limit)."
+            )
+        if self.n_group > 1 and self.is_moe:
+            per_group, kept = divmod(self.num_experts, self.n_group)
+            if kept or per_group < 2:
+                raise ValueError(
+                    f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at "
+                    "least 2 experts (a group's score is the sum of its two best)."
+                )
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"top_k={self.top_k} exceeds the {self.topk_group * per_group} experts that "
+                    f"topk_group={self.topk_group} groups of {per_group} hold."
+                )
 
     # ----- resolved values ------------------------------------------------------------------
     @property
@@ -156,6 +256,11 @@ class MulaConfig:
         return self.is_moe and index >= self.num_dense_layers
 
     @property
+    def has_router_bias(self) -> bool:
+        """True when every router holds the selection bias buffer (`router_bias`, or bias balancing on)."""
+        return self.router_bias or self.router_bias_update_rate > 0
+
+    @property
     def num_moe_layers(self) -> int:
         """Blocks with an MoE MLP; the router losses are means over these."""
         return self.num_layers - self.num_dense_layers if self.is_moe else 0
@@ -166,6 +271,32 @@ class MulaConfig:
         if not self.is_moe_layer(index):
             raise ValueError(f"Block {index} is not an MoE block of this model.")
         return index - self.num_dense_layers
+
+    @property
+    def is_mla(self) -> bool:
+        """True when attention is multi-head latent attention (`kv_lora_rank` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """Features RoPE rotates per head: `qk_rope_head_dim` under MLA, else the whole head."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_size
+
+    @property
+    def qk_head_size(self) -> int:
+        """Per-head width of queries and keys (MLA: `qk_nope_head_dim + qk_rope_head_dim`)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_size
+
+    @property
+    def v_head_size(self) -> int:
+        """Per-head width of values and of the attention output (MLA: `v_head_dim`)."""
+        return self.v_head_dim if self.is_mla else self.head_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Width of the one SwiGLU holding all shared experts (0 without shared experts)."""
+        width = self.shared_expert_intermediate_size or self.expert_intermediate_size
+        return self.num_shared_experts * width
 
     @property
     def kv_heads(self) -> int:
@@ -184,8 +315,15 @@ class MulaConfig:
         kind = self.MOE_ARCHITECTURE_FIELDS if self.is_moe else self.DENSE_ARCHITECTURE_FIELDS
         if self.is_moe and self.num_dense_layers:
             kind = kind + self.DENSE_ARCHITECTURE_FIELDS  # the dense first blocks' MLP width
+        if self.is_mla:
+            kind = kind + self.MLA_ARCHITECTURE_FIELDS
         arch = {name: getattr(self, name) for name in self.ARCHITECTURE_FIELDS + kind}
         arch.update(num_kv_heads=self.kv_heads, head_dim=self.head_size)
+        if self.num_shared_experts:  # only when set: older checkpoints' architectures stay as they were
+            arch.update(
+                num_shared_experts=self.num_shared_experts,
+                shared_intermediate_size=self.shared_intermediate_size,
+            )
         return arch
 
     def architecture_differences(self, other: MulaConfig) -> list[str]:
@@ -221,27 +359,62 @@ class MulaConfig:
         return dim if self.norm == "rmsnorm" else 0  # layernorm is non-parametric (OLMo-1B)
 
     def _attn_matmul_params(self) -> int:
-        q = self.num_heads * self.head_size
-        kv = self.kv_heads * self.head_size
-        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        return sum(numel(shape) for _, shape in self._attn_shapes() if len(shape) == 2)
+
+    def _attn_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name under the block's `attn.`, shape) of the attention's parameters, in module order."""
+        h, heads = self.hidden_size, self.num_heads
+        if self.is_mla:  # mula.mla.LatentAttention (transformers' DeepseekV3Attention names)
+            q_out, kv_rank = heads * self.qk_head_size, int(self.kv_lora_rank or 0)
+            if self.q_lora_rank is None:
+                shapes = [("q_proj.weight", (q_out, h))]
+            else:
+                r = self.q_lora_rank
+                shapes = [
+                    ("q_a_proj.weight", (r, h)),
+                    ("q_a_layernorm.weight", (r,)),
+                    ("q_b_proj.weight", (q_out, r)),
+                ]
+            return shapes + [
+                ("kv_a_proj_with_mqa.weight", (kv_rank + self.qk_rope_head_dim, h)),
+                ("kv_a_layernorm.weight", (kv_rank,)),
+                ("kv_b_proj.weight", (heads * (self.qk_nope_head_dim + self.v_head_dim), kv_rank)),
+                ("o_proj.weight", (h, heads * self.v_head_dim)),
+            ]
+        q, kv = heads * self.head_size, self.kv_heads * self.head_size
+        shapes = [
+            ("q_proj.weight", (q, h)),
+            ("k_proj.weight", (kv, h)),
+            ("v_proj.weight", (kv, h)),
+            ("o_proj.weight", (h, q)),
+        ]
+        for name, dim in zip(("q_norm.weight", "k_norm.weight"), self.qk_norm_dims()):
+            if self._norm_params(dim):
+                shapes.append((name, (dim,)))
+        return shapes
 
     def _expert_params(self) -> int:
         return 3 * self.hidden_size * self.expert_intermediate_size
 
     def _layer_params(self, experts: int, moe: bool) -> int:
         """Parameters of one block, MoE (`moe`, counting `experts` experts) or dense."""
-        h = self.hidden_size
-        n = self._attn_matmul_params() + 2 * self._norm_params(h)
-        if self.qk_norm:
-            n += self._norm_params(self.num_heads * self.head_size) + self._norm_params(
-                self.kv_heads * self.head_size
-            )
-        return n + self._mlp_matmul_params(experts, moe)
+        attn = sum(numel(shape) for _, shape in self._attn_shapes())  # with QK-norm or MLA's latent norms
+        return attn + 2 * self._norm_params(self.hidden_size) + self._mlp_matmul_params(experts, moe)
+
+    def qk_norm_dims(self) -> tuple[int, ...]:
+        """Features of the q and k norms' weights: () without QK-norm, (head_dim, head_dim) per head,
+        else the whole projections (num_heads * head_dim, num_kv_heads * head_dim)."""
+        if not self.qk_norm:
+            return ()
+        if self.qk_norm_per_head:
+            return (self.head_size, self.head_size)
+        return (self.num_heads * self.head_size, self.kv_heads * self.head_size)
 
     def _mlp_matmul_params(self, experts: int, moe: bool) -> int:
         """Matmul parameters of one block's MLP: router + `experts` experts if `moe`, else the SwiGLU."""
-        if moe:
-            return self.num_experts * self.hidden_size + experts * self._expert_params()
+        if moe:  # router, experts, and the shared experts every token goes through
+            shared = 3 * self.hidden_size * self.shared_intermediate_size
+            return self.num_experts * self.hidden_size + experts * self._expert_params() + shared
         return 3 * self.hidden_size * self.intermediate_size
 
     def _blocks_params(self, experts: int) -> int:
@@ -262,7 +435,6 @@ class MulaConfig:
         real module on the meta device.
         """
         h, v = self.hidden_size, self.vocab_size
-        q, kv = self.num_heads * self.head_size, self.kv_heads * self.head_size
         shapes: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (v, h))]
 
         def norm(name: str, dim: int) -> None:
@@ -272,15 +444,7 @@ class MulaConfig:
         for i in range(self.num_layers):
             p = f"layers.{i}."
             norm(p + "attn_norm", h)
-            shapes += [
-                (p + "attn.q_proj.weight", (q, h)),
-                (p + "attn.k_proj.weight", (kv, h)),
-                (p + "attn.v_proj.weight", (kv, h)),
-                (p + "attn.o_proj.weight", (h, q)),
-            ]
-            if self.qk_norm:
-                norm(p + "attn.q_norm", q)
-                norm(p + "attn.k_norm", kv)
+            shapes += [(p + "attn." + name, shape) for name, shape in self._attn_shapes()]
             norm(p + "mlp_norm", h)
             if self.is_moe_layer(i):
                 e, f = self.num_experts, self.expert_intermediate_size
@@ -289,13 +453,10 @@ class MulaConfig:
                     (p + "mlp.experts.gate_up", (e, 2 * f, h)),
                     (p + "mlp.experts.down", (e, h, f)),
                 ]
+                if self.num_shared_experts:
+                    shapes += _swiglu_shapes(p + "mlp.shared_experts.", h, self.shared_intermediate_size)
             else:
-                f = self.intermediate_size
-                shapes += [
-                    (p + "mlp.gate_proj.weight", (f, h)),
-                    (p + "mlp.up_proj.weight", (f, h)),
-                    (p + "mlp.down_proj.weight", (h, f)),
-                ]
+                shapes += _swiglu_shapes(p + "mlp.", h, self.intermediate_size)
         norm("norm", h)
         if not self.tie_embeddings:
             shapes.append(("lm_head.weight", (v, h)))
@@ -314,20 +475,45 @@ class MulaConfig:
 
         `6 * N + 12 * num_layers * (num_heads * head_dim) * seq_len` (Kaplan et al. / PaLM appendix B),
         where N counts the matmul parameters a token goes through: attention projections, the dense
-        MLP or the router plus `top_k` experts, and the LM head (even when tied). Embedding lookups and
-        norms are not matmuls and are left out. The second term is the attention score and value
-        matmuls (QK^T and AV, forward + backward, no causal discount); `num_heads * head_dim` equals
-        `hidden_size` for every preset.
+        MLP or the router plus `top_k` experts (and the shared experts), and the LM head (even when
+        tied). Embedding lookups and norms are not matmuls and are left out. The second term is the
+        attention score and value matmuls (QK^T and AV, forward + backward, no causal discount):
+        `6 * num_layers * attention_core_width * seq_len`, which under MLA weighs the query/key width
+        (`qk_nope_head_dim + qk_rope_head_dim`) and the value width per head separately;
+        `num_heads * head_dim` is `hidden_size` for the OLMo/OLMoE-shaped presets, twice it for Qwen3-MoE's.
         """
         matmul = sum(self.layer_matmul_params(i) for i in range(self.num_layers))
         matmul += self.vocab_size * self.hidden_size
-        attn = 12 * self.num_layers * self.num_heads * self.head_size * seq_len
+        attn = 6 * self.num_layers * self.attention_core_width * seq_len
         return 6 * matmul + attn
+
+    @property
+    def attention_core_width(self) -> int:
+        """`num_heads * (qk_head_size + v_head_size)`: QK^T and AV cost 2 * this FLOPs per token and key
+        in the forward (`2 * num_heads * head_dim` without MLA)."""
+        return self.num_heads * (self.qk_head_size + self.v_head_size)
 
     def layer_matmul_params(self, index: int) -> int:
         """Matmul parameters a token goes through in block `index`: attention projections and the
         dense MLP or the router plus `top_k` experts (`flops_per_token`'s N, per block)."""
         return self._attn_matmul_params() + self._mlp_matmul_params(self.top_k, self.is_moe_layer(index))
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of `shape`."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _swiglu_shapes(prefix: str, hidden: int, width: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a SwiGLU MLP's gate, up and down projections (`mula.mlp.MLP`) under `prefix`."""
+    return [
+        (prefix + "gate_proj.weight", (width, hidden)),
+        (prefix + "up_proj.weight", (width, hidden)),
+        (prefix + "down_proj.weight", (hidden, width)),
+    ]
 
 
 def resolve_config(
@@ -355,6 +541,35 @@ _OLMOE: dict[str, Any] = {
     "tie_embeddings": False,
 }  # fmt: skip
 
+# DeepSeek-V3 (arXiv 2412.19437 and deepseek-ai/DeepSeek-V3's config.json): MLA, 3 dense blocks, 1 shared +
+# 256 routed experts top-8 by sigmoid scores in 8 groups of which 4, scaled by 2.5. Pretrained at 4K context
+# (YaRN extends it afterwards; Mula has no YaRN), init std 0.006 (the report's; config.json says 0.02).
+# Balancing as the report: the bias (update speed 0.001) and a balance loss of weight 1e-4 -- Mula's loss is
+# top_k times DeepSeek's and over the batch, not per sequence, so 1e-4 / 8. No z-loss.
+_DEEPSEEK_V3: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 7168, "num_layers": 61, "num_heads": 128,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "norm": "rmsnorm", "norm_eps": 1e-6,
+    "qk_norm": False, "intermediate_size": 18432, "num_experts": 256, "top_k": 8,
+    "expert_intermediate_size": 2048, "norm_topk_prob": True, "router_scoring": "sigmoid", "n_group": 8,
+    "topk_group": 4, "routed_scaling_factor": 2.5, "router_bias": True, "router_bias_update_rate": 0.001,
+    "router_aux_loss_coef": 1.25e-5, "router_z_loss_coef": 0.0, "num_dense_layers": 3,
+    "num_shared_experts": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "init_std": 0.006, "tie_embeddings": False,
+}  # fmt: skip
+
+# Qwen3-MoE (transformers' Qwen3MoeForCausalLM): per-head QK RMSNorm, head_dim 128 decoupled from
+# hidden/heads, GQA with 4 KV heads, 128 experts top-8 renormalised, no shared experts, every block MoE,
+# RoPE theta 1e6, RMSNorm eps 1e-6, untied head, vocabulary 151,936. Shapes from the published
+# config.json files, huggingface.co/Qwen/Qwen3-30B-A3B and huggingface.co/Qwen/Qwen3-235B-A22B
+# (intermediate_size is their dense MLP width, unused while every block is MoE). Router aux loss weight
+# 0.001 as there; no z-loss (transformers' Qwen3-MoE has none).
+_QWEN3_MOE: dict[str, Any] = {
+    "vocab_size": 151936, "num_kv_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "norm": "rmsnorm", "norm_eps": 1e-6, "qk_norm": True, "qk_norm_per_head": True,
+    "num_experts": 128, "top_k": 8, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+    "router_z_loss_coef": 0.0, "init_std": 0.02, "tie_embeddings": False,
+}  # fmt: skip
+
 PRESETS: dict[str, dict[str, Any]] = {
     # a few million parameters; vocab 4096 = the demo tokenizer's size; trains on 2 CPU cores
     "mula-tiny-moe": {
@@ -366,6 +581,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_OLMOE, "name": "mula-tiny-dense", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
         "num_heads": 4, "max_position_embeddings": 1024, "norm": "layernorm", "qk_norm": False,
         "num_experts": 0, "intermediate_size": 512,
+    },
+    # Qwen3-MoE's structure at test size (head_dim 64 != hidden/heads = 32, 2 KV heads)
+    "qwen3-moe-tiny": {
+        **_QWEN3_MOE, "name": "qwen3-moe-tiny", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "max_position_embeddings": 1024,
+        "intermediate_size": 256, "num_experts": 16, "top_k": 4, "expert_intermediate_size": 64,
+    },
+    # 30.5B total, 3.3B active (model card)
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE, "name": "qwen3-30b-a3b", "hidden_size": 2048, "num_layers": 48, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
+    # A single-node size of the family: transformers' Qwen3MoeConfig defaults ("Qwen3-15B-A2B" style),
+    # i.e. 24 of Qwen3-30B-A3B's blocks: 15.6B total, 2.0B active (recipes/qwen3-moe-15b-a2b.yaml)
+    "qwen3-moe-15b-a2b": {
+        **_QWEN3_MOE, "name": "qwen3-moe-15b-a2b", "hidden_size": 2048, "num_layers": 24, "num_heads": 32,
+        "intermediate_size": 6144, "expert_intermediate_size": 768,
+    },
+    # 235B total, 22B active (model card)
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE, "name": "qwen3-235b-a22b", "hidden_size": 4096, "num_layers": 94, "num_heads": 64,
+        "intermediate_size": 12288, "expert_intermediate_size": 1536,
     },
     # = OLMo-1B-hf (untied, non-parametric LayerNorm, no QK-norm)
     "mula-1b": {
@@ -398,4 +635,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         }
         for name, layers, hidden, heads in (("mula-gpt-175b", 96, 12288, 96), ("mula-gpt-1t", 128, 25600, 160))
     },
+    # The DeepSeek-V3 family (docs/models.md). A tiny test shape: every feature on (MLA with a q latent,
+    # a dense first block, one shared expert, sigmoid routing over 4 groups of which 2, scaling, bias).
+    "deepseek-v3-tiny": {
+        **_DEEPSEEK_V3, "name": "deepseek-v3-tiny", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4,
+        "num_heads": 4, "max_position_embeddings": 1024, "intermediate_size": 384, "num_experts": 16,
+        "top_k": 4, "expert_intermediate_size": 64, "n_group": 4, "topk_group": 2, "num_dense_layers": 1,
+        "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    },
+    # = DeepSeek-V3 (-Base), deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active (the multi-
+    # token prediction module's 14B are not in the published 671B, nor here)
+    "deepseek-v3-671b": {**_DEEPSEEK_V3, "name": "deepseek-v3-671b"},
+    # = Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, a DeepseekV3ForCausalLM; arXiv 2502.16982):
+    # DeepSeek-V2-Lite's scale (27 layers, 64 experts top-6, 2 shared, no q latent) with V3's sigmoid router
+    "deepseek-v3-16b": {
+        **_DEEPSEEK_V3, "name": "deepseek-v3-16b", "vocab_size": 163840, "hidden_size": 2048, "num_layers": 27,
+        "num_heads": 16, "max_position_embeddings": 8192, "rope_theta": 50000.0, "norm_eps": 1e-5,
+        "intermediate_size": 11264, "num_experts": 64, "top_k": 6, "expert_intermediate_size": 1408,
+        "num_shared_experts": 2, "num_dense_layers": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.446, "q_lora_rank": None,
+    },
+    # Optimus' 1.1T DeepSeek-V3 variant (IntelLabs/Optimus-LM submit_dsv3-1trillion_job.pbs:
+    # MODEL_CHOICE=deepseek-ai/DeepSeek-V3--N264-L96, i.e. DeepSeek-V3 with 96 layers and 264 routed
+    # experts, everything else as published; optimus/config_utils.py): 1.11T parameters, 58B active
+    "deepseek-v3-1.1t": {**_DEEPSEEK_V3, "name": "deepseek-v3-1.1t", "num_layers": 96, "num_experts": 264},
 }  # fmt: skip

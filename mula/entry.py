@@ -3,7 +3,8 @@
     mula fit|validate|test ...   the LightningCLI of `mula.cli` (`MulaCLI`)
     mula plan ...                the light reader (`mula.plan.recipe_reader`: no Lightning, well under a
                                  second) when it can read the command line, else `MulaCLI`'s parser
-    mula prepare|train-tokenizer|import-hf|export-hf|eval|report ...   `mula.tools`, parsed by jsonargparse
+    mula prepare|train-tokenizer|import-hf|export-hf|eval|report|calibrate ...   `mula.tools`, parsed by
+                                 jsonargparse
 
 Bad input raised by Mula before any work (`ValueError`, `FileNotFoundError`) is one line
 `mula: error: ...` and exit status 2 on every path; `MULA_TRACEBACK=1` shows the traceback instead.

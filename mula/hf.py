@@ -1,4 +1,7 @@
-"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE) and OLMo (dense).
+"""Hugging Face interop: Mula <-> transformers' OLMoE (MoE), OLMo (dense), Qwen3-MoE and DeepSeek-V3.
+
+Qwen3-MoE shares OLMoE's weight names; its config mapping is `mula.hf_qwen3_moe`. DeepSeek-V3's config
+mapping (and its router bias name) is `mula.hf_deepseek_v3`; the dispatch is here.
 
 - `from_hf(model)` / `to_hf(model)`: in-memory conversion (needs `transformers`, imported lazily).
 - `import_hf(hf_dir, output)` / `export_hf(ckpt, output)`: files on disk, used by `mula import-hf` /
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mula import hf_tokenizer
+from mula import hf_deepseek_v3, hf_qwen3_moe, hf_tokenizer
 from mula.checkpoint import (
     atomic_write,
     model_from_state_dict,
@@ -35,7 +38,12 @@ from mula.checkpoint import (
 from mula.config import MulaConfig
 from mula.model import Mula
 
-SUPPORTED = {"olmoe": "OlmoeForCausalLM", "olmo": "OlmoForCausalLM"}
+SUPPORTED = {
+    "olmoe": "OlmoeForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    hf_deepseek_v3.MODEL_TYPE: hf_deepseek_v3.ARCHITECTURE,
+    hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE,
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -56,7 +64,8 @@ def _rope_theta(d: dict[str, Any]) -> float:
 
 
 def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
-    """MulaConfig from a transformers OLMoE/OLMo config dict (config.json or `config.to_dict()`).
+    """MulaConfig from a transformers OLMoE/OLMo/Qwen3-MoE/DeepSeek-V3 config dict (config.json or
+    `config.to_dict()`).
 
     Missing keys take transformers' defaults for that model type, i.e. what transformers would load.
     """
@@ -71,6 +80,10 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
         raise ValueError("attention_bias=True is not supported by Mula (no biases anywhere).")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported by Mula (SwiGLU uses silu).")
+    if model_type == hf_qwen3_moe.MODEL_TYPE:
+        return hf_qwen3_moe.config_from_hf(d, name, _rope_theta(d))
+    if model_type == hf_deepseek_v3.MODEL_TYPE:
+        return hf_deepseek_v3.config_from_hf(d, name, _rope_theta(d))
     moe = model_type == "olmoe"
     hidden = d.get("hidden_size", 2048 if moe else 4096)
     heads = d.get("num_attention_heads", 16 if moe else 32)
@@ -111,7 +124,29 @@ def config_from_hf(d: dict[str, Any], name: str = "custom") -> MulaConfig:
     )
 
 
+def check_softmax_routing(config: MulaConfig, family: str) -> None:
+    """Refuse an MoE config whose routing `family`'s softmax top-k router cannot express."""
+    if not config.is_moe:
+        return
+    options = {
+        "router_scoring": (config.router_scoring, "softmax"),
+        "n_group": (config.n_group, 1),
+        "routed_scaling_factor": (config.routed_scaling_factor, 1.0),
+    }
+    for field, (value, plain) in options.items():
+        if value != plain:
+            raise ValueError(
+                f"transformers' {family} routes by a softmax top-k without groups or scaling, so a model with "
+                f"{field}={value!r} (Mula's default: {plain!r}) cannot be exported to it."
+            )
+
+
 def _check_expressible(config: MulaConfig) -> None:
+    check_softmax_routing(config, "OLMoE")
+    if config.num_shared_experts:
+        raise ValueError(
+            "transformers' OLMoE has no shared experts; a model with num_shared_experts cannot be exported to it."
+        )
     if config.num_dense_layers:
         raise ValueError(
             f"transformers' OLMoE has an MoE MLP in every block, so a model whose first "
@@ -127,14 +162,45 @@ def _check_expressible(config: MulaConfig) -> None:
         )
 
 
-def check_router_bias(state_dict: dict[str, Tensor]) -> None:
-    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE has no such term."""
+def check_router_bias(state_dict: dict[str, Tensor], config: MulaConfig | None = None) -> None:
+    """Refuse weights whose routers carry a non-zero balancing bias: transformers' OLMoE and Qwen3-MoE
+    (the family `config` exports to) have no such term (DeepSeek-V3's `e_score_correction_bias` is one)."""
+    if config is not None and hf_deepseek_v3.is_family(config):
+        return
+    family = "Qwen3-MoE" if config is not None and hf_qwen3_moe.exports(config) else "OLMoE"
     for key, value in state_dict.items():
         if key.endswith(ROUTER_BIAS) and bool(value.detach().ne(0).any()):
             raise ValueError(
                 f"{key} is non-zero (router bias balancing, router_bias_update_rate > 0) and transformers' "
-                "OLMoE cannot express a router bias, so exporting would silently change the routing."
+                f"{family} cannot express a router bias, so exporting would silently change the routing."
             )
+
+
+def shared_config_fields(
+    config: MulaConfig, dtype: torch.dtype, token_ids: dict[str, int | None] | None
+) -> dict[str, Any]:
+    """The config.json fields every family writes alike: sizes, SiLU, plain RoPE, no attention bias, the
+    exported tokenizer's eos/bos/pad_token_id (None without one), the weights' dtype."""
+    ids = token_ids or {}
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.init_std,
+        "use_cache": True,
+        "pad_token_id": ids.get("pad_token_id"),
+        "bos_token_id": ids.get("bos_token_id"),
+        "eos_token_id": ids.get("eos_token_id"),
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def config_to_hf(
@@ -144,33 +210,30 @@ def config_to_hf(
 
     `token_ids`: eos/bos/pad_token_id of the exported tokenizer (`hf_tokenizer.special_token_ids`);
     None without one. (transformers' OlmoeConfig defaults, e.g. intermediate_size 2048, are not OLMoE's.)
+    A config with multi-head latent attention is a DeepSeek-V3 (`mula.hf_deepseek_v3.config_to_hf`).
     """
+    family = None
+    if hf_deepseek_v3.is_family(config):
+        family = hf_deepseek_v3
+    elif hf_qwen3_moe.exports(config):
+        check_softmax_routing(config, "Qwen3-MoE")
+        family = hf_qwen3_moe
+    if family is not None:  # the family's module says what is its own
+        return {
+            "architectures": [family.ARCHITECTURE],
+            "model_type": family.MODEL_TYPE,
+            **shared_config_fields(config, dtype, token_ids),
+            **family.config_to_hf(config),
+        }
     _check_expressible(config)
     moe = config.is_moe
     d: dict[str, Any] = {
         "architectures": [SUPPORTED["olmoe" if moe else "olmo"]],
         "model_type": "olmoe" if moe else "olmo",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
+        **shared_config_fields(config, dtype, token_ids),
         "intermediate_size": config.expert_intermediate_size if moe else config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "initializer_range": config.init_std,
-        "use_cache": True,
-        # token ids belong to the tokenizer exported with the model (None without one)
-        "pad_token_id": (token_ids or {}).get("pad_token_id"),
-        "bos_token_id": (token_ids or {}).get("bos_token_id"),
-        "eos_token_id": (token_ids or {}).get("eos_token_id"),
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "clip_qkv": None,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if moe:
         d.update(
@@ -226,11 +289,17 @@ def iter_hf_tensors(
     Experts come out per expert (4.x / on-disk layout) or fused like transformers 5.x modules.
     A tied LM head is left out (transformers re-ties it).
     """
+    deepseek = hf_deepseek_v3.is_family(config)
     for key, value in state_dict.items():
         if key == "lm_head.weight" and config.tie_embeddings:
             continue
+        if deepseek and key.endswith(".mlp.router.weight") and not config.has_router_bias:
+            # DeepSeek-V3 always has the correction bias; without Mula's, it is zero
+            yield _to_hf_key(key).replace(".weight", ".e_score_correction_bias"), torch.zeros(value.shape[0])
         if key.endswith(ROUTER_BIAS):
-            continue  # all zero (`check_router_bias`): OLMoE's routing without it is the same
+            if deepseek:
+                yield _to_hf_key(key).replace(".bias", ".e_score_correction_bias"), value
+            continue  # else all zero (`check_router_bias`): OLMoE's routing without it is the same
         if ".mlp.experts." not in key:
             yield _to_hf_key(key), value
             continue
@@ -248,12 +317,15 @@ def iter_hf_tensors(
 
 
 def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Mula state dict from transformers OLMoE/OLMo weights, per-expert (4.x, files) or fused (5.x)."""
+    """Mula state dict from transformers OLMoE/OLMo/Qwen3-MoE weights, per-expert (4.x, files) or fused (5.x)."""
     out: dict[str, Tensor] = {}
     per_expert: dict[str, Tensor] = {}
     for key, value in hf_state.items():
-        if ".rotary_emb." in key:
-            continue  # non-persistent buffers some versions saved; Mula recomputes RoPE
+        if ".rotary_emb." in key or hf_deepseek_v3.is_mtp_key(config, key):
+            continue  # non-persistent buffers some versions saved (Mula recomputes RoPE); MTP modules
+        if key.endswith(hf_deepseek_v3.ROUTER_BIAS_HF):
+            out[_from_hf_key(key).replace(".e_score_correction_bias", ".bias")] = value
+            continue
         if ".mlp.experts." in key and key.endswith(".weight"):
             per_expert[key] = value
         elif key.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
@@ -264,6 +336,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
         else:
             out[_from_hf_key(key)] = value
     for i in range(config.num_layers if config.is_moe and per_expert else 0):
+        if not config.is_moe_layer(i):
+            continue  # a dense first block
         p = f"model.layers.{i}.mlp.experts"
         try:
             out[f"layers.{i}.mlp.experts.gate_up"] = torch.stack(
@@ -289,7 +363,8 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
 
 # ----- in memory -------------------------------------------------------------------------------
 def from_hf(hf_model: Any) -> Mula:
-    """A `Mula` with the weights of a transformers `OlmoeForCausalLM` or `OlmoForCausalLM`."""
+    """A `Mula` with the weights of a transformers `OlmoeForCausalLM`, `OlmoForCausalLM` or
+    `Qwen3MoeForCausalLM`."""
     cls_name = type(hf_model).__name__
     if cls_name not in SUPPORTED.values():
         raise _unsupported(cls_name)
@@ -302,11 +377,12 @@ def from_hf(hf_model: Any) -> Mula:
 
 
 def to_hf(model: Mula) -> Any:
-    """A transformers `OlmoeForCausalLM` (MoE) or `OlmoForCausalLM` (dense) with `model`'s weights."""
+    """A transformers `OlmoeForCausalLM` (MoE), `OlmoForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE
+    with per-head QK-norm) with `model`'s weights."""
     import transformers  # optional dependency: only needed here
 
     config = model.config
-    check_router_bias(model.state_dict())
+    check_router_bias(model.state_dict(), config)
     dtype = next(model.parameters()).dtype
     d = config_to_hf(config, dtype)
     arch = d["architectures"][0]
@@ -350,7 +426,7 @@ def _read_hf_state(hf_dir: Path) -> dict[str, Tensor]:
 
 
 def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike) -> Mula:
-    """Convert a transformers OLMoE/OLMo directory (config.json + weights) into a Mula weights file."""
+    """Convert a transformers OLMoE/OLMo/Qwen3-MoE directory (config.json + weights) into a Mula weights file."""
     hf_dir, output = Path(hf_dir), Path(output)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {hf_dir} does not exist.")
@@ -397,7 +473,7 @@ def export_hf(
     verify_for_reading(ckpt, verify)  # before anything else reads it (the tokenizer lookup does)
     tok, no_tokenizer = hf_tokenizer.resolve_tokenizer(ckpt, None if tokenizer is None else str(tokenizer))
     config, state = read_checkpoint(ckpt, verify=False)  # verified above
-    check_router_bias(state)
+    check_router_bias(state, config)
     model_from_state_dict(config, state, source=str(ckpt))  # validates names and shapes
     if tok is not None:
         hf_tokenizer.check_fits(tok, config)

@@ -92,6 +92,17 @@ def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
             f"tensor_parallel_size={tp_size} is not yet available for MoE models (this one has "
             f"{config.num_experts} experts); use a dense model or tensor_parallel_size=1."
         )
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not yet available with multi-head latent attention "
+            "(kv_lora_rank); use tensor_parallel_size=1."
+        )
+    if getattr(config, "qk_norm_per_head", False):
+        # its one head_dim weight would see different heads on each TP rank (gradients summed over TP)
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not yet available with qk_norm_per_head (Qwen3's per-head "
+            "QK-norm); use qk_norm_per_head=false or tensor_parallel_size=1."
+        )
     if config.tie_embeddings:
         raise ValueError(
             f"tensor_parallel_size={tp_size} is not yet available with tie_embeddings; use an untied model "

@@ -1,8 +1,10 @@
-"""The Mula transformer, top to bottom: norms, RoPE, attention, MLP, block, model.
+"""The Mula transformer, top to bottom: attention, block, model (norms, RoPE and the SwiGLU MLP are in
+`mula.layers`, multi-head latent attention in `mula.mla`).
 
 Pre-norm decoder (OLMoE / OLMo-1B): x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
 SwiGLU (dense) or a `mula.moe.MoELayer` (an MoE model may keep its first `num_dense_layers` blocks
-dense). Numerically identical to transformers' OLMoE / OLMo on the same weights (`tests/test_hf.py`).
+dense). Numerically identical to transformers' OLMoE / OLMo on the same weights (`tests/test_hf.py`),
+and with MLA and shared experts to transformers' DeepSeek-V3 (`tests/test_hf_deepseek_v3.py`).
 
 The blocks run through `forward_blocks`, and the router losses are `router_losses` of its sums: one
 definition, which the pipeline stages (strategies/pipeline/split.py) use too.
@@ -24,67 +26,22 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
+from mula.layers import MLP, LayerNorm, RMSNorm, apply_rope, make_norm, rope_cos_sin
+from mula.mla import LatentAttention
 from mula.moe import GroupedExperts, MoELayer, Router
 
-
-class RMSNorm(nn.Module):
-    """RMSNorm with a weight; normalises in fp32 (as OLMoE) and multiplies after casting back."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        """Weight back to ones."""
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Normalise the last dimension."""
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(x.dtype)
-
-
-class LayerNorm(nn.Module):
-    """OLMo-1B's non-parametric LayerNorm (no weight, no bias), computed in fp32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.dim = dim
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Normalise the last dimension."""
-        return F.layer_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype)
-
-
-def make_norm(config: MulaConfig, dim: int) -> nn.Module:
-    """The norm `config.norm` names, over `dim` features."""
-    return RMSNorm(dim, config.norm_eps) if config.norm == "rmsnorm" else LayerNorm(dim, config.norm_eps)
-
-
-def rope_cos_sin(config: MulaConfig, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """fp32 RoPE tables [T, head_dim] for positions 0..T-1 (halves layout, as transformers' Llama/OLMo).
-
-    Recomputed each forward (cheap, [T, head_dim]) instead of stored as a buffer, so a model built
-    on the meta device needs no buffer re-initialisation.
-    """
-    d = config.head_size
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [B, heads, T, head_dim] by position; in fp32 (bf16 rotations lose position detail)."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+__all__ = [
+    "MLP", "Attention", "Block", "LatentAttention", "LayerNorm", "Mula", "MulaOutput", "RMSNorm",
+    "apply_rope", "forward_blocks", "make_norm", "rope_cos_sin", "router_losses",
+]  # fmt: skip
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE, grouped-query heads and optional QK-norm, via SDPA."""
+    """Causal self-attention with RoPE, grouped-query heads and optional QK-norm, via SDPA.
+
+    The QK-norm normalises the whole projected q and k (OLMoE), or each head on its own with one
+    weight of head_dim shared by the heads (`qk_norm_per_head`, Qwen3); before RoPE either way.
+    """
 
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
@@ -98,15 +55,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_dim, bias=False)
         self.v_proj = nn.Linear(h, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, h, bias=False)
-        # OLMoE normalises the whole projected q and k (not per head)
-        self.q_norm = make_norm(config, q_dim) if config.qk_norm else nn.Identity()
-        self.k_norm = make_norm(config, kv_dim) if config.qk_norm else nn.Identity()
+        self.per_head = config.qk_norm_per_head
+        q_norm_dim, k_norm_dim = config.qk_norm_dims() or (q_dim, kv_dim)
+        self.q_norm = make_norm(config, q_norm_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, k_norm_dim) if config.qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B,T,H] -> [B,T,H]."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x)).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x)).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if not self.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, t, self.num_heads, self.head_dim), k.view(b, t, self.kv_heads, self.head_dim)
+        if self.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_heads != self.num_heads:
@@ -115,20 +78,6 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: MulaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x [B,T,H] -> [B,T,H]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
@@ -155,9 +104,9 @@ class Block(nn.Module):
     def __init__(self, config: MulaConfig, moe: bool) -> None:
         super().__init__()
         self.attn_norm = make_norm(config, config.hidden_size)
-        self.attn = Attention(config)
+        self.attn = LatentAttention(config) if config.is_mla else Attention(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
-        self.mlp = MoELayer(config) if moe else MLP(config)
+        self.mlp = MoELayer(config) if moe else MLP(config.hidden_size, config.intermediate_size)
         self.checkpointing: frozenset[str] = frozenset()
 
     def _call(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,7 +1,7 @@
 """The `mula` tools: data, tokenizer, weights conversion, evaluation and plots, one function each.
 
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
-    mula eval --help | mula report RUN_DIR
+    mula eval --help | mula report RUN_DIR | mula calibrate --help
 
 Each tool's options are its function's signature and docstring, parsed by jsonargparse (so `-c file.yaml`,
 `--print_config` and `--help` work as for `mula fit`); `mula.entry` dispatches here, without building
@@ -71,6 +71,9 @@ def evaluate(
     device: str | None = None,
     dtype: str = "auto",
     verify: bool = True,
+    strategy: dict[str, Any] | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
 ) -> None:
     """Evaluate a checkpoint, or every checkpoint of a run, on lm-evaluation-harness tasks (the `eval` extra).
 
@@ -91,6 +94,14 @@ def evaluate(
         device: cpu, cuda, xpu, cuda:1, ...; default: the first accelerator present, else the CPU.
         dtype: auto (bf16 autocast on an accelerator that has it, fp32 on the CPU), float32 or bfloat16.
         verify: Check each checkpoint against its manifest first and refuse a corrupted one.
+        strategy: Evaluate at a training layout instead of on one device: a recipe's trainer.strategy
+            entry, e.g. '{class_path: strategies.XPUMoEStrategy, init_args: {expert_parallel_size: 2,
+            pipeline_parallel_size: 2}}'. Each rank holds its experts, stages or tensor shards only (a sharded
+            checkpoint is read by each rank for its part, at any layout it was saved at); the documents are
+            split over the data-parallel ranks. Launch as mula fit: --devices N (Lightning starts the
+            processes) or under torchrun / srun / mpiexec.
+        devices: Processes per node with --strategy (as trainer.devices).
+        num_nodes: Nodes with --strategy (as trainer.num_nodes).
     """
     from pathlib import Path
 
@@ -103,7 +114,7 @@ def evaluate(
 
     if (ckpt is None) == (run is None):
         raise ValueError("give exactly one of --ckpt (one checkpoint) and --run (every checkpoint of a run).")
-    check_options(batch_size, device, dtype)
+    check_options(batch_size, device, dtype, devices, num_nodes, strategy)
     target = Path(ckpt or run)  # type: ignore[arg-type]
     if not target.exists():
         raise FileNotFoundError(f"{'Checkpoint' if ckpt else 'Run directory'} {target} does not exist.")
@@ -115,6 +126,9 @@ def evaluate(
         device=device,
         dtype=dtype,
         verify=verify,
+        strategy=strategy,
+        devices=devices,
+        num_nodes=num_nodes,
     )
     if ckpt is not None:
         evaluate_one(target, settings, _print_results)
@@ -150,6 +164,7 @@ def report(run_dir: str, output: str | None = None) -> None:
 
 def tools() -> dict[str, Callable[..., Any]]:
     """Non-training subcommands: name -> function whose signature and docstring define the arguments."""
+    from mula.calibrate.command import calibrate
     from mula.data.prepare import prepare
     from mula.data.tokenizer import train_tokenizer
 
@@ -160,6 +175,7 @@ def tools() -> dict[str, Callable[..., Any]]:
         "export-hf": export_hf,
         "eval": evaluate,
         "report": report,
+        "calibrate": calibrate,
     }
 
 

@@ -64,6 +64,7 @@ from mula.moe import is_expert_param
 from mula.parallel_layout import ParallelLayout
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.devices.environments import PALSEnvironment
+from strategies.eval_forward import spread_forward
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_reduce import local_tensor
 from strategies.optim.grad_sync import GradientSynchronizer
@@ -382,6 +383,11 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
                     dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
             else:  # from the first data-parallel rank of this stage (rank 0 when P = T = 1)
                 dist.broadcast(local_tensor(tensor.data), src=topo.to_global(0), group=topo.world_group)
+
+    def spread_forward(self) -> Any:
+        """The model's forward across this layout's ranks, for downstream evaluation (`DownstreamEval`,
+        `mula eval` with a strategy): a `strategies.eval_forward.SpreadForward`."""
+        return spread_forward(self)
 
     # ----- collectives -----------------------------------------------------------------------
     @override

@@ -46,7 +46,9 @@ def test_no_two_ranks_write_the_same_bytes(tmp_path):
     assert all(written[r] <= held[r] for r in range(4))
 
     # What a rank holds is what an asynchronous save stages in host memory: the planner's host bytes.
-    layout = Layout(world_size=4, ep_size=2, shard_optimizer=True, collectives="rooted", async_checkpoint=True)
+    layout = Layout(
+        world_size=4, ep_size=2, shard_optimizer=True, collectives="rooted", async_checkpoint=True
+    )
     planned = plan_memory(MulaConfig.from_name("mula-tiny-moe", **TINY), layout).host_bytes
     # (within 2%: the planner leaves out the step counter and buffers and counts the optimizer's padding)
     assert abs(planned - max(held)) <= 0.02 * max(held)

@@ -15,8 +15,10 @@ import zstandard
 from tokenizers import Tokenizer, models, processors
 
 from mula.data import prepare as prepare_module
+from mula.data import prepare_plan
 from mula.data.paths import expand_paths, stdlib_dir
-from mula.data.prepare import SUMMARY_FILE, SourceSpec, prepare
+from mula.data.prepare import prepare
+from mula.data.prepare_summary import SUMMARY_FILE, SourceSpec
 from mula.data.readers import ReadStats, iter_documents
 from mula.data.tokenizer import load_tokenizer, train_tokenizer
 
@@ -215,7 +217,7 @@ def test_workers_and_interrupted_run_give_the_same_stream(tmp_path, tokenizer_pa
     inp.mkdir()
     for i in range(6):
         write_jsonl(str(inp / f"{i}.jsonl"), make_docs(20, seed=10 + i))
-    monkeypatch.setattr(prepare_module, "_MIN_TASK_BYTES", 1)  # several tasks even for tiny inputs
+    monkeypatch.setattr(prepare_plan, "_MIN_TASK_BYTES", 1)  # several tasks even for tiny inputs
     spec = [SourceSpec("s", [str(inp / "*.jsonl")])]
     ref = prepare(spec, tokenizer_path, str(tmp_path / "ref"), num_workers=0, progress=False)
     ref_stream = token_stream(str(tmp_path / "ref" / "s"))

@@ -58,18 +58,22 @@ CASES = {
 }
 
 
-def random_hf(name: str):
-    """A transformers model with every parameter random (norm weights around 1, not exactly 1)."""
-    torch.manual_seed(sum(map(ord, name)))
-    cls, cfg = CASES[name]
-    model = cls(cfg).eval()
+def randomize(model: torch.nn.Module, std: float = 0.15) -> torch.nn.Module:
+    """Every parameter of `model` random: norm weights around 1 (not exactly 1), the rest normal(0, std)."""
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
-                p.normal_(0, 0.15)
+                p.normal_(0, std)
     return model
+
+
+def random_hf(name: str):
+    """A transformers model with every parameter random (norm weights around 1, not exactly 1)."""
+    torch.manual_seed(sum(map(ord, name)))
+    cls, cfg = CASES[name]
+    return randomize(cls(cfg).eval())
 
 
 def ids(seed: int = 0) -> torch.Tensor:

@@ -47,14 +47,18 @@ LAYOUTS = [
 
 
 def _module(
-    activation_checkpointing: str = "none", bias_rate: float = 0.0, dense_layers: int = 0
+    activation_checkpointing: str = "none",
+    bias_rate: float = 0.0,
+    dense_layers: int = 0,
+    model: tuple[str, dict] = ("mula-tiny-moe", OVERRIDES),
 ) -> MulaLightningModule:
+    """The test's module: `model` = (preset, overrides), by default the tiny OLMoE-style shape above."""
     torch.manual_seed(0)
-    overrides = {**OVERRIDES, "router_bias_update_rate": bias_rate}
+    preset, overrides = model[0], {**model[1], "router_bias_update_rate": bias_rate}
     if dense_layers:  # the first blocks dense, a SwiGLU of width 64
         overrides.update(num_dense_layers=dense_layers, intermediate_size=64)
     return MulaLightningModule(
-        "mula-tiny-moe", overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
+        preset, overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
         activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
 
@@ -120,6 +124,7 @@ def _fit(
     activation_checkpointing="none",
     bias_rate: float = 0.0,
     dense_layers: int = 0,
+    model: tuple[str, dict] = ("mula-tiny-moe", OVERRIDES),
 ):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
@@ -139,7 +144,8 @@ def _fit(
         precision=precision,
         gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
     )
-    trainer.fit(_module(activation_checkpointing, bias_rate, dense_layers), loader, ckpt_path=ckpt_path)
+    module = _module(activation_checkpointing, bias_rate, dense_layers, model)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     return losses, trainer
 
 
@@ -266,15 +272,17 @@ def _assemble(ranks: list[dict], name: str) -> torch.Tensor:
     return torch.cat([pieces[k] for k in sorted(pieces)]) if len(pieces) > 1 else next(iter(pieces.values()))
 
 
-def _assert_trained_like(runs: list[dict], key: tuple, ref: _StepLosses, ref_params: dict) -> None:
+def _assert_trained_like(
+    runs: list[dict], key: tuple, ref: _StepLosses, ref_params: dict, norm_rtol: float = 1e-5
+) -> None:
     """Every rank of the runs' layout `key` saw the reference's losses and gradient norms (the global
-    ones), and the ranks' parameters together are the reference's."""
+    ones, within `norm_rtol`), and the ranks' parameters together are the reference's."""
     for r in runs:
         torch.testing.assert_close(
             torch.tensor(r[key]["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0, msg=str(key)
         )
         torch.testing.assert_close(
-            torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0, msg=str(key)
+            torch.tensor(r[key]["norms"]), torch.tensor(ref.norms), rtol=norm_rtol, atol=0, msg=str(key)
         )
     ranks = [r[key]["params"] for r in runs]
     assert set().union(*ranks) == set(ref_params), key
@@ -340,14 +348,19 @@ def _run_dense_first(rank: int, world: int) -> dict:
         strategy = XPUMoEStrategy(
             pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_virtual_stages=virtual
         )
-        losses, trainer = _fit(world, strategy, bias_rate=BIAS_RATE, dense_layers=dense)
-        out[(dense, schedule)] = {
-            "losses": losses.losses,
-            "norms": losses.norms,
-            "params": _local_params(trainer),
-            "bias": _router_biases(trainer),
-        }
+        out[(dense, schedule)] = _trained(*_fit(world, strategy, bias_rate=BIAS_RATE, dense_layers=dense))
     return out
+
+
+def _trained(losses: _StepLosses, trainer) -> dict:
+    """What a rank's run leaves to compare with one process: step losses and norms, its parameters and
+    router biases."""
+    return {
+        "losses": losses.losses,
+        "norms": losses.norms,
+        "params": _local_params(trainer),
+        "bias": _router_biases(trainer),
+    }
 
 
 def test_dense_first_blocks_train_the_same_under_stages() -> None:

@@ -5,7 +5,7 @@ with `XPUMoEStrategy` under Lightning's Trainer, in several layouts: expert para
 optimizer (ZeRO-1, ZeRO-2, EP-unaware, bf16 gradients, rooted and native collectives), replicated
 AdamW, activation checkpointing, bf16 weights and bf16 autocast, pipeline stages (1F1B, interleaved),
 and a model whose first block is dense (no all-to-all there).
-Every collective Mula issues is wrapped and its bytes counted per call, as `comm_volumes` counts them
+Every collective Mula issues is wrapped and its bytes (and calls) counted per call, as `comm_volumes` counts them
 (the nccl-tests "bus bytes": what an all-to-all sends to other ranks, (n-1)/n of a reduce-scatter's
 or all-gather's buffer, 2(n-1)/n of an all-reduce's; a rooted reduce or broadcast counts what its
 root receives or sends, the same per rank over a bucket's shards). Per rank and step, the model's
@@ -115,6 +115,7 @@ class CollectiveMeter:
     def __init__(self, hidden: int) -> None:
         self.hidden, self.active = hidden, False
         self.bytes: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)  # messages: each collective call, each pipeline send
 
     def install(self) -> None:
         """Wrap the collectives (this process only)."""
@@ -131,6 +132,7 @@ class CollectiveMeter:
                 ops = _original(stage, *args, **kwargs)
                 if self.active:
                     self.bytes["pipeline"] += sum(self._nbytes(op.tensor) for op in ops)
+                    self.calls["pipeline"] += len(ops)
                 return ops
 
             setattr(PipelineStage, name, sends)
@@ -150,6 +152,7 @@ class CollectiveMeter:
                 if kind == "all_to_all" and sent[1]:
                     kind = "all_to_all_other"  # counts and combine weights, not the token rows
                 self.bytes[kind] += sent[0] if isinstance(sent, tuple) else sent
+                self.calls[kind] += 1
             return original(*args, **kwargs)
 
         setattr(owner, name, counted)
@@ -227,12 +230,14 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, Any]]:
             enable_progress_bar=False, enable_model_summary=False, callbacks=[_Window(meter)],
         )  # fmt: skip
         meter.bytes.clear()
+        meter.calls.clear()
         topo_rank = (rank // (layout.pp_size * layout.ep_size)) * layout.ep_size + rank % layout.ep_size
         loader = _Batches(topo_rank, layout.dp_size, layout.pp_size > 1)
         trainer.fit(module, loader)
         out[name] = {
             "pp_rank": trainer.strategy.topology.pp_rank,
             **{k: v / STEPS for k, v in meter.bytes.items()},
+            "calls": {k: v / STEPS for k, v in meter.calls.items()},
         }
     return out
 
@@ -253,6 +258,12 @@ def test_volumes_match_the_bytes_sent(measured, name: str) -> None:
         # what the model leaves out of the all-to-all (expert counts; on CPU one fp32 combine weight
         # per row, which the padded expert layout needs) is small next to the rows
         assert got.get("all_to_all_other", 0.0) <= 0.05 * got.get("all_to_all", 0.0), rank
+        # the messages behind the volumes, which a calibrated machine prices at its latency each
+        calls = got["calls"]
+        a2a_calls = calls.get("all_to_all", 0) + calls.get("all_to_all_other", 0)
+        assert predicted.all_to_all_calls == a2a_calls, (rank, "all_to_all calls")
+        for kind in ("grad_reduce", "param_gather", "pipeline"):
+            assert getattr(predicted, f"{kind}_calls") == calls.get(kind, 0), (rank, f"{kind} calls")
 
 
 def test_the_layouts_exercise_every_volume(measured) -> None:

@@ -21,7 +21,10 @@ from dist_helpers import free_port, run_distributed
 from test_data import make_docs, token_stream, tokenizer_path  # noqa: F401  (the fixture)
 
 from mula.data import prepare as prepare_module
-from mula.data.prepare import SUMMARY_FILE, SourceSpec, prepare
+from mula.data import prepare_plan
+from mula.data.prepare import prepare
+from mula.data.prepare_summary import SUMMARY_FILE, SourceSpec
+from mula.data.shuffle import shuffle_shape
 from mula.data.tokenizer import load_tokenizer
 
 # Files of mixed sizes: several tasks per source even for these small inputs (as in test_data).
@@ -80,7 +83,7 @@ def reference(
     name: str = "ref",
 ) -> dict[str, bytes]:
     """One process, no worker processes."""
-    monkeypatch.setattr(prepare_module, "_MIN_TASK_BYTES", _SMALL_TASKS)
+    monkeypatch.setattr(prepare_plan, "_MIN_TASK_BYTES", _SMALL_TASKS)
     if not (tmp_path / "in").exists():
         make_inputs(tmp_path / "in")
     prepare(
@@ -98,7 +101,7 @@ def reference(
 def _prepare_rank(
     rank: int, world: int, root: str, tokenizer: str, out: str, workers: int, seed: int | None = None
 ) -> dict:
-    prepare_module._MIN_TASK_BYTES = _SMALL_TASKS
+    prepare_plan._MIN_TASK_BYTES = _SMALL_TASKS
     summary = prepare(
         _sources(root),
         tokenizer,
@@ -132,10 +135,14 @@ def test_ranks_and_workers_write_the_same_bytes(tmp_path, tokenizer_path, monkey
     run_distributed(_prepare_rank, 2, str(tmp_path), tokenizer_path, str(tmp_path / "two-by-two"), 2)
     assert output_bytes(tmp_path / "two-by-two") == ref
 
-    # The global shuffle: the same bytes from 1 process and from 4 ranks, the seed recorded.
+    # The global shuffle: the same bytes from 1 process, 4 ranks and 2 ranks x 2 workers, the seed recorded.
     shuffled = reference(tmp_path, tokenizer_path, monkeypatch, shuffle_seed=7, name="shuffled")
     run_distributed(_prepare_rank, 4, str(tmp_path), tokenizer_path, str(tmp_path / "four-shuffled"), 0, 7)
     assert output_bytes(tmp_path / "four-shuffled") == shuffled
+    run_distributed(
+        _prepare_rank, 2, str(tmp_path), tokenizer_path, str(tmp_path / "two-by-two-shuffled"), 2, 7
+    )
+    assert output_bytes(tmp_path / "two-by-two-shuffled") == shuffled
     assert json.loads(shuffled[SUMMARY_FILE])["shuffle_seed"] == 7
     assert json.loads(shuffled["web/mula_source.json"])["fingerprint"]["shuffle_seed"] == 7
 
@@ -183,13 +190,18 @@ def test_shuffle_permutes_documents_across_the_source_and_resumes(tmp_path, toke
         prepare_module, "_run_task", lambda t: ran.append((t.kind, t.source, t.index)) or real_run_task(t)
     )
     prepare(sources, tokenizer_path, str(tmp_path / "resumed"), shuffle_seed=1, **kwargs)
-    assert not [r for r in ran if r[0] == "tokenize"], "the first pass was complete"
+    assert not [r for r in ran if r[0] in ("tokenize", "split")], "the first two passes were complete"
     assert [r for r in first if r[0] == "bucket"] == [("bucket", "web", 0)] and (
         "bucket",
         "web",
         0,
     ) not in ran
-    every_bucket = {("bucket", source, i) for kind, source, i in first if kind == "tokenize"}
+    every_bucket = set()
+    for source in ("web", "papers"):
+        tasks = sum(1 for kind, s, _ in first if kind == "tokenize" and s == source)
+        coarse, fine = shuffle_shape(tasks)
+        assert sum(1 for kind, s, _ in first if kind == "split" and s == source) == coarse
+        every_bucket |= {("bucket", source, i) for i in range(coarse * fine)}
     assert sorted(ran) == sorted(every_bucket - {("bucket", "web", 0)})
     assert output_bytes(tmp_path / "resumed") == output_bytes(tmp_path / "a")
 
@@ -216,7 +228,8 @@ def test_verify_finds_a_changed_chunk(tmp_path, tokenizer_path, monkeypatch):  #
 _LAUNCHER = """
 import os, sys, time
 import mula.data.prepare as p
-p._MIN_TASK_BYTES = {small}
+import mula.data.prepare_plan as pp
+pp._MIN_TASK_BYTES = {small}
 real, ran = p._run_task, []
 def held(task):
     # With PREPARE_TEST_HOLD set, each rank finishes one task and then waits (for the SIGKILL).
@@ -369,9 +382,9 @@ def test_prepare_reads_the_launchers_of_mula_fit(env, kind, monkeypatch):
 
     for name in [k for k in os.environ if _LAUNCHER_VARS.match(k) or k in _LAUNCH_KEYS]:
         monkeypatch.delenv(name)
-    assert ranks._launcher_environment() is None and ranks.job_ranks().world == 1  # a plain process
+    assert ranks.launcher_environment() is None and ranks.job_ranks().world == 1  # a plain process
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    found = ranks._launcher_environment()
+    found = ranks.launcher_environment()
     assert type(found).__name__ == kind and (found.global_rank(), found.world_size()) == (3, 8)
     assert ranks.job_ranks(distributed=False).world == 1

@@ -31,11 +31,12 @@ OVERRIDES = dict(
 )  # fmt: skip
 
 
-def _module() -> MulaLightningModule:
+def _module(preset: str = "mula-tiny-moe", overrides: dict | None = None) -> MulaLightningModule:
     torch.manual_seed(0)
     return MulaLightningModule(
-        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
-    )
+        preset, overrides=OVERRIDES if overrides is None else overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1,
+        decay_steps=10,
+    )  # fmt: skip
 
 
 def _micro_batches(rank: int, world: int, first_step: int, steps: int) -> list[torch.Tensor]:
@@ -100,7 +101,10 @@ class _StepLosses(L.Callback):
             self._acc = 0.0
 
 
-def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_dir=None, precision="32-true"):
+def _fit(
+    world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_dir=None, precision="32-true",
+    preset: str = "mula-tiny-moe", overrides: dict | None = None,
+):  # fmt: skip
     rank = int(os.environ.get("LOCAL_RANK", 0))
     loader = _StepBatches(rank, world, max_steps)
     losses = _StepLosses(loader)
@@ -117,7 +121,7 @@ def _fit(world: int, strategy, *, max_steps: int = STEPS, ckpt_path=None, save_d
         precision=precision,
         gradient_clip_val=0.5,
     )
-    trainer.fit(_module(), loader, ckpt_path=ckpt_path)
+    trainer.fit(_module(preset, overrides), loader, ckpt_path=ckpt_path)
     return losses, trainer
 
 

@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(datamodule, name)
     if name == "SourceSpec":
-        from mula.data.prepare import SourceSpec
+        from mula.data.prepare_summary import SourceSpec
 
         return SourceSpec
     if name == "train_tokenizer":

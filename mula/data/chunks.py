@@ -7,13 +7,18 @@ rank), which is what lets any process write any task and rank 0 merge the indexe
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
 from typing import Any
 
 import numpy as np
 
+from mula.checkpoint.atomic import atomic_write_text
 from mula.checkpoint.manifest import file_digest
+from mula.data.prepare_summary import SOURCE_MARKER, read_json
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +106,47 @@ class TaskChunkWriter:
             for name in names:
                 path = os.path.join(self.out_dir, name)
                 self.chunks[name] = {"bytes": os.path.getsize(path), "sha256": file_digest(path, "sha256")}
+
+
+def merge_indexes(out_dir: str, writers: list[int], chunks: dict[str, dict[str, Any]]) -> None:
+    """Merge the litdata indexes of the writers (task or bucket numbers) into ``index.json`` in that order,
+    byte-identically.
+
+    litdata's own merge stamps the time into ``updated_at`` (its cache key); here it is a digest of the
+    chunks' checksums, so the index depends on the content alone and still changes when it does.
+    """
+    merged: list[dict[str, Any]] = []
+    config = None
+    for index in writers:
+        data = read_json(os.path.join(out_dir, f"{index}.index.json"))
+        if data is None:  # a task without documents writes no index
+            continue
+        config = config or data["config"]
+        merged.extend(data["chunks"])
+    listed = sorted(c["filename"] for c in merged)
+    if listed != sorted(chunks):
+        raise RuntimeError(f"{out_dir}: the task indexes list {listed} but the tasks wrote {sorted(chunks)}.")
+    digest = hashlib.sha256(json.dumps(chunks, sort_keys=True).encode()).hexdigest()[:16]
+    index = {"chunks": merged, "config": config, "updated_at": digest}
+    atomic_write_text(os.path.join(out_dir, "index.json"), json.dumps(index, sort_keys=True))
+    for index in writers:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, f"{index}.index.json"))
+
+
+def verify_chunks(final_dir: str, names: list[str]) -> list[str]:
+    """The chunks among ``names`` of a finished source whose size or sha256 differ from its marker."""
+    marker = read_json(os.path.join(final_dir, SOURCE_MARKER)) or {}
+    recorded = marker.get("chunks", {})
+    bad = []
+    for name in names:
+        path = os.path.join(final_dir, name)
+        entry = recorded.get(name)
+        if (
+            entry is None
+            or not os.path.isfile(path)
+            or os.path.getsize(path) != entry["bytes"]
+            or file_digest(path, "sha256") != entry["sha256"]
+        ):
+            bad.append(os.path.join(os.path.basename(final_dir), name))
+    return bad

@@ -25,7 +25,8 @@ from typing_extensions import override
 
 from mula.data.loader import BatchLayout, StatefulLoader, TrainStream, ValStream, WindowReader
 from mula.data.paths import expand_paths, expand_pattern
-from mula.data.prepare import SOURCE_MARKER, SUMMARY_FILE, SourceSpec, prepare
+from mula.data.prepare import prepare
+from mula.data.prepare_summary import SOURCE_MARKER, SUMMARY_FILE, SourceSpec
 from mula.data.readers import iter_documents
 from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe

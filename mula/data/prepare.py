@@ -18,194 +18,58 @@ are merged in task order. The bytes are therefore the same for any number of ran
 A job launched by torchrun, srun or mpiexec (``ranks.py``): rank 0 lists the inputs, takes the lock and
 plans (which sources are up to date, which tasks an interrupted job finished); every rank runs every
 world-th remaining task with its worker processes; rank 0 then merges, writes the markers and the
-summary. With ``shuffle_seed`` the tasks scatter their documents to buckets and a second pass gathers
-each bucket in a permuted order (``shuffle.py``).
+summary. With ``shuffle_seed`` the tasks scatter their documents to coarse buckets, a second pass splits
+each coarse bucket into fine ones and a third gathers each fine bucket in a permuted order
+(``shuffle.py``); each pass starts once every rank has finished the one before.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import math
 import multiprocessing as mp
 import os
-import re
-import shutil
 import socket
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mula.checkpoint.atomic import atomic_write_text, replace_path
+from mula.checkpoint.atomic import atomic_write_text
 from mula.checkpoint.lock import LockInfo, RunDirLock
-from mula.checkpoint.manifest import file_digest
-from mula.data.chunks import TaskChunkWriter
+from mula.data.chunks import TaskChunkWriter, verify_chunks
 from mula.data.paths import expand_paths, expand_pattern
+from mula.data.prepare_plan import (
+    SourcePlan,
+    Task,
+    chunks_to_verify,
+    finish_source,
+    plan_source,
+    result_path,
+    shuffle_pass_to_run,
+    stats_path,
+    token_dtype_name,
+)
+from mula.data.prepare_progress import JobProgress, format_rates
+from mula.data.prepare_summary import (
+    SUMMARY_FILE,
+    PrepareSummary,
+    SourceSpec,
+    as_spec,
+)
 from mula.data.ranks import Ranks, describe_error, job_ranks, shared_error
-from mula.data.readers import FORMATS, ReadStats, iter_documents
-from mula.data.shuffle import gather_bucket, remove_scatter, write_scatter
+from mula.data.readers import ReadStats, iter_documents
+from mula.data.shuffle import (
+    gather_bucket,
+    remove_split,
+    split_coarse,
+    write_scatter,
+)
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
-
-SUMMARY_FILE = "summary.json"
-SOURCE_MARKER = "mula_source.json"
-FORMAT_VERSION = 1
-# Task sizing: aim for ~16 tasks per source, but not below 1 MB (each litdata chunk loses < seq_len + 1 tail
-# tokens to window alignment) nor above 256 MB (memory and restart granularity per worker).
-_MIN_TASK_BYTES = 1 << 20
-_MAX_TASK_BYTES = 256 << 20
-_TASKS_PER_SOURCE = 16
-_PROGRESS_POLL_S = 5.0  # rank 0 lists each unfinished source's folder this often for the job's bar
-# The per-task counts summed into a source's totals (a task's result also lists its chunks).
-_COUNTS = ("files", "documents", "tokens", "bad_records", "empty_documents", "input_bytes")
-_STATS_RE = re.compile(r"(\d+)\.stats\.json")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-@dataclass
-class SourceSpec:
-    """One named input source of a data mixture.
-
-    Attributes:
-        name: Output sub-folder name (letters, digits, ``_ . -``), e.g. "dclm" or "starcoder".
-        paths: Files, directories or glob patterns (``**`` recurses; ``{stdlib}`` = the Python standard library).
-        weight: Sampling weight relative to the source's natural size: 1.0 samples the source in proportion to
-            its tokens, 2.0 twice as often (upsampling), 0.5 half as often. MulaDataModule can override it.
-        format: auto (from the file name), jsonl, parquet or text (a whole file is one document).
-        text_key: JSON field / parquet column that holds the text.
-    """
-
-    name: str
-    paths: list[str]
-    weight: float = 1.0
-    format: str = "auto"
-    text_key: str = "text"
-
-
-@dataclass
-class SourceSummary:
-    """Counts for one prepared source."""
-
-    name: str
-    weight: float
-    files: int = 0
-    documents: int = 0
-    tokens: int = 0
-    bad_records: int = 0
-    empty_documents: int = 0
-    input_bytes: int = 0
-    status: str = "prepared"  # "prepared" now, or "up to date" (skipped)
-
-
-@dataclass
-class PrepareSummary:
-    """What `prepare` produced; saved as ``summary.json`` in the output directory."""
-
-    output_dir: str
-    tokenizer: dict[str, Any]
-    dtype: str
-    sources: list[SourceSummary] = field(default_factory=list)
-    shuffle_seed: int | None = None  # the documents of every source permuted with this seed, or None
-
-    def totals(self) -> dict[str, int]:
-        """Sums over sources of files, documents, tokens, bad records and input bytes."""
-        return {k: sum(getattr(s, k) for s in self.sources) for k in _COUNTS}
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (the content of summary.json)."""
-        return {
-            "format": "mula-tokens",
-            "version": FORMAT_VERSION,
-            "output_dir": self.output_dir,
-            "tokenizer": self.tokenizer,
-            "dtype": self.dtype,
-            "shuffle_seed": self.shuffle_seed,
-            "sources": [asdict(s) for s in self.sources],
-            "totals": self.totals(),
-        }
-
-    def format_table(self) -> str:
-        """A plain-text table of the per-source counts and the totals."""
-        header = f"{'source':<16}{'files':>8}{'documents':>12}{'tokens':>15}{'bad':>7}  status"
-        rows = [header, "-" * len(header)]
-        for s in self.sources:
-            rows.append(
-                f"{s.name:<16}{s.files:>8,}{s.documents:>12,}{s.tokens:>15,}{s.bad_records:>7,}  {s.status}"
-            )
-        t = self.totals()
-        rows.append(
-            f"{'total':<16}{t['files']:>8,}{t['documents']:>12,}{t['tokens']:>15,}{t['bad_records']:>7,}"
-        )
-        return "\n".join(rows)
-
-
-def _as_spec(source: SourceSpec | Mapping[str, Any]) -> SourceSpec:
-    spec = source if isinstance(source, SourceSpec) else SourceSpec(**dict(source))
-    if not _NAME_RE.match(spec.name or ""):
-        raise ValueError(f"source name {spec.name!r} must be letters, digits, '_', '.' or '-'.")
-    if isinstance(spec.paths, str):
-        spec.paths = [spec.paths]
-    if not spec.paths:
-        raise ValueError(f"source {spec.name!r} has no paths.")
-    if not (math.isfinite(spec.weight) and spec.weight >= 0):
-        raise ValueError(f"source {spec.name!r}: weight must be a finite number >= 0, got {spec.weight}.")
-    if spec.format not in FORMATS:
-        raise ValueError(f"source {spec.name!r}: format must be one of {FORMATS}, got {spec.format!r}.")
-    return spec
-
-
-def _plan_tasks(files: list[str], sizes: list[int]) -> list[list[str]]:
-    """Group consecutive files into tasks of about total/16 bytes (clamped), in file order."""
-    target = min(max(sum(sizes) // _TASKS_PER_SOURCE, _MIN_TASK_BYTES), _MAX_TASK_BYTES)
-    tasks: list[list[str]] = [[]]
-    acc = 0
-    for f, size in zip(files, sizes):
-        if tasks[-1] and acc >= target:
-            tasks.append([])
-            acc = 0
-        tasks[-1].append(f)
-        acc += size
-    return tasks
-
-
-@dataclass
-class _Task:
-    index: int
-    files: list[str]
-    out_dir: str
-    format: str
-    text_key: str
-    skip_bad_records: bool
-    chunk_bytes: str
-    source: str = ""
-    input_bytes: int = 0
-    # The global shuffle (mula/data/shuffle.py): pass-1 tasks scatter, pass-2 "bucket" tasks gather.
-    kind: str = "tokenize"  # or "bucket"
-    shuffle_seed: int | None = None
-    buckets: int = 0  # = the number of tokenize tasks of the source
-    eos_id: int = -1
-    dtype: str = "uint16"
-
-
-@dataclass
-class _SourcePlan:
-    """What rank 0 decided for one source; broadcast to every rank."""
-
-    spec: SourceSpec
-    fingerprint: dict[str, Any]
-    final_dir: str
-    partial_dir: str
-    tasks: list[_Task]
-    done: set[int]  # tasks finished by an earlier, interrupted run
-    up_to_date: SourceSummary | None  # set when the source is finished and unchanged: nothing to do
-    buckets: list[_Task] = field(default_factory=list)  # the shuffle's pass 2 (empty without a shuffle)
 
 
 class _PrepareLock(RunDirLock):
@@ -232,10 +96,6 @@ def _init_worker(tokenizer_path: str, eos_token: str | int | None, single_thread
     _WORKER_TOKENIZER = load_tokenizer(tokenizer_path, eos_token=eos_token)
 
 
-def _stats_path(out_dir: str, index: int) -> str:
-    return os.path.join(out_dir, f"{index}.stats.json")
-
-
 def _encode_into(tok: LoadedTokenizer, texts: list[str], add: Callable[[Any], None]) -> int:
     """Encode a batch of documents (EOS appended), hand each to ``add``; the number of tokens."""
     tokens = 0
@@ -245,26 +105,28 @@ def _encode_into(tok: LoadedTokenizer, texts: list[str], add: Callable[[Any], No
     return tokens
 
 
-def _bucket_result_path(out_dir: str, bucket: int) -> str:
-    return os.path.join(out_dir, f"{bucket}.bucket.json")
-
-
-def _run_task(task: _Task) -> dict[str, Any]:
+def _run_task(task: Task) -> dict[str, Any]:
     """Tokenize one task's files into litdata chunks ``chunk-<task>-*.bin`` + ``<task>.index.json``
     (with a shuffle seed: into the task's scatter files), or gather one shuffle bucket into its chunks.
 
     Returns the task's counts and the size and sha256 of each chunk it wrote (also saved, last, as
-    ``<task>.stats.json`` or ``<bucket>.bucket.json``: its presence means the task is complete).
+    ``result_path(task)``: its presence means the task is complete).
     """
-    if task.kind == "bucket":
-        docs = gather_bucket(
-            task.out_dir, task.index, task.buckets, task.shuffle_seed, task.eos_id, task.dtype
+    assert task.kind == "tokenize" or task.shuffle_seed is not None
+    if task.kind == "split":
+        result = split_coarse(
+            task.out_dir, task.index, task.tasks, task.fine, task.shuffle_seed, task.eos_id, task.dtype
         )
+        atomic_write_text(result_path(task), json.dumps(result))
+        return result
+    if task.kind == "bucket":
+        docs = gather_bucket(task.out_dir, task.index, task.fine, task.shuffle_seed, task.eos_id, task.dtype)
         with TaskChunkWriter(task.out_dir, task.index, task.chunk_bytes) as writer:
             for ids in docs:
                 writer.add(ids)
         result = {"tokens": int(sum(len(d) for d in docs)), "chunks": writer.chunks}
-        atomic_write_text(_bucket_result_path(task.out_dir, task.index), json.dumps(result))
+        atomic_write_text(result_path(task), json.dumps(result))
+        remove_split(task.out_dir, task.index, task.fine)
         return result
 
     tok = _WORKER_TOKENIZER
@@ -292,7 +154,7 @@ def _run_task(task: _Task) -> dict[str, Any]:
                     batch = []
         tokens += _encode_into(tok, batch, add)
     if task.shuffle_seed is not None:
-        write_scatter(task.out_dir, task.index, kept, task.shuffle_seed, task.buckets, task.dtype)
+        write_scatter(task.out_dir, task.index, kept, task.shuffle_seed, task.coarse, task.dtype)
     result: dict[str, Any] = {
         "files": len(task.files),
         "documents": stats.documents,
@@ -303,17 +165,17 @@ def _run_task(task: _Task) -> dict[str, Any]:
         "chunks": writer.chunks if writer is not None else {},
     }
     # Written last (atomically): its presence means this task is complete (used to resume).
-    atomic_write_text(_stats_path(task.out_dir, task.index), json.dumps(result))
+    atomic_write_text(stats_path(task.out_dir, task.index), json.dumps(result))
     return result
 
 
 def _run_tasks(
-    todo: list[_Task],
+    todo: list[Task],
     workers: int,
     tokenizer: LoadedTokenizer | None,
     tokenizer_path: str,
     eos_token: str | int | None,
-    on_done: Callable[[_Task, dict[str, Any]], None],
+    on_done: Callable[[Task, dict[str, Any]], None],
 ) -> None:
     """Run this rank's tasks, in this process or in spawned worker processes, reporting each one done."""
     global _WORKER_TOKENIZER
@@ -341,272 +203,6 @@ def _run_tasks(
         ) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _fingerprint(
-    spec: SourceSpec, files: list[str], tokenizer: LoadedTokenizer, chunk_bytes: str, shuffle_seed: int | None
-) -> dict[str, Any]:
-    """Everything the output of a source depends on (not its weight, which is applied when sampling)."""
-    # The seed only when there is one: sources prepared before the shuffle existed stay up to date.
-    return ({"shuffle_seed": shuffle_seed} if shuffle_seed is not None else {}) | {
-        "version": FORMAT_VERSION,
-        "files": [[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files],
-        "format": spec.format,
-        "text_key": spec.text_key,
-        "tokenizer_sha256": tokenizer.sha256,
-        "eos_id": tokenizer.eos_id,
-        "chunk_bytes": chunk_bytes,
-    }
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _merge_indexes(out_dir: str, tasks: list[_Task], chunks: dict[str, dict[str, Any]]) -> None:
-    """Merge the per-task litdata indexes into ``index.json`` in task order, byte-identically.
-
-    litdata's own merge stamps the time into ``updated_at`` (its cache key); here it is a digest of the
-    chunks' checksums, so the index depends on the content alone and still changes when it does.
-    """
-    merged: list[dict[str, Any]] = []
-    config = None
-    for task in tasks:
-        data = _read_json(os.path.join(out_dir, f"{task.index}.index.json"))
-        if data is None:  # a task without documents writes no index
-            continue
-        config = config or data["config"]
-        merged.extend(data["chunks"])
-    listed = sorted(c["filename"] for c in merged)
-    if listed != sorted(chunks):
-        raise RuntimeError(f"{out_dir}: the task indexes list {listed} but the tasks wrote {sorted(chunks)}.")
-    digest = hashlib.sha256(json.dumps(chunks, sort_keys=True).encode()).hexdigest()[:16]
-    index = {"chunks": merged, "config": config, "updated_at": digest}
-    atomic_write_text(os.path.join(out_dir, "index.json"), json.dumps(index, sort_keys=True))
-    for task in tasks:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, f"{task.index}.index.json"))
-
-
-def _plan_source(
-    spec: SourceSpec,
-    files: list[str],
-    tokenizer: LoadedTokenizer,
-    output_dir: str,
-    skip_bad_records: bool,
-    overwrite: bool,
-    chunk_bytes: str,
-    shuffle_seed: int | None,
-) -> _SourcePlan:
-    """Rank 0: is the source up to date, and which of its tasks remain (resuming a partial run)."""
-    final_dir = os.path.join(output_dir, spec.name)
-    partial_dir = final_dir + ".partial"
-    fingerprint = _fingerprint(spec, files, tokenizer, chunk_bytes, shuffle_seed)
-    marker = _read_json(os.path.join(final_dir, SOURCE_MARKER))
-    if marker is not None and marker.get("fingerprint") == fingerprint:
-        summary = SourceSummary(name=spec.name, weight=spec.weight, **marker["stats"])
-        summary.status = "up to date"
-        return _SourcePlan(spec, fingerprint, final_dir, partial_dir, [], set(), summary)
-    if os.path.exists(final_dir) and not overwrite:
-        what = "different inputs or tokenizer" if marker is not None else "something else"
-        raise ValueError(
-            f"{final_dir} already holds data prepared from {what}; pass overwrite=True to replace it "
-            "or choose another output directory."
-        )
-    # Resume a partial run only if it was made from exactly the same inputs; otherwise start afresh.
-    if _read_json(os.path.join(partial_dir, "fingerprint.json")) != fingerprint:
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        os.makedirs(partial_dir)
-        atomic_write_text(os.path.join(partial_dir, "fingerprint.json"), json.dumps(fingerprint))
-    sizes = [os.path.getsize(f) for f in files]
-    tasks = [
-        _Task(i, group, partial_dir, spec.format, spec.text_key, skip_bad_records, chunk_bytes, spec.name)
-        for i, group in enumerate(_plan_tasks(files, sizes))
-    ]
-    size_of = dict(zip(files, sizes))
-    shuffle = {"shuffle_seed": shuffle_seed, "buckets": len(tasks), "eos_id": tokenizer.eos_id}
-    shuffle["dtype"] = _token_dtype_name(tokenizer)
-    for task in tasks:
-        task.input_bytes = sum(size_of[f] for f in task.files)
-        if shuffle_seed is not None:
-            vars(task).update(shuffle)
-    buckets = [
-        _Task(
-            b,
-            [],
-            partial_dir,
-            spec.format,
-            spec.text_key,
-            skip_bad_records,
-            chunk_bytes,
-            spec.name,
-            kind="bucket",
-        )
-        for b in range(len(tasks) if shuffle_seed is not None else 0)
-    ]
-    for bucket in buckets:
-        vars(bucket).update(shuffle)
-    # One listing per source, not one stat per task: cheap on a shared filesystem.
-    present = set(os.listdir(partial_dir))
-    done = {t.index for t in tasks if os.path.basename(_stats_path(partial_dir, t.index)) in present}
-    return _SourcePlan(spec, fingerprint, final_dir, partial_dir, tasks, done, None, buckets)
-
-
-def _buckets_to_run(plans: list[_SourcePlan]) -> list[_Task]:
-    """Rank 0, every tokenize task done: the shuffle buckets not finished by an earlier run."""
-    todo = []
-    for plan in plans:
-        if plan.buckets:
-            present = set(os.listdir(plan.partial_dir))
-            todo += [
-                b
-                for b in plan.buckets
-                if os.path.basename(_bucket_result_path(plan.partial_dir, b.index)) not in present
-            ]
-    return todo
-
-
-def _finish_source(plan: _SourcePlan) -> SourceSummary:
-    """Rank 0, every task done: merge the indexes, write the marker with the chunk checksums, swap in."""
-    results = []
-    for task in plan.tasks:
-        result = _read_json(_stats_path(plan.partial_dir, task.index))
-        if result is None:
-            raise RuntimeError(
-                f"source {plan.spec.name!r}: task {task.index} has no result after every rank ended."
-            )
-        results.append(result)
-    totals = {k: sum(r[k] for r in results) for k in _COUNTS}
-    if totals["tokens"] == 0:
-        raise ValueError(f"source {plan.spec.name!r} produced no tokens (every document was empty or bad).")
-    writers = plan.tasks
-    if plan.buckets:  # the chunks were written by the shuffle's buckets
-        writers = plan.buckets
-        results = [_read_json(_bucket_result_path(plan.partial_dir, b.index)) for b in plan.buckets]
-        if any(r is None for r in results):
-            raise RuntimeError(
-                f"source {plan.spec.name!r}: a shuffle bucket has no result after every rank ended."
-            )
-    chunks = {name: entry for r in results for name, entry in r["chunks"].items()}
-    _merge_indexes(plan.partial_dir, writers, chunks)
-    for task in plan.tasks:
-        os.remove(_stats_path(plan.partial_dir, task.index))
-    for bucket in plan.buckets:
-        os.remove(_bucket_result_path(plan.partial_dir, bucket.index))
-    remove_scatter(plan.partial_dir, len(plan.buckets))
-    os.remove(os.path.join(plan.partial_dir, "fingerprint.json"))
-    marker = {"fingerprint": plan.fingerprint, "stats": totals, "chunks": chunks}
-    atomic_write_text(os.path.join(plan.partial_dir, SOURCE_MARKER), json.dumps(marker))
-    # Swap the finished folder in; an existing one is only removed once its replacement is complete.
-    replace_path(plan.partial_dir, plan.final_dir)
-    return SourceSummary(name=plan.spec.name, weight=plan.spec.weight, **totals)
-
-
-def _verify_source(final_dir: str, names: list[str]) -> list[str]:
-    """The chunks among ``names`` of a finished source whose size or sha256 differ from its marker."""
-    marker = _read_json(os.path.join(final_dir, SOURCE_MARKER)) or {}
-    recorded = marker.get("chunks", {})
-    bad = []
-    for name in names:
-        path = os.path.join(final_dir, name)
-        entry = recorded.get(name)
-        if (
-            entry is None
-            or not os.path.isfile(path)
-            or os.path.getsize(path) != entry["bytes"]
-            or file_digest(path, "sha256") != entry["sha256"]
-        ):
-            bad.append(os.path.join(os.path.basename(final_dir), name))
-    return bad
-
-
-def _chunks_to_verify(plans: list[_SourcePlan]) -> list[tuple[str, str]]:
-    """Rank 0: (source folder, chunk name) of every finished source, from the markers; refuses a source
-    whose marker records no checksums."""
-    work = []
-    for plan in plans:
-        marker = _read_json(os.path.join(plan.final_dir, SOURCE_MARKER)) or {}
-        if "chunks" not in marker:
-            raise ValueError(
-                f"{plan.final_dir} records no chunk checksums (prepared by an older Mula); prepare it again "
-                "with overwrite=True to verify it."
-            )
-        work.extend((plan.final_dir, name) for name in sorted(marker["chunks"]))
-    return work
-
-
-class _JobProgress:
-    """Rank 0's one bar for the whole job: input bytes of finished tasks (every rank's, read from the
-    task results on disk every few seconds), with tokens per second."""
-
-    def __init__(self, plans: list[_SourcePlan], todo: list[_Task], enabled: bool) -> None:
-        from tqdm.auto import tqdm
-
-        self._todo = {(t.out_dir, t.index): t for t in todo}
-        self._dirs = sorted({t.out_dir for t in todo})
-        self._seen: set[tuple[str, int]] = set()
-        self.tokens = 0
-        self._start = time.monotonic()
-        self._bar = tqdm(
-            total=sum(t.input_bytes for t in todo),
-            unit="B",
-            unit_scale=True,
-            desc="prepare",
-            disable=not enabled or not todo,
-            dynamic_ncols=True,
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll_loop, name="mula-prepare-progress", daemon=True)
-        if enabled and todo:
-            self._thread.start()
-
-    def _poll_loop(self) -> None:
-        while not self._stop.wait(_PROGRESS_POLL_S):
-            self.poll()
-
-    def poll(self) -> None:
-        """Count the tasks that finished since the last poll (one directory listing per source)."""
-        for out_dir in self._dirs:
-            with contextlib.suppress(OSError):
-                for name in os.listdir(out_dir):
-                    match = _STATS_RE.fullmatch(name)  # not the temporary name of one being written
-                    if match is None:
-                        continue
-                    key = (out_dir, int(match[1]))
-                    if key in self._seen or key not in self._todo:
-                        continue
-                    result = _read_json(os.path.join(out_dir, name))
-                    if result is None:
-                        continue
-                    self._seen.add(key)
-                    self.tokens += result["tokens"]
-                    self._bar.update(self._todo[key].input_bytes)
-        rate = self.tokens / max(time.monotonic() - self._start, 1e-9)
-        self._bar.set_postfix_str(f"{self.tokens:,} tokens, {rate:,.0f} tokens/s", refresh=False)
-
-    def close(self) -> None:
-        """Stop polling; a last poll shows the final count."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-            self.poll()
-        self._bar.close()
-
-
-def _format_rates(reports: list[dict[str, Any]]) -> str:
-    """One line per rank: tasks, tokens and tokens per second of its share."""
-    lines = []
-    for r in reports:
-        rate = r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0
-        lines.append(
-            f"rank {r['rank']:>4} ({r['host']}): {r['tasks']:>5} tasks {r['tokens']:>15,} tokens"
-            f" {rate:>13,.0f} tokens/s"
-        )
-    return "\n".join(lines)
 
 
 def prepare(
@@ -655,7 +251,7 @@ def prepare(
     Returns:
         The summary (also written to summary.json), on every rank.
     """
-    specs = [_as_spec(s) for s in sources]
+    specs = [as_spec(s) for s in sources]
     if not specs:
         raise ValueError("no sources given to prepare.")
     names = [s.name for s in specs]
@@ -705,7 +301,7 @@ def _prepare_job(
     """`prepare` on every rank: rank 0 plans, every rank runs its share, rank 0 finishes (see module doc)."""
     loaded: list[LoadedTokenizer] = []
 
-    def plan_job() -> tuple[PrepareSummary, list[_SourcePlan]]:
+    def plan_job() -> tuple[PrepareSummary, list[SourcePlan]]:
         # Check every input pattern and the tokenizer before any expensive work; rank 0 alone lists the
         # inputs (one glob per pattern for the whole job, not one per rank).
         files = {s.name: expand_paths(s.paths, what=f"source {s.name!r}") for s in specs}
@@ -725,11 +321,11 @@ def _prepare_job(
                 "eos_id": tokenizer.eos_id,
                 "eos_token": tokenizer.eos_token,
             },
-            dtype=str(_token_dtype_name(tokenizer)),
+            dtype=str(token_dtype_name(tokenizer)),
             shuffle_seed=shuffle_seed,
         )
         plans = [
-            _plan_source(
+            plan_source(
                 s, files[s.name], tokenizer, out, skip_bad_records, overwrite, chunk_bytes, shuffle_seed
             )
             for s in specs
@@ -745,43 +341,43 @@ def _prepare_job(
         if resumed:
             log.info("resuming: %d of %d tasks already done", resumed, resumed + len(todo))
         log.info("%d tasks to run on %d rank(s)", len(todo), ranks.world)
-    bar = _JobProgress(plans, todo, progress) if ranks.rank == 0 else None
+    bar = JobProgress(todo, progress) if ranks.rank == 0 else None
     report = _run_share(ranks, mine, loaded, summary.tokenizer["path"], eos_token, num_workers)
     if bar is not None:
         bar.close()
     reports = ranks.gather(report)
-    # The shuffle's second pass starts once every rank has finished the first (its buckets read every task).
-    buckets = ranks.on_zero(lambda: _raise_failures(reports) or _buckets_to_run(plans))
-    bucket_reports = None
-    if any(p.buckets for p in plans):
+    # Each shuffle pass starts once every rank has finished the one before (it reads what every task wrote).
+    previous = reports
+    for kind in ("split", "bucket") if any(p.buckets for p in plans) else ():
+        work = ranks.on_zero(lambda: _raise_failures(previous) or shuffle_pass_to_run(plans, kind))  # noqa: B023
         if ranks.rank == 0:
-            log.info("%d shuffle buckets to run on %d rank(s)", len(buckets), ranks.world)
-        share = buckets[ranks.rank :: ranks.world]
-        bucket_reports = ranks.gather(
+            log.info("%d shuffle %s tasks to run on %d rank(s)", len(work), kind, ranks.world)
+        share = work[ranks.rank :: ranks.world]
+        previous = ranks.gather(
             _run_share(ranks, share, loaded, summary.tokenizer["path"], eos_token, num_workers)
         )
 
     def finish_job() -> tuple[PrepareSummary, list[tuple[str, str]]]:
         assert reports is not None
-        _raise_failures(bucket_reports or [])
+        _raise_failures(previous)
         for plan in plans:
-            summary.sources.append(plan.up_to_date or _finish_source(plan))
+            summary.sources.append(plan.up_to_date or finish_source(plan))
         atomic_write_text(
             os.path.join(summary.output_dir, SUMMARY_FILE), json.dumps(summary.to_dict(), indent=2)
         )
         if progress:
             print(summary.format_table())
             if todo:
-                print(_format_rates(reports))
+                print(format_rates(reports))
             print(f"wrote {os.path.join(summary.output_dir, SUMMARY_FILE)}")
-        return summary, (_chunks_to_verify(plans) if verify else [])
+        return summary, (chunks_to_verify(plans) if verify else [])
 
     summary, checks = ranks.on_zero(finish_job)
     if verify:
         bad = [
             b
             for final_dir, name in checks[ranks.rank :: ranks.world]
-            for b in _verify_source(final_dir, [name])
+            for b in verify_chunks(final_dir, [name])
         ]
         every_bad = ranks.gather(bad)
 
@@ -810,7 +406,7 @@ def _raise_failures(reports: list[dict[str, Any]] | None) -> None:
 
 def _run_share(
     ranks: Ranks,
-    mine: list[_Task],
+    mine: list[Task],
     loaded: list[LoadedTokenizer],
     tokenizer_path: str,
     eos_token: str | None,
@@ -832,7 +428,7 @@ def _run_share(
     }
     start = time.monotonic()
 
-    def on_done(task: _Task, result: dict[str, Any]) -> None:
+    def on_done(task: Task, result: dict[str, Any]) -> None:
         report["tasks"] += 1
         report["tokens"] += result["tokens"]
         kind = "task" if task.kind == "tokenize" else task.kind
@@ -851,9 +447,3 @@ def _run_share(
         log.error("rank %d failed: %s: %s", ranks.rank, type(exc).__name__, exc)
     report["seconds"] = time.monotonic() - start
     return report
-
-
-def _token_dtype_name(tokenizer: LoadedTokenizer) -> str:
-    from mula.data.tokenizer import token_dtype
-
-    return token_dtype(tokenizer.vocab_size).name

@@ -113,7 +113,7 @@ def shared_error(rank: int, name: str, message: str) -> Exception:
     return RuntimeError(f"rank {rank} failed: {name}: {message}")
 
 
-def _launcher_environment() -> Any | None:
+def launcher_environment() -> Any | None:
     """The cluster environment of the launcher that started this process, or None (a plain process)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
@@ -143,7 +143,7 @@ def job_ranks(distributed: bool = True) -> Ranks:
             return Ranks()
         group = dist.new_group(backend="gloo", timeout=_WAIT)
         return Ranks(dist.get_rank(), dist.get_world_size(), group)
-    env = _launcher_environment()
+    env = launcher_environment()
     if env is None or env.world_size() <= 1:
         return Ranks()
     rank, world = env.global_rank(), env.world_size()

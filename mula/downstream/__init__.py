@@ -3,7 +3,9 @@
 Modules, one job each: ``lm`` (`MulaLM`, the lm-eval model class that runs a `Mula` directly),
 ``tasks`` (hub task names and local task YAML files, checked before any work), ``evaluate`` (run
 lm-eval, keep metrics and per-example log-likelihoods), ``checkpoint_eval`` (one checkpoint ->
-`<checkpoint>.eval.json`), ``run_eval`` (every checkpoint of a run, its loggers and the plot).
+`<checkpoint>.eval.json`), ``trainer_eval`` (the model a Trainer holds, across its strategy's ranks:
+`DownstreamEval`, and `mula eval --strategy` at a training layout), ``run_eval`` (every checkpoint of a
+run, its loggers and the plot).
 lm-eval is imported only by these modules, so Mula works without the extra.
 """
 

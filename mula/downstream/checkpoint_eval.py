@@ -31,7 +31,8 @@ _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 @dataclass
 class EvalSettings:
-    """How to evaluate: the tasks, the tokenizer (None: the run's), batch size, limit, device and dtype."""
+    """How to evaluate: the tasks, the tokenizer (None: the run's), batch size, limit, device and dtype;
+    with `strategy` (a recipe's `trainer.strategy` entry) at that layout over `devices` x `num_nodes` ranks."""
 
     tasks: ResolvedTasks
     tokenizer: str | None = None
@@ -40,12 +41,33 @@ class EvalSettings:
     device: str | None = None
     dtype: str = "auto"
     verify: bool = True
+    strategy: dict[str, Any] | None = None
+    devices: int = 1
+    num_nodes: int = 1
 
 
-def check_options(batch_size: int, device: str | None, dtype: str) -> None:
-    """Raise ValueError (one sentence) for a batch size, device or dtype that cannot work, before any work."""
+def check_options(
+    batch_size: int,
+    device: str | None,
+    dtype: str,
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Any = None,
+) -> None:
+    """Raise ValueError (one sentence) for a batch size, device, dtype, process count or strategy that
+    cannot work, before any work."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    if devices < 1 or num_nodes < 1:
+        raise ValueError(f"devices and num_nodes must be at least 1, got {devices} and {num_nodes}.")
+    if strategy is None and devices * num_nodes > 1:
+        raise ValueError(
+            "devices x num_nodes > 1 needs --strategy (the layout to evaluate at, as a recipe's trainer.strategy)."
+        )
+    if strategy is not None:
+        from mula.downstream.trainer_eval import strategy_from_spec
+
+        strategy_from_spec(strategy)  # a bad class path or argument, now
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
     if device is not None:
@@ -117,6 +139,16 @@ def pending_tasks(ckpt: Path, settings: EvalSettings) -> ResolvedTasks:
     return replace(settings.tasks, specs=[s for s, _ in todo], names=[n for _, n in todo])
 
 
+def checkpoint_config(ckpt: Path) -> MulaConfig:
+    """The model config a checkpoint records, read without its tensors (a Lightning `.ckpt` or a sharded
+    directory's `meta.pt`: `mula_config`; a Mula weights file: `config`)."""
+    state = hf_tokenizer.read_training_state(ckpt) or {}
+    entry = state.get("mula_config", state.get("config"))
+    if not isinstance(entry, dict):
+        raise ValueError(f"{ckpt} records no Mula model config (not a MulaLightningModule checkpoint).")
+    return MulaConfig.from_dict(entry)
+
+
 def load_tokenizer_for(ckpt: Path, config: MulaConfig, tokenizer: str | None) -> LoadedTokenizer:
     """`tokenizer` or the one the checkpoint's run recorded; it must fit the model's vocabulary."""
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -128,19 +160,47 @@ def load_tokenizer_for(ckpt: Path, config: MulaConfig, tokenizer: str | None) ->
     return tok
 
 
-def evaluate_checkpoint(ckpt: str | os.PathLike, settings: EvalSettings) -> tuple[dict[str, Any], list[str]]:
+def evaluate_checkpoint(
+    ckpt: str | os.PathLike, settings: EvalSettings
+) -> tuple[dict[str, Any] | None, list[str]]:
     """Evaluate the tasks of `settings` not yet recorded for `ckpt`; returns (the record, tasks evaluated now).
 
     Bad input (missing or corrupted checkpoint, a tokenizer larger than the model's vocabulary, a device or
-    dtype the model cannot run on) raises FileNotFoundError / ValueError before the model is built.
+    dtype the model cannot run on, a layout that cannot hold the model) raises FileNotFoundError /
+    ValueError before the model is built. With `settings.strategy` every rank calls this; the other
+    ranks than global rank 0 get (None, []) and write nothing, and the checkpoint is verified once the
+    ranks are up, by global rank 0 alone (one read of it, not one per rank).
     """
     ckpt = Path(ckpt)
-    verify_for_reading(ckpt, settings.verify)
+    if settings.strategy is None:
+        verify_for_reading(ckpt, settings.verify)
+    else:  # a layout that cannot hold the model: before reading any tensor
+        from mula.downstream.trainer_eval import check_layout, evaluate_with_strategy, strategy_from_spec
+
+        config = checkpoint_config(ckpt)
+        check_layout(strategy_from_spec(settings.strategy), settings.devices * settings.num_nodes, config)
     todo = pending_tasks(ckpt, settings)
     record = read_results(ckpt) or {"checkpoint": ckpt.name, "tasks": {}}
     if not todo.specs:
         return record, []
-    config, state = read_checkpoint(ckpt, verify=False)  # verified above
+    if settings.strategy is not None:
+        tok = load_tokenizer_for(ckpt, config, settings.tokenizer)
+        results = evaluate_with_strategy(ckpt, config, tok, todo, settings)
+        if results is None:
+            return None, []  # not global rank 0: rank 0 records and reports
+    else:
+        results = _evaluate_on_one_device(ckpt, settings, todo)
+    step, tokens = checkpoint_progress(ckpt)
+    record.update(step=step, tokens_seen=tokens)
+    for name, entry in results.items():
+        record["tasks"][name] = {"limit": settings.limit, **entry}
+    atomic_write_text(results_path(ckpt), json.dumps(record, indent=1) + "\n")
+    return record, list(results)
+
+
+def _evaluate_on_one_device(ckpt: Path, settings: EvalSettings, todo: ResolvedTasks) -> dict[str, Any]:
+    """The whole model on one device (`settings.device`), read whole from the checkpoint."""
+    config, state = read_checkpoint(ckpt, verify=False)  # verified by the caller
     tok = load_tokenizer_for(ckpt, config, settings.tokenizer)
     device = torch.device(settings.device) if settings.device else default_device()
     dtype = autocast_dtype(device, settings.dtype)
@@ -149,10 +209,4 @@ def evaluate_checkpoint(ckpt: str | os.PathLike, settings: EvalSettings) -> tupl
     model = model_from_state_dict(config, state, source=str(ckpt)).to(device)
     bos = hf_tokenizer.special_token_ids(tok)["bos_token_id"]
     lm = MulaLM(model, tok, batch_size=settings.batch_size, autocast_dtype=dtype, prefix_token_id=bos)
-    results = evaluate(lm, todo, settings.limit)
-    step, tokens = checkpoint_progress(ckpt)
-    record.update(step=step, tokens_seen=tokens)
-    for name, entry in results.items():
-        record["tasks"][name] = {"limit": settings.limit, **entry}
-    atomic_write_text(results_path(ckpt), json.dumps(record, indent=1) + "\n")
-    return record, list(results)
+    return evaluate(lm, todo, settings.limit)

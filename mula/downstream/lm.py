@@ -11,12 +11,23 @@ the same left truncation to the model's positions. Generation tasks are refused.
 With `data_parallel=True` inside a torch.distributed process group, every rank holds the whole model
 and lm-eval splits the documents over the ranks (`rank`, `world_size`, and the `all_gather`,
 `gather_object` and `barrier` it calls); rank 0 receives the results.
+
+With a `spread` model (`SpreadModel`: experts, pipeline stages or tensor shards on other ranks, as the
+training strategy laid them out) lm-eval runs on every rank and splits the documents over the
+*data-parallel* ranks; the ranks that share a data-parallel index (one per stage, one per tensor
+shard) build the same requests in the same order, so they run the same batches together. Ranks with
+different documents forward in lock step: before each forward every rank says whether it has a
+batch (`SpreadModel.any_active`, one small all-reduce) and a rank without one, waiting at one of
+lm-eval's gathers or barriers, runs a one-token dummy batch, so every expert all-to-all has all its
+ranks; the last stage's scores are sent to the other stages (`SpreadModel.share`). Global rank 0
+receives the results.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +39,31 @@ from mula.model import Mula
 
 # One scored request: ((context, continuation) strings or None, context token ids, continuation token ids)
 TokenRequest = tuple[tuple[str, str] | None, list[int], list[int]]
+
+
+class SpreadModel(Protocol):
+    """A model whose pieces live on several ranks (the training layout): how `MulaLM` runs it.
+
+    Implemented by the training strategy (`strategies.eval_forward.SpreadForward`); every method is a
+    collective over the ranks named in its docstring.
+    """
+
+    device: torch.device
+    data_parallel_rank: int  # lm-eval's rank: which share of the documents this rank scores
+    data_parallel_size: int
+    data_parallel_group: Any  # the ranks lm-eval gathers over (None: the default group)
+
+    def any_active(self, active: bool) -> bool:
+        """Whether any rank of the job has a batch to forward now (all ranks)."""
+        ...
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward of token ids [B, T] (all ranks): full logits [B, T, V] where the LM head is, else None."""
+        ...
+
+    def share(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores computed where the logits are, on every rank that ran this forward."""
+        ...
 
 
 class GenerationNotSupported(ValueError):
@@ -45,6 +81,9 @@ class MulaLM(TemplateLM):
         prefix_token_id: Token that stands for an empty context; default BOS if the tokenizer names one, else EOS.
         data_parallel: Split the documents over the ranks of the default process group (when there is one).
         on_batch: Called after every forward pass (e.g. to feed a hang watchdog during a long evaluation).
+        spread: The model's pieces on other ranks and how to run them together (`SpreadModel`); `model`
+            is then this rank's part of it (its config, its train/eval mode), and the documents are split
+            over `spread`'s data-parallel ranks.
     """
 
     def __init__(
@@ -56,6 +95,7 @@ class MulaLM(TemplateLM):
         prefix_token_id: int | None = None,
         data_parallel: bool = False,
         on_batch: Callable[[], None] | None = None,
+        spread: SpreadModel | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -65,10 +105,17 @@ class MulaLM(TemplateLM):
         self._batch_size = batch_size
         self.autocast_dtype = autocast_dtype
         self._prefix_token_id = tokenizer.eos_id if prefix_token_id is None else prefix_token_id
-        self._device = next(model.parameters()).device
         self._on_batch = on_batch
-        if data_parallel and dist.is_available() and dist.is_initialized():
-            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self.spread = spread
+        self._group = None  # lm-eval's gathers: the default group, or the spread model's data-parallel ranks
+        if spread is not None:
+            self._device = spread.device
+            self._rank, self._world_size = spread.data_parallel_rank, spread.data_parallel_size
+            self._group = spread.data_parallel_group
+        else:
+            self._device = next(model.parameters()).device
+            if data_parallel and dist.is_available() and dist.is_initialized():
+                self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     @property
     def eot_token_id(self) -> int:
@@ -94,22 +141,38 @@ class MulaLM(TemplateLM):
         """Every rank's `tensor`, concatenated along a new first dimension (lm-eval gathers request counts)."""
         if self.world_size == 1:
             return tensor
+        self._drain()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
+        dist.all_gather(parts, tensor, group=self._group)
         return torch.stack(parts)
 
     def gather_object(self, obj: object, dst: int = 0) -> list[object] | None:
         """Every rank's `obj` on rank `dst` (None elsewhere)."""
         if self.world_size == 1:
             return [obj]
+        self._drain()
         out: list[object] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
+        root = dst if self._group is None else dist.get_global_rank(self._group, dst)
+        dist.gather_object(obj, out, dst=root, group=self._group)
         return out
 
     def barrier(self) -> None:
         """Wait for every rank."""
         if self.world_size > 1:
-            dist.barrier()
+            self._drain()
+            dist.barrier(group=self._group)
+
+    @torch.no_grad()
+    def _drain(self) -> None:
+        """A spread model: run one-token dummy batches while another rank still forwards real ones (every
+        rank must take part in every expert all-to-all and pipeline hand-over), until none does."""
+        if self.spread is None:
+            return
+        with self._scoring():
+            while self.spread.any_active(False):
+                self.spread.logits(torch.zeros(1, 1, dtype=torch.long, device=self._device))
+                if self._on_batch is not None:
+                    self._on_batch()
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """Token ids of `string` as Mula's data preparation encodes text (no special tokens added)."""
@@ -154,6 +217,8 @@ class MulaLM(TemplateLM):
         with self._scoring():
             for start in range(0, len(order), self._batch_size):
                 batch = order[start : start + self._batch_size]
+                if self.spread is not None:
+                    self.spread.any_active(True)  # the other ranks forward with this one
                 for i, answer in zip(batch, self._score_batch([requests[i] for i in batch])):
                     results[i] = answer
                     if requests[i][0] is not None:
@@ -162,19 +227,27 @@ class MulaLM(TemplateLM):
                     self._on_batch()
         return results  # type: ignore[return-value]
 
-    def _score_batch(self, requests: list[TokenRequest]) -> Iterator[tuple[float, bool]]:
+    def _score_batch(self, requests: list[TokenRequest]) -> list[tuple[float, bool]]:
         # the last max_length + 1 tokens of context + continuation; the final token is only a target
         inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in requests]
         width = max(len(x) for x in inputs)
         batch = torch.zeros(len(inputs), width, dtype=torch.long)
         for row, x in enumerate(inputs):
             batch[row, : len(x)] = torch.tensor(x, dtype=torch.long)
-        logits = self.model(batch.to(self._device)).logits
+        batch = batch.to(self._device)
+        logits = self.model(batch).logits if self.spread is None else self.spread.logits(batch)
+        # [log p(continuation), 1 if greedy decoding yields it]: fp32, as one tensor to share
+        scores = torch.zeros(len(requests), 2, dtype=torch.float32, device=self._device)
         for row, ((_, _, cont), x) in enumerate(zip(requests, inputs)):
+            if logits is None:
+                break  # a pipeline stage without the LM head: the last stage's scores arrive below
             scored = logits[row, len(x) - len(cont) : len(x)].float().log_softmax(dim=-1)
             target = torch.tensor(cont, dtype=torch.long, device=scored.device)
-            logprob = scored.gather(-1, target[:, None]).sum()
-            yield float(logprob), bool((scored.argmax(dim=-1) == target).all())
+            scores[row, 0] = scored.gather(-1, target[:, None]).sum()
+            scores[row, 1] = (scored.argmax(dim=-1) == target).all()
+        if self.spread is not None:
+            scores = self.spread.share(scores)
+        return [(logprob, bool(greedy)) for logprob, greedy in scores.tolist()]
 
     @contextlib.contextmanager
     def _scoring(self) -> Iterator[None]:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from mula.checkpoint import list_checkpoints
 from mula.downstream.checkpoint_eval import RESULTS_SUFFIX, EvalSettings, evaluate_checkpoint, read_results
 from mula.downstream.evaluate import metric_keys
@@ -58,7 +60,8 @@ def evaluate_run(
     `report(checkpoint, record, tasks evaluated now)` is called after each checkpoint.
     """
     run_dir = Path(run_dir)
-    _evaluate_and_log(run_checkpoints(run_dir), run_dir, settings, report)
+    if not _evaluate_and_log(run_checkpoints(run_dir), run_dir, settings, report):
+        return None  # another rank than global rank 0 of a multi-rank evaluation
     plot = run_dir / PLOT_FILE
     return plot if plot_accuracy(list(iter_run_results(run_dir)), plot) else None
 
@@ -75,16 +78,23 @@ def _evaluate_and_log(
     run_dir: Path | None,
     settings: EvalSettings,
     report: Callable[[Path, dict[str, Any], list[str]], None],
-) -> None:
+) -> bool:
+    """Evaluate, log and report each checkpoint; False on the ranks other than global rank 0 of a
+    multi-rank evaluation (`settings.strategy`), which evaluate but neither log nor report."""
     loggers: list[Any] | None = None  # built on the first new result: a re-run that adds nothing logs nothing
+    reporting = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
     for ckpt in checkpoints:
         record, evaluated = evaluate_checkpoint(ckpt, settings)
+        reporting = reporting and record is not None
+        if not reporting:
+            continue
         if evaluated and run_dir is not None:
             loggers = run_loggers(run_dir) if loggers is None else loggers
             log_record(loggers, record, evaluated)
         report(ckpt, record, evaluated)
     for logger in loggers or []:
         logger.finalize("success")
+    return reporting
 
 
 def iter_run_results(run_dir: Path) -> Iterator[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""The MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine."""
+"""The MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine (+ shared experts)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from mula.config import MulaConfig
+from mula.layers import MLP
 from mula.moe.balancing import GlobalLoad
 from mula.moe.dispatcher import Dispatcher, LocalDispatcher
 from mula.moe.experts import GroupedExperts
@@ -24,7 +25,11 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    """Dropless top-k mixture of SwiGLU experts (OLMoE).
+    """Dropless top-k mixture of SwiGLU experts (OLMoE), plus DeepSeek's shared experts when the config has
+    some: `shared_experts`, one SwiGLU of `num_shared_experts * shared_expert_intermediate_size` features
+    every token goes through, added to the routed output. It is a dense module (its parameter names hold
+    no `experts` module, see `mula.param_names.is_expert_param`): replicated over the expert-parallel
+    group and sharded by the optimizer like any dense weight.
 
     `dispatcher` is a plain attribute holding any `Dispatcher` (not a submodule: it has no state):
     the expert-parallel strategy replaces it (and slices `experts`) without touching this code.
@@ -38,11 +43,18 @@ class MoELayer(nn.Module):
             config.num_experts,
             config.top_k,
             config.norm_topk_prob,
-            use_bias=config.router_bias_update_rate > 0,
+            use_bias=config.has_router_bias,
             mode=config.routing_mode,
+            scoring=config.router_scoring,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            scaling_factor=config.routed_scaling_factor,
         )
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_backend
+        )
+        self.shared_experts = (
+            MLP(config.hidden_size, config.shared_intermediate_size) if config.num_shared_experts else None
         )
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
         # aux_loss_scope="global": f over the step's global batch (training only; eval stays local)
@@ -64,4 +76,7 @@ class MoELayer(nn.Module):
             f = self.global_load.frequencies(counts, x.shape[0])
         aux = load_balancing_loss(route.probs, counts, f)
         stats = MoEStats(aux, router_z_loss(route.logits), counts)
-        return y.view(shape), stats
+        y = y.view(shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).view(shape)
+        return y, stats

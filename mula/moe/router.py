@@ -1,9 +1,19 @@
-"""Top-k softmax router and its two auxiliary losses (load balancing and z-loss).
+"""The top-k router and its two auxiliary losses (load balancing and z-loss).
 
-Two routing settings beyond OLMoE's: a per-expert bias buffer added to the probabilities for the
-top-k choice only (auxiliary-loss-free balancing, DeepSeek-V3; `mula.moe.balancing` updates it), and
-a `uniform` mode that spreads the assignments evenly over the experts whatever the scores (for
-benchmarks that isolate kernels and communication from routing skew, as Optimus' forced routing).
+Scoring: `softmax` over all experts (OLMoE, Qwen3-MoE) or an independent `sigmoid` per expert
+(DeepSeek-V3). Beyond that, all off by default:
+
+* a per-expert bias buffer added to the scores for the top-k choice only (auxiliary-loss-free
+  balancing, DeepSeek-V3's `e_score_correction_bias`; `mula.moe.balancing` updates it);
+* group-limited routing (DeepSeek-V3): the E experts form `n_group` equal groups, each token keeps the
+  `topk_group` groups whose two best (biased) scores sum highest and picks its top-k inside them;
+* renormalising the kept scores to sum to 1 (`norm_topk_prob`) and scaling the combine weights by
+  `routed_scaling_factor`;
+* a `uniform` mode that spreads the assignments evenly over the experts whatever the scores (for
+  benchmarks that isolate kernels and communication from routing skew, as Optimus' forced routing).
+
+The semantics are those of transformers' `DeepseekV3TopkRouter` (sigmoid) and `OlmoeSparseMoeBlock` /
+`Qwen3MoeTopKRouter` (softmax); `tests/test_router_scoring.py` checks them against a reference.
 """
 
 from __future__ import annotations
@@ -14,29 +24,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+SCORINGS = ("softmax", "sigmoid")
+
 
 @dataclass
 class RouterOutput:
     """What the router decides for N tokens over E experts."""
 
     logits: Tensor  # [N, E] fp32
-    probs: Tensor  # [N, E] fp32 softmax over all experts
-    topk_idx: Tensor  # [N, K] long, experts in descending probability
+    # [N, E] fp32, each row a distribution over all experts, for the load-balancing loss: the softmax,
+    # or under sigmoid scoring the sigmoid scores divided by their sum (DeepSeek-V3's s'_{i,t})
+    probs: Tensor
+    topk_idx: Tensor  # [N, K] long
     topk_weight: Tensor  # [N, K] fp32 combine weights
 
 
-class Router(nn.Module):
-    """Linear gate + softmax over all experts + top-k (OLMoE / Switch style).
+def limit_to_groups(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """`choice` [N, E] with the experts outside each token's `topk_group` best groups set to -inf.
 
-    The kept probabilities are used as combine weights as they are (OLMoE), or renormalised to
-    sum to 1 when `norm_topk_prob`. Softmax and top-k run in fp32 so that bf16 autocast cannot
-    flip near-tied routing decisions.
+    The E experts are `n_group` contiguous groups; a group's score is the sum of its two highest
+    entries of `choice` (DeepSeek-V3, as transformers computes it, bias included).
+    """
+    n, e = choice.shape
+    grouped = choice.view(n, n_group, e // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, n_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, e)
+
+
+class Router(nn.Module):
+    """Linear gate -> scores (softmax or sigmoid) -> top-k, with the options of the module docstring.
+
+    The combine weights are the chosen experts' unbiased scores, renormalised to sum to 1 when
+    `norm_topk_prob`, then multiplied by `scaling_factor`. Scoring and top-k run in fp32 so that bf16
+    autocast cannot flip near-tied routing decisions.
 
     With `use_bias`, the router holds a persistent fp32 buffer `bias` [E] (zeros at init) added to the
-    probabilities to choose the top-k experts; the combine weights stay the unbiased probabilities.
+    scores to choose the experts (and the groups); the combine weights stay unbiased.
     `mode="uniform"` sends the assignment (n, k) to expert (n*K + k) mod E: every expert gets the
     same count within one, the K experts of a token are distinct, and the combine weights are still
-    the router's probabilities of those experts (so the router keeps a gradient).
+    the router's scores of those experts (so the router keeps a gradient).
     """
 
     def __init__(
@@ -47,12 +75,21 @@ class Router(nn.Module):
         norm_topk_prob: bool = False,
         use_bias: bool = False,
         mode: str = "learned",
+        scoring: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
+        if scoring not in SCORINGS:
+            raise ValueError(f"Router scoring must be one of {SCORINGS}, got {scoring!r}.")
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.mode = mode
+        self.scoring = scoring
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scaling_factor = scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias: Tensor | None
         if use_bias:
@@ -83,19 +120,27 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> RouterOutput:
         """x: [N, H] -> routing for each of the N tokens."""
         logits = F.linear(x, self.weight).float()
-        probs = logits.softmax(dim=-1)
-        if self.mode == "uniform":
-            n = probs.shape[0]
-            flat = torch.arange(n * self.top_k, device=probs.device) % self.num_experts
-            topk_idx = flat.view(n, self.top_k)
-            topk_weight = probs.gather(1, topk_idx)
-        elif self.bias is not None:
-            topk_idx = torch.topk(probs.detach() + self.bias, self.top_k, dim=-1).indices
-            topk_weight = probs.gather(1, topk_idx)
+        if self.scoring == "softmax":
+            scores = probs = logits.softmax(dim=-1)
         else:
-            topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        if self.mode == "uniform":
+            n = scores.shape[0]
+            flat = torch.arange(n * self.top_k, device=scores.device) % self.num_experts
+            topk_idx = flat.view(n, self.top_k)
+        else:
+            # the choice has no gradient; the weights below take the scores' (as torch.topk's values)
+            choice = scores.detach() if self.bias is None else scores.detach() + self.bias
+            if self.n_group > 1:
+                choice = limit_to_groups(choice, self.n_group, self.topk_group)
+            topk_idx = torch.topk(choice, self.top_k, dim=-1).indices
+        topk_weight = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
-            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+            # + 1e-20 as DeepSeek-V3 (tiny sigmoid scores); it rounds away against softmax top-k sums
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling_factor != 1.0:
+            topk_weight = topk_weight * self.scaling_factor
         return RouterOutput(logits, probs, topk_idx, topk_weight)
 
 
@@ -111,7 +156,9 @@ def load_balancing_loss(probs: Tensor, counts: Tensor, frequencies: Tensor | Non
     """Switch/OLMoE load-balancing loss `E * sum_i f_i * P_i` over the tokens of one layer.
 
     f_i = assignments to expert i / tokens (so f sums to top_k, as transformers'
-    `load_balancing_loss_func`), P_i = mean router probability of expert i. Gradients flow
+    `load_balancing_loss_func`), P_i = mean router probability of expert i (`RouterOutput.probs`: the
+    softmax, or under sigmoid scoring the normalised sigmoid scores, which makes this DeepSeek-V3's
+    complementary balance loss times top_k, over the batch instead of one sequence). Gradients flow
     through P only. Equals top_k when routing is perfectly uniform. `frequencies` [E] replaces the
     f taken from this batch's `counts` (the global scope's f over the whole batch of all ranks).
     """
@@ -121,5 +168,9 @@ def load_balancing_loss(probs: Tensor, counts: Tensor, frequencies: Tensor | Non
 
 
 def router_z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE z-loss: mean over tokens of logsumexp(router logits)^2; keeps logits small."""
+    """ST-MoE z-loss: mean over tokens of logsumexp(router logits)^2; keeps logits small.
+
+    The same quantity under sigmoid scoring (a smooth bound on the largest logit's magnitude);
+    DeepSeek-V3 trains without one (`router_z_loss_coef: 0`).
+    """
     return torch.logsumexp(logits, dim=-1).square().mean()

@@ -7,9 +7,12 @@ per token and layer, with h the hidden size, q/kv the attention projection width
 
 * a pre-norm (RMSNorm) saves its fp32 input, its rstd and its normalised output: 4h + 4 + r*h;
   its consumer saves the scaled output (b*h) -- shared by q/k/v, or by the router and the experts;
-* attention: the q/k norms (as above on q and kv), SDPA's q, k, v, output and log-sum-exp
-  (4*b*q + 4*heads; the output projection reads SDPA's output in place);
-* router: logits and probabilities in fp32, z-loss log-sum-exp, top-k indices: 8E + 4 + 8K;
+* attention: the q/k norms (as above on q and kv, with one rstd per head under `qk_norm_per_head`),
+  SDPA's q, k, v, output and log-sum-exp (4*b*q + 4*heads; the output projection reads SDPA's output
+  in place);
+* router: logits and probabilities (softmax, or sigmoid scores) in fp32, z-loss log-sum-exp, top-k
+  indices: 8E + 4 + 8K; sigmoid scoring adds the normalising sum (4), `norm_topk_prob` the kept
+  weights and their sum (4K + 4);
 * experts, per routed row: input, gate and up (b*(h + 2I)); the combine keeps the expert outputs
   (b*h) and weights; under expert parallelism the all-to-all dispatcher's send-plan index, and the
   combine weight riding with each row (CPU) or the returned rows and weights (GPU). On CPU without
@@ -17,7 +20,10 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   per row instead; on CPU the layout
   also keeps gathered copies of the local expert weights (3*h*I*E_local elements). Routing is
   assumed balanced: every rank's experts receive tokens * K rows;
-* dense MLP: gate, silu(gate), up and their product (4*b*I);
+* dense MLP: gate, silu(gate), up and their product (4*b*I); the same for an MoE layer's shared
+  experts (width num_shared_experts * their width) on the router's input;
+* multi-head latent attention (`_latent_attention`): the latents' norms and projections' inputs,
+  SDPA's q, k (qk width), v (the kv expansion's storage), output (v width) and log-sum-exp;
 * mixed precision (fp32 weights, 16-bit autocast): every matmul keeps its own 16-bit copy of its input
   (q, k and v three) and of its weight, outside recomputed parts;
 * checkpointing keeps only a recomputed part's inputs: "norms" the residual (r*h) per norm, "attention"
@@ -40,22 +46,51 @@ from mula.config import MulaConfig
 from mula.plan.layout import Layout
 
 
-def _norm(config: MulaConfig, dim: int, r: int) -> int:
-    """Per-token bytes a pre-norm over `dim` saves (fp32 input, statistics, normalised output)."""
+def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
+    """Per-token bytes a norm over `dim` features saves (fp32 input, statistics, normalised output), the
+    features normalised in `groups` independent groups (heads, under `qk_norm_per_head`)."""
     if config.norm == "rmsnorm":
-        return 4 * dim + 4 + r * dim
-    return 4 * dim + 8  # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
+        return 4 * dim + 4 * groups + r * dim
+    # non-parametric LayerNorm: input, mean and rstd; its output is the consumer's
+    return 4 * dim + 8 * groups
+
+
+def _latent_attention(config: MulaConfig, b: int) -> int:
+    """Per-token bytes multi-head latent attention (`mula.mla`) saves beyond its normalised input.
+
+    The q latent's norm (as a pre-norm on `q_lora_rank` features, its output saved by `q_b_proj`); the
+    kv latent's norm (its fp32 input is a view of the `kv_a_proj_with_mqa` output when that is fp32
+    already, so the whole output's storage counts: latent + RoPE key) and `kv_b_proj`'s input; SDPA's q,
+    k, v and output, each `max(qk width, v width)` per head (the narrower side is zero-padded; an unpadded
+    v is a view of `kv_b_proj`'s output, which then stays whole) and its log-sum-exp; `o_proj`'s input,
+    a copy of the output's v columns. RoPE saves nothing per token (its tables only)."""
+    heads, kv_rank, rope = config.num_heads, int(config.kv_lora_rank or 0), config.qk_rope_head_dim
+    out = 0
+    if config.q_lora_rank is not None:
+        out += _norm(config, config.q_lora_rank, b) + b * config.q_lora_rank
+    norm_input = 4 * (kv_rank + rope) if b == 4 else 4 * kv_rank
+    out += norm_input + 4 + 2 * b * kv_rank  # + rstd, the normalised latent and the weight's product
+    width = max(config.qk_head_size, config.v_head_size)
+    out += 3 * b * heads * width + 4 * heads  # q, k, output; log-sum-exp
+    if width != config.v_head_size:
+        out += b * heads * width  # the zero-padded v
+    else:  # v is a view of kv_b_proj's output: its whole storage (no-RoPE keys and values) stays
+        out += b * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    return out + b * heads * config.v_head_size  # o_proj's input: a copy of the output's v columns
 
 
 def _attention(config: MulaConfig, b: int, t: int = 1) -> int:
     """Per-token bytes attention saves beyond its (normalised) input, on one of `t` tensor-parallel ranks
     (each computes num_heads / t heads)."""
+    if config.is_mla:
+        return _latent_attention(config, b)  # tensor parallelism refuses MLA (`check_tensor_parallel`)
     heads = config.num_heads // t
     q = heads * config.head_size
     kv = config.kv_heads // t * config.head_size
     out = 4 * b * q + 4 * heads  # SDPA: q, k, v (kv repeated to q heads), output, lse
     if config.qk_norm:
-        out += _norm(config, q, b) + _norm(config, kv, b)
+        groups = (heads, config.kv_heads // t) if config.qk_norm_per_head else (1, 1)
+        out += _norm(config, q, b, groups[0]) + _norm(config, kv, b, groups[1])
     return out
 
 
@@ -63,6 +98,8 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
     """Per-token bytes of the router and the experts (weight copies excluded)."""
     e, k, h, i = config.num_experts, config.top_k, config.hidden_size, config.expert_intermediate_size
     router = 8 * e + 4 + 8 * k
+    router += 4 if config.router_scoring == "sigmoid" else 0  # the sum normalising the scores
+    router += 4 * k + 4 if config.norm_topk_prob else 0  # the renormalisation's inputs
     rows = b * (h + 2 * i)  # expert input, gate and up pre-activations
     if layout.ep_size > 1:
         rows += 8  # the all-to-all dispatcher's send plan: its index, for the un-permute's backward
@@ -98,8 +135,9 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
     if "attention" in parts:
         per_token += r * h if mixed else b * h  # the checkpoint's input: the normalised activation
     else:
-        # q/k/v inputs (shared unless cast; under TP the whole sequence, all-gathered under SP), heads / T
-        per_token += (3 if mixed else 1) * b * h + _attention(config, b, t)
+        # q/k/v inputs (shared unless cast; under TP the whole sequence, all-gathered under SP), heads / T;
+        # MLA reads it twice (the q and kv latent projections, or q_proj and the kv one)
+        per_token += ((2 if config.is_mla else 3) if mixed else 1) * b * h + _attention(config, b, t)
         weights += config._attn_matmul_params() // t
     if moe:
         if "moe" in parts:
@@ -109,6 +147,10 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
             weights += config.num_experts * h + (
                 0 if layout.device_type == "cpu" else e_local * config._expert_params()
             )
+            if config.num_shared_experts:  # a dense SwiGLU on the same input: gate/up casts, 4 features
+                shared = config.shared_intermediate_size
+                per_token += (2 * b * h if mixed else 0) + 4 * b * shared
+                weights += 3 * h * shared
     else:  # gate/up inputs (the whole sequence), the intermediate features split over T
         per_token += (2 if mixed else 1) * b * h + 4 * b * config.intermediate_size // t
         weights += 3 * h * config.intermediate_size // t
@@ -128,7 +170,7 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
     total = moe * _layer_bytes(config, layout, parts, tokens, True) if moe else 0
     if len(layers) > moe:
         total += (len(layers) - moe) * _layer_bytes(config, layout, parts, tokens, False)
-    total += 2 * layout.seq_len * config.head_size * 4  # RoPE cos/sin tables, fp32
+    total += 2 * layout.seq_len * config.rope_dim * 4  # RoPE cos/sin tables, fp32
     if first:
         total += layout.micro_batch * (layout.seq_len + 1) * 8  # token ids (the embedding's indices)
     if last:

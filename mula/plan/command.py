@@ -11,8 +11,9 @@ import json
 from typing import Any, Literal
 
 from mula.layout_rules import micro_batches_per_step
+from mula.plan.calibrated import error_band
 from mula.plan.layout import Layout
-from mula.plan.machines import load_machine
+from mula.plan.machines import Machine, load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
 from mula.plan.settings import PlanInputs, plan_inputs
 from mula.plan.step_time import comm_volumes, step_time
@@ -179,7 +180,17 @@ def plan_result(inputs: PlanInputs) -> dict[str, Any]:
         "step_time_parts_s": time.as_dict() if time else None,
         # bytes each pipeline rank (first stage first) sends per step, by collective (needs no machine)
         "comm_bytes_per_step": [dataclasses.asdict(v) for v in comm_volumes(inputs.config, inputs.layout)],
+        "calibration": _calibration_summary(inputs.machine),
     }
+
+
+def _calibration_summary(machine: Machine | None) -> dict[str, Any] | None:
+    """Where a calibrated machine's prices come from and the error band its fits claim."""
+    if machine is None or not machine.calibration:
+        return None
+    cal = machine.calibration
+    keys = ("measured_at", "host", "world_size", "backend")
+    return {k: cal.get(k) for k in keys} | {"error_band": error_band(machine)}
 
 
 def layout_summary(layout: Layout) -> dict[str, Any]:
@@ -271,11 +282,21 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
         lines.append(
             f"  host (offloaded optimizer state, async checkpoint staging): {_gb(result['host_bytes'])}"
         )
-    sent = [{k: v for k, v in r.items() if k != "grad_rounds"} for r in result["comm_bytes_per_step"]]
+    rows = result["comm_bytes_per_step"]
+    sent = [{k: v for k, v in r.items() if k != "grad_rounds" and not k.endswith("_calls")} for r in rows]
     busiest = max(sent, key=lambda r: sum(r.values()))
     lines.append(
         "sent per step (busiest rank): "
         + ", ".join(f"{k.replace('_', ' ')} {_gb(v).strip()}" for k, v in busiest.items())
+    )
+    calls = rows[sent.index(busiest)]
+    lines.append(
+        "messages per step (that rank): "
+        + ", ".join(
+            f"{k[: -len('_calls')].replace('_', ' ')} {v:,.0f}"
+            for k, v in calls.items()
+            if k.endswith("_calls")
+        )
     )
     if result["step_time_s"] is not None:
         parts = result["step_time_parts_s"]
@@ -286,6 +307,13 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
             f"{parts['tensor_parallel_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {100 * result['mfu']:.1f} %"
         )
+        if result.get("calibration"):
+            cal = result["calibration"]
+            lines.append(
+                f"priced with the calibration measured {cal['measured_at']} on {cal['host']} ({cal['world_size']} "
+                f"ranks, {cal['backend']}): its latency/bandwidth curves fit their points within "
+                f"+-{100 * cal['error_band']:.0f} %"
+            )
     else:
         lines.append("step time: give --machine (peak FLOP/s and bandwidths come from a machine file)")
     for row in result.get("scaling", []):

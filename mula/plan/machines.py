@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -16,7 +17,8 @@ MACHINES_DIR = Path(__file__).resolve().parents[2] / "recipes" / "machines"
 class Machine:
     """One node type: devices ("tiles") per node, their memory and peak, and per-device bandwidths
     (GB/s) for collectives inside a node and across nodes; `compute_mfu` is the assumed fraction of
-    peak the matmuls reach without communication."""
+    peak the matmuls reach without communication; optionally the network's groups and global-link
+    bandwidth (contention beyond one group) and `mula calibrate`'s measured curves."""
 
     name: str
     device_type: str
@@ -26,6 +28,22 @@ class Machine:
     intra_node_gbps: float
     inter_node_gbps: float
     compute_mfu: float
+    calibration: dict[str, Any] | None = None  # `mula calibrate`'s measured curves (mula.plan.calibrated)
+    # Contention at scale (optional): nodes per group of the network (a Dragonfly group), and a node's
+    # share of the global links between groups when every node sends across them, GB/s per direction.
+    nodes_per_group: int | None = None
+    global_gbps_per_node: float | None = None
+
+    def cross_group_slowdown(self, nodes: float) -> float:
+        """How much slower a collective over `nodes` nodes moves its bytes than at the per-tile inter-node
+        bandwidth: 1 inside one network group; beyond, the share of its traffic that crosses groups
+        (1 - nodes_per_group / nodes, as for traffic spread evenly over the nodes) runs at the node's
+        share of the global links instead. Rings and hierarchical algorithms cross less: an upper bound."""
+        if not self.nodes_per_group or not self.global_gbps_per_node or nodes <= self.nodes_per_group:
+            return 1.0
+        ratio = max(1.0, self.inter_node_gbps / (self.global_gbps_per_node / self.tiles_per_node))
+        crossing = 1 - self.nodes_per_group / nodes
+        return 1 + crossing * (ratio - 1)
 
     @property
     def device_bytes(self) -> int:
@@ -49,7 +67,8 @@ def load_machine(name_or_path: str) -> Machine:
         )
     data = yaml.safe_load(path.read_text()) or {}
     known = {f.name for f in dataclasses.fields(Machine)}
-    missing, unknown = sorted(known - set(data)), sorted(set(data) - known)
+    required = {f.name for f in dataclasses.fields(Machine) if f.default is dataclasses.MISSING}
+    missing, unknown = sorted(required - set(data)), sorted(set(data) - known)
     if missing or unknown:
         raise ValueError(f"Machine file {path} is missing {missing} / has unknown keys {unknown}.")
     return Machine(**data)

@@ -14,7 +14,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from mula.config import MulaConfig
+from mula.config import MulaConfig, numel
 from mula.param_names import is_expert_param, is_no_decay
 
 # the LightningModule holds the Mula model as `.model`: the optimizer's names carry this prefix
@@ -33,10 +33,7 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         """Elements of the full parameter."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
     @functools.cached_property
     def is_expert(self) -> bool:

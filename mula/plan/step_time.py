@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
 from mula.flat_buffers import plan_buckets
+from mula.plan.calibrated import collective_seconds, compute_flops_per_s
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import optimizer_entries, stage_params
@@ -94,8 +95,7 @@ class StepTime:
 def _recompute_flops_per_token(config: MulaConfig, layout: Layout, index: int) -> float:
     """Forward FLOPs per token of block `index` that activation checkpointing runs a second time."""
     parts = parse_activation_checkpointing(layout.checkpointing)
-    q = config.num_heads * config.head_size
-    attn = 2 * config._attn_matmul_params() + 4 * q * layout.seq_len
+    attn = 2 * config._attn_matmul_params() + 2 * config.attention_core_width * layout.seq_len
     mlp = 2 * (config.layer_matmul_params(index) - config._attn_matmul_params())
     if "full" in parts:
         return attn + mlp
@@ -111,7 +111,10 @@ class Volumes:
     optimizer) or all-reduces (replicated AdamW), dense and expert buckets; param_gather: the sharded
     optimizer's parameter all-gathers; pipeline: activations and gradients sent to neighbouring stages;
     grad_rounds: gradient reductions per step (the micro-batches under ZeRO-2, else 1); tensor_parallel:
-    the tensor-parallel group's collectives (`tensor_parallel_sends`).
+    the tensor-parallel group's collectives (`tensor_parallel_sends`). The `*_calls` are the messages
+    behind each volume (collective calls, pipeline send operations), which a calibrated machine prices
+    at its latency each: the all-to-alls include the expert-count exchange (and, where the CPU expert
+    layout folds the combine weights in, the weights' exchange).
     """
 
     all_to_all: float = 0.0
@@ -120,6 +123,10 @@ class Volumes:
     pipeline: float = 0.0
     grad_rounds: int = 1
     tensor_parallel: float = 0.0
+    all_to_all_calls: float = 0.0
+    grad_reduce_calls: float = 0.0
+    param_gather_calls: float = 0.0
+    pipeline_calls: float = 0.0
 
 
 def _ring(numel: int, elem_bytes: int, group: int) -> float:
@@ -127,16 +134,19 @@ def _ring(numel: int, elem_bytes: int, group: int) -> float:
     return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
 
 
-def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float]:
-    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`."""
+def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int]:
+    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, and the
+    collective calls behind each (per round)."""
     if not layout.shard_optimizer:
         # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
-        # in the parameters' dtype
+        # in the parameters' dtype, bucketed as the sharded optimizer would bucket it (grad_sync.py)
         entries = optimizer_entries(params, layout)
         dense = sum(e.numel for e in entries if e.domain == "dense")
         expert = sum(e.numel for e in entries if e.domain == "expert")
         pb = layout.param_bytes
-        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0
+        groups = {"dense": layout.dp_size, "expert": layout.edp_size}
+        calls = sum(b.group_size > 1 for b in plan_buckets(entries, groups, layout.bucket_numel, 1))
+        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0, calls, 0
     # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
     # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
     dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
@@ -145,13 +155,19 @@ def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float]:
         layout.align,
     )  # fmt: skip
     reduce = gather = 0.0
+    reduce_calls = gather_calls = 0
     for b in buckets:
+        # gloo has no reduce-scatter / all-gather: "rooted" runs one reduce / broadcast per shard
+        shards = 0 if b.group_size == 1 else b.group_size if layout.collectives == "rooted" else 1
+        gather_calls += shards
         if b.domain == "dense" and not layout.ep_aware:
             reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.dp_size)
+            reduce_calls += layout.dp_size > 1  # one all-reduce over the stage
         else:
             reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
+            reduce_calls += shards
         gather += _ring(b.numel, layout.param_bytes, b.group_size)
-    return reduce, gather
+    return reduce, gather, reduce_calls, gather_calls
 
 
 def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...]) -> float:
@@ -162,9 +178,13 @@ def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...])
         return 0.0
     message = layout.micro_batch * layout.seq_len * config.hidden_size * layout.param_bytes
     message += 2 * 4 if config.is_moe else 0  # (aux, z) running sums, fp32
+    return _pipeline_send_count(layout, stages) * max(1, layout.micro_batches) * message
+
+
+def _pipeline_send_count(layout: Layout, stages: tuple[int, ...]) -> int:
+    """Stage-to-stage sends per micro-batch of a rank holding `stages` (forward and backward)."""
     last = layout.parallel.num_stages - 1
-    sends = sum((s < last) + (s > 0) for s in stages)
-    return sends * max(1, layout.micro_batches) * message
+    return sum((s < last) + (s > 0) for s in stages)
 
 
 def tensor_parallel_sends(
@@ -224,17 +244,39 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     passes = 4 + (2 if recompute else 0)
     row = config.top_k * config.hidden_size * layout.compute_bytes
     rounds = m if layout.shard_optimizer and layout.zero_stage == 2 else 1
+    # messages per MoE layer and micro-batch: the row exchanges, one expert-count exchange per forward
+    # of the dispatch, and on CPU (the padded expert layout folds the combine weights into the experts)
+    # the weights' exchange in each forward and once backward
+    forwards = passes // 2 - 1
+    a2a_messages = passes + forwards + ((forwards + 1) if layout.device_type == "cpu" else 0)
     out = []
     for holds in stages:
-        a2a = 0.0
+        a2a = a2a_calls = 0.0
         if config.is_moe and e > 1:
             moe_layers = sum(config.is_moe_layer(i) for i in holds.blocks)  # dense first blocks send nothing
             a2a = passes * moe_layers * rank_tokens * row * (e - 1) / e
+            a2a_calls = a2a_messages * moe_layers * m
         held = stage_params(params, holds.blocks, holds.first, holds.last)
-        reduce, gather = _optimizer_volumes(held, layout)
+        reduce, gather, reduce_calls, gather_calls = _optimizer_volumes(held, layout)
         sends = _pipeline_sends(config, layout, holds.stages)
+        # each send carries the residual stream and, for an MoE model, the router-loss sums: two operations
+        send_calls = _pipeline_send_count(layout, holds.stages) * m * (2 if config.is_moe else 1)
+        send_calls = send_calls if layout.pp_size > 1 else 0
         tp = tensor_parallel_sends(config, layout, holds.blocks, holds.first, holds.last)
-        out.append(Volumes(a2a, rounds * reduce, gather, sends, rounds, tp))
+        out.append(
+            Volumes(
+                a2a,
+                rounds * reduce,
+                gather,
+                sends,
+                rounds,
+                tp,
+                a2a_calls,
+                rounds * reduce_calls,
+                gather_calls,
+                send_calls,
+            )  # fmt: skip
+        )
     return out
 
 
@@ -245,36 +287,58 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     flops = float(config.flops_per_token(layout.seq_len)) * tokens
     peak = machine.peak_bf16_tflops * 1e12
     # the slowest stage's share of the blocks' FLOPs (dense first blocks weigh less than MoE ones)
-    q = config.num_heads * config.head_size
-    block = [6 * config.layer_matmul_params(i) + 12 * q * layout.seq_len for i in range(config.num_layers)]
+    core = 6 * config.attention_core_width * layout.seq_len  # QK^T and AV, forward and backward
+    block = [6 * config.layer_matmul_params(i) + core for i in range(config.num_layers)]
 
-    def stage_flops(layers: list[int]) -> float:
+    def stage_seconds(layers: list[int]) -> float:
+        base = flops / w * (sum(block[i] for i in layers) * p / sum(block))
         extra = sum(_recompute_flops_per_token(config, layout, i) for i in layers) * tokens / (w / p)
-        return flops / w * (sum(block[i] for i in layers) * p / sum(block)) + extra
+        return base / compute_flops_per_s(machine, layout.compute_bytes) + extra / compute_flops_per_s(
+            machine, layout.compute_bytes, forward=True
+        )
 
-    compute = max(stage_flops(held.blocks) for held in layout.stage_holdings(config)) / (
-        peak * machine.compute_mfu
-    )
+    compute = max(stage_seconds(held.blocks) for held in layout.stage_holdings(config))
 
     intra, inter = machine.intra_node_gbps * 1e9, machine.inter_node_gbps * 1e9
     node = machine.tiles_per_node
     # each volume of the pipeline rank that sends the most of it
     per_rank = comm_volumes(config, layout)
     vol = Volumes(*(max(getattr(v, f) for v in per_rank) for f in Volumes.__dataclass_fields__))
-    a2a = vol.all_to_all / (intra if e <= node else inter)
+    a2a = collective_seconds(
+        machine,
+        "all_to_all",
+        e,
+        e > node,
+        vol.all_to_all,
+        vol.all_to_all_calls,
+        intra if e <= node else inter,
+    )
     # a stage's ranks fill whole nodes before spanning more; EDP ranks are E apart, so both groups
     # leave the node once the stage does
-    bw = intra if layout.dp_size <= node else inter
+    spans = layout.dp_size > node
+    bw = inter if spans else intra
+    # beyond one network group the data-parallel collectives share the global links (contention)
+    contention = machine.cross_group_slowdown(layout.dp_size / node) if spans else 1.0
+    reduce_kind = "reduce_scatter" if layout.shard_optimizer else "all_reduce"
     m = max(1, layout.micro_batches)
     backward = compute * 2 / 3 / m  # one micro-batch's backward, which a gradient reduction overlaps
     # ZeRO-2 reduces after every micro-batch, everything else once, during the last backward
-    grad_sync = vol.grad_rounds * max(0.0, vol.grad_reduce / vol.grad_rounds / bw - backward)
-    gather = vol.param_gather / bw
+    rounds = vol.grad_rounds
+    one_round = collective_seconds(
+        machine, reduce_kind, layout.dp_size, spans, vol.grad_reduce / rounds, vol.grad_reduce_calls / rounds, bw,
+        contention,
+    )  # fmt: skip
+    grad_sync = rounds * max(0.0, one_round - backward)
+    gather = collective_seconds(
+        machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw, contention
+    )
     if layout.overlap_param_gather:
         gather = max(0.0, gather - compute / 3 / m)
 
     pipeline = 0.0
     if p > 1:
-        pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + vol.pipeline / inter
-    tp = vol.tensor_parallel / intra  # the TP group stays on a node's fabric
+        sends = collective_seconds(machine, "send_recv", 2, w > node, vol.pipeline, vol.pipeline_calls, inter)
+        pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + sends
+    # the TP group stays on a node's fabric; its calls are not counted (bandwidth term only)
+    tp = collective_seconds(machine, "all_reduce", layout.tp_size, False, vol.tensor_parallel, 0, intra)
     return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp)

@@ -12,8 +12,9 @@ Stage shapes are given statically (one micro-batch's meta tensors): torch then s
 warm-up, which would run a real forward and backward through the model and its gradient hooks.
 Loss sums are fp32 with an explicit dtype (under bf16-true the default dtype is bf16, and every rank
 must all-reduce the same dtype).
-Validation batches (one micro-batch each) run forward only, through a GPipe (one stage per rank) or
-looped-BFS (virtual stages) schedule of one micro-batch over the same stage modules.
+Validation batches and downstream evaluation's batches (one micro-batch each) run forward only
+(`logits`), through a GPipe (one stage per rank) or looped-BFS (virtual stages) schedule of one
+micro-batch over the same stage modules.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from torch.distributed.pipelining import (
 from mula.model import router_losses
 from strategies.pipeline.split import MulaStage
 from strategies.topology import ExpertParallelTopology
+
+_EVAL_SCHEDULES_KEPT = 8  # forward-only schedules kept for reuse, by batch shape (most recent)
 
 _SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -72,10 +75,10 @@ class PipelineRunner:
         self.has_last = last in self.stage_ids
         self._schedule: Any = None
         self._key: tuple[int, int, int] | None = None
-        self._eval_schedules: dict[tuple[int, int], Any] = {}
+        self._eval_schedules: dict[tuple[int, ...], Any] = {}
         self._n = 1
         self._sums: list[Tensor] = []
-        self._eval_ce: list[Tensor] = []
+        self._eval_logits: list[Tensor] = []
 
     def step(self, batch: Tensor, n_microbatches: int) -> tuple[Tensor, int]:
         """Forward and backward of one optimizer step's batch [rows, T + 1] in `n_microbatches`.
@@ -105,28 +108,41 @@ class PipelineRunner:
     def evaluate(self, batch: Tensor) -> tuple[Tensor, int]:
         """Forward-only cross-entropy of a batch [rows, T + 1] as one micro-batch: (ce, target tokens)
         on ranks with the last stage, (0, 0) elsewhere."""
-        rows, seq_len = batch.shape[0], batch.shape[1] - 1
-        key = (rows, seq_len)
-        if key not in self._eval_schedules:
-            cls = ScheduleGPipe if len(self.stages) == 1 else ScheduleLoopedBFS
-            stages = self._build_stages(rows, seq_len)
-            self._eval_schedules[key] = cls(
-                stages[0] if len(stages) == 1 else stages, 1, loss_fn=self._eval_loss
-            )
-        self._eval_ce = []
-        args = (batch[:, :-1],) if self.has_first else ()
-        target = batch[:, 1:] if self.has_last else None
-        self._eval_schedules[key].eval(*args, target=target)
-        if not self._eval_ce:
+        logits = self.logits(batch[:, :-1])
+        if logits is None:
             return torch.zeros((), dtype=torch.float32, device=self.device), 0
-        return self._eval_ce.pop(), rows * seq_len
-
-    def _eval_loss(self, output: Any, target: Tensor) -> Tensor:
-        logits = output[0] if self.module.config.is_moe else output
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
-        ce = self.module.combine_losses(logits, target, zero, zero)[1]
-        self._eval_ce.append(ce.detach())
-        return ce
+        ce = self.module.combine_losses(logits, batch[:, 1:], zero, zero)[1]
+        return ce.detach(), batch.shape[0] * (batch.shape[1] - 1)
+
+    def logits(self, tokens: Tensor) -> Tensor | None:
+        """Forward only, through every stage, of token ids [rows, T] as one micro-batch: the logits
+        [rows, T, V] on the rank holding the last stage, None elsewhere. Every rank of the pipeline group
+        calls it with the same shape (the stages' static shapes); the last few shapes' schedules are kept."""
+        key = tuple(tokens.shape)
+        schedule = self._eval_schedules.pop(key, None)
+        if schedule is None:
+            cls = ScheduleGPipe if len(self.stages) == 1 else ScheduleLoopedBFS
+            stages = self._build_stages(*key)
+            schedule = cls(stages[0] if len(stages) == 1 else stages, 1, loss_fn=self._keep_logits)
+            while len(self._eval_schedules) >= _EVAL_SCHEDULES_KEPT:  # evaluation sees many shapes
+                self._eval_schedules.pop(next(iter(self._eval_schedules)))
+        self._eval_schedules[key] = schedule  # most recent last
+        self._eval_logits = []
+        args = (tokens,) if self.has_first else ()
+        # the target only makes torch call the loss function on the last stage, which keeps the logits
+        schedule.eval(*args, target=tokens if self.has_last else None)
+        return self._eval_logits.pop() if self._eval_logits else None
+
+    def release_eval_schedules(self) -> None:
+        """Drop the forward-only schedules (and their stages' receive buffers), e.g. after an evaluation
+        of many batch shapes during training."""
+        self._eval_schedules.clear()
+
+    def _keep_logits(self, output: Any, target: Tensor) -> Tensor:
+        logits = output[0] if self.module.config.is_moe else output
+        self._eval_logits.append(logits.detach())
+        return torch.zeros((), dtype=torch.float32, device=logits.device)
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
         """The module's loss of one micro-batch on the last stage, scaled for the step's mean."""

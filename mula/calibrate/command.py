@@ -1,0 +1,175 @@
+"""`mula calibrate`: the job that measures a machine and writes its machine file (see the package doc)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BACKENDS = ("auto", "gloo", "nccl", "xccl")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Settings:
+    """What every rank of the job measures (picklable, for spawned local ranks)."""
+
+    output: str
+    name: str
+    model: str
+    overrides: dict[str, Any]
+    seq_len: int
+    micro_batch: int
+    backend: str
+    quick: bool
+    peak_bf16_tflops: float | None
+    memory_per_tile_gb: float | None
+    progress: bool
+    command: str
+
+    @property
+    def sizes(self) -> list[int]:
+        """Message sizes (bytes per rank): 1 KiB up, by factors of 4."""
+        top = 22 if self.quick else 26
+        return [1 << e for e in range(10, top + 1, 2)]
+
+    @property
+    def reps(self) -> int:
+        """Timed repetitions per point."""
+        return 3 if self.quick else 5
+
+
+def calibrate(
+    output: str,
+    devices: int | None = None,
+    name: str | None = None,
+    model: str = "mula-tiny-moe",
+    overrides: dict[str, Any] | None = None,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+    backend: str = "auto",
+    quick: bool = False,
+    peak_bf16_tflops: float | None = None,
+    memory_per_tile_gb: float | None = None,
+    progress: bool = True,
+) -> None:
+    """Measure this machine and write a machine file for `mula plan --machine FILE`.
+
+    Times matmuls at the model's shapes (fp32 and bf16), elementwise traffic, and for every collective
+    Mula issues (all-to-all with uneven splits, reduce-scatter, all-gather, all-reduce, pipeline
+    send/recv) latency and bandwidth over message sizes, per group size, inside a node and across nodes.
+    Launch it like `mula fit` (torchrun, srun or mpiexec: one rank per device), or locally with
+    `--devices N`. A few minutes on a node (`--quick`: under one).
+
+    Args:
+        output: The machine file to write (.yaml), e.g. recipes/machines/mycluster.yaml.
+        devices: Start this many local ranks (without a launcher); at least 2.
+        name: The machine's name in the file (default: the output file's stem).
+        model: The preset whose matmul shapes are timed (the model you will train).
+        overrides: MulaConfig fields changed from the preset (as a recipe's `model.overrides`).
+        seq_len: Tokens per sequence of those shapes.
+        micro_batch: Sequences per micro-batch of those shapes.
+        backend: auto (nccl on CUDA, xccl on XPU, else gloo), gloo, nccl or xccl.
+        quick: Fewer message sizes (up to 4 MiB) and repetitions.
+        peak_bf16_tflops: The device's published bf16 peak (default: the fastest bf16 matmul measured).
+        memory_per_tile_gb: Device memory, GB (default: what the device reports; on CPU the host's memory
+            divided by the ranks on the node).
+        progress: Show a progress bar on rank 0.
+    """
+    from mula.config import MulaConfig
+    from mula.data.ranks import launcher_environment
+
+    # Bad input: one sentence before anything is measured or started.
+    path = Path(output)
+    if path.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"output must be a .yaml file, got {output!r}.")
+    parent = path.resolve().parent
+    if (
+        not parent.is_dir()
+        or not os.access(parent, os.W_OK)
+        or (path.exists() and not os.access(path, os.W_OK))
+    ):
+        raise ValueError(f"cannot write {output}: {parent} is not a writable directory.")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    MulaConfig.from_name(model, **(overrides or {}))  # an unknown preset or field is refused here
+    env = launcher_environment()
+    if env is not None and devices is not None:
+        raise ValueError(
+            "--devices starts local ranks; under a launcher (torchrun, srun, mpiexec) leave it out."
+        )
+    world = env.world_size() if env is not None else (devices or 1)
+    if world < 2:
+        raise ValueError(
+            f"calibrating collectives needs at least 2 ranks, got {world}; launch one rank per device with "
+            "torchrun, srun or mpiexec, or pass --devices N (N >= 2) to start local ranks."
+        )
+    settings = Settings(
+        output=str(path), name=name or path.stem, model=model, overrides=dict(overrides or {}), seq_len=seq_len, micro_batch=micro_batch,
+        backend=backend, quick=quick, peak_bf16_tflops=peak_bf16_tflops, memory_per_tile_gb=memory_per_tile_gb,
+        progress=progress, command=" ".join(["mula", *sys.argv[1:]]) if sys.argv[1:] else "mula calibrate",
+    )  # fmt: skip
+    if env is not None:
+        os.environ.setdefault("MASTER_ADDR", str(env.main_address))
+        os.environ.setdefault("MASTER_PORT", str(env.main_port))
+        from mula.calibrate.job import run_rank
+
+        run_rank(env.global_rank(), world, settings, env.local_rank())
+        return
+    import torch.multiprocessing as mp
+
+    from mula.calibrate.job import run_rank
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    mp.spawn(run_rank, args=(world, settings), nprocs=world, join=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_machine_file(settings: Settings, machine: dict[str, Any], calibration: dict[str, Any]) -> None:
+    """Write the machine file: the planner's keys, then the measured curves, headed by how and when."""
+    from mula.checkpoint.atomic import atomic_write_text
+
+    when = calibration["measured_at"]
+    header = [
+        f"# Measured by `mula calibrate` on {when} on {calibration['host']} ({calibration['processor']}),",
+        f"# {calibration['world_size']} ranks on {calibration['nodes']} node(s), backend {calibration['backend']},"
+        f" torch {calibration['torch']}.",
+        f"# Command: {settings.command}",
+        "# peak_bf16_tflops: " + ("given with --peak_bf16_tflops" if settings.peak_bf16_tflops else
+                                  "the fastest square bf16 matmul measured (not a published figure)"),
+        "# compute_mfu: the model's bf16 matmul shapes (calibration.model_tflops) over that peak;",
+        "# intra/inter_node_gbps: the asymptotic bus bandwidth of the all-to-all inside a node and of",
+        "# send/recv across nodes (one node: the intra-node send/recv). `mula plan` prices every collective",
+        "# with its own curve under calibration.collectives (t = alpha + beta * bus bytes per call).",
+    ]  # fmt: skip
+    body = yaml.safe_dump({**machine, "calibration": calibration}, sort_keys=False, default_flow_style=None)
+    atomic_write_text(settings.output, "\n".join(header) + "\n" + body)
+
+
+def host_description() -> dict[str, str]:
+    """Host name, processor model and Python platform, for the file's header."""
+    processor = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            processor = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"host": socket.gethostname(), "processor": processor, "platform": platform.platform()}
+
+
+def now() -> str:
+    """The time of the measurement, UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()

@@ -1,0 +1,210 @@
+"""One rank of `mula calibrate`: join the job, measure, and (rank 0) write the machine file."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mula.calibrate.command import DTYPES, Settings, host_description, now, write_machine_file
+from mula.calibrate.fit import fit_curve
+from mula.calibrate.measure import (
+    COLLECTIVES,
+    elementwise_gbps,
+    matmul_shapes,
+    matmul_tflops,
+    peak_tflops,
+    synchronize,
+    time_collective,
+    training_tflops,
+)
+from mula.config import MulaConfig
+
+
+def _device_and_backend(backend: str, local_rank: int) -> tuple[torch.device, str]:
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "xccl" if _xpu() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), backend
+    if backend == "xccl":
+        torch.xpu.set_device(local_rank)
+        return torch.device("xpu", local_rank), backend
+    return torch.device("cpu"), backend
+
+
+def _xpu() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def _powers_up_to(n: int) -> list[int]:
+    sizes, g = [], 2
+    while g < n:
+        sizes.append(g)
+        g *= 2
+    return sizes + ([n] if n >= 2 else [])
+
+
+def _groups(hosts: list[str]) -> dict[str, dict[int, list[int]]]:
+    """The groups to time: inside node 0 (its first g ranks), and across nodes (the first rank of each
+    of the first g nodes)."""
+    nodes: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+    firsts = [ranks[0] for ranks in nodes.values()]
+    node0 = next(iter(nodes.values()))
+    return {
+        "intra": {g: node0[:g] for g in _powers_up_to(len(node0))},
+        "inter": {g: firsts[:g] for g in _powers_up_to(len(firsts))} if len(firsts) > 1 else {},
+    }
+
+
+def _flop_weighted(
+    rates: dict[str, float], shapes: dict[str, tuple[int, int, int]], counts: dict[str, int]
+) -> float:
+    """TFLOP/s of the whole set of matmuls (each shape `counts` times): total FLOPs over total time."""
+    flops = {k: 2 * m * kk * n * counts.get(k, 1) for k, (m, kk, n) in shapes.items()}
+    return sum(flops.values()) / sum(flops[k] / rates[k] for k in rates)
+
+
+def run_rank(rank: int, world: int, settings: Settings, local_rank: int | None = None) -> None:
+    """Measure on this rank (its device: `local_rank`, default `rank`); rank 0 gathers the results and
+    writes the file."""
+    device, backend = _device_and_backend(settings.backend, rank if local_rank is None else local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+    try:
+        _measure(rank, world, device, backend, settings)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, device: torch.device, backend: str, settings: Settings) -> None:
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket_host())
+    groups = _groups(hosts)
+    config = MulaConfig.from_name(settings.model, **settings.overrides)
+    shapes = matmul_shapes(config, settings.micro_batch * settings.seq_len)
+    counts = {"attention": 2 * config.num_heads}  # scores and values, per head
+    work = len(DTYPES) + sum(len(g) for g in groups.values()) * len(COLLECTIVES)
+    bar = _bar(work, settings.progress and rank == 0)
+
+    # compute: every rank at once (as in training), the slowest rank's rate per shape
+    local = {}
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        local[dtype_name] = matmul_tflops(shapes, dtype, device, settings.reps)
+        local[dtype_name + "_peak"] = peak_tflops(dtype, device, settings.reps, (512, 1024, 2048))
+        local[dtype_name + "_training"] = training_tflops(
+            config, settings.micro_batch, settings.seq_len, dtype, device, settings.reps
+        )
+        bar.update(1)
+    local["elementwise_gbps"] = elementwise_gbps(device, 1 << 24, settings.reps)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, local)
+
+    curves: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    for scope, sized in groups.items():
+        for g, ranks in sized.items():
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            for kind in COLLECTIVES:
+                if rank in ranks:
+                    points = time_collective(kind, settings.sizes, group, ranks, device, settings.reps)
+                    if rank == ranks[0]:
+                        curve = fit_curve(points)
+                        entry = {
+                            "alpha_s": curve.alpha_s,
+                            "beta_s_per_byte": curve.beta_s_per_byte,
+                            "max_error": round(curve.max_error, 4),
+                            "points": [[int(b), t] for b, t in points],
+                        }
+                        curves.setdefault(scope, {}).setdefault(kind, {})[g] = entry
+                synchronize(device)
+                dist.barrier()
+                bar.update(1)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, curves)
+    bar.close()
+    if rank == 0:
+        merged: dict[str, Any] = {}
+        for part in gathered:
+            for scope, kinds in part.items():
+                for kind, sized in kinds.items():
+                    merged.setdefault(scope, {}).setdefault(kind, {}).update(sized)
+        _write(settings, every, merged, hosts, backend, device, shapes, counts)
+
+
+def socket_host() -> str:
+    """This rank's host name (ranks on one host share a node's fabric)."""
+    import socket
+
+    return socket.gethostname()
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="calibrate", disable=not enabled, dynamic_ncols=True)
+
+
+def _write(
+    settings: Settings,
+    every: list[dict[str, Any]],
+    curves: dict[str, Any],
+    hosts: list[str],
+    backend: str,
+    device: torch.device,
+    shapes: dict[str, tuple[int, int, int]],
+    counts: dict[str, int],
+) -> None:
+    per_node = hosts.count(hosts[0])
+    nodes = len(dict.fromkeys(hosts))
+    matmul = {d: {k: min(r[d][k] for r in every) for k in shapes} for d in DTYPES}
+    model = {d: _flop_weighted(matmul[d], shapes, counts) for d in DTYPES}
+    peak = settings.peak_bf16_tflops or min(r["bfloat16_peak"] for r in every)
+    a2a = curves["intra"]["all_to_all"][max(curves["intra"]["all_to_all"])]
+    p2p = curves.get("inter", curves["intra"])["send_recv"]
+    p2p = p2p[max(p2p)]
+    machine = {
+        "name": settings.name,
+        "device_type": device.type,
+        "tiles_per_node": per_node,
+        "memory_per_tile_gb": round(settings.memory_per_tile_gb or _device_memory_gb(device, per_node), 1),
+        "peak_bf16_tflops": round(peak, 4),
+        "intra_node_gbps": round(1e-9 / max(a2a["beta_s_per_byte"], 1e-30), 4),
+        "inter_node_gbps": round(1e-9 / max(p2p["beta_s_per_byte"], 1e-30), 4),
+        "compute_mfu": round(min(1.0, model["bfloat16"] / peak), 4),
+    }
+    errors = [e["max_error"] for kinds in curves.values() for sized in kinds.values() for e in sized.values()]
+    calibration = {
+        "measured_at": now(),
+        **host_description(),
+        "world_size": len(hosts),
+        "nodes": nodes,
+        "backend": backend,
+        "torch": str(torch.__version__),
+        "model": settings.model,
+        "overrides": settings.overrides,
+        "tokens_per_micro_batch": settings.micro_batch * settings.seq_len,
+        "matmul_tflops": matmul,
+        "model_tflops": {d: round(v, 6) for d, v in model.items()},
+        # the whole forward + backward (and the forward alone) of a micro-batch, per rank, all ranks busy
+        "training_tflops": {
+            d: {k: round(min(r[d + "_training"][k] for r in every), 6) for k in ("step", "forward")}
+            for d in DTYPES
+        },
+        "elementwise_gbps": round(statistics.median(r["elementwise_gbps"] for r in every), 3),
+        "error_band": round(max(errors), 4),
+        "collectives": curves,
+    }
+    write_machine_file(settings, machine, calibration)
+    print(f"mula: wrote {settings.output} (fit error of the curves up to {100 * max(errors):.0f} %)")
+
+
+def _device_memory_gb(device: torch.device, per_node: int) -> float:
+    if device.type in ("cuda", "xpu"):
+        return getattr(torch, device.type).get_device_properties(device).total_memory / 1e9
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return pages * size / 1e9 / per_node

@@ -1,0 +1,108 @@
+"""Downstream evaluation of a model laid out by `XPUMoEStrategy`: one forward across its ranks.
+
+`SpreadForward` is the strategy's implementation of `mula.downstream.lm.SpreadModel`, what
+`MulaLM` needs to score documents with a model whose experts (E), pipeline stages (P) or tensor
+shards (T) live on other ranks, without gathering it anywhere:
+
+* documents are split over the data-parallel ranks (`data_parallel_rank`/`_size`/`_group`: the
+  stage's data-parallel world, the strategy's own); the P x T ranks sharing a data-parallel index
+  receive the same documents and so run the same batches;
+* `logits` runs the model as training does: the plain forward (experts exchange tokens all-to-all,
+  tensor-parallel logits gathered over the vocabulary) or forward-only through the pipeline stages
+  (`PipelineRunner.logits`, the validation path); the logits exist on the last stage only;
+* `share` sends the last stage's per-request scores to the other stages of its pipeline group;
+* `any_active` is the lock step: one MAX all-reduce over all ranks before each forward, so a rank
+  whose share of the documents is done keeps forwarding dummy batches while others still score.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from strategies.pipeline.schedule import PipelineRunner
+from strategies.topology import ExpertParallelTopology
+
+
+class SpreadForward:
+    """Forward passes of one evaluation across the ranks of a strategy's layout (`mula.downstream.lm.SpreadModel`).
+
+    Args:
+        model: this rank's part of the model (the whole `Mula` when P = 1, its stages' modules otherwise).
+        topology: the strategy's topology (its data-parallel world, pipeline group).
+        pipeline: the strategy's `PipelineRunner` when P > 1, else None.
+        device: this rank's device.
+        sequence_split: ranks the sequence is split over (T with sequence parallelism, else 1): batches
+            are padded on the right to a multiple of it, which a causal model never attends to.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        topology: ExpertParallelTopology,
+        pipeline: PipelineRunner | None,
+        device: Any,
+        sequence_split: int = 1,
+    ) -> None:
+        self.model, self.topology, self.pipeline = model, topology, pipeline
+        self.sequence_split = sequence_split
+        self.device = torch.device(device)
+        self.data_parallel_rank = topology.rank
+        self.data_parallel_size = topology.world_size
+        self.data_parallel_group = topology.world_group if topology.world_size > 1 else None
+        distributed = dist.is_available() and dist.is_initialized()
+        self._world = dist.get_world_size() if distributed else 1
+        # the global rank of the last stage in this rank's pipeline group: where the logits are
+        self._last_stage = (
+            dist.get_global_rank(topology.pp_group, topology.pp_size - 1) if pipeline is not None else None
+        )
+
+    def any_active(self, active: bool) -> bool:
+        """Whether any rank of the job has a batch to forward now (a MAX all-reduce over all ranks)."""
+        if self._world == 1:
+            return active
+        flag = torch.tensor([int(active)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def logits(self, tokens: Tensor) -> Tensor | None:
+        """The model's forward of `tokens` [B, T], run by the ranks holding its parts together: the
+        logits [B, T, V] where the LM head is (whole, also under tensor parallelism), else None."""
+        if self.pipeline is not None:
+            return self.pipeline.logits(tokens)
+        width = tokens.shape[1]
+        pad = -width % self.sequence_split
+        if pad:
+            tokens = torch.nn.functional.pad(tokens, (0, pad))
+        logits = self.model(tokens).logits
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # split over the vocabulary
+        return logits[:, :width]
+
+    def close(self) -> None:
+        """The evaluation is over: release the pipeline's forward-only schedules of its batch shapes."""
+        if self.pipeline is not None:
+            self.pipeline.release_eval_schedules()
+
+    def share(self, scores: Tensor) -> Tensor:
+        """The last pipeline stage's `scores` on every stage of its pipeline group (as is without stages)."""
+        if self._last_stage is None:
+            return scores
+        scores = scores.contiguous()
+        dist.broadcast(scores, src=self._last_stage, group=self.topology.pp_group)
+        return scores
+
+
+def spread_forward(strategy: Any) -> SpreadForward:
+    """The `SpreadForward` of a set-up `XPUMoEStrategy` over its LightningModule's model, once the
+    parameters are in place (the sharded optimizer's overlapped all-gathers may still be in flight)."""
+    sharded = strategy._sharded_optimizer()
+    if sharded is not None:
+        sharded.wait_for_params()
+    split = strategy.tensor_parallel_size if strategy.sequence_parallel else 1
+    return SpreadForward(
+        strategy.lightning_module.model, strategy.topology, strategy._pipeline, strategy.root_device, split
+    )

@@ -1,0 +1,138 @@
+"""`mula calibrate` (mula/calibrate/) and the planner's use of a calibrated machine file (mula/plan/calibrated.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mula.calibrate.fit import fit_curve
+from mula.config import MulaConfig
+from mula.plan import Layout
+from mula.plan.machines import load_machine
+from mula.plan.step_time import comm_volumes, step_time
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [1 << e for e in range(10, 27, 2)]
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    alpha, beta = 2e-5, 1 / 12e9  # 20 us, 12 GB/s
+    curve = fit_curve([(n, alpha + beta * n) for n in SIZES])
+    assert curve.alpha_s == pytest.approx(alpha, rel=1e-9) and curve.beta_s_per_byte == pytest.approx(
+        beta, rel=1e-9
+    )
+    assert curve.max_error == pytest.approx(0, abs=1e-12) and curve.bandwidth_gbps == pytest.approx(12)
+    # noisy points: the claimed band is the largest relative residual, whichever point it is
+    noisy = [(n, (alpha + beta * n) * (1.1 if i == 2 else 1.0)) for i, n in enumerate(SIZES)]
+    fitted = fit_curve(noisy)
+    assert fitted.max_error == pytest.approx(max(abs(fitted.seconds(n) - t) / t for n, t in noisy))
+    assert 0.05 < fitted.max_error < 0.1
+    # latency-only points (a flat time) give beta 0, bandwidth-only ones alpha 0
+    assert fit_curve([(n, 1e-4) for n in SIZES]).beta_s_per_byte == 0
+    assert fit_curve([(n, n / 1e9) for n in SIZES]).alpha_s == pytest.approx(0, abs=1e-15)
+
+
+def _calibration(alpha: float, beta: float) -> dict:
+    curve = {"alpha_s": alpha, "beta_s_per_byte": beta, "max_error": 0.03}
+    kinds = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv")
+    return {
+        "measured_at": "2026-11-25T00:00:00+00:00", "host": "h", "world_size": 4, "backend": "gloo",
+        "model_tflops": {"float32": 0.05, "bfloat16": 0.1}, "error_band": 0.03,
+        "collectives": {"intra": {k: {2: curve, 4: curve} for k in kinds}},
+    }  # fmt: skip
+
+
+def test_step_time_prices_each_collective_by_its_calls_and_bytes():
+    plain = load_machine("aurora")
+    calibrated = dataclasses.replace(plain, tiles_per_node=4, calibration=_calibration(1e-4, 1e-9))
+    config = MulaConfig.from_name("mula-tiny-moe")
+    layout = Layout(
+        world_size=4, ep_size=2, pp_size=2, micro_batch=2, seq_len=256, micro_batches=4, device_type="cpu"
+    )
+    (v0, v1) = comm_volumes(config, layout)
+    t = step_time(config, layout, calibrated, 32)
+    busiest_a2a = max((v0.all_to_all, v0.all_to_all_calls), (v1.all_to_all, v1.all_to_all_calls))
+    assert t.all_to_all_s == pytest.approx(
+        max(v0.all_to_all_calls, v1.all_to_all_calls) * 1e-4 + 1e-9 * busiest_a2a[0]
+    )
+    assert t.param_gather_s == pytest.approx(
+        max(v0.param_gather_calls, v1.param_gather_calls) * 1e-4
+        + 1e-9 * max(v0.param_gather, v1.param_gather)
+    )
+    # compute at the measured fp32 rate of the model's shapes, not peak x compute_mfu
+    uncalibrated = step_time(config, layout, dataclasses.replace(plain, tiles_per_node=4), 32)
+    assert t.compute_s * 0.05e12 == pytest.approx(
+        uncalibrated.compute_s * plain.peak_bf16_tflops * 1e12 * plain.compute_mfu
+    )
+    # latency matters: the same bytes in more calls take longer
+    slower = dataclasses.replace(calibrated, calibration=_calibration(1e-3, 1e-9))
+    assert step_time(config, layout, slower, 32).step_time_s > t.step_time_s
+
+
+def _mula(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "mula", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
+    out = tmp_path / "host.yaml"
+    done = _mula("calibrate", "--devices", "2", "--quick", "true", "--seq_len", "64", "--progress", "false",
+                 "--output", str(out), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert text.startswith("# Measured by `mula calibrate` on ")  # how and when, in the file
+    machine = load_machine(str(out))
+    cal = machine.calibration
+    assert cal["world_size"] == 2 and cal["nodes"] == 1 and cal["backend"] == "gloo"
+    for kind in ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv"):
+        entry = cal["collectives"]["intra"][kind][2]
+        assert entry["alpha_s"] >= 0 and entry["beta_s_per_byte"] >= 0 and len(entry["points"]) >= 5
+        assert all(seconds > 0 for _, seconds in entry["points"])
+    assert machine.tiles_per_node == 2 and machine.peak_bf16_tflops > 0 and 0 < machine.compute_mfu <= 1
+    assert set(cal["model_tflops"]) == {"float32", "bfloat16"}
+    plan = _mula("plan", "-c", str(ROOT / "recipes/mula-tiny-moe.yaml"), "--trainer.devices=2",
+                 "--trainer.strategy=strategies.XPUMoEStrategy", "--trainer.strategy.init_args.expert_parallel_size=2",
+                 f"--machine={out}", cwd=ROOT)  # fmt: skip
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert (
+        "priced with the calibration measured" in plan.stdout
+        and "curves fit their points within +-" in plan.stdout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--devices", "1"], "needs at least 2 ranks"),
+        (["--devices", "2", "--backend", "mpi"], "unknown backend 'mpi'"),
+        (["--devices", "2", "--output", "/nonexistent/dir/m.yaml"], "is not a writable directory"),
+        (["--devices", "2", "--output", "m.txt"], "must be a .yaml file"),
+        (["--devices", "2", "--model", "no-such-model"], "no-such-model"),
+    ],
+)
+def test_bad_input_stops_before_measuring(tmp_path, args, said, capsys, monkeypatch):
+    from mula.entry import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["calibrate", "--output", str(tmp_path / "m.yaml"), *args])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
+    assert not (tmp_path / "m.yaml").exists()
+
+
+def test_matmul_shapes_follow_the_attention_and_expert_kinds():
+    from mula.calibrate.measure import matmul_shapes
+
+    mla = matmul_shapes(MulaConfig.from_name("deepseek-v3-tiny"), 64)
+    assert {"q_a", "q_b", "kv_a", "kv_b", "shared_up", "mlp_up"} <= set(mla) and "qkv" not in mla
+    assert {"qkv", "expert_up"} <= set(matmul_shapes(MulaConfig.from_name("mula-tiny-moe"), 64))
+    assert "expert_up" not in matmul_shapes(MulaConfig.from_name("mula-tiny-dense"), 64)
