@@ -40,8 +40,12 @@ class ShardingOptions:
         ``reduce_gradients()`` (then ``p.grad`` stays readable until then).
     overlap_param_gather: leave the all-gathers in flight when ``step()`` returns and wait for each
         bucket in a forward pre-hook of the modules owning its parameters (needs ``module``).
-    offload: keep master weights and moments in host memory and run the update on the CPU,
-        overlapping each bucket's device-to-host copy with the update of the previous one.
+    offload: keep master weights and moments in host memory and run the update on the CPU
+        (SuperOffload's speculation, strategies/optim/offload.py): each bucket's host update starts as
+        soon as its gradient reduction is launched in the step's last backward and is validated (kept,
+        or undone exactly and recomputed / skipped) once the global norm and finite flag are known.
+    offload_speculation: with ``offload``, start the host updates during backward (True) or only in
+        ``step()`` after backward (False: the benchmark's comparison; same results).
     max_grad_norm: if set, ``step()`` clips to it unless ``clip_grad_norm_`` was already called.
     clip_after_step: no clipping during the first this-many optimizer steps (warmup); the norm is
         still computed and reported.
@@ -65,6 +69,7 @@ class ShardingOptions:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     offload: bool = False
+    offload_speculation: bool = True
     max_grad_norm: float | None = None
     clip_after_step: int = 0
     reduce_dtype: str = "float32"

@@ -79,6 +79,10 @@ class ParamGather:
         """Bytes of the flat parameter buffers (the model parameters are views into them)."""
         return sum(f.numel() * f.element_size() for f in self.full)
 
+    def host_bytes(self) -> int:
+        """Bytes of the host send buffers (offload: the master shards cast to the model dtype)."""
+        return sum(h.numel() * h.element_size() for h in self._host_send if h is not None)
+
     def launch(self, index: int, shard: Tensor) -> None:
         """Start filling bucket ``index`` from every rank's ``shard`` (this rank's fp32 master shard)."""
         dom = self._domains[index]

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,22 +59,14 @@ from torch import Tensor
 
 from mula.flat_buffers import ParamEntry, Segment, padding_bound
 from strategies.optim import state as optim_state
-from strategies.optim.adamw import adamw_update
+from strategies.optim.adamw import shard_runs, update_runs
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, local_tensor, param_entry
+from strategies.optim.offload import HostUpdate
 from strategies.optim.param_gather import ParamGather
 from strategies.optim.sharding_options import ShardingOptions, torch_dtype
 from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
-
-
-@dataclass
-class _Run:
-    """A maximal range of one bucket shard whose parameters share a param group."""
-
-    group: int
-    lo: int
-    hi: int
 
 
 @dataclass
@@ -186,8 +178,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
             if is_tp_split(p)
             for off, seg in self.local_segments(e)
         ]
-        self._allocate()
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.state_device)
+        self._allocate()
         # Mutable scalars live in one shared object: Lightning's LightningOptimizer runs our methods
         # with itself as ``self`` and forwards only *reads* to us, so attribute writes would split.
         self._p = _Progress()
@@ -255,7 +247,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self._gather = ParamGather(
             self._params, self.buckets, states, offload=opt.offload, device=self.device
         )
-        self._runs = [_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
+        self._runs = [shard_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
         numel = self.reducer.shard_grad.numel()
         zeros = {"dtype": torch.float32, "device": self.state_device}
         self.master = torch.zeros(numel, **zeros)
@@ -271,6 +263,17 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 lo = st.shard_offset + seg.shard_start
                 src = local_tensor(p.detach()).reshape(-1)[seg.param_start : seg.param_start + seg.length]
                 self.master[lo : lo + seg.length].copy_(src)
+        self._host: HostUpdate | None = None
+        if opt.offload:
+            self._host = HostUpdate(
+                self.reducer,
+                (self.master, self.exp_avg, self.exp_avg_sq),
+                self.host_grad,
+                self.step_count,
+                self.param_groups,
+                self._update_bucket,
+                speculate=opt.offload_speculation,
+            )
 
     # ----------------------------------------------------------------------------------------
     # gradients
@@ -297,6 +300,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (flat buffers are zeroed, never freed, whatever set_to_none)."""
+        if self._host is not None:  # a skipped step: undo what was speculated
+            self._host.discard()
         self.reducer.zero_grad()
         self._p.clipped = False
 
@@ -314,7 +319,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
             norm, _ = self.grad_norm(norm_type)
         if self._p.steps_done >= self.options.clip_after_step:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            self.shard_grad.mul_(coef.to(self.shard_grad.dtype))
+            if self._host is not None:  # the update reads the host copy: scale that one
+                self._host.clip(coef)
+            else:
+                self.shard_grad.mul_(coef.to(self.shard_grad.dtype))
         self._p.clipped = True
         return norm
 
@@ -325,6 +333,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
         every rank returns the same verdict (a 0-dim bool tensor; no host sync here)."""
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"clip_grad_norm_ supports norm_type 2 or inf, got {norm_type}.")
+        if self._host is not None:
+            self._host.order_device()
         self.reduce_gradients()
         inf = norm_type == float("inf")
         parts, split = [], []
@@ -380,18 +390,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
         if self.options.max_grad_norm is not None and not self._p.clipped:
             self.clip_grad_norm_(self.options.max_grad_norm)
         self.step_count.add_(1)
-        grads = self.shard_grad
-        copied: list[Any] = [None] * len(self.buckets)  # offload: device-to-host copy done
-        if self.options.offload:
-            grads = self.host_grad
-            for i in range(len(self.buckets)):  # queue every copy; update as they land
-                lo, hi = self._shard_range(i)
-                self.host_grad[lo:hi].copy_(self.shard_grad[lo:hi], non_blocking=True)
-                copied[i] = _record_event(self.device)
+        if self._host is not None:  # validate the speculative host updates, run the rest
+            self._host.finish()
         for i in range(len(self.buckets)):
-            if copied[i] is not None:
-                copied[i].synchronize()
-            self._update_bucket(i, grads)
+            if self._host is None:
+                self._update_bucket(i, self.shard_grad, self.step_count)
             self._gather.launch(i, self.master[slice(*self._shard_range(i))])
         if not self.options.overlap_param_gather:
             self.wait_for_params()
@@ -404,32 +407,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
         lo = self.reducer.states[index].shard_offset
         return lo, lo + self.buckets[index].shard_numel
 
-    def _update_bucket(self, index: int, grads: Tensor) -> None:
-        by_group: dict[int, list[list[Tensor]]] = {}
+    def _update_bucket(self, index: int, grads: Tensor, step: Tensor) -> None:
+        """AdamW on bucket ``index``'s shard with ``grads`` (device shard or its host copy) at ``step``."""
+        state = (self.master, self.exp_avg, self.exp_avg_sq)
         offset = self.reducer.states[index].shard_offset
-        for run in self._runs[index]:
-            lo, hi = offset + run.lo, offset + run.hi
-            lists = by_group.setdefault(run.group, [[], [], [], []])
-            g = grads[lo:hi]
-            lists[0].append(self.master[lo:hi])
-            lists[1].append(g if g.dtype == torch.float32 else g.float())
-            lists[2].append(self.exp_avg[lo:hi])
-            lists[3].append(self.exp_avg_sq[lo:hi])
-        for gi, (p, g, m, v) in by_group.items():
-            group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            adamw_update(
-                p,
-                g,
-                m,
-                v,
-                self.step_count,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
-            )
+        update_runs(self._runs[index], offset, state, grads, step, self.param_groups)
 
     def wait_for_params(self) -> None:
         """Block until every all-gather launched by ``step()`` has landed in the model parameters
@@ -477,11 +459,23 @@ class EPShardedAdamW(torch.optim.Optimizer):
         )
         return full + self.shard_grad.numel() * self.shard_grad.element_size()
 
+    def host_bytes(self) -> int:
+        """Host memory this optimizer holds (offload): the state, the saved slices speculation may
+        restore, the gradient copy and the parameters' host send buffers; 0 without offload."""
+        if self._host is None:
+            return 0
+        return self.state_bytes() + self._host.state_bytes() + self._gather.host_bytes()
+
     def metrics(self) -> dict[str, float]:
         """Values for the logger: optim/state_bytes, optim/padding_bytes, optim/param_bytes,
-        optim/grad_buffer_bytes, optim/step_ms (host wall time of the last ``step()``) and
-        optim/grad_norm (last computed)."""
+        optim/grad_buffer_bytes, optim/step_ms (host wall time of the last ``step()``),
+        optim/grad_norm (last computed), mem/host_optimizer_bytes and mem/device_optimizer_bytes (where
+        the state lives), and with offload optim/offload_rollbacks (steps whose speculative host update
+        was undone)."""
+        on_host = self._host is not None
         out = {
+            "mem/host_optimizer_bytes": float(self.host_bytes()),
+            "mem/device_optimizer_bytes": 0.0 if on_host else float(self.state_bytes()),
             "optim/state_bytes": float(self.state_bytes()),
             "optim/param_bytes": float(self.param_bytes()),
             "optim/padding_bytes": float(self.padding_bytes()),
@@ -490,6 +484,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
         }
         if self._p.last_norm is not None:
             out["optim/grad_norm"] = float(self._p.last_norm)
+        if self._host is not None:
+            out["optim/offload_rollbacks"] = float(self._host.rollbacks)
         return out
 
     # ----------------------------------------------------------------------------------------
@@ -534,6 +530,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the backward and forward hooks this optimizer registered."""
         self.reducer.remove_hooks()
+        if self._host is not None:
+            self._host.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -551,24 +549,3 @@ def _fake_backend() -> bool:
 def _default_topology() -> ExpertParallelTopology:
     """Every rank of the process group is a data-parallel rank (E = P = 1), or one process."""
     return build_topology(1)
-
-
-def _runs(segments: Sequence[Segment]) -> list[_Run]:
-    """Merge consecutive segments of one param group (padding between them has zero gradient and
-    stays zero under AdamW, so it can ride along) into as few update calls as possible."""
-    runs: list[_Run] = []
-    for s in segments:
-        end = s.shard_start + s.length
-        if runs and runs[-1].group == s.slot.entry.group:
-            runs[-1].hi = end
-        else:
-            runs.append(_Run(s.slot.entry.group, s.shard_start, end))
-    return runs
-
-
-def _record_event(device: torch.device) -> Any:
-    if device.type == "cpu":
-        return None
-    event = torch.Event(device=device)
-    event.record()
-    return event

@@ -1,0 +1,143 @@
+"""Optimizer offload with speculation (strategies/optim/offload.py) against the update after backward.
+
+The tiny MoE on 2 gloo ranks (E=2, sharded optimizer, small buckets so backward launches several),
+20 steps, `gradient_clip_val` low enough that some steps clip and others do not, and at step BAD_STEP
+one expert gradient made `inf` on rank 0 (as tests/test_optimizer_step.py does). Offload on (host
+updates started during backward, validated after) and off give bitwise-equal weights after every
+step in fp32 and under bf16-true; every step that clipped or was skipped counts one rollback of the
+speculation; `mem/*` puts the state on the host. A run that saves with offload on at step 10 and
+resumes with offload off continues the uninterrupted run's losses exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from dist_helpers import cpu_trainer, lightning_env, run_distributed
+
+from mula.module import MulaLightningModule
+from strategies import XPUMoEStrategy
+
+MICRO, SEQ, STEPS, BAD_STEP, CLIP, RESUME = 2, 16, 20, 7, 1.45, 10
+OVERRIDES = dict(
+    vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
+    expert_intermediate_size=32, max_position_embeddings=64,
+)  # fmt: skip
+EXPERT = "model.layers.0.mlp.experts.gate_up"
+
+
+class _Batches:
+    """Rank `rank`'s micro-batch of every step from `start` on (a function of the step only)."""
+
+    def __init__(self, rank: int, start: int = 0) -> None:
+        self.rank, self.start = rank, start
+
+    def __iter__(self):
+        for step in range(self.start, STEPS):
+            g = torch.Generator().manual_seed(100 + step)
+            batch = torch.randint(0, OVERRIDES["vocab_size"], (2 * MICRO, SEQ + 1), generator=g)
+            yield batch[self.rank * MICRO : (self.rank + 1) * MICRO]
+
+
+class _Record(L.Callback):
+    """Per optimizer step: the weights, the loss, the global norm; an inf gradient at BAD_STEP on rank 0."""
+
+    def __init__(self) -> None:
+        self.params, self.losses, self.norms, self.handle = {}, {}, {}, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == BAD_STEP - 1:
+            param = dict(pl_module.named_parameters())[EXPERT]
+            self.handle = param.register_hook(_poison)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        self.norms[trainer.global_step + 1] = float(trainer.strategy.last_grad_norm)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        trainer.optimizers[0].wait_for_params()
+        step = trainer.global_step
+        self.params[step] = {n: p.detach().float().clone() for n, p in pl_module.named_parameters()}
+        self.losses[step] = float(outputs["loss"])
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = math.inf
+    return grad
+
+
+def _fit(rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None) -> dict:
+    options = {"offload": offload, "bucket_numel": 4096}
+    strategy = XPUMoEStrategy(expert_parallel_size=2, optimizer_options=options)
+    record = _Record()
+    trainer = cpu_trainer(
+        2, strategy, max_steps=STEPS, accumulate_grad_batches=1, callbacks=[record], save_dir=save_dir,
+        gradient_clip_val=CLIP, precision=precision,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = MulaLightningModule(
+        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, warmup_steps=1, decay_steps=20
+    )
+    trainer.fit(module, _Batches(rank, 0 if ckpt is None else RESUME), ckpt_path=ckpt)
+    opt = trainer.optimizers[0]
+    return {
+        "params": record.params,
+        "losses": record.losses,
+        "norms": record.norms,
+        "metrics": opt.metrics(),
+        "buckets": len(opt.buckets),
+    }
+
+
+def _run(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    lightning_env(rank, world)
+    warnings.simplefilter("ignore")
+    out = {
+        "off": _fit(rank, False),
+        "on": _fit(rank, True, save_dir=f"{root}/on"),
+        "bf16_off": _fit(rank, False, "bf16-true"),
+        "bf16_on": _fit(rank, True, "bf16-true"),
+    }
+    ckpt = next(p for p in Path(f"{root}/on").iterdir() if f"step={RESUME}" in p.name)
+    out["resumed_off"] = _fit(rank, False, ckpt=str(ckpt))
+    return out
+
+
+def test_offload_with_speculation_matches_the_update_after_backward() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(_run, 2, root)
+    for rank, out in enumerate(ranks):
+        off, on = out["off"], out["on"]
+        assert on["buckets"] > 2, "the test needs several buckets to speculate on"
+        clipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 > CLIP]
+        unclipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 <= CLIP]
+        assert clipped and unclipped, f"CLIP={CLIP} must clip some steps and not others: {off['norms']}"
+        assert not math.isfinite(off["norms"][BAD_STEP])
+        for kind in ("", "bf16_"):
+            a, b = out[f"{kind}off"], out[f"{kind}on"]
+            assert a["losses"] == b["losses"], f"rank {rank} {kind}: losses differ"
+            for step, params in a["params"].items():
+                for name, value in params.items():
+                    assert torch.equal(value, b["params"][step][name]), (
+                        f"rank {rank} {kind}step {step}: {name}"
+                    )
+            # the skipped step left every weight as it was
+            before, after = b["params"][BAD_STEP - 1], b["params"][BAD_STEP]
+            assert all(torch.equal(before[n], after[n]) for n in before)
+        # one rollback per clipped step and one for the skipped step
+        assert on["metrics"]["optim/offload_rollbacks"] == len(clipped) + 1
+        assert on["metrics"]["mem/device_optimizer_bytes"] == 0
+        assert on["metrics"]["mem/host_optimizer_bytes"] >= on["metrics"]["optim/state_bytes"] > 0
+        assert off["metrics"]["mem/host_optimizer_bytes"] == 0
+        # resumed with offload off from offload on's checkpoint: the uninterrupted run's losses
+        resumed = out["resumed_off"]["losses"]
+        assert resumed and all(resumed[s] == off["losses"][s] for s in resumed), rank
