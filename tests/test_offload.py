@@ -19,7 +19,9 @@ import lightning.pytorch as L
 import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
+from mula.config import resolve_config
 from mula.module import MulaLightningModule
+from mula.plan import Layout, plan_memory
 from strategies import XPUMoEStrategy
 
 MICRO, SEQ, STEPS, BAD_STEP, CLIP, RESUME = 2, 16, 20, 7, 1.45, 10
@@ -73,8 +75,10 @@ def _poison(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _fit(rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None) -> dict:
-    options = {"offload": offload, "bucket_numel": 4096}
+def _fit(
+    rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None, tail: int = 0
+) -> dict:
+    options = {"offload": offload, "bucket_numel": 4096, "offload_tail_buckets": tail}
     strategy = XPUMoEStrategy(expert_parallel_size=2, optimizer_options=options)
     record = _Record()
     trainer = cpu_trainer(
@@ -106,6 +110,7 @@ def _run(rank: int, world: int, root: str) -> dict:
         "on": _fit(rank, True, save_dir=f"{root}/on"),
         "bf16_off": _fit(rank, False, "bf16-true"),
         "bf16_on": _fit(rank, True, "bf16-true"),
+        "tail_on": _fit(rank, True, tail=2),
     }
     ckpt = next(p for p in Path(f"{root}/on").iterdir() if f"step={RESUME}" in p.name)
     out["resumed_off"] = _fit(rank, False, ckpt=str(ckpt))
@@ -122,8 +127,11 @@ def test_offload_with_speculation_matches_the_update_after_backward() -> None:
         unclipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 <= CLIP]
         assert clipped and unclipped, f"CLIP={CLIP} must clip some steps and not others: {off['norms']}"
         assert not math.isfinite(off["norms"][BAD_STEP])
-        for kind in ("", "bf16_"):
-            a, b = out[f"{kind}off"], out[f"{kind}on"]
+        for kind, a, b in (
+            ("", off, on),
+            ("bf16_", out["bf16_off"], out["bf16_on"]),
+            ("tail_", off, out["tail_on"]),
+        ):
             assert a["losses"] == b["losses"], f"rank {rank} {kind}: losses differ"
             for step, params in a["params"].items():
                 for name, value in params.items():
@@ -138,6 +146,23 @@ def test_offload_with_speculation_matches_the_update_after_backward() -> None:
         assert on["metrics"]["mem/device_optimizer_bytes"] == 0
         assert on["metrics"]["mem/host_optimizer_bytes"] >= on["metrics"]["optim/state_bytes"] > 0
         assert off["metrics"]["mem/host_optimizer_bytes"] == 0
+        tail = out["tail_on"]["metrics"]  # two buckets' state on the device, the rest on the host
+        assert (
+            0
+            < tail["mem/device_optimizer_bytes"]
+            < tail["optim/state_bytes"]
+            == on["metrics"]["optim/state_bytes"]
+        )
+        assert tail["mem/host_optimizer_bytes"] < on["metrics"]["mem/host_optimizer_bytes"]
+        # the planner's host and device optimizer bytes are what the optimizer holds
+        for tail_buckets, metrics in ((0, on["metrics"]), (2, tail)):
+            layout = Layout(
+                world_size=2, ep_size=2, micro_batch=MICRO, seq_len=SEQ, shard_optimizer=True, offload=True,
+                offload_tail_buckets=tail_buckets, bucket_numel=4096, collectives="rooted",
+            )  # fmt: skip
+            plan = plan_memory(resolve_config("mula-tiny-moe", OVERRIDES), layout)
+            assert plan.host_bytes == metrics["mem/host_optimizer_bytes"], tail_buckets
+            assert plan.optimizer == metrics["mem/device_optimizer_bytes"], tail_buckets
         # resumed with offload off from offload on's checkpoint: the uninterrupted run's losses
         resumed = out["resumed_off"]["losses"]
         assert resumed and all(resumed[s] == off["losses"][s] for s in resumed), rank

@@ -91,19 +91,18 @@ def shard_runs(segments: Sequence[Segment]) -> list[ShardRun]:
 
 def update_runs(
     runs: Sequence[ShardRun],
-    offset: int,
     state: tuple[Tensor, Tensor, Tensor],
     grads: Tensor,
     step: Tensor,
     param_groups: Sequence[dict[str, Any]],
 ) -> None:
-    """AdamW on one bucket's shard: ``runs`` (from ``shard_runs``) at ``offset`` of the flat
-    ``state`` = (master, exp_avg, exp_avg_sq) and ``grads``, one vectorised call per param group with
-    that group's lr, betas, eps and weight decay."""
+    """AdamW on one bucket's shard: ``runs`` (from ``shard_runs``) of the bucket's ``state`` =
+    (master, exp_avg, exp_avg_sq) and ``grads`` (all over that shard), one vectorised call per param
+    group with that group's lr, betas, eps and weight decay."""
     master, exp_avg, exp_avg_sq = state
     by_group: dict[int, list[list[Tensor]]] = {}
     for run in runs:
-        lo, hi = offset + run.lo, offset + run.hi
+        lo, hi = run.lo, run.hi
         lists = by_group.setdefault(run.group, [[], [], [], []])
         g = grads[lo:hi]
         lists[0].append(master[lo:hi])

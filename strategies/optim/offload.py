@@ -44,6 +44,7 @@ class HostUpdate:
 
     Args:
         reducer: the optimizer's gradient reducer (its ``shard_grad`` on the device, its buckets).
+        buckets: the buckets updated on the host (all but the tail buckets, which stay on the device).
         state: (master, exp_avg, exp_avg_sq), flat fp32 host tensors over this rank's shard.
         host_grad: the host copy of the gradient shard (reduce dtype, pinned on accelerators).
         step_count: the optimizer's step counter (incremented by ``step()`` before ``finish``).
@@ -56,6 +57,7 @@ class HostUpdate:
     def __init__(
         self,
         reducer: GradReducer,
+        buckets: Sequence[int],
         state: tuple[Tensor, Tensor, Tensor],
         host_grad: Tensor,
         step_count: Tensor,
@@ -66,7 +68,8 @@ class HostUpdate:
     ) -> None:
         self.reducer, self.state, self.host_grad = reducer, state, host_grad
         self.step_count, self.param_groups, self._update = step_count, param_groups, update
-        self.speculate = speculate
+        self.speculate, self.buckets = speculate, list(buckets)
+        self._mine = set(self.buckets)
         self.device = reducer.shard_grad.device
         # what a speculated bucket needs to be undone exactly: its state slices before the update
         self._saved = tuple(torch.empty_like(t) for t in state)
@@ -87,6 +90,8 @@ class HostUpdate:
     def on_launch(self, index: int) -> None:
         """The reducer launched bucket ``index``'s reduction in the step's last backward: queue its
         speculative host update (main thread; the worker does the waiting)."""
+        if index not in self._mine:
+            return  # a tail bucket: updated on the device in step()
         if index in self._pending:
             self._stale = True  # its gradient changes again: the speculation no longer holds
             return
@@ -136,7 +141,7 @@ class HostUpdate:
         self._join()
         self._all_to_host()
         if not bool(coef == 1):  # coef < 1, or NaN from a non-finite norm: as the device path does
-            self.host_grad.mul_(coef.to(self.host_grad.dtype))
+            self.host_grad.mul_(coef.to(self.host_grad.device, self.host_grad.dtype))
             self._clip = coef
 
     def finish(self) -> None:
@@ -153,7 +158,7 @@ class HostUpdate:
         if self._pending and not valid:
             self.rollbacks += 1
         self._all_to_host()
-        for index in range(len(self.reducer.buckets)):
+        for index in self.buckets:
             if index in self._pending:
                 if valid:
                     continue
@@ -189,7 +194,7 @@ class HostUpdate:
 
     def _all_to_host(self) -> None:
         """Copy every bucket's gradient shard not yet on the host (all queued, then one wait)."""
-        missing = [i for i in range(len(self.reducer.buckets)) if i not in self._on_host]
+        missing = [i for i in self.buckets if i not in self._on_host]
         for index in missing:
             self._to_host(*self._range(index))
             self._on_host.add(index)

@@ -57,16 +57,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mula.flat_buffers import ParamEntry, Segment, padding_bound
+from mula.flat_buffers import ParamEntry, Segment
 from strategies.optim import state as optim_state
 from strategies.optim.adamw import shard_runs, update_runs
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, local_tensor, param_entry
 from strategies.optim.offload import HostUpdate
 from strategies.optim.param_gather import ParamGather
+from strategies.optim.reporting import ShardReporting
 from strategies.optim.sharding_options import ShardingOptions, torch_dtype
 from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
+
+_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -79,7 +82,7 @@ class _Progress:
     last_step_ms: float = 0.0
 
 
-class EPShardedAdamW(torch.optim.Optimizer):
+class EPShardedAdamW(ShardReporting, torch.optim.Optimizer):
     """Mixed-precision AdamW over flat buffers with EP-aware sharding of its state and gradients.
 
     Args:
@@ -244,29 +247,45 @@ class EPShardedAdamW(torch.optim.Optimizer):
         opt = self.options
         pin = opt.offload and self.device.type != "cpu"
         states = self.reducer.states
+        n = len(self.buckets)
+        # offload: the last `offload_tail_buckets` buckets (the last reductions of backward, nothing
+        # left to overlap their host update with) keep their state on the device; a suffix of the shard
+        tail = min(opt.offload_tail_buckets, n) if opt.offload else 0
+        self.tail_buckets = set(range(n - tail, n))
+        numel = self.reducer.shard_grad.numel()
+        self.tail_start = states[n - tail].shard_offset if tail else numel
         self._gather = ParamGather(
-            self._params, self.buckets, states, offload=opt.offload, device=self.device
+            self._params,
+            self.buckets,
+            states,
+            offload=[opt.offload and i not in self.tail_buckets for i in range(n)],
+            device=self.device,
         )
         self._runs = [shard_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
-        numel = self.reducer.shard_grad.numel()
         zeros = {"dtype": torch.float32, "device": self.state_device}
-        self.master = torch.zeros(numel, **zeros)
-        self.exp_avg = torch.zeros(numel, **zeros)
-        self.exp_avg_sq = torch.zeros(numel, **zeros)
+        self.master = torch.zeros(self.tail_start, **zeros)
+        self.exp_avg = torch.zeros(self.tail_start, **zeros)
+        self.exp_avg_sq = torch.zeros(self.tail_start, **zeros)
+        on_device = {"dtype": torch.float32, "device": self.device}
+        self.tail_state = tuple(torch.zeros(numel - self.tail_start, **on_device) for _ in range(3))
         self.shard_grad = self.reducer.shard_grad
         self.host_grad = (
-            torch.zeros(numel, dtype=torch_dtype(opt.reduce_dtype), pin_memory=pin) if opt.offload else None
+            torch.zeros(self.tail_start, dtype=torch_dtype(opt.reduce_dtype), pin_memory=pin)
+            if opt.offload
+            else None
         )
         for b, st in zip(self.buckets, states):
             for seg in b.segments(st.domain.rank):
                 p = self._params[seg.slot.entry.index]
-                lo = st.shard_offset + seg.shard_start
+                buf, lo = self.state_buffer("master", st.shard_offset)
+                lo += seg.shard_start
                 src = local_tensor(p.detach()).reshape(-1)[seg.param_start : seg.param_start + seg.length]
-                self.master[lo : lo + seg.length].copy_(src)
+                buf[lo : lo + seg.length].copy_(src)
         self._host: HostUpdate | None = None
         if opt.offload:
             self._host = HostUpdate(
                 self.reducer,
+                [i for i in range(n) if i not in self.tail_buckets],
                 (self.master, self.exp_avg, self.exp_avg_sq),
                 self.host_grad,
                 self.step_count,
@@ -274,6 +293,22 @@ class EPShardedAdamW(torch.optim.Optimizer):
                 self._update_bucket,
                 speculate=opt.offload_speculation,
             )
+
+    def state_buffer(self, kind: str, offset: int) -> tuple[Tensor, int]:
+        """(flat tensor, offset in it) holding ``kind`` ("master", "exp_avg", "exp_avg_sq") at offset
+        ``offset`` of this rank's shard: the host buffers, or the device ones of the tail buckets."""
+        if offset >= self.tail_start and self.tail_state[0].numel():
+            return self.tail_state[_KINDS.index(kind)], offset - self.tail_start
+        return getattr(self, kind), offset
+
+    def bucket_state(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Bucket ``index``'s shard of (master, exp_avg, exp_avg_sq), wherever it lives."""
+        lo, hi = self._shard_range(index)
+        out = []
+        for kind in _KINDS:
+            buf, at = self.state_buffer(kind, lo)
+            out.append(buf[at : at + hi - lo])
+        return out[0], out[1], out[2]
 
     # ----------------------------------------------------------------------------------------
     # gradients
@@ -321,6 +356,7 @@ class EPShardedAdamW(torch.optim.Optimizer):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             if self._host is not None:  # the update reads the host copy: scale that one
                 self._host.clip(coef)
+                self.shard_grad[self.tail_start :].mul_(coef.to(self.shard_grad.dtype))  # tail buckets
             else:
                 self.shard_grad.mul_(coef.to(self.shard_grad.dtype))
         self._p.clipped = True
@@ -392,10 +428,11 @@ class EPShardedAdamW(torch.optim.Optimizer):
         self.step_count.add_(1)
         if self._host is not None:  # validate the speculative host updates, run the rest
             self._host.finish()
+        step = self.step_count.to(self.device)  # for the buckets updated on the device
         for i in range(len(self.buckets)):
-            if self._host is None:
-                self._update_bucket(i, self.shard_grad, self.step_count)
-            self._gather.launch(i, self.master[slice(*self._shard_range(i))])
+            if self._host is None or i in self.tail_buckets:
+                self._update_bucket(i, self.shard_grad, step)
+            self._gather.launch(i, self.bucket_state(i)[0])
         if not self.options.overlap_param_gather:
             self.wait_for_params()
         self._p.steps_done += 1
@@ -409,9 +446,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def _update_bucket(self, index: int, grads: Tensor, step: Tensor) -> None:
         """AdamW on bucket ``index``'s shard with ``grads`` (device shard or its host copy) at ``step``."""
-        state = (self.master, self.exp_avg, self.exp_avg_sq)
-        offset = self.reducer.states[index].shard_offset
-        update_runs(self._runs[index], offset, state, grads, step, self.param_groups)
+        lo, hi = self._shard_range(index)
+        update_runs(self._runs[index], self.bucket_state(index), grads[lo:hi], step, self.param_groups)
 
     def wait_for_params(self) -> None:
         """Block until every all-gather launched by ``step()`` has landed in the model parameters
@@ -420,73 +456,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def _gather_params(self) -> None:
         for i in range(len(self.buckets)):
-            self._gather.launch(i, self.master[slice(*self._shard_range(i))])
+            self._gather.launch(i, self.bucket_state(i)[0])
         self.wait_for_params()
-
-    # ----------------------------------------------------------------------------------------
-    # reporting
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 master weights + exp_avg + exp_avg_sq shards."""
-        return self.master.numel() * 4 + self.exp_avg.numel() * 4 + self.exp_avg_sq.numel() * 4
-
-    def owned_numel(self) -> int:
-        """Parameter elements whose state this rank owns (padding excluded)."""
-        return sum(
-            s.length for b, st in zip(self.buckets, self.reducer.states) for s in b.segments(st.domain.rank)
-        )
-
-    def padding_bytes(self) -> int:
-        """State bytes spent on alignment padding on this rank (``state_bytes() - 12 * owned_numel()``)."""
-        return self.state_bytes() - 12 * self.owned_numel()
-
-    def padding_bound_bytes(self) -> int:
-        """The stated upper bound on ``padding_bytes()`` (``flat_buffers.padding_bound``) plus the
-        rounding of this rank's exact share 12 * P / W."""
-        return 12 * (padding_bound(self.buckets, self.options.align) + len(self.buckets))
-
-    def param_bytes(self) -> int:
-        """Bytes of the model parameters' flat buffers on this device (2 per element for bf16
-        parameters, 4 for fp32; alignment padding included)."""
-        return self._gather.param_bytes()
-
-    def grad_buffer_bytes(self) -> int:
-        """Bytes of persistent gradient buffers (full buckets for ZeRO-1, shards only for ZeRO-2)."""
-        full = sum(
-            st.grad_full.numel() * st.grad_full.element_size()
-            for st in self.reducer.states
-            if st.grad_full is not None and self.options.zero_stage == 1
-        )
-        return full + self.shard_grad.numel() * self.shard_grad.element_size()
-
-    def host_bytes(self) -> int:
-        """Host memory this optimizer holds (offload): the state, the saved slices speculation may
-        restore, the gradient copy and the parameters' host send buffers; 0 without offload."""
-        if self._host is None:
-            return 0
-        return self.state_bytes() + self._host.state_bytes() + self._gather.host_bytes()
-
-    def metrics(self) -> dict[str, float]:
-        """Values for the logger: optim/state_bytes, optim/padding_bytes, optim/param_bytes,
-        optim/grad_buffer_bytes, optim/step_ms (host wall time of the last ``step()``),
-        optim/grad_norm (last computed), mem/host_optimizer_bytes and mem/device_optimizer_bytes (where
-        the state lives), and with offload optim/offload_rollbacks (steps whose speculative host update
-        was undone)."""
-        on_host = self._host is not None
-        out = {
-            "mem/host_optimizer_bytes": float(self.host_bytes()),
-            "mem/device_optimizer_bytes": 0.0 if on_host else float(self.state_bytes()),
-            "optim/state_bytes": float(self.state_bytes()),
-            "optim/param_bytes": float(self.param_bytes()),
-            "optim/padding_bytes": float(self.padding_bytes()),
-            "optim/grad_buffer_bytes": float(self.grad_buffer_bytes()),
-            "optim/step_ms": self._p.last_step_ms,
-        }
-        if self._p.last_norm is not None:
-            out["optim/grad_norm"] = float(self._p.last_norm)
-        if self._host is not None:
-            out["optim/offload_rollbacks"] = float(self._host.rollbacks)
-        return out
 
     # ----------------------------------------------------------------------------------------
     # checkpoints
