@@ -166,3 +166,41 @@ def test_offload_with_speculation_matches_the_update_after_backward() -> None:
         # resumed with offload off from offload on's checkpoint: the uninterrupted run's losses
         resumed = out["resumed_off"]["losses"]
         assert resumed and all(resumed[s] == off["losses"][s] for s in resumed), rank
+
+
+_DENSE_25B = """
+config: {root}/recipes/mula-tiny-dense.yaml
+model.overrides: {{vocab_size: 32000, hidden_size: 5120, num_layers: 80, num_heads: 40,
+                  intermediate_size: 13824, max_position_embeddings: 4096}}
+model.activation_checkpointing: full
+trainer.precision: bf16-true
+trainer.devices: 1
+data.seq_len: 4096
+data.micro_batch_size: 1
+data.global_batch_size: 8
+trainer.strategy:
+  class_path: strategies.XPUMoEStrategy
+  init_args:
+    shard_optimizer: true
+    optimizer_options: {{zero_stage: 2, reduce_dtype: bf16, offload: {offload}, offload_speculation: false}}
+"""
+
+
+def test_plan_a_25b_dense_model_fits_one_gh200_with_offload_and_not_without(tmp_path, capsys) -> None:
+    """SuperOffload's headline, as `mula plan` sees it: 25.7B dense parameters, bf16, one GH200."""
+    import json
+
+    from mula.entry import main
+
+    out = {}
+    for offload in (False, True):
+        recipe = tmp_path / f"offload_{offload}.yaml"
+        recipe.write_text(_DENSE_25B.format(root=Path(__file__).parents[1], offload=str(offload).lower()))
+        main(["plan", "-c", str(recipe), "--machine=gh200", "--format=json"])
+        out[offload] = json.loads(capsys.readouterr().out)
+    assert 25e9 < out[True]["per_rank_bytes"]["params"] / 2 < 26e9
+    assert not out[False]["fits"] and out[False]["host_bytes"] == 0
+    assert out[False]["per_rank_bytes"]["total"] > 144e9  # 12 bytes of state per parameter on the device
+    assert out[True]["fits"] and out[True]["per_rank_bytes"]["optimizer"] == 0
+    assert 144e9 > out[True]["per_rank_bytes"]["total"] and out[True]["host_fits"]
+    assert out[True]["host_bytes_per_node"] <= out[True]["host_memory_per_node"] == 480e9

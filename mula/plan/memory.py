@@ -127,19 +127,20 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
         # a full bucket lives while its reduce-scatter is in flight: one reducing, one filling
         buffers += 2 * max(b.numel for b in buckets) * layout.reduce_bytes
     host = 0
-    if layout.offload:  # strategies/optim/offload.py: the state, the slices speculation may restore
+    if layout.offload:  # strategies/optim/offload.py: the state and the slices speculation may restore
         # (12 per element each), the gradient shard's host copy and the cast master shard's send buffer;
         # the tail buckets keep their state on the device
         tail = min(layout.offload_tail_buckets, len(buckets))
         on_host = sum(b.shard_numel for b in buckets[: len(buckets) - tail])
-        host = 24 * on_host + on_host * (layout.reduce_bytes + layout.param_bytes)
+        state = 24 if layout.offload_speculation else 12
+        host = on_host * (state + layout.reduce_bytes + layout.param_bytes)
         optimizer = 12 * (shard - on_host)
     return params_alloc, tensors, grads, optimizer, buffers, host
 
 
 _STATE_FIELDS = ("ep_size", "tp_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
                  "align", "ep_aware", "shard_optimizer", "collectives", "offload",
-                 "offload_tail_buckets")  # fmt: skip
+                 "offload_tail_buckets", "offload_speculation")  # fmt: skip
 
 
 def _stage_state(

@@ -71,8 +71,9 @@ class HostUpdate:
         self.speculate, self.buckets = speculate, list(buckets)
         self._mine = set(self.buckets)
         self.device = reducer.shard_grad.device
-        # what a speculated bucket needs to be undone exactly: its state slices before the update
-        self._saved = tuple(torch.empty_like(t) for t in state)
+        # what a speculated bucket needs to be undone exactly: its state slices before the update (12
+        # bytes per element of host memory, only when speculating)
+        self._saved = tuple(torch.empty_like(t) for t in state) if speculate else ()
         self._spec_step = torch.zeros_like(step_count)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mula-offload")
         self._pending: dict[int, Future] = {}  # bucket -> its speculative update
@@ -212,5 +213,6 @@ class HostUpdate:
         return [tuple(g[k] for k in _HPARAMS) for g in self.param_groups]
 
     def state_bytes(self) -> int:
-        """Host bytes this engine adds: the saved slices (12 per element) and the gradient copy."""
+        """Host bytes this engine adds: the saved slices (12 per element, when speculating) and the
+        gradient copy."""
         return sum(t.numel() * t.element_size() for t in (*self._saved, self.host_grad))
