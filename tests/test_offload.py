@@ -2,7 +2,7 @@
 
 The tiny MoE on 2 gloo ranks (E=2, sharded optimizer, small buckets so backward launches several),
 20 steps, `gradient_clip_val` low enough that some steps clip and others do not, and at step BAD_STEP
-one expert gradient made `inf` on rank 0 (as tests/test_optimizer_step.py does). Offload on (host
+one expert gradient made `inf` on rank 0 (tests/test_optimizer_step.py's `_InfGradient`). Offload on (host
 updates started during backward, validated after) and off give bitwise-equal weights after every
 step in fp32 and under bf16-true; every step that clipped or was skipped counts one rollback of the
 speculation; `mem/*` puts the state on the host. A run that saves with offload on at step 10 and
@@ -18,18 +18,14 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from test_optimizer_step import BAD_STEP, OVERRIDES, _InfGradient  # an inf expert gradient on rank 0
 
 from mula.config import resolve_config
 from mula.module import MulaLightningModule
 from mula.plan import Layout, plan_memory
 from strategies import XPUMoEStrategy
 
-MICRO, SEQ, STEPS, BAD_STEP, CLIP, RESUME = 2, 16, 20, 7, 1.45, 10
-OVERRIDES = dict(
-    vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
-    expert_intermediate_size=32, max_position_embeddings=64,
-)  # fmt: skip
-EXPERT = "model.layers.0.mlp.experts.gate_up"
+MICRO, SEQ, STEPS, CLIP, RESUME = 2, 16, 20, 1.45, 10
 
 
 class _Batches:
@@ -46,20 +42,12 @@ class _Batches:
 
 
 class _Record(L.Callback):
-    """Per optimizer step: the weights, the loss, the global norm; an inf gradient at BAD_STEP on rank 0."""
+    """Per optimizer step: the weights, the loss, the global norm."""
 
     def __init__(self) -> None:
-        self.params, self.losses, self.norms, self.handle = {}, {}, {}, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_rank == 0 and trainer.global_step == BAD_STEP - 1:
-            param = dict(pl_module.named_parameters())[EXPERT]
-            self.handle = param.register_hook(_poison)
+        self.params, self.losses, self.norms = {}, {}, {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
         self.norms[trainer.global_step + 1] = float(trainer.strategy.last_grad_norm)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -69,12 +57,6 @@ class _Record(L.Callback):
         self.losses[step] = float(outputs["loss"])
 
 
-def _poison(grad: torch.Tensor) -> torch.Tensor:
-    grad = grad.clone()
-    grad.view(-1)[0] = math.inf
-    return grad
-
-
 def _fit(
     rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None, tail: int = 0
 ) -> dict:
@@ -82,7 +64,7 @@ def _fit(
     strategy = XPUMoEStrategy(expert_parallel_size=2, optimizer_options=options)
     record = _Record()
     trainer = cpu_trainer(
-        2, strategy, max_steps=STEPS, accumulate_grad_batches=1, callbacks=[record], save_dir=save_dir,
+        2, strategy, max_steps=STEPS, accumulate_grad_batches=1, callbacks=[_InfGradient(), record], save_dir=save_dir,
         gradient_clip_val=CLIP, precision=precision,
     )  # fmt: skip
     torch.manual_seed(0)

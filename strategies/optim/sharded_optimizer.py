@@ -41,8 +41,13 @@ per owned element); the master shard is built from the parameters as they are wh
 constructed, updated in fp32, and cast to bf16 for the all-gather. ``reduce_dtype`` (fp32 by default)
 decides whether bf16 gradients are accumulated and reduce-scattered in fp32 or in bf16.
 
-Options: ``strategies.optim.sharding_options``; the update arithmetic: ``strategies.optim.adamw``; checkpoints:
-``strategies.optim.state``.
+Offload (``offload=True``): the master weights and moments live in host memory and each bucket's host
+update starts during backward, validated after the global norm (``strategies.optim.offload``,
+docs/offload.md); ``offload_tail_buckets`` keeps the last buckets' state on the device.
+
+Options: ``strategies.optim.sharding_options``; the update arithmetic: ``strategies.optim.adamw``; the norm
+and clipping: ``strategies.optim.clipping``; byte counts and metrics: ``strategies.optim.reporting``;
+checkpoints: ``strategies.optim.state``.
 """
 
 from __future__ import annotations
