@@ -92,6 +92,10 @@ class ShardingOptions:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}.")
         if self.offload_tail_buckets < 0:
             raise ValueError(f"offload_tail_buckets must be >= 0, got {self.offload_tail_buckets}.")
+        if self.offload_tail_buckets and not self.offload:
+            raise ValueError(
+                "offload_tail_buckets keeps some buckets on the device under offload; set offload: true."
+            )
         if self.clip_after_step < 0:
             raise ValueError(f"clip_after_step must be >= 0, got {self.clip_after_step}.")
         if self.collectives not in ("auto", "native", "rooted"):

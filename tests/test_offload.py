@@ -31,13 +31,13 @@ MICRO, SEQ, STEPS, CLIP, RESUME = 2, 16, 20, 1.45, 10
 class _Batches:
     """Rank `rank`'s micro-batch of every step from `start` on (a function of the step only)."""
 
-    def __init__(self, rank: int, start: int = 0) -> None:
-        self.rank, self.start = rank, start
+    def __init__(self, world: int, rank: int, start: int = 0) -> None:
+        self.world, self.rank, self.start = world, rank, start
 
     def __iter__(self):
         for step in range(self.start, STEPS):
             g = torch.Generator().manual_seed(100 + step)
-            batch = torch.randint(0, OVERRIDES["vocab_size"], (2 * MICRO, SEQ + 1), generator=g)
+            batch = torch.randint(0, OVERRIDES["vocab_size"], (self.world * MICRO, SEQ + 1), generator=g)
             yield batch[self.rank * MICRO : (self.rank + 1) * MICRO]
 
 
@@ -58,20 +58,20 @@ class _Record(L.Callback):
 
 
 def _fit(
-    rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None, tail: int = 0
+    world: int, rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None, tail: int = 0
 ) -> dict:
     options = {"offload": offload, "bucket_numel": 4096, "offload_tail_buckets": tail}
     strategy = XPUMoEStrategy(expert_parallel_size=2, optimizer_options=options)
     record = _Record()
     trainer = cpu_trainer(
-        2, strategy, max_steps=STEPS, accumulate_grad_batches=1, callbacks=[_InfGradient(), record], save_dir=save_dir,
+        world, strategy, max_steps=STEPS, accumulate_grad_batches=1, callbacks=[_InfGradient(), record], save_dir=save_dir,
         gradient_clip_val=CLIP, precision=precision,
     )  # fmt: skip
     torch.manual_seed(0)
     module = MulaLightningModule(
         "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, warmup_steps=1, decay_steps=20
     )
-    trainer.fit(module, _Batches(rank, 0 if ckpt is None else RESUME), ckpt_path=ckpt)
+    trainer.fit(module, _Batches(world, rank, 0 if ckpt is None else RESUME), ckpt_path=ckpt)
     opt = trainer.optimizers[0]
     return {
         "params": record.params,
@@ -88,14 +88,14 @@ def _run(rank: int, world: int, root: str) -> dict:
     lightning_env(rank, world)
     warnings.simplefilter("ignore")
     out = {
-        "off": _fit(rank, False),
-        "on": _fit(rank, True, save_dir=f"{root}/on"),
-        "bf16_off": _fit(rank, False, "bf16-true"),
-        "bf16_on": _fit(rank, True, "bf16-true"),
-        "tail_on": _fit(rank, True, tail=2),
+        "off": _fit(world, rank, False),
+        "on": _fit(world, rank, True, save_dir=f"{root}/on"),
+        "bf16_off": _fit(world, rank, False, "bf16-true"),
+        "bf16_on": _fit(world, rank, True, "bf16-true"),
+        "tail_on": _fit(world, rank, True, tail=2),
     }
     ckpt = next(p for p in Path(f"{root}/on").iterdir() if f"step={RESUME}" in p.name)
-    out["resumed_off"] = _fit(rank, False, ckpt=str(ckpt))
+    out["resumed_off"] = _fit(world, rank, False, ckpt=str(ckpt))
     return out
 
 
@@ -186,3 +186,23 @@ def test_plan_a_25b_dense_model_fits_one_gh200_with_offload_and_not_without(tmp_
     assert out[True]["fits"] and out[True]["per_rank_bytes"]["optimizer"] == 0
     assert 144e9 > out[True]["per_rank_bytes"]["total"] and out[True]["host_fits"]
     assert out[True]["host_bytes_per_node"] <= out[True]["host_memory_per_node"] == 480e9
+
+
+def _run_4(rank: int, world: int) -> dict:
+    import warnings
+
+    lightning_env(rank, world)
+    warnings.simplefilter("ignore")
+    return {"off": _fit(world, rank, False), "on": _fit(world, rank, True)}
+
+
+def test_offload_on_4_ranks_matches_the_update_after_backward() -> None:
+    """W=4, E=2 (dense state over 4 ranks, experts over EDP=2): the same weights, one rollback per
+    clipped or skipped step."""
+    for rank, out in enumerate(run_distributed(_run_4, 4)):
+        off, on = out["off"], out["on"]
+        for step, params in off["params"].items():
+            for name, value in params.items():
+                assert torch.equal(value, on["params"][step][name]), f"rank {rank} step {step}: {name}"
+        clipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 > CLIP]
+        assert on["metrics"]["optim/offload_rollbacks"] == len(clipped) + 1
