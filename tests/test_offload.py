@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import lightning.pytorch as L
+import pytest
 import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_optimizer_step import BAD_STEP, OVERRIDES, _InfGradient  # an inf expert gradient on rank 0
@@ -23,7 +24,9 @@ from test_optimizer_step import BAD_STEP, OVERRIDES, _InfGradient  # an inf expe
 from mula.config import resolve_config
 from mula.module import MulaLightningModule
 from mula.plan import Layout, plan_memory
+from mula.sharding_options import ShardingOptions
 from strategies import XPUMoEStrategy
+from strategies.optim.sharded_optimizer import EPShardedAdamW
 
 MICRO, SEQ, STEPS, CLIP, RESUME = 2, 16, 20, 1.45, 10
 
@@ -206,3 +209,36 @@ def test_offload_on_4_ranks_matches_the_update_after_backward() -> None:
                 assert torch.equal(value, on["params"][step][name]), f"rank {rank} step {step}: {name}"
         clipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 > CLIP]
         assert on["metrics"]["optim/offload_rollbacks"] == len(clipped) + 1
+
+
+def _one_process_run(offload: bool) -> list[torch.Tensor]:
+    """A small MLP in one process, 3 steps: the lr changes between backward and step() (step 1), and
+    two backward passes feed one step (step 2): both invalidate a speculation."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = EPShardedAdamW(
+        model.parameters(), model.named_parameters(), lr=1e-2, offload=offload, bucket_numel=64
+    )
+    x = torch.randn(6, 8)
+    for step in range(3):
+        for _ in range(2 if step == 2 else 1):
+            model(x).pow(2).mean().backward()
+        if step == 1:
+            opt.param_groups[0]["lr"] = 5e-3
+        opt.step()
+        opt.zero_grad()
+    rollbacks = opt.metrics().get("optim/offload_rollbacks")
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()] + [torch.tensor(rollbacks or 0.0)]
+
+
+def test_a_changed_lr_or_a_second_backward_recomputes_the_speculation() -> None:
+    off, on = _one_process_run(False), _one_process_run(True)
+    for a, b in zip(off[:-1], on[:-1]):
+        assert torch.equal(a, b)
+    assert float(on[-1]) == 2  # steps 1 and 2 rolled back; step 0's speculation stood
+
+
+def test_tail_buckets_need_offload() -> None:
+    with pytest.raises(ValueError, match="offload_tail_buckets"):
+        ShardingOptions(offload_tail_buckets=1)

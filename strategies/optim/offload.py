@@ -83,6 +83,7 @@ class HostUpdate:
         self._on_host: set[int] = set()  # buckets whose gradient shard is in host_grad this round
         self._spec_hparams: list[tuple] | None = None
         self._stale = False  # a speculated bucket was reduced again: recompute
+        self._relaunched: set[int] = set()  # those buckets
         self._clip: Tensor | None = None  # the clip coefficient applied to host_grad this round
         self.rollbacks = 0
         reducer.on_launch = self.on_launch if speculate else None
@@ -95,6 +96,7 @@ class HostUpdate:
             return  # a tail bucket: updated on the device in step()
         if index in self._pending:
             self._stale = True  # its gradient changes again: the speculation no longer holds
+            self._relaunched.add(index)  # and its host copy must be taken again
             return
         if not self._pending:
             self._spec_hparams = self._hparams()
@@ -191,11 +193,14 @@ class HostUpdate:
         self._landed.clear()
         self._copied.clear()
         self._on_host.clear()
+        self._relaunched.clear()
         self._spec_hparams, self._stale, self._clip = None, False, None
 
     def _all_to_host(self) -> None:
-        """Copy every bucket's gradient shard not yet on the host (all queued, then one wait)."""
-        missing = [i for i in self.buckets if i not in self._on_host]
+        """Copy every bucket's gradient shard not yet on the host, or reduced again since its copy (all
+        queued, then one wait; after ``_join``: the worker is done)."""
+        missing = [i for i in self.buckets if i not in self._on_host or i in self._relaunched]
+        self._relaunched.clear()
         for index in missing:
             self._to_host(*self._range(index))
             self._on_host.add(index)
