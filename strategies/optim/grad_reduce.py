@@ -396,9 +396,10 @@ class GradReducer:
         st.launched, st.arrived = True, 0
         dom.next_launch += 1
 
-    def _wait(self, st: ReduceState) -> None:
+    def _wait(self, st: ReduceState) -> list[_Work]:
         with self._wait_lock:  # whoever comes first (main thread or offload worker) lands the shard
-            for work in st.reduce_work:
+            landed = st.reduce_work
+            for work in landed:
                 for handle in work.handles:
                     handle.wait()
                 if work.source is not None:
@@ -406,10 +407,13 @@ class GradReducer:
                     shard = self.shard_grad[st.shard_offset : st.shard_offset + n]
                     shard.add_(work.source) if work.add else shard.copy_(work.source)
             st.reduce_work = []
+        return landed
 
-    def wait_bucket(self, index: int) -> None:
-        """Block until bucket ``index``'s launched reduction has landed in ``shard_grad`` (thread-safe)."""
-        self._wait(self.states[index])
+    def wait_bucket(self, index: int) -> list[_Work]:
+        """Block until bucket ``index``'s launched reduction has landed in ``shard_grad`` (thread-safe).
+        Returns the landed work: a caller on another stream keeps its buffers alive until that stream
+        has finished with them."""
+        return self._wait(self.states[index])
 
     def reduce(self) -> None:
         """Finish this round: launch every bucket not yet launched (in order, on every rank) and

@@ -121,12 +121,13 @@ class HostUpdate:
             self._to_host(lo, hi)
         else:  # a side stream: waiting for the reduction and copying do not queue behind backward
             with self._stream:
-                self.reducer.wait_bucket(index)
+                landed = self.reducer.wait_bucket(index)  # alive until the side stream is done with it
                 self._to_host(lo, hi)
                 event = torch.Event(device=self.device)
                 event.record(self._stream)
             self._copied[index] = event
             event.synchronize()
+            del landed
         self._landed[index].set()
         self._on_host.add(index)
         for saved, live in zip(self._saved, self.state):
