@@ -6,7 +6,8 @@ one expert gradient made `inf` on rank 0 (tests/test_optimizer_step.py's `_InfGr
 updates started during backward, validated after) and off give bitwise-equal weights after every
 step in fp32 and under bf16-true; every step that clipped or was skipped counts one rollback of the
 speculation; `mem/*` puts the state on the host. A run that saves with offload on at step 10 and
-resumes with offload off continues the uninterrupted run's losses exactly.
+resumes with offload off, and one that saves with offload off and resumes with it on, continue the
+uninterrupted run's losses exactly.
 """
 
 from __future__ import annotations
@@ -91,14 +92,15 @@ def _run(rank: int, world: int, root: str) -> dict:
     lightning_env(rank, world)
     warnings.simplefilter("ignore")
     out = {
-        "off": _fit(world, rank, False),
+        "off": _fit(world, rank, False, save_dir=f"{root}/off"),
         "on": _fit(world, rank, True, save_dir=f"{root}/on"),
         "bf16_off": _fit(world, rank, False, "bf16-true"),
         "bf16_on": _fit(world, rank, True, "bf16-true"),
         "tail_on": _fit(world, rank, True, tail=2),
     }
-    ckpt = next(p for p in Path(f"{root}/on").iterdir() if f"step={RESUME}" in p.name)
-    out["resumed_off"] = _fit(world, rank, False, ckpt=str(ckpt))
+    for saved, resumed in (("on", False), ("off", True)):
+        ckpt = next(p for p in Path(f"{root}/{saved}").iterdir() if f"step={RESUME}" in p.name)
+        out[f"resumed_from_{saved}"] = _fit(world, rank, resumed, ckpt=str(ckpt))
     return out
 
 
@@ -148,9 +150,11 @@ def test_offload_with_speculation_matches_the_update_after_backward() -> None:
             plan = plan_memory(resolve_config("mula-tiny-moe", OVERRIDES), layout)
             assert plan.host_bytes == metrics["mem/host_optimizer_bytes"], tail_buckets
             assert plan.optimizer == metrics["mem/device_optimizer_bytes"], tail_buckets
-        # resumed with offload off from offload on's checkpoint: the uninterrupted run's losses
-        resumed = out["resumed_off"]["losses"]
-        assert resumed and all(resumed[s] == off["losses"][s] for s in resumed), rank
+        # resumed with offload off from offload on's checkpoint, and the other way round: the
+        # uninterrupted run's losses
+        for saved in ("on", "off"):
+            resumed = out[f"resumed_from_{saved}"]["losses"]
+            assert resumed and all(resumed[s] == off["losses"][s] for s in resumed), (rank, saved)
 
 
 _DENSE_25B = """
