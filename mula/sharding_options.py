@@ -40,8 +40,16 @@ class ShardingOptions:
         ``reduce_gradients()`` (then ``p.grad`` stays readable until then).
     overlap_param_gather: leave the all-gathers in flight when ``step()`` returns and wait for each
         bucket in a forward pre-hook of the modules owning its parameters (needs ``module``).
-    offload: keep master weights and moments in host memory and run the update on the CPU,
-        overlapping each bucket's device-to-host copy with the update of the previous one.
+    offload: keep master weights and moments in host memory and run the update on the CPU
+        (SuperOffload's speculation, strategies/optim/offload.py): each bucket's host update starts as
+        soon as its gradient reduction is launched in the step's last backward and is validated (kept,
+        or undone exactly and recomputed / skipped) once the global norm and finite flag are known.
+    offload_tail_buckets: with ``offload``, the last this-many buckets (the last reductions of backward,
+        the first layers' parameters) keep their state on the device and update there: no host update
+        would have backward left to overlap with.
+    offload_speculation: with ``offload``, start the host updates during backward (True) or only in
+        ``step()`` after backward (False: the benchmark's comparison; same results, and 12 bytes per
+        element less host memory: speculation keeps a copy of the state slices it may have to restore).
     max_grad_norm: if set, ``step()`` clips to it unless ``clip_grad_norm_`` was already called.
     clip_after_step: no clipping during the first this-many optimizer steps (warmup); the norm is
         still computed and reported.
@@ -65,6 +73,8 @@ class ShardingOptions:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     offload: bool = False
+    offload_speculation: bool = True
+    offload_tail_buckets: int = 0
     max_grad_norm: float | None = None
     clip_after_step: int = 0
     reduce_dtype: str = "float32"
@@ -80,6 +90,12 @@ class ShardingOptions:
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}.")
+        if self.offload_tail_buckets < 0:
+            raise ValueError(f"offload_tail_buckets must be >= 0, got {self.offload_tail_buckets}.")
+        if self.offload_tail_buckets and not self.offload:
+            raise ValueError(
+                "offload_tail_buckets keeps some buckets on the device under offload; set offload: true."
+            )
         if self.clip_after_step < 0:
             raise ValueError(f"clip_after_step must be >= 0, got {self.clip_after_step}.")
         if self.collectives not in ("auto", "native", "rooted"):

@@ -158,6 +158,7 @@ def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> Non
 def plan_result(inputs: PlanInputs) -> dict[str, Any]:
     """The plan of `inputs` as the JSON object `mula plan --format json` prints."""
     mem = plan_memory(inputs.config, inputs.layout)
+    host = host_fit(mem.host_bytes, inputs)
     time = (
         step_time(inputs.config, inputs.layout, inputs.machine, inputs.global_batch)
         if inputs.machine
@@ -173,7 +174,8 @@ def plan_result(inputs: PlanInputs) -> dict[str, Any]:
         "activation_micro_batches": mem.activation_micro_batches,
         "device_bytes": inputs.device_bytes,
         "device": inputs.device_note,
-        "fits": mem.total <= inputs.device_bytes,
+        **host,
+        "fits": mem.total <= inputs.device_bytes and host["host_fits"] is not False,
         "step_time_s": time.step_time_s if time else None,
         "tokens_per_s": time.tokens_per_s if time else None,
         "mfu": time.mfu if time else None,
@@ -280,8 +282,12 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     lines.append(f"  {'total':<12}{_gb(total)} of {dev / GB:.2f} GB: {verdict}, {margin}")
     if result["host_bytes"]:
         lines.append(
-            f"  host (offloaded optimizer state, async checkpoint staging): {_gb(result['host_bytes'])}"
+            f"  host (offloaded optimizer state, async checkpoint staging): {_gb(result['host_bytes'])} per rank"
         )
+    if result["host_bytes"] and result["host_fits"] is not None:
+        node, have = result["host_bytes_per_node"], result["host_memory_per_node"]
+        verdict = "fits" if result["host_fits"] else "does NOT fit"
+        lines.append(f"  host per node: {_gb(node)} of {have / GB:.2f} GB: {verdict}")
     rows = result["comm_bytes_per_step"]
     sent = [{k: v for k, v in r.items() if k != "grad_rounds" and not k.endswith("_calls")} for r in rows]
     busiest = max(sent, key=lambda r: sum(r.values()))
@@ -328,6 +334,21 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
 
         lines.append(format_dry_run(result["dry_run"]))
     return "\n".join(lines)
+
+
+def host_fit(host_bytes: int, inputs: Any) -> dict[str, Any]:
+    """Host memory of a node's ranks (an offloaded optimizer's) against the machine's host memory per
+    node: host_bytes_per_node, host_memory_per_node (None when no machine file says) and host_fits
+    (None when unknown)."""
+    machine = inputs.machine
+    have = machine.host_bytes_per_node if machine is not None else None
+    ranks = min(machine.tiles_per_node, inputs.layout.world_size) if machine is not None else 1
+    node = host_bytes * ranks
+    return {
+        "host_bytes_per_node": node,
+        "host_memory_per_node": have,
+        "host_fits": None if have is None else node <= have,
+    }
 
 
 def memory_check_message(plan: MemoryPlan, device_bytes: int, device_note: str, layout: Layout) -> str | None:

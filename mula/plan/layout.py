@@ -18,7 +18,7 @@ from mula.sharding_options import ShardingOptions
 _OPTIONS = ShardingOptions()  # the sharded optimizer's defaults
 # Layout fields that are ShardingOptions fields of the same name (`Layout.sharding`)
 SHARDING_FIELDS = ("zero_stage", "reduce_dtype", "bucket_numel", "align", "ep_aware", "offload",
-                   "overlap_param_gather", "collectives")  # fmt: skip
+                   "offload_tail_buckets", "offload_speculation", "overlap_param_gather", "collectives")  # fmt: skip
 
 # trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
 # residual stream and runs the matmuls in 16 bits under autocast.
@@ -72,6 +72,8 @@ class Layout:
     align: int = _OPTIONS.align
     ep_aware: bool = _OPTIONS.ep_aware
     offload: bool = _OPTIONS.offload
+    offload_tail_buckets: int = _OPTIONS.offload_tail_buckets
+    offload_speculation: bool = _OPTIONS.offload_speculation
     overlap_param_gather: bool = _OPTIONS.overlap_param_gather
     collectives: str = "native"
     async_checkpoint: bool = False

@@ -18,7 +18,8 @@ class Machine:
     """One node type: devices ("tiles") per node, their memory and peak, and per-device bandwidths
     (GB/s) for collectives inside a node and across nodes; `compute_mfu` is the assumed fraction of
     peak the matmuls reach without communication; optionally the network's groups and global-link
-    bandwidth (contention beyond one group) and `mula calibrate`'s measured curves."""
+    bandwidth (contention beyond one group), the host memory an offloaded optimizer lives in and the
+    links to it, and `mula calibrate`'s measured curves."""
 
     name: str
     device_type: str
@@ -33,6 +34,13 @@ class Machine:
     # share of the global links between groups when every node sends across them, GB/s per direction.
     nodes_per_group: int | None = None
     global_gbps_per_node: float | None = None
+    # Host memory (optional): a node's CPU memory in GB, which `optimizer_options.offload` fills
+    # (`mula plan` checks the node's ranks' host bytes against it), its bandwidth, the device-to-host
+    # link per device and direction, and the device memory's own bandwidth, GB/s.
+    host_memory_per_node_gb: float | None = None
+    host_memory_gbps: float | None = None
+    host_link_gbps: float | None = None
+    device_memory_gbps: float | None = None
 
     def cross_group_slowdown(self, nodes: float) -> float:
         """How much slower a collective over `nodes` nodes moves its bytes than at the per-tile inter-node
@@ -49,6 +57,11 @@ class Machine:
     def device_bytes(self) -> int:
         """Memory of one device in bytes."""
         return int(self.memory_per_tile_gb * 1e9)
+
+    @property
+    def host_bytes_per_node(self) -> int | None:
+        """A node's host memory in bytes (None when the machine file does not say)."""
+        return None if self.host_memory_per_node_gb is None else int(self.host_memory_per_node_gb * 1e9)
 
 
 def machine_names() -> list[str]:

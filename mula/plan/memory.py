@@ -33,9 +33,10 @@ class MemoryPlan:
 
     params/grads/optimizer/activations/buffers: device bytes per component (`COMPONENTS`), `total`
     their sum. param_tensor_bytes: the parameters themselves without the flat buffers' alignment
-    padding (`mem/param_bytes`); host_bytes: host memory per rank: optimizer state kept there
-    (`offload`) plus, with asynchronous checkpoints (`async_checkpoint`), the staging copy of the
-    rank's checkpoint state (its parameters and optimizer state).
+    padding (`mem/param_bytes`); host_bytes: host memory per rank: the offloaded optimizer (`offload`:
+    state, speculation's saved slices, gradient and parameter copies, `mem/host_optimizer_bytes`) plus,
+    with asynchronous checkpoints (`async_checkpoint`), the staging copy of the rank's checkpoint state
+    (its parameters and optimizer state).
     stage: the pipeline stage these numbers belong to; activation_micro_batches: micro-batches whose
     activations that stage holds at its peak (fractional under interleaving: a virtual stage's
     micro-batch counts 1 / V).
@@ -93,14 +94,16 @@ def optimizer_entries(params: Sequence[ParamSpec], layout: Layout) -> list[Param
     return out
 
 
-def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int, int, int, int]:
-    """(params, param tensors, grads, optimizer, buffers) bytes of one rank holding `params`."""
+def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int, int, int, int, int, int]:
+    """(params, param tensors, grads, optimizer, buffers, host, state) bytes of one rank holding `params`;
+    with `offload` the optimizer's device bytes are 0 (the tail buckets aside) and host holds what
+    `EPShardedAdamW.host_bytes` counts; state: the optimizer state wherever it lives (a checkpoint's)."""
     entries = optimizer_entries(params, layout)
     tensors = sum(e.numel for e in entries) * layout.param_bytes
     if not layout.shard_optimizer:
         # torch AdamW: every rank holds its parameters, a gradient each (or the all-reduce buckets,
         # the same elements) and exp_avg + exp_avg_sq in the parameters' dtype
-        return tensors, tensors, tensors, 2 * tensors, 0
+        return tensors, tensors, tensors, 2 * tensors, 0, 0, 2 * tensors
     # the domains of strategies.optim.grad_reduce.make_domains: dense sharded over the stage's ranks (over
     # EDP when not EP-aware), experts over EDP
     dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
@@ -113,22 +116,38 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     grads = (shard + (full if layout.zero_stage == 1 else 0)) * layout.reduce_bytes
     optimizer = 12 * shard  # fp32 master + exp_avg + exp_avg_sq of the owned shard
     buffers = 0
-    if layout.collectives == "native" and (layout.param_bytes != 4 or layout.offload):
-        # the all-gather's send buffer in the parameters' dtype, for every bucket with peers
-        buffers += sum(b.shard_numel for b in buckets if b.group_size > 1) * layout.param_bytes
+    if layout.collectives == "native":
+        # the all-gather's send buffer in the parameters' dtype, for every bucket with peers that is
+        # bf16 or whose master shard comes from the host (offload, the tail buckets aside)
+        host_side = len(buckets) - min(layout.offload_tail_buckets, len(buckets)) if layout.offload else 0
+        buffers += layout.param_bytes * sum(
+            b.shard_numel
+            for i, b in enumerate(buckets)
+            if b.group_size > 1 and (layout.param_bytes != 4 or i < host_side)
+        )
     if layout.zero_stage == 2 and buckets:
         # a full bucket lives while its reduce-scatter is in flight: one reducing, one filling
         buffers += 2 * max(b.numel for b in buckets) * layout.reduce_bytes
-    return params_alloc, tensors, grads, optimizer, buffers
+    host = 0
+    if layout.offload:  # strategies/optim/offload.py: the state and the slices speculation may restore
+        # (12 per element each), the gradient shard's host copy and the cast master shard's send buffer;
+        # the tail buckets keep their state on the device
+        tail = min(layout.offload_tail_buckets, len(buckets))
+        on_host = sum(b.shard_numel for b in buckets[: len(buckets) - tail])
+        state = 24 if layout.offload_speculation else 12
+        host = on_host * (state + layout.reduce_bytes + layout.param_bytes)
+        optimizer = 12 * (shard - on_host)
+    return params_alloc, tensors, grads, optimizer, buffers, host, 12 * shard
 
 
 _STATE_FIELDS = ("ep_size", "tp_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
-                 "align", "ep_aware", "shard_optimizer", "collectives", "offload")  # fmt: skip
+                 "align", "ep_aware", "shard_optimizer", "collectives", "offload",
+                 "offload_tail_buckets", "offload_speculation")  # fmt: skip
 
 
 def _stage_state(
     config: MulaConfig, layout: Layout, layers: tuple[int, ...], first: bool, last: bool
-) -> tuple[int, int, int, int, int]:
+) -> tuple[int, int, int, int, int, int, int]:
     """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
     key = (
         repr(config), layers, first, last,
@@ -142,7 +161,7 @@ def _stage_state(
     return _STATE_CACHE[key]
 
 
-_STATE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
+_STATE_CACHE: dict[tuple, tuple[int, int, int, int, int, int, int]] = {}
 
 
 def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
@@ -153,7 +172,9 @@ def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
     held = layout.stage_holdings(config)[stage]  # refuses experts E does not divide, a bad split
     chunks, first, last = held.blocks_per_stage, held.first, held.last
     layers = tuple(held.blocks)
-    p_alloc, tensors, grads, optimizer, buffers = _stage_state(config, layout, layers, first, last)
+    p_alloc, tensors, grads, optimizer, buffers, host, state = _stage_state(
+        config, layout, layers, first, last
+    )
     # the embedding rides with the first virtual stage of stage 0, the head with the last of stage P - 1
     per_micro_batch = [
         activation_bytes(config, layout, c, first=first and v == 0, last=last and v == len(chunks) - 1)
@@ -161,11 +182,8 @@ def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
     ]
     act, in_flight = peak_activations(layout, stage, per_micro_batch)
     buffers += transient_bytes(config, layout, layers, last=last)
-    host = 0
     if layout.async_checkpoint:  # mula.checkpoint.staging copies the rank's tensors to host memory
-        host += tensors + optimizer
-    if layout.offload:
-        host, optimizer = host + optimizer, 0
+        host += tensors + state
     return MemoryPlan(p_alloc, grads, optimizer, act, buffers, tensors, host, stage, in_flight)
 
 

@@ -1,9 +1,16 @@
-"""The AdamW update on flat fp32 shards (decoupled weight decay, no amsgrad/maximize)."""
+"""The AdamW update on flat fp32 shards (decoupled weight decay, no amsgrad/maximize): the kernel
+(``adamw_update``) and one bucket shard's update by param group (``shard_runs``, ``update_runs``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from mula.flat_buffers import Segment
 
 _FUSED_DEVICES: set[str] | None = None
 
@@ -58,3 +65,62 @@ def adamw_update(
     torch._foreach_div_(denom, (1 - beta2**n) ** 0.5)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
+
+
+@dataclass
+class ShardRun:
+    """A maximal range of one bucket shard whose parameters share a param group."""
+
+    group: int
+    lo: int
+    hi: int
+
+
+def shard_runs(segments: Sequence[Segment]) -> list[ShardRun]:
+    """Merge consecutive segments of one param group (padding between them has zero gradient and
+    stays zero under AdamW, so it can ride along) into as few update calls as possible."""
+    runs: list[ShardRun] = []
+    for s in segments:
+        end = s.shard_start + s.length
+        if runs and runs[-1].group == s.slot.entry.group:
+            runs[-1].hi = end
+        else:
+            runs.append(ShardRun(s.slot.entry.group, s.shard_start, end))
+    return runs
+
+
+def update_runs(
+    runs: Sequence[ShardRun],
+    state: tuple[Tensor, Tensor, Tensor],
+    grads: Tensor,
+    step: Tensor,
+    param_groups: Sequence[dict[str, Any]],
+) -> None:
+    """AdamW on one bucket's shard: ``runs`` (from ``shard_runs``) of the bucket's ``state`` =
+    (master, exp_avg, exp_avg_sq) and ``grads`` (all over that shard), one vectorised call per param
+    group with that group's lr, betas, eps and weight decay."""
+    master, exp_avg, exp_avg_sq = state
+    by_group: dict[int, list[list[Tensor]]] = {}
+    for run in runs:
+        lo, hi = run.lo, run.hi
+        lists = by_group.setdefault(run.group, [[], [], [], []])
+        g = grads[lo:hi]
+        lists[0].append(master[lo:hi])
+        lists[1].append(g if g.dtype == torch.float32 else g.float())
+        lists[2].append(exp_avg[lo:hi])
+        lists[3].append(exp_avg_sq[lo:hi])
+    for gi, (p, g, m, v) in by_group.items():
+        group = param_groups[gi]
+        beta1, beta2 = group["betas"]
+        adamw_update(
+            p,
+            g,
+            m,
+            v,
+            step,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+        )

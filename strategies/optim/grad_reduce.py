@@ -22,6 +22,7 @@ every rank issues the same collectives in the same order. Two modes:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,6 +258,11 @@ class GradReducer:
                     self.states[idx[-1]].shard_offset + self.buckets[idx[-1]].shard_numel,
                 )
         self.overlap = overlap
+        # on_launch(bucket index): called after a hook-driven launch of the step's last backward (sync),
+        # so the offloaded optimizer can start that bucket's host update (strategies.optim.offload)
+        self.on_launch: Any = None
+        # a host worker thread may wait for a bucket's reduction while backward goes on (offload)
+        self._wait_lock = threading.Lock()
         self._hooks: list[Any] = []
         if overlap:
             for entry in self.entries:
@@ -328,6 +334,8 @@ class GradReducer:
             if self.states[b.index].arrived < len(b.slots):
                 return
             self._launch(b)
+            if self.sync and self.on_launch is not None:
+                self.on_launch(b.index)
         if all(d.next_launch == len(d.buckets) for d in self.domains.values()):
             # Every bucket was launched from the hooks: the round is complete (what is in flight is
             # waited for in reduce()); a further backward starts a new round.
@@ -388,15 +396,24 @@ class GradReducer:
         st.launched, st.arrived = True, 0
         dom.next_launch += 1
 
-    def _wait(self, st: ReduceState) -> None:
-        for work in st.reduce_work:
-            for handle in work.handles:
-                handle.wait()
-            if work.source is not None:
-                n = work.source.numel()
-                shard = self.shard_grad[st.shard_offset : st.shard_offset + n]
-                shard.add_(work.source) if work.add else shard.copy_(work.source)
-        st.reduce_work = []
+    def _wait(self, st: ReduceState) -> list[_Work]:
+        with self._wait_lock:  # whoever comes first (main thread or offload worker) lands the shard
+            landed = st.reduce_work
+            for work in landed:
+                for handle in work.handles:
+                    handle.wait()
+                if work.source is not None:
+                    n = work.source.numel()
+                    shard = self.shard_grad[st.shard_offset : st.shard_offset + n]
+                    shard.add_(work.source) if work.add else shard.copy_(work.source)
+            st.reduce_work = []
+        return landed
+
+    def wait_bucket(self, index: int) -> list[_Work]:
+        """Block until bucket ``index``'s launched reduction has landed in ``shard_grad`` (thread-safe).
+        Returns the landed work: a caller on another stream keeps its buffers alive until that stream
+        has finished with them."""
+        return self._wait(self.states[index])
 
     def reduce(self) -> None:
         """Finish this round: launch every bucket not yet launched (in order, on every rank) and

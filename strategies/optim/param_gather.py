@@ -39,7 +39,8 @@ class ParamGather:
     Args:
         params: the parameters, ``params[e.index]`` for every entry of the buckets.
         buckets, states: the reducer's buckets and their per-bucket states (domain, shard offset).
-        offload: the master shards live in host memory (cast there, then one transfer).
+        offload: per bucket (or one for all), whether its master shard lives in host memory (cast
+            there, then one transfer).
         device: where the parameters live.
     """
 
@@ -49,17 +50,18 @@ class ParamGather:
         buckets: Sequence[Bucket],
         states: Sequence[ReduceState],
         *,
-        offload: bool,
+        offload: bool | Sequence[bool],
         device: torch.device,
     ) -> None:
-        self.buckets, self.offload = list(buckets), offload
+        self.buckets = list(buckets)
+        self.offload = [offload] * len(self.buckets) if isinstance(offload, bool) else list(offload)
         self._domains = [st.domain for st in states]
-        pin = offload and device.type != "cpu"
+        pin = device.type != "cpu"
         self.full: list[Tensor] = []  # the model parameters are views into these
         self._send: list[Tensor | None] = []  # all-gather input when it cannot be the master shard
         self._host_send: list[Tensor | None] = []  # offload: cast of the master shard in host memory
         self._work: list[list[Any]] = [[] for _ in self.buckets]
-        for b, dom in zip(self.buckets, self._domains):
+        for b, dom, off in zip(self.buckets, self._domains, self.offload):
             dtype = params[b.slots[0].entry.index].dtype
             full = torch.zeros(b.numel, dtype=dtype, device=device)
             for slot in b.slots:
@@ -70,25 +72,29 @@ class ParamGather:
                 _repoint(p, view)
             self.full.append(full)
             native = not dom.rooted and dom.size > 1
-            needs_send = native and (dtype != torch.float32 or offload)
+            needs_send = native and (dtype != torch.float32 or off)
             self._send.append(torch.empty(b.shard_numel, dtype=dtype, device=device) if needs_send else None)
-            host = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin) if offload else None
+            host = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin) if off else None
             self._host_send.append(host)
 
     def param_bytes(self) -> int:
         """Bytes of the flat parameter buffers (the model parameters are views into them)."""
         return sum(f.numel() * f.element_size() for f in self.full)
 
+    def host_bytes(self) -> int:
+        """Bytes of the host send buffers (offload: the master shards cast to the model dtype)."""
+        return sum(h.numel() * h.element_size() for h in self._host_send if h is not None)
+
     def launch(self, index: int, shard: Tensor) -> None:
         """Start filling bucket ``index`` from every rank's ``shard`` (this rank's fp32 master shard)."""
         dom = self._domains[index]
         n, r = dom.size, dom.rank
-        src = shard
-        if self.offload:
+        src, off = shard, self.offload[index]
+        if off:
             src = self._host_send[index].copy_(shard)  # cast on the host, then one transfer
         if dom.rooted or n == 1:  # write the own shard in place, then its owner broadcasts each
             chunks = self.full[index].chunk(n)
-            chunks[r].copy_(src, non_blocking=self.offload)
+            chunks[r].copy_(src, non_blocking=off)
             self._work[index] = [
                 dist.broadcast(chunks[i], src=dom.global_ranks[i], group=dom.group, async_op=True)
                 for i in range(n)
@@ -97,7 +103,7 @@ class ParamGather:
             return
         send = self._send[index]
         if send is not None:
-            src = send.copy_(src, non_blocking=self.offload)
+            src = send.copy_(src, non_blocking=off)
         self._work[index] = [_all_gather(self.full[index], src, group=dom.group, async_op=True)]
 
     def wait(self, index: int) -> None:

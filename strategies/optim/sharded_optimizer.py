@@ -41,15 +41,20 @@ per owned element); the master shard is built from the parameters as they are wh
 constructed, updated in fp32, and cast to bf16 for the all-gather. ``reduce_dtype`` (fp32 by default)
 decides whether bf16 gradients are accumulated and reduce-scattered in fp32 or in bf16.
 
-Options: ``strategies.optim.sharding_options``; the update arithmetic: ``strategies.optim.adamw``; checkpoints:
-``strategies.optim.state``.
+Offload (``offload=True``): the master weights and moments live in host memory and each bucket's host
+update starts during backward, validated after the global norm (``strategies.optim.offload``,
+docs/offload.md); ``offload_tail_buckets`` keeps the last buckets' state on the device.
+
+Options: ``strategies.optim.sharding_options``; the update arithmetic: ``strategies.optim.adamw``; the norm
+and clipping: ``strategies.optim.clipping``; byte counts and metrics: ``strategies.optim.reporting``;
+checkpoints: ``strategies.optim.state``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,24 +62,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mula.flat_buffers import ParamEntry, Segment, padding_bound
+from mula.flat_buffers import ParamEntry, Segment
 from strategies.optim import state as optim_state
-from strategies.optim.adamw import adamw_update
+from strategies.optim.adamw import shard_runs, update_runs
+from strategies.optim.clipping import ShardClipping
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, local_tensor, param_entry
+from strategies.optim.offload import HostUpdate
 from strategies.optim.param_gather import ParamGather
+from strategies.optim.reporting import ShardReporting
 from strategies.optim.sharding_options import ShardingOptions, torch_dtype
-from strategies.topology import ExpertParallelTopology, build_topology, reduce_over_stages
+from strategies.topology import ExpertParallelTopology, build_topology
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
 
-
-@dataclass
-class _Run:
-    """A maximal range of one bucket shard whose parameters share a param group."""
-
-    group: int
-    lo: int
-    hi: int
+_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -87,7 +88,7 @@ class _Progress:
     last_step_ms: float = 0.0
 
 
-class EPShardedAdamW(torch.optim.Optimizer):
+class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
     """Mixed-precision AdamW over flat buffers with EP-aware sharding of its state and gradients.
 
     Args:
@@ -186,8 +187,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
             if is_tp_split(p)
             for off, seg in self.local_segments(e)
         ]
-        self._allocate()
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.state_device)
+        self._allocate()
         # Mutable scalars live in one shared object: Lightning's LightningOptimizer runs our methods
         # with itself as ``self`` and forwards only *reads* to us, so attribute writes would split.
         self._p = _Progress()
@@ -252,25 +253,68 @@ class EPShardedAdamW(torch.optim.Optimizer):
         opt = self.options
         pin = opt.offload and self.device.type != "cpu"
         states = self.reducer.states
-        self._gather = ParamGather(
-            self._params, self.buckets, states, offload=opt.offload, device=self.device
-        )
-        self._runs = [_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
+        n = len(self.buckets)
+        # offload: the last `offload_tail_buckets` buckets (the last reductions of backward, nothing
+        # left to overlap their host update with) keep their state on the device; a suffix of the shard
+        tail = min(opt.offload_tail_buckets, n) if opt.offload else 0
+        self.tail_buckets = set(range(n - tail, n))
         numel = self.reducer.shard_grad.numel()
+        self.tail_start = states[n - tail].shard_offset if tail else numel
+        self._gather = ParamGather(
+            self._params,
+            self.buckets,
+            states,
+            offload=[opt.offload and i not in self.tail_buckets for i in range(n)],
+            device=self.device,
+        )
+        self._runs = [shard_runs(b.segments(st.domain.rank)) for b, st in zip(self.buckets, states)]
         zeros = {"dtype": torch.float32, "device": self.state_device}
-        self.master = torch.zeros(numel, **zeros)
-        self.exp_avg = torch.zeros(numel, **zeros)
-        self.exp_avg_sq = torch.zeros(numel, **zeros)
+        self.master = torch.zeros(self.tail_start, **zeros)
+        self.exp_avg = torch.zeros(self.tail_start, **zeros)
+        self.exp_avg_sq = torch.zeros(self.tail_start, **zeros)
+        on_device = {"dtype": torch.float32, "device": self.device}
+        self.tail_state = tuple(torch.zeros(numel - self.tail_start, **on_device) for _ in range(3))
         self.shard_grad = self.reducer.shard_grad
         self.host_grad = (
-            torch.zeros(numel, dtype=torch_dtype(opt.reduce_dtype), pin_memory=pin) if opt.offload else None
+            torch.zeros(self.tail_start, dtype=torch_dtype(opt.reduce_dtype), pin_memory=pin)
+            if opt.offload
+            else None
         )
         for b, st in zip(self.buckets, states):
             for seg in b.segments(st.domain.rank):
                 p = self._params[seg.slot.entry.index]
-                lo = st.shard_offset + seg.shard_start
+                buf, lo = self.state_buffer("master", st.shard_offset)
+                lo += seg.shard_start
                 src = local_tensor(p.detach()).reshape(-1)[seg.param_start : seg.param_start + seg.length]
-                self.master[lo : lo + seg.length].copy_(src)
+                buf[lo : lo + seg.length].copy_(src)
+        self._host: HostUpdate | None = None
+        if opt.offload:
+            self._host = HostUpdate(
+                self.reducer,
+                [i for i in range(n) if i not in self.tail_buckets],
+                (self.master, self.exp_avg, self.exp_avg_sq),
+                self.host_grad,
+                self.step_count,
+                self.param_groups,
+                self._update_bucket,
+                speculate=opt.offload_speculation,
+            )
+
+    def state_buffer(self, kind: str, offset: int) -> tuple[Tensor, int]:
+        """(flat tensor, offset in it) holding ``kind`` ("master", "exp_avg", "exp_avg_sq") at offset
+        ``offset`` of this rank's shard: the host buffers, or the device ones of the tail buckets."""
+        if offset >= self.tail_start and self.tail_state[0].numel():
+            return self.tail_state[_KINDS.index(kind)], offset - self.tail_start
+        return getattr(self, kind), offset
+
+    def bucket_state(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Bucket ``index``'s shard of (master, exp_avg, exp_avg_sq), wherever it lives."""
+        lo, hi = self._shard_range(index)
+        out = []
+        for kind in _KINDS:
+            buf, at = self.state_buffer(kind, lo)
+            out.append(buf[at : at + hi - lo])
+        return out[0], out[1], out[2]
 
     # ----------------------------------------------------------------------------------------
     # gradients
@@ -297,72 +341,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (flat buffers are zeroed, never freed, whatever set_to_none)."""
+        if self._host is not None:  # a skipped step: undo what was speculated
+            self._host.discard()
         self.reducer.zero_grad()
         self._p.clipped = False
-
-    # ----------------------------------------------------------------------------------------
-    # clipping
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, norm: Tensor | None = None) -> Tensor:
-        """Clip the (global) gradient to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would on the
-        unsharded model; returns the total norm before clipping. One all-reduce over the world, none
-        when ``norm`` (this round's ``grad_norm()``) is given.
-
-        No scaling during the first ``clip_after_step`` optimizer steps (warmup)."""
-        if norm is None:
-            norm, _ = self.grad_norm(norm_type)
-        if self._p.steps_done >= self.options.clip_after_step:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            self.shard_grad.mul_(coef.to(self.shard_grad.dtype))
-        self._p.clipped = True
-        return norm
-
-    @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> tuple[Tensor, Tensor]:
-        """Finish the reduction, then (global gradient norm, all gradients finite) over every rank's
-        shard and every pipeline stage: one all-reduce carries the norm and a non-finite count, so
-        every rank returns the same verdict (a 0-dim bool tensor; no host sync here)."""
-        if norm_type not in (2.0, float("inf")):
-            raise ValueError(f"clip_grad_norm_ supports norm_type 2 or inf, got {norm_type}.")
-        self.reduce_gradients()
-        inf = norm_type == float("inf")
-        parts, split = [], []
-        for name, (lo, hi) in self.reducer.domain_ranges.items():
-            g = self.shard_grad[lo:hi].float()
-            if inf:
-                parts.append(g.abs().max() if g.numel() else g.new_zeros(()))
-            else:
-                sq = torch.dot(g, g)
-                if name == "dense" and not self.options.ep_aware:
-                    sq = sq / self.topology.ep_size  # each dense element is held by E ranks
-                parts.append(sq)
-        for lo, hi in self._tp_split_ranges:  # TP-split elements: summed over the TP group below
-            g = self.shard_grad[lo:hi].float()
-            split.append(g.abs().max() if inf else torch.dot(g, g))
-        local = torch.stack(parts).max() if inf else torch.stack(parts).sum()
-        zero = local.new_zeros(())
-        split_part = (torch.stack(split).max() if inf else torch.stack(split).sum()) if split else zero
-        if not inf:  # `local` counted them too: keep them apart, to be summed over the TP group
-            local = local - split_part
-        # a square (or |g|) is non-finite exactly when an element is: the flag costs no extra pass
-        bad = (~torch.isfinite(local)).float() + (~torch.isfinite(split_part)).float()
-        total = torch.stack([torch.where(bad > 0, zero, local), torch.where(bad > 0, zero, split_part), bad])
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if self.topology.world_size > 1:
-            dist.all_reduce(total, op=op, group=self.topology.world_group)
-        if self.topology.tp_size > 1:
-            # the data-parallel world holds one TP shard: split elements differ over the TP group (sum
-            # them), replicated ones are the same on every TP rank (count them once)
-            tail = total[1:]
-            dist.all_reduce(tail, op=op, group=self.topology.tp_group)
-        total = torch.stack([total[0] + total[1] if not inf else total[:2].max(), total[2]])
-        reduce_over_stages(total, self.topology, op)  # each stage holds its part of the model
-        finite = total[1] == 0
-        norm = total[0] if norm_type == float("inf") else total[0].sqrt()
-        norm = torch.where(finite, norm, torch.full_like(norm, float("nan")))
-        self._p.last_norm = norm
-        return norm, finite
 
     # ----------------------------------------------------------------------------------------
     # update
@@ -380,19 +362,13 @@ class EPShardedAdamW(torch.optim.Optimizer):
         if self.options.max_grad_norm is not None and not self._p.clipped:
             self.clip_grad_norm_(self.options.max_grad_norm)
         self.step_count.add_(1)
-        grads = self.shard_grad
-        copied: list[Any] = [None] * len(self.buckets)  # offload: device-to-host copy done
-        if self.options.offload:
-            grads = self.host_grad
-            for i in range(len(self.buckets)):  # queue every copy; update as they land
-                lo, hi = self._shard_range(i)
-                self.host_grad[lo:hi].copy_(self.shard_grad[lo:hi], non_blocking=True)
-                copied[i] = _record_event(self.device)
+        if self._host is not None:  # validate the speculative host updates, run the rest
+            self._host.finish()
+        step = self.step_count.to(self.device)  # for the buckets updated on the device
         for i in range(len(self.buckets)):
-            if copied[i] is not None:
-                copied[i].synchronize()
-            self._update_bucket(i, grads)
-            self._gather.launch(i, self.master[slice(*self._shard_range(i))])
+            if self._host is None or i in self.tail_buckets:
+                self._update_bucket(i, self.shard_grad, step)
+            self._gather.launch(i, self.bucket_state(i)[0])
         if not self.options.overlap_param_gather:
             self.wait_for_params()
         self._p.steps_done += 1
@@ -404,32 +380,10 @@ class EPShardedAdamW(torch.optim.Optimizer):
         lo = self.reducer.states[index].shard_offset
         return lo, lo + self.buckets[index].shard_numel
 
-    def _update_bucket(self, index: int, grads: Tensor) -> None:
-        by_group: dict[int, list[list[Tensor]]] = {}
-        offset = self.reducer.states[index].shard_offset
-        for run in self._runs[index]:
-            lo, hi = offset + run.lo, offset + run.hi
-            lists = by_group.setdefault(run.group, [[], [], [], []])
-            g = grads[lo:hi]
-            lists[0].append(self.master[lo:hi])
-            lists[1].append(g if g.dtype == torch.float32 else g.float())
-            lists[2].append(self.exp_avg[lo:hi])
-            lists[3].append(self.exp_avg_sq[lo:hi])
-        for gi, (p, g, m, v) in by_group.items():
-            group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            adamw_update(
-                p,
-                g,
-                m,
-                v,
-                self.step_count,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
-            )
+    def _update_bucket(self, index: int, grads: Tensor, step: Tensor) -> None:
+        """AdamW on bucket ``index``'s shard with ``grads`` (device shard or its host copy) at ``step``."""
+        lo, hi = self._shard_range(index)
+        update_runs(self._runs[index], self.bucket_state(index), grads[lo:hi], step, self.param_groups)
 
     def wait_for_params(self) -> None:
         """Block until every all-gather launched by ``step()`` has landed in the model parameters
@@ -438,59 +392,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
 
     def _gather_params(self) -> None:
         for i in range(len(self.buckets)):
-            self._gather.launch(i, self.master[slice(*self._shard_range(i))])
+            self._gather.launch(i, self.bucket_state(i)[0])
         self.wait_for_params()
-
-    # ----------------------------------------------------------------------------------------
-    # reporting
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 master weights + exp_avg + exp_avg_sq shards."""
-        return self.master.numel() * 4 + self.exp_avg.numel() * 4 + self.exp_avg_sq.numel() * 4
-
-    def owned_numel(self) -> int:
-        """Parameter elements whose state this rank owns (padding excluded)."""
-        return sum(
-            s.length for b, st in zip(self.buckets, self.reducer.states) for s in b.segments(st.domain.rank)
-        )
-
-    def padding_bytes(self) -> int:
-        """State bytes spent on alignment padding on this rank (``state_bytes() - 12 * owned_numel()``)."""
-        return self.state_bytes() - 12 * self.owned_numel()
-
-    def padding_bound_bytes(self) -> int:
-        """The stated upper bound on ``padding_bytes()`` (``flat_buffers.padding_bound``) plus the
-        rounding of this rank's exact share 12 * P / W."""
-        return 12 * (padding_bound(self.buckets, self.options.align) + len(self.buckets))
-
-    def param_bytes(self) -> int:
-        """Bytes of the model parameters' flat buffers on this device (2 per element for bf16
-        parameters, 4 for fp32; alignment padding included)."""
-        return self._gather.param_bytes()
-
-    def grad_buffer_bytes(self) -> int:
-        """Bytes of persistent gradient buffers (full buckets for ZeRO-1, shards only for ZeRO-2)."""
-        full = sum(
-            st.grad_full.numel() * st.grad_full.element_size()
-            for st in self.reducer.states
-            if st.grad_full is not None and self.options.zero_stage == 1
-        )
-        return full + self.shard_grad.numel() * self.shard_grad.element_size()
-
-    def metrics(self) -> dict[str, float]:
-        """Values for the logger: optim/state_bytes, optim/padding_bytes, optim/param_bytes,
-        optim/grad_buffer_bytes, optim/step_ms (host wall time of the last ``step()``) and
-        optim/grad_norm (last computed)."""
-        out = {
-            "optim/state_bytes": float(self.state_bytes()),
-            "optim/param_bytes": float(self.param_bytes()),
-            "optim/padding_bytes": float(self.padding_bytes()),
-            "optim/grad_buffer_bytes": float(self.grad_buffer_bytes()),
-            "optim/step_ms": self._p.last_step_ms,
-        }
-        if self._p.last_norm is not None:
-            out["optim/grad_norm"] = float(self._p.last_norm)
-        return out
 
     # ----------------------------------------------------------------------------------------
     # checkpoints
@@ -534,6 +437,8 @@ class EPShardedAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the backward and forward hooks this optimizer registered."""
         self.reducer.remove_hooks()
+        if self._host is not None:
+            self._host.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -551,24 +456,3 @@ def _fake_backend() -> bool:
 def _default_topology() -> ExpertParallelTopology:
     """Every rank of the process group is a data-parallel rank (E = P = 1), or one process."""
     return build_topology(1)
-
-
-def _runs(segments: Sequence[Segment]) -> list[_Run]:
-    """Merge consecutive segments of one param group (padding between them has zero gradient and
-    stays zero under AdamW, so it can ride along) into as few update calls as possible."""
-    runs: list[_Run] = []
-    for s in segments:
-        end = s.shard_start + s.length
-        if runs and runs[-1].group == s.slot.entry.group:
-            runs[-1].hi = end
-        else:
-            runs.append(_Run(s.slot.entry.group, s.shard_start, end))
-    return runs
-
-
-def _record_event(device: torch.device) -> Any:
-    if device.type == "cpu":
-        return None
-    event = torch.Event(device=device)
-    event.record()
-    return event

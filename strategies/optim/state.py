@@ -40,7 +40,7 @@ def sharded_state_dict(opt: EPShardedAdamW) -> dict[str, Any]:
     mesh = opt.topology.world_mesh  # None without a process group
     state: dict[str, Any] = {}
     for entry in opt.entries:
-        state[entry.name] = {kind: _global_tensor(opt, getattr(opt, kind), entry, mesh) for kind in _KINDS}
+        state[entry.name] = {kind: _global_tensor(opt, kind, entry, mesh) for kind in _KINDS}
     # Param groups keyed by index (strings), not a list of dicts: if DCP ever falls back to its
     # pre-2.4 key format (it does when a saved key is missing here), the keys stay the same.
     mine = [
@@ -76,10 +76,10 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
         if saved is None:
             raise ValueError(f"The optimizer checkpoint has no state for parameter {entry.name}.")
         for kind in _KINDS:
-            _copy_in(opt, entry, saved[kind], getattr(opt, kind))
+            _copy_in(opt, entry, saved[kind], kind)
 
 
-def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) -> None:
+def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, kind: str) -> None:
     local = saved.to_local() if hasattr(saved, "to_local") else saved
     if isinstance(local, Tensor) and hasattr(local, "local_shards"):
         by_offset = {o[0]: t for t, o in zip(local.local_shards(), local.local_offsets())}
@@ -88,7 +88,7 @@ def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) ->
     else:
         raise ValueError(f"Optimizer state for {entry.name} is not a tensor from sharded_state_dict().")
     whole = by_offset.get(0) if len(by_offset) == 1 else None
-    for piece, start in _pieces(opt, entry, buf):
+    for piece, start in _pieces(opt, entry, kind):
         t = by_offset.get(start)
         if t is None and whole is not None and whole.numel() == _global_numel(opt, entry):
             t = whole[start : start + piece.numel()]  # one process: the whole tensor
@@ -98,10 +98,11 @@ def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, buf: Tensor) ->
             piece.copy_(t)
 
 
-def _global_tensor(opt: EPShardedAdamW, buf: Tensor, entry: ParamEntry, mesh: Any) -> Any:
+def _global_tensor(opt: EPShardedAdamW, kind: str, entry: ParamEntry, mesh: Any) -> Any:
     """``entry``'s flattened global state as a DTensor over the world whose local part is this rank's
     pieces (views of ``buf``), or a plain view when there is no process group (one rank holds all)."""
-    pieces = _pieces(opt, entry, buf)
+    pieces = _pieces(opt, entry, kind)
+    buf = getattr(opt, kind)
     if mesh is None:
         return buf[:0] if not pieces else pieces[0][0]
     from torch.distributed.tensor import DTensor, Shard
@@ -127,8 +128,8 @@ def _global_numel(opt: EPShardedAdamW, entry: ParamEntry) -> int:
     return p.numel() if isinstance(p, DTensor) else entry.global_numel
 
 
-def _pieces(opt: EPShardedAdamW, entry: ParamEntry, buf: Tensor) -> list[tuple[Tensor, int]]:
-    """(view of ``buf``, offset in the flattened global parameter) of every run of ``entry``'s state
+def _pieces(opt: EPShardedAdamW, entry: ParamEntry, kind: str) -> list[tuple[Tensor, int]]:
+    """(view of the ``kind`` state buffer holding it, offset in the flattened global parameter) of every run of ``entry``'s state
     this rank owns, each contiguous in both. A tensor-parallel parameter's local shard is a box of the
     global tensor: its flat ranges are cut where the box's rows leave the global tensor's
     (``_tp_runs``), so a row-split weight (Shard(1)) gives one piece per row of the local shard."""
@@ -136,7 +137,8 @@ def _pieces(opt: EPShardedAdamW, entry: ParamEntry, buf: Tensor) -> list[tuple[T
     runs = _tp_runs(p) if isinstance(p, DTensor) else None
     out: list[tuple[Tensor, int]] = []
     for offset, seg in opt.local_segments(entry):
-        view = buf[_range(offset, seg)]
+        buf, at = opt.state_buffer(kind, offset)
+        view = buf[_range(at, seg)]
         if runs is None:
             out.append((view, seg.global_start))
             continue
