@@ -30,10 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 
 from mula.layers import SequenceShard, causal_attention
 from mula.layout_rules import check_context_parallel
@@ -94,9 +92,10 @@ class ContextParallelTokens(TokenSplit):
         return f"ContextParallelTokens(parts={self.parts})"
 
     def total(self, t: Tensor) -> Tensor:
-        """t summed over the CP group; backward: the gradients summed over it too (torch's autograd
-        all-reduce), since every CP rank's loss holds the total and the engine averages their gradients."""
-        return dist_fn.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        """t summed over the CP group; backward: the gradients summed over it too, since every CP rank's
+        loss holds the total and the engine averages their gradients (the sum of an autograd all-gather,
+        whose backward is a reduce-scatter: torch's differentiable collectives, small [C, ...] tensors)."""
+        return all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group).sum(0)
 
 
 def apply_context_parallel(model: nn.Module, group: Any, rank: int, parts: int) -> nn.Module:

@@ -262,7 +262,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     params = model_parameters(config, tuple(layout.no_decay))
     stages = layout.stage_holdings(config)
     e, m = layout.ep_size, max(1, layout.micro_batches)
-    rank_tokens = m * layout.micro_batch * layout.seq_len  # tokens one rank of a stage processes
+    rank_tokens = m * layout.micro_batch * layout.local_seq_len  # tokens one rank of a stage processes
     recompute = parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"}
     passes = 4 + (2 if recompute else 0)
     row = config.top_k * config.hidden_size * layout.compute_bytes
