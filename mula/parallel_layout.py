@@ -16,16 +16,19 @@ Dimensions and rank order, innermost first (DESIGN.md "Parallel layout, in numbe
 
     rank = (((edp * P + pp) * E + ep) * CP + cp) * TP + tp
 
-CP sits between EP and TP: its all-to-alls (four per attention layer, each of the layer's activations)
-are heavier than the expert all-to-all's share and lighter than TP's per-layer reductions, so it goes
-next to TP, inside a node (T x C x E ranks per node at most); outside CP nothing changes.
+CP sits between EP and TP: its all-to-alls (two per attention layer forward, two backward, each
+carrying the layer's q/k/v or output) are heavier than the expert all-to-all's share and lighter than
+TP's per-layer reductions, so it goes next to TP, inside a node (T x C x E ranks per node at most).
 
 Derived groups: the T ranks of a tensor-parallel group read the same data and each holds 1/T of every
 dense layer; the C ranks of a context-parallel group read the same samples, each its slice of the
-sequence, and replicate the parameters: for the gradient reduction and the optimizer's shards they are
-data-parallel ranks (`replica_size`, groups "stage" and "edp_cp"), for the data they are not (`dp_size`); a stage's W / (P * T) ranks of one tensor-parallel index are its data-parallel ranks
-(each reads its own data and holds the same shards of the stage's dense parameters; stage-local rank
-edp * E + ep); the pipeline group of a rank is the P ranks that share its (edp, ep, tp) coordinates. `rank_holdings` answers which blocks and experts a rank
+sequence, and replicate the parameters. A stage's W / (P * T) ranks of one tensor-parallel index are
+its replicas (`replica_size`, group "stage", stage-local rank (edp * E + ep) * C + cp): they hold the
+same shards of the stage's dense parameters, and its gradients are reduced and its optimizer state
+sharded over them; W / (P * T * C) of them read their own data (`dp_size`, data-parallel index
+edp * E + ep). Experts are reduced over "edp_cp" (EDP with its CP peers). The pipeline group of a
+rank is the P ranks that share its (edp, ep, cp, tp) coordinates. `rank_holdings` answers which
+blocks and experts a rank
 holds; the strategy, the schedule, the planner and the benchmarks all ask it.
 """
 
