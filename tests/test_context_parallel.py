@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mula.config import resolve_config
 from mula.model import Mula
@@ -212,8 +213,23 @@ def test_context_parallel_rank_order() -> None:
     assert ParallelLayout(world_size=8).mesh_dims() == ("edp", "pp", "ep", "tp")
 
 
+class _AllToAllBytes(TorchDispatchMode):
+    """Bytes the functional all-to-alls run while entered send to other ranks (forward and backward)."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts, self.bytes, self.calls = parts, 0.0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname == "all_to_all_single":
+            self.bytes += args[0].numel() * args[0].element_size() * (self.parts - 1) / self.parts
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _measure_activations(rank: int, world: int) -> dict[str, int]:
-    """Saved-tensor bytes of one micro-batch's forward at C = 2 (DP = 2), dense (GQA) and MoE."""
+    """Saved-tensor bytes of one micro-batch's forward at C = 2 (DP = 2), dense (GQA) and MoE, and the
+    head all-to-alls' bytes of its forward and backward."""
     from callbacks.memory_metrics import SavedTensorMeter
     from strategies.topology import topology_from_layout
 
@@ -225,25 +241,32 @@ def _measure_activations(rank: int, world: int) -> dict[str, int]:
         module.configure_model()
         apply_context_parallel(module.model, topo.cp_group, topo.cp_rank, topo.cp_size)
         batch = torch.randint(0, 256, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(rank // 2))
-        with SavedTensorMeter(exclude=module.parameters()) as meter:
-            loss = module._losses(batch)[0]
-        loss.backward()  # the all-to-alls' backward: every rank of the group runs it
+        with _AllToAllBytes(topo.cp_size) as sent:
+            with SavedTensorMeter(exclude=module.parameters()) as meter:
+                loss = module._losses(batch)[0]
+            loss.backward()  # the all-to-alls' backward: every rank of the group runs it
         out[preset] = meter.bytes
+        out[preset + "/sent"] = (sent.bytes, sent.calls)
     return out
 
 
 def test_planned_activations_match_measured_under_context_parallelism() -> None:
     """The planner's activation bytes per rank at C = 2 (1/C of the sequence, attention's heads / C over
-    the whole of it) within 10 % of the saved-tensor bytes of a forward."""
+    the whole of it) within 10 % of the saved-tensor bytes of a forward; the step-time model's Ulysses
+    all-to-all bytes and calls exactly those of the forward and backward."""
     from mula.plan import Layout, plan_memory
+    from mula.plan.step_time import context_parallel_sends
 
     measured = run_distributed(_measure_activations, WORLD)
     layout = Layout(world_size=WORLD, cp_size=2, micro_batch=MICRO, seq_len=SEQ)
     for preset, overrides in (("mula-tiny-dense", GQA), ("mula-tiny-moe", MOE)):
-        planned = plan_memory(resolve_config(preset, overrides), layout).activations
+        config = resolve_config(preset, overrides)
+        planned = plan_memory(config, layout).activations
+        sends = context_parallel_sends(config, layout, list(range(config.num_layers)))
         for rank_out in measured:
             assert abs(planned - rank_out[preset]) <= 0.1 * rank_out[preset], (
                 preset,
                 planned,
                 rank_out[preset],
             )
+            assert rank_out[preset + "/sent"] == pytest.approx(sends, rel=1e-12)

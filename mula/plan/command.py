@@ -263,7 +263,9 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     )
     lines = [
         f"mula plan: {inputs.config.name}, {lay.world_size} ranks ({inputs.device_note}): E={lay.ep_size}, "
-        f"P={lay.pp_size} ({lay.pp_schedule}), micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
+        f"P={lay.pp_size} ({lay.pp_schedule}), "
+        + (f"C={lay.cp_size} ({lay.local_seq_len} tokens per rank), " if lay.cp_size > 1 else "")
+        + f"micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
         f"{lay.micro_batches} micro-batch(es) per step, {lay.precision}, checkpointing {lay.checkpointing}, {opt}",
         f"per rank (pipeline stage {result['stage']}):",
     ]
