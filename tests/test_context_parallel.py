@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
+from test_tensor_parallel_moe import _Logged  # per step: the logged aux and z losses, the expert counts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mula.config import resolve_config
@@ -63,27 +64,23 @@ class _Batches:
             yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
 
-class _Logged(L.Callback):
-    """Per optimizer step: the logged aux and z losses and the step's global expert counts (MoE)."""
+class _LoggedLoss(L.Callback):
+    """Per optimizer step: `train/loss` as the module logs it (its mean over the step's ranks)."""
 
     def __init__(self) -> None:
-        self.aux: list[float] = []
-        self.z: list[float] = []
-        self.counts: list[torch.Tensor] = []
+        self.values: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and pl_module.config.is_moe:
-            self.aux.append(float(trainer.callback_metrics["train/aux_loss"]))
-            self.z.append(float(trainer.callback_metrics["train/z_loss"]))
-            self.counts.append(pl_module.step_expert_counts.clone())
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.values.append(float(trainer.callback_metrics["train/loss"]))
 
 
 def _fit(preset: str, overrides: dict, strategy, dp_rank: int = 0, dp_size: int = 1) -> dict:
     batches = _Batches(dp_rank, dp_size)
-    losses, logged = _StepLosses(batches), _Logged()
+    losses, logged, logged_loss = _StepLosses(batches), _Logged(), _LoggedLoss()
     trainer = cpu_trainer(
         WORLD if strategy is not None else 1, strategy, max_steps=STEPS,
-        accumulate_grad_batches=MICROS_PER_STEP // dp_size, callbacks=[losses, logged],
+        accumulate_grad_batches=MICROS_PER_STEP // dp_size, callbacks=[losses, logged_loss] + ([logged] if preset.endswith("moe") else []),
         gradient_clip_val=0.5, log_every_n_steps=1,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -100,10 +97,9 @@ def _fit(preset: str, overrides: dict, strategy, dp_rank: int = 0, dp_size: int 
             dist.all_gather(parts, full.contiguous(), group=topo.ep_group)
             full = torch.cat(parts)
         params[name] = full.clone()
-    logged_loss = float(trainer.callback_metrics["train/loss"])  # the last step's, as the loggers see it
     return {
         "losses": losses.losses, "norms": losses.norms, "aux": logged.aux, "z": logged.z,
-        "counts": logged.counts, "params": params, "logged_loss": logged_loss,
+        "counts": logged.counts, "params": params, "logged_loss": logged_loss.values,
     }  # fmt: skip
 
 
