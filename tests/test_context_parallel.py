@@ -266,3 +266,27 @@ def test_planned_activations_match_measured_under_context_parallelism() -> None:
                 rank_out[preset],
             )
             assert rank_out[preset + "/sent"] == pytest.approx(sends, rel=1e-12)
+
+
+def _sliced_forward(rank: int, world: int) -> dict[str, float]:
+    """Each family's logits and router losses at C = world against one process's, on every rank."""
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for preset in ("deepseek-v3-tiny", "qwen3-moe-tiny"):  # MLA; per-head QK-norm with GQA
+        torch.manual_seed(0)
+        model = Mula(resolve_config(preset, {"num_layers": 2}))
+        ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
+        whole = model(ids)
+        apply_context_parallel(model, group, rank, world)
+        mine = model(model.sequence_shard.take(ids))
+        diff = (mine.logits - model.sequence_shard.take(whole.logits)).abs().max()
+        out[preset] = max(float(diff), float((mine.aux_loss - whole.aux_loss).abs()))
+    return out
+
+
+def test_context_parallel_forward_of_every_attention_family() -> None:
+    """Multi-head latent attention (its one core) and Qwen3's per-head QK-norm: the logits of each
+    rank's slice and the router losses equal one process's at C = 2."""
+    for rank_out in run_distributed(_sliced_forward, 2):
+        for preset, diff in rank_out.items():
+            assert diff < 1e-5, preset
