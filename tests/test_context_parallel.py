@@ -7,8 +7,10 @@ sharded optimizer) and C = 4 (DP = 1, torch's AdamW), the tiny MoE (a dense firs
 expert, the router-bias update) at C = 2 (DP = 2) and C = 2 x E = 2 (DP = 1). Every logged loss
 (total; aux and z for the MoE) and every global gradient norm within 1e-5 (relative), every parameter
 within 1e-4, the MoE's step expert counts equal. Taking the router losses' CP sum with an identity
-backward (as tensor parallelism may) must break the MoE's equality. Heads, KV heads and sequences
-that C does not divide are refused with one sentence.
+backward (as tensor parallelism may) must break the MoE's equality. Checkpoints resume across C
+(2 -> 1 -> 4). MLA and Qwen3's per-head QK-norm forward as one process at C = 2. The planner's
+activations (within 10 %) and Ulysses all-to-all bytes (exactly) match measured ones. Heads, KV heads
+and sequences that C does not divide are refused with one sentence.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ RUNS = {
 class _Batches:
     """Data-parallel rank `dp_rank`'s micro-batches of every step (CP ranks read the same ones)."""
 
-    def __init__(self, dp_rank: int, dp_size: int) -> None:
-        self.dp_rank, self.dp_size, self.consumed = dp_rank, dp_size, 0
+    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0) -> None:
+        self.dp_rank, self.dp_size, self.first_step, self.consumed = dp_rank, dp_size, first_step, 0
 
     def __iter__(self):
         per_rank = MICROS_PER_STEP // self.dp_size
-        for step in range(STEPS):
+        for step in range(self.first_step, STEPS):
             g = torch.Generator().manual_seed(1000 + step)
             batch = torch.randint(0, 256, (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
             yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
@@ -75,19 +77,32 @@ class _LoggedLoss(L.Callback):
             self.values.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def _fit(preset: str, overrides: dict, strategy, dp_rank: int = 0, dp_size: int = 1) -> dict:
-    batches = _Batches(dp_rank, dp_size)
+def _fit(
+    preset: str,
+    overrides: dict,
+    strategy,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    *,
+    save_dir=None,
+    ckpt_path=None,
+    first_step: int = 0,
+) -> dict:
+    """Train to step STEPS (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
+    into `save_dir`): the per-step losses, norms and logged metrics, and every parameter (experts whole)."""
+    batches = _Batches(dp_rank, dp_size, first_step)
     losses, logged, logged_loss = _StepLosses(batches), _Logged(), _LoggedLoss()
     trainer = cpu_trainer(
         WORLD if strategy is not None else 1, strategy, max_steps=STEPS,
-        accumulate_grad_batches=MICROS_PER_STEP // dp_size, callbacks=[losses, logged_loss] + ([logged] if preset.endswith("moe") else []),
-        gradient_clip_val=0.5, log_every_n_steps=1,
+        accumulate_grad_batches=MICROS_PER_STEP // dp_size,
+        callbacks=[losses, logged_loss] + ([logged] if preset.endswith("moe") else []),
+        gradient_clip_val=0.5, log_every_n_steps=1, save_dir=save_dir,
     )  # fmt: skip
     torch.manual_seed(0)
     module = MulaLightningModule(
         preset, overrides=overrides, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
     )
-    trainer.fit(module, batches)
+    trainer.fit(module, batches, ckpt_path=ckpt_path)
     topo = getattr(strategy, "topology", None)
     params = {}
     for name, p in trainer.lightning_module.named_parameters():
@@ -136,6 +151,24 @@ def _run(rank: int, world: int) -> dict:
     return out
 
 
+def _resume_across_c(rank: int, world: int, root: str) -> dict:
+    """C = 2 saves at step 2; C = 1 (DP = 4) resumes from it and saves at step 4; C = 4 resumes from that."""
+    lightning_env(rank, world)
+
+    def strategy(cp: int) -> XPUMoEStrategy:
+        return XPUMoEStrategy(context_parallel_size=cp)
+
+    _fit("mula-tiny-dense", DENSE, strategy(2), rank // 2, world // 2, save_dir=f"{root}/c2")
+    down = _fit(
+        "mula-tiny-dense", DENSE, strategy(1), rank, world, save_dir=f"{root}/c1",
+        ckpt_path=f"{root}/c2/epoch=0-step=2.ckpt", first_step=2,
+    )  # fmt: skip
+    up = _fit(
+        "mula-tiny-dense", DENSE, strategy(4), 0, 1, ckpt_path=f"{root}/c1/epoch=0-step=4.ckpt", first_step=4
+    )
+    return {"down": down["losses"], "up": up["losses"], "params": up["params"]}
+
+
 @pytest.fixture(scope="module")
 def runs() -> tuple[dict, list[dict]]:
     ref = {
@@ -166,6 +199,17 @@ def test_context_parallel_matches_single_process(runs, key: str) -> None:
         assert run["params"].keys() == ref["params"].keys()
         for name, value in ref["params"].items():
             torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-4, msg=name)
+
+
+def test_checkpoints_resume_at_another_context_parallel_size(runs, tmp_path) -> None:
+    """A checkpoint of C = 2 resumes at C = 1 and one of C = 1 at C = 4 (sharded optimizer), each
+    continuing the uninterrupted run's losses; the final parameters are one process's."""
+    ref = runs[0]["dense_c4"]
+    out = run_distributed(_resume_across_c, WORLD, str(tmp_path))[0]
+    _close(out["down"], ref["losses"][2:], 1e-5, "C=2 -> C=1")
+    _close(out["up"], ref["losses"][4:], 1e-5, "C=1 -> C=4")
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(out["params"][name], value, rtol=0, atol=1e-4, msg=name)
 
 
 def test_router_losses_need_their_true_backward(runs) -> None:
