@@ -9,12 +9,15 @@ tests/test_plan_volumes.py).
 
 Then, in interleaved rounds (every layout once per round), a small MoE (uniform routing, the model's
 balanced-routing assumption) trains full optimizer steps of one global batch -- forward, backward,
-gradient reduction, the sharded AdamW (native collectives) -- in each layout:
+gradient reduction, the sharded AdamW (native collectives) -- in each layout, with Lightning's
+Trainer and XPUMoEStrategy as `mula fit` trains (a step: from one optimizer step's end to the next's):
 
   1 rank          one process (the other waits);
   DP=2 ZeRO-1/2   two data-parallel ranks with the sharded optimizer;
   E=2             expert parallelism (all-to-all dispatch), also with every block recomputed;
-  P=2             two pipeline stages, 1F1B and GPipe.
+  P=2             two pipeline stages, 1F1B and GPipe;
+  T=2             tensor parallelism (tokens split over the TP pair before routing), also with
+                  sequence parallelism.
 
 Each row: the planner's prediction (`step_time` with the measured machine), the measured seconds
 per step (slowest rank, median of the steps of each round; median [min-max] over rounds) and
@@ -26,7 +29,6 @@ tables and never assert.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import statistics
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
@@ -48,11 +51,7 @@ from mula.plan import Layout
 from mula.plan.layout import check_runnable
 from mula.plan.machines import Machine, load_machine
 from mula.plan.step_time import step_time
-from strategies.experts.expert_parallel import apply_expert_parallel
-from strategies.optim.sharded_optimizer import EPShardedAdamW
-from strategies.pipeline.schedule import PipelineRunner
-from strategies.pipeline.split import split_model
-from strategies.topology import ExpertParallelTopology, topology_from_layout
+from strategies import XPUMoEStrategy
 
 SECTION = "## step time"
 PARTS = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
@@ -61,7 +60,7 @@ DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
 
 @dataclasses.dataclass
 class Case:
-    """One row of the table: a layout of `world` ranks (1: the calibration run, on rank 0 alone)."""
+    """One row of the table: a layout of `world` ranks (1: one process, the other rank waits)."""
 
     name: str
     world: int = 2
@@ -70,6 +69,8 @@ class Case:
     schedule: str = "1f1b"
     zero: int = 1
     checkpointing: Any = "none"
+    tp: int = 1
+    sp: bool = False
 
 
 CASES = [
@@ -80,6 +81,8 @@ CASES = [
     Case("E=2, full recompute", ep=2, checkpointing="full"),
     Case("P=2 1f1b", pp=2),
     Case("P=2 gpipe", pp=2, schedule="gpipe"),
+    Case("T=2", tp=2),
+    Case("T=2, sequence parallel", tp=2, sp=True),
 ]
 
 
@@ -97,17 +100,52 @@ class Spec:
     warmup: int
 
 
-def _single_topology() -> ExpertParallelTopology:
-    """One process's layout, for the calibration run on rank 0 while rank 1 waits."""
-    return ExpertParallelTopology(world_size=1, rank=0, ep_size=1, edp_size=1, ep_rank=0, edp_rank=0)
+class _StepTimer(L.Callback):
+    """Seconds of every optimizer step on this rank: from one step's end to the next's (the first from
+    its first micro-batch's start), so data loading, logging and the optimizer are all in it."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last: float | None = None
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._last is None:
+            self._last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self._step:  # an optimizer step ended with this batch
+            now = time.perf_counter()
+            assert self._last is not None
+            self.times.append(now - self._last)
+            self._last, self._step = now, trainer.global_step
 
 
-def _build(case: Case, spec: Spec) -> tuple[MulaLightningModule, PipelineRunner | None, EPShardedAdamW]:
-    """The module, its pipeline runner and its sharded optimizer, in XPUMoEStrategy.setup's order."""
-    if case.world == 1:
-        topo = _single_topology()
-    else:
-        topo = topology_from_layout(layout_of(case, spec).parallel)  # the layout the plan predicts
+class _Batches:
+    """A data-parallel rank's share of every step's global batch: micro-batches, or whole steps (stages)."""
+
+    def __init__(self, spec: Spec, dp_rank: int, dp_size: int, whole_steps: bool, vocab: int) -> None:
+        self.spec, self.dp_rank, self.dp_size, self.whole, self.vocab = (
+            spec,
+            dp_rank,
+            dp_size,
+            whole_steps,
+            vocab,
+        )
+
+    def __iter__(self):
+        rows = self.spec.global_batch // self.dp_size
+        for step in range(self.spec.warmup + self.spec.steps):
+            g = torch.Generator().manual_seed(1000 * step + self.dp_rank)
+            mine = torch.randint(0, self.vocab, (rows, self.spec.seq_len + 1), generator=g)
+            yield from [mine] if self.whole else mine.split(self.spec.micro_batch)
+
+
+def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
+    """Seconds per optimizer step (the slowest rank's) after the warm-up steps, trained by Lightning's
+    Trainer with XPUMoEStrategy as `mula fit` trains; None on a rank left out."""
+    dist.barrier()
+    layout = layout_of(case, spec)
     torch.manual_seed(0)
     module = MulaLightningModule(
         "mula-tiny-moe",
@@ -115,68 +153,37 @@ def _build(case: Case, spec: Spec) -> tuple[MulaLightningModule, PipelineRunner 
         activation_checkpointing=case.checkpointing,
         decay_steps=100,
     )
-    module.configure_model()
-    runner = None
-    if case.pp > 1:
-        split_model(module.model, topo.holdings(module.config))
-        runner = PipelineRunner(module, topo, torch.device("cpu"))
-    apply_expert_parallel(module, topo)
-    module.to(DTYPES[spec.precision])
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    adamw = module.configure_optimizers()["optimizer"]
-    opt = EPShardedAdamW.from_adamw(adamw, named, topo, zero_stage=case.zero, collectives="native")
-    return module, runner, opt
-
-
-def _step(module: MulaLightningModule, runner: PipelineRunner | None, opt: EPShardedAdamW, batch: torch.Tensor,
-          micro: int) -> None:  # fmt: skip
-    """One optimizer step over this rank's share of the global batch, as the strategy runs it."""
-    opt.zero_grad()
-    if runner is not None:
-        with opt.no_sync():
-            runner.step(batch, batch.shape[0] // micro)
-    else:
-        micro_batches = batch.split(micro)
-        for i, mb in enumerate(micro_batches):
-            sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else opt.no_sync()
-            with sync:
-                (module._losses(mb)[0] / len(micro_batches)).backward()
-    opt.reduce_gradients()
-    opt.step()
-
-
-def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
-    """Seconds per step (the slowest rank's) after the warm-up steps; None on a rank left out."""
-    dist.barrier()
-    if rank >= case.world:
-        dist.barrier()  # wait for the calibration run
-        return None
-    module, runner, opt = _build(case, spec)
-    dp = case.world // case.pp
-    dp_rank = (rank // (case.pp * case.ep)) * case.ep + rank % case.ep
-    rows = spec.global_batch // dp
-    g = torch.Generator().manual_seed(1000 + dp_rank)
-    vocab = module.config.vocab_size
-    times = []
-    for i in range(spec.warmup + spec.steps):
-        batch = torch.randint(0, vocab, (rows, spec.seq_len + 1), generator=g)
-        if case.world > 1:
-            dist.barrier()
-        start = time.perf_counter()
-        _step(module, runner, opt, batch, spec.micro_batch)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        if case.world > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
-        if i >= spec.warmup:
-            times.append(float(elapsed))
-    opt.close()
-    if case.world == 1:
-        dist.barrier()
-    return times
+    strategy: Any = "auto"
+    if case.world > 1:
+        os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(case.world), RANK=str(rank))
+        strategy = XPUMoEStrategy(
+            expert_parallel_size=case.ep, pipeline_parallel_size=case.pp, pipeline_schedule=case.schedule,
+            tensor_parallel_size=case.tp, sequence_parallel=case.sp,
+            optimizer_options={"zero_stage": case.zero, "collectives": "native"},
+        )  # fmt: skip
+        if case.pp > 1:
+            strategy.pipeline_microbatches = layout.micro_batches
+    timer = _StepTimer()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=case.world, strategy=strategy, max_steps=spec.warmup + spec.steps,
+        precision=spec.precision, accumulate_grad_batches=1 if case.pp > 1 else layout.micro_batches,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer],
+    )  # fmt: skip
+    # global rank = ((d * P + s) * E + e) * T + t: the data-parallel index is d * E + e
+    e = (rank // case.tp) % case.ep
+    d = rank // (case.tp * case.ep * case.pp)
+    trainer.fit(
+        module, _Batches(spec, d * case.ep + e, layout.dp_size, case.pp > 1, module.config.vocab_size)
+    )
+    times = torch.tensor(timer.times, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    return times.tolist()[spec.warmup :]
 
 
 def _measure(rank: int, world: int, spec: Spec) -> list[dict[str, Any]] | None:
-    """Rank 0: each case's median step time."""
+    """Rank 0: the median step time of each case of `world` ranks (a one-process job for the 1-rank case:
+    a Trainer of one device in a job of two would meet the other rank's collectives)."""
     rows = []
     for case in spec.cases:
         times = _run_case(case, spec, rank)
@@ -187,12 +194,13 @@ def _measure(rank: int, world: int, spec: Spec) -> list[dict[str, Any]] | None:
 
 def layout_of(case: Case, spec: Spec) -> Layout:
     """The planner's layout of a case."""
-    dp = case.world // case.pp
+    dp = case.world // (case.pp * case.tp)
     return Layout(
         world_size=case.world, ep_size=case.ep, pp_size=case.pp, pp_schedule=case.schedule,
         micro_batch=spec.micro_batch, seq_len=spec.seq_len,
         micro_batches=micro_batches_per_step(spec.global_batch, dp, spec.micro_batch), precision=spec.precision,
         checkpointing=case.checkpointing, shard_optimizer=True, zero_stage=case.zero, collectives="native",
+        tp_size=case.tp, sequence_parallel=case.sp,
     )  # fmt: skip
 
 
@@ -242,8 +250,7 @@ def main(
         max_position_embeddings=max(seq_len, 64), routing_mode="uniform",
     )  # fmt: skip
     config = MulaConfig.from_name("mula-tiny-moe", **overrides)
-    runs = [case for _ in range(rounds) for case in CASES]  # interleaved rounds: drift hits every layout
-    spec = Spec(overrides, precision, runs, global_batch, micro_batch, seq_len, steps, warmup)
+    spec = Spec(overrides, precision, CASES, global_batch, micro_batch, seq_len, steps, warmup)
     for case in CASES:  # refuse, before any process starts, a case the strategy would refuse
         check_runnable(config, layout_of(case, spec), global_batch)
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
@@ -252,7 +259,11 @@ def main(
         calibrate(output=str(machine_file), devices=2, model="mula-tiny-moe", overrides=overrides,
                   seq_len=seq_len, micro_batch=micro_batch, progress=False)  # fmt: skip
     machine = load_machine(str(machine_file))
-    rows = run_gloo(_measure, 2, spec)[0]
+    rows = []
+    for _ in range(rounds):  # interleaved rounds: drift hits every layout; each world size its own job
+        for world in sorted({c.world for c in CASES}):
+            cases = [c for c in CASES if c.world == world]
+            rows += run_gloo(_measure, world, dataclasses.replace(spec, cases=cases))[0]
     cal = machine.calibration or {}
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
@@ -275,8 +286,8 @@ def main(
 def _doc_section(result: str) -> str:
     return f"""{SECTION}
 
-The planner's step time (`mula plan`'s `step_time_s`) against measured steps on this CPU host, with a
-machine description measured on it and `compute_mfu` calibrated on one rank. Made with:
+The planner's step time (`mula plan`'s `step_time_s`) against measured steps on this CPU host, priced
+with a machine file `mula calibrate --devices 2` measured on it at the benchmark model's shapes. Made with:
 
     .venv/bin/python benchmarks/step_time.py --doc docs/benchmarks.md
 
@@ -286,17 +297,13 @@ machine description measured on it and `compute_mfu` calibrated on one rank. Mad
 
 How to read it.
 
-- The 1-rank row calibrates `compute_mfu`, so its ratio is 1 up to the spread between rounds; every
-  other row is a prediction: compute scaled by the layout's share of the tokens (and the recomputed
-  forward), plus the communication volumes (checked byte for byte in tests/test_plan_volumes.py) over
-  the measured bandwidths, plus the pipeline bubble.
-- A ratio above 1 is time the model leaves out: two ranks sharing the host's memory bandwidth and
-  caches (one rank computes alone during calibration), collective latency and synchronisation on
-  small messages, the optimizer update and framework work that does not shrink with the ranks.
-- So this table does not validate the step-time model: the 2-rank ratios show by how much it
-  under-predicts on this host, most where it counts least (the expert all-to-all's small messages,
-  the recomputed forward). Its Aurora and H100 numbers (docs/scaling.md) rest on the same terms and on
-  assumed efficiencies; a measured one-node GPU run is what would validate or correct them.
+- Every row is a prediction: compute at the calibrated training rate of the model (whole forward +
+  backward passes of a micro-batch with both ranks busy; the forward rate for recomputation), each
+  collective as calls x latency + bus bytes x inverse bandwidth from its own measured curve (the calls
+  and bytes of each layout checked against real runs in tests/test_plan_volumes.py), the pipeline
+  bubble, and the gradient reduction's overlap with the last micro-batch's backward.
+- A ratio above 1 is time the model leaves out: the optimizer update, Lightning's own work per step,
+  and anything the calibration's micro-benchmarks do not see in a real step.
 """
 
 

@@ -49,21 +49,22 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return all_reduce([1.0 if flag else 0.0], "max", device)[0] > 0
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank."""
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank (``group``: another group over every rank, e.g. the
+    checkpoint writer's own gloo group in its background thread)."""
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Rank ``src``'s ``obj`` on every rank."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -91,10 +92,10 @@ def first_problem(problems: list[str | None]) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
-def gather_to_zero(obj: Any) -> list[Any] | None:
+def gather_to_zero(obj: Any, group: Any = None) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (None elsewhere)."""
     if not is_distributed():
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out

@@ -19,7 +19,15 @@ A crash at any point leaves either no new checkpoint, or one without a manifest,
 An error (a full disk) is agreed on by all ranks after each phase, so that no rank waits forever in
 a collective the failed one never reaches; rank 0 then removes the partial files and every rank
 skips the save or raises ``CheckpointSaveError`` (``on_save_error``). Before writing, rank 0 checks
-that the directory has room for a checkpoint the size of the last one.
+that the directory has room for a checkpoint the size of the last one. Steps 2-5 are
+``callbacks._checkpoint_commit.commit``.
+
+Asynchronous saves (``async_save=True``, with a strategy offering ``save_checkpoint_async``:
+``XPUMoEStrategy``): step 1 stages the state into host memory and returns; a background thread
+writes the files and runs steps 2-5 over a gloo group of its own (``callbacks._background_save``),
+so the manifest is still written last, after every rank's write finished. At most one save is in
+flight: the next save, a rollback, a preemption and the end of training wait for it first.
+Preemption and end-of-training saves are synchronous.
 
 Anomaly streaks: callbacks offering ``blocks_checkpoint()`` (true while periodic saves must wait,
 e.g. ``AnomalyGuard`` inside a streak of skipped steps) defer periodic saves to the first step
@@ -39,58 +47,38 @@ the two runs diverge.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from callbacks import _disk_space, _dist, _peers
+from callbacks import _dist, _peers
+from callbacks._background_save import BackgroundSave, writer_group
+from callbacks._checkpoint_save import CheckpointSaveError, CheckpointSaving, log_metrics
 from callbacks.rng_state import capture_rng_state, restore_rng_state
 from mula.checkpoint import (
     TMP_PREFIX,
-    CheckpointManifest,
     Checksum,
     RunDirLock,
     RunDirLocked,
     Verify,
-    atomic_write,
-    checkpoint_name,
-    digest_entries,
     find_resume_checkpoint,
-    fsync_dir,
-    fsync_tree,
     iter_valid_checkpoints,
-    list_checkpoint_files,
-    list_checkpoints,
-    manifest_path,
     remove_path,
-    replace_path,
-    sync_filesystem,
-    temp_path,
-    verify_checkpoint,
-    write_manifest,
 )
-from mula.lightning_compat import dump_checkpoint
+from mula.checkpoint.group_verify import add_verify_time, verify_on_ranks, verify_time
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "mula_rng_states"
-LAST_LINK = "last.ckpt"  # symlink to the newest checkpoint, for humans and `mula export-hf`
 OnSaveError = Literal["skip", "raise"]
-_SKIPPABLE = ("periodic", "timer")  # saves that have a later chance; preemption and end saves do not
 
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (raised on every rank; the partial files are removed)."""
-
-
-class FaultTolerantCheckpoint(Checkpoint):
+class FaultTolerantCheckpoint(CheckpointSaving, Checkpoint):
     """Crash-safe checkpoints every N optimizer steps and/or T minutes, plus auto-resume support.
 
     Args:
@@ -109,6 +97,14 @@ class FaultTolerantCheckpoint(Checkpoint):
             end-of-training saves always raise: they have no later chance.
         lock_stale_after_s: the run-directory lock of a run whose heartbeat is older than this is taken
             over (the holder refreshes it every ``lock_stale_after_s / 10`` s, at most every 30 s).
+        async_save: write periodic and timed saves in the background (staged to host memory first:
+            the host needs room for one copy of each rank's checkpoint state, which ``mula plan``
+            counts in its host bytes); needs a strategy that writes sharded checkpoints
+            (``XPUMoEStrategy``), others save synchronously with a warning.
+
+    Metrics (rank 0, at the step of each committed save): ``checkpoint/save_blocking_s`` (how long
+    training stopped), ``checkpoint/save_total_s`` (until committed), ``checkpoint/bytes``; at the
+    start of a resumed run ``checkpoint/verify_s``, the time spent verifying the checkpoint.
     """
 
     def __init__(
@@ -122,6 +118,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         save_on_train_end: bool = True,
         on_save_error: OnSaveError = "skip",
         lock_stale_after_s: float = 300.0,
+        async_save: bool = False,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
@@ -146,6 +143,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.save_on_train_end = save_on_train_end
         self.on_save_error: OnSaveError = on_save_error
         self.lock_stale_after_s = lock_stale_after_s
+        self.async_save = bool(async_save)
+        self._writer_group: object | None = None  # the background writer's gloo group (setup)
+        self._inflight: BackgroundSave | None = None
+        self._previous_saved_step = -1
+        self.last_save_metrics: dict[str, float] = {}
         self._lock: RunDirLock | None = None
         self.last_saved_path: Path | None = None
         self._last_saved_step = -1
@@ -166,9 +168,14 @@ class FaultTolerantCheckpoint(Checkpoint):
         """The newest valid checkpoint to auto-resume from (called by ``mula fit`` before training).
 
         Runs in every process before the process group exists; the choice is deterministic on a
-        shared filesystem, and :meth:`on_train_start` verifies that all ranks agreed.
+        shared filesystem, and :meth:`on_train_start` verifies that all ranks agreed. With several
+        ranks, a sharded checkpoint is chosen by its manifest and sizes, and its checksums are verified
+        by one reader per file when the strategy loads it (``mula.checkpoint.group_verify``).
         """
-        path = find_resume_checkpoint(self.resolve_dirpath(trainer), self.verify)
+        defer = trainer.world_size > 1
+        start = time.monotonic()
+        path = find_resume_checkpoint(self.resolve_dirpath(trainer), self.verify, defer_sharded=defer)
+        add_verify_time(time.monotonic() - start)
         if path is not None:
             rank_zero_info(f"Auto-resuming from {path}.")
         return path
@@ -176,12 +183,14 @@ class FaultTolerantCheckpoint(Checkpoint):
     def latest_valid_checkpoint(self, trainer: pl.Trainer, at_or_before: int | None = None) -> Path | None:
         """The newest valid checkpoint (of a step ``<= at_or_before`` if given), chosen by rank 0 and
         agreed by all ranks (a collective)."""
-        path = None
-        if trainer.is_global_zero:
-            candidates = iter_valid_checkpoints(self.resolve_dirpath(trainer), self.verify)
-            path = next((e for e in candidates if at_or_before is None or e.step <= at_or_before), None)
-        path = _dist.broadcast_object(str(path.path) if path is not None else None)
-        return Path(path) if path is not None else None
+        self.wait_for_save(trainer)  # the newest checkpoint may still be committing in the background
+        dirpath = _dist.broadcast_object(str(self.resolve_dirpath(trainer)))
+        # every rank verifies, each file read by one of them (a collective per candidate)
+        candidates = iter_valid_checkpoints(
+            dirpath, self.verify, warn=trainer.is_global_zero, verifier=verify_on_ranks
+        )
+        found = next((e for e in candidates if at_or_before is None or e.step <= at_or_before), None)
+        return found.path if found is not None else None
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -222,6 +231,14 @@ class FaultTolerantCheckpoint(Checkpoint):
                     log.info("Removing %s left by an interrupted save.", child)
                     remove_path(child)
         trainer.strategy.barrier("FaultTolerantCheckpoint.setup")
+        if self.async_save:
+            if callable(getattr(trainer.strategy, "save_checkpoint_async", None)):
+                self._writer_group = writer_group()  # a collective: every rank is here
+            else:
+                rank_zero_warn(
+                    f"async_save: {type(trainer.strategy).__name__} has no asynchronous save"
+                    " (XPUMoEStrategy's sharded checkpoints do); its checkpoints are written synchronously."
+                )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -250,6 +267,10 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         if trainer.is_global_zero:
             self._warn_if_short_of_space(trainer)
+        if paths[0] is not None:  # how long the restart spent verifying (the slowest rank's time)
+            seconds = _dist.all_reduce([verify_time()], "max", trainer.strategy.root_device)[0]
+            rank_zero_info(f"Verified the checkpoint to resume from in {seconds:.2f}s.")
+            log_metrics(trainer, {"checkpoint/verify_s": seconds}, trainer.global_step)
 
     @override
     def on_train_batch_start(
@@ -269,6 +290,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if step == self._last_step_seen:  # inside a gradient-accumulation window: no optimizer step yet
             return
         self._last_step_seen = step
+        self._finish_if_done(trainer)
         due_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
         due_time = False
         if self.every_n_minutes is not None:
@@ -294,7 +316,8 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Final checkpoint."""
+        """Final checkpoint (after the save in flight, if any, committed)."""
+        self.wait_for_save(trainer)
         if (
             self.save_on_train_end
             and trainer.global_step != self._last_saved_step
@@ -348,185 +371,6 @@ class FaultTolerantCheckpoint(Checkpoint):
             )
         else:
             self._pending_rng = states[rank]
-
-    def save(self, trainer: pl.Trainer, reason: str = "periodic") -> Path | None:
-        """Write a crash-safe checkpoint of the current step (call on every rank at a step boundary).
-
-        Returns its path, or None when a periodic/timed save was skipped (``on_save_error="skip"``).
-        """
-        step = trainer.global_step
-        dirpath = self.resolve_dirpath(trainer)
-        final = dirpath / checkpoint_name(step)
-        if step == self._last_saved_step and self.last_saved_path == final:
-            return final
-        _peers.heartbeat(trainer)
-        start = time.monotonic()
-        tmp = temp_path(final)
-        zero = trainer.is_global_zero
-        # Rank 0 makes room and checks the free space; broadcasting its verdict makes the others wait for it.
-        problem = _dist.broadcast_object(self._prepare(trainer, dirpath, tmp) if zero else None)
-        if problem is not None:
-            return self._abandon(trainer, step, reason, problem, [])
-
-        checkpoint = dump_checkpoint(trainer)  # collective (RNG gather, optimizer consolidation)
-        problem, is_dir = None, False
-        try:
-            # The strategy decides whether this is one file (rank 0 writes) or a directory of shards.
-            trainer.strategy.save_checkpoint(checkpoint, tmp)
-            # Durability before the rename: a renamed checkpoint must never point at unflushed data.
-            is_dir = tmp.is_dir()
-            if is_dir:
-                sync_filesystem(tmp)  # each rank flushes the shards it wrote
-            elif zero:
-                fsync_tree(tmp)
-        except Exception as err:  # noqa: BLE001 (any write error: agreed on below, then skipped or raised)
-            problem = _dist.describe_error(err)
-        del checkpoint
-        reports = _dist.all_gather_object((problem, is_dir))
-        problem, is_dir = _dist.first_problem([r[0] for r in reports]), reports[0][1]  # rank 0 wrote the file
-        if problem is not None:
-            return self._abandon(trainer, step, reason, problem, [tmp])
-
-        # Rank 0 renames into place and lists the files; every rank gets the list (or rank 0's error).
-        entries = _dist.broadcast_object(
-            _dist.attempt(lambda: self._commit_rename(tmp, final)) if zero else None
-        )
-        if isinstance(entries, str):
-            return self._abandon(trainer, step, reason, entries, [tmp, manifest_path(final), final])
-        if is_dir:  # spread the hashing of a sharded checkpoint over the ranks
-            mine = _dist.attempt(
-                lambda: digest_entries(final, entries[_dist.rank() :: _dist.world_size()], self.checksum)
-            )
-            gathered = _dist.gather_to_zero(mine)
-        else:
-            gathered = (
-                [_dist.attempt(lambda: digest_entries(final, entries, self.checksum))] if zero else None
-            )
-        outcome = None
-        if zero:
-            outcome = _dist.first_problem([g for g in gathered if isinstance(g, str)])
-            if outcome is None:
-                digested = sorted((e for part in gathered for e in part), key=lambda e: e.path)
-                outcome = _dist.attempt(
-                    lambda: self._write_manifest(trainer, final, digested, is_dir, reason, start)
-                )
-        problem = _dist.broadcast_object(outcome)
-        if problem is not None:
-            return self._abandon(trainer, step, reason, problem, [manifest_path(final), final])
-        self._last_saved_step = step
-        self.last_saved_path = final
-        self._last_save_time = time.monotonic()
-        _peers.heartbeat(trainer)
-        return final
-
-    def _prepare(self, trainer: pl.Trainer, dirpath: Path, tmp: Path) -> str | None:
-        """Rank 0, before a save: remove a stale temporary; the reason the save cannot fit, or None."""
-        try:
-            dirpath.mkdir(parents=True, exist_ok=True)
-            remove_path(tmp)
-            return _disk_space.space_problem(dirpath, self._checkpoint_bytes(trainer, dirpath))
-        except OSError as err:
-            return _dist.describe_error(err)
-
-    def _commit_rename(self, tmp: Path, final: Path) -> list:
-        """Rank 0: move the flushed temporary to its final name; its files (for the manifest)."""
-        if final.exists() or manifest_path(final).exists():  # a stale one from an abandoned timeline
-            remove_path(manifest_path(final))
-            remove_path(final)
-        replace_path(tmp, final, sync=False)  # flushed before, by every rank for its own shards
-        return list_checkpoint_files(final)
-
-    def _write_manifest(
-        self, trainer: pl.Trainer, final: Path, digested: list, is_dir: bool, reason: str, start: float
-    ) -> None:
-        """Rank 0: write the commit record, point ``last.ckpt`` at it, prune."""
-        manifest = CheckpointManifest(
-            step=trainer.global_step,
-            kind="dir" if is_dir else "file",
-            checksum=self.checksum,
-            files=digested,
-            epoch=trainer.current_epoch,
-            reason=reason,
-            created=time.time(),
-            world_size=trainer.world_size,
-        )
-        write_manifest(final, manifest)
-        dirpath = final.parent
-        _point_last_at(dirpath, final)
-        try:
-            self._prune(dirpath, trainer.global_step, _peers.protected_steps(trainer))
-        except OSError as err:  # the checkpoint is committed; an old one left behind is no reason to fail
-            log.warning("Could not prune old checkpoints in %s: %s", dirpath, _dist.describe_error(err))
-        rank_zero_info(
-            f"Saved checkpoint {final} ({_disk_space.mib(manifest.total_bytes)}, {reason},"
-            f" {time.monotonic() - start:.1f}s)."
-        )
-
-    def _abandon(
-        self, trainer: pl.Trainer, step: int, reason: str, problem: str, leftovers: list[Path]
-    ) -> None:
-        """Every rank, after agreeing that a save failed: rank 0 removes the partial files; skip or raise."""
-        if trainer.is_global_zero:
-            for path in leftovers:
-                try:
-                    remove_path(path)
-                except OSError as err:
-                    log.error("Could not remove %s of the failed save: %s", path, _dist.describe_error(err))
-        message = f"Checkpoint of step {step} not saved: {problem}."
-        if self.on_save_error == "raise" or reason not in _SKIPPABLE:
-            raise CheckpointSaveError(message)
-        if trainer.is_global_zero:
-            log.error("%s Training continues; the next scheduled save will try again.", message)
-        self._last_save_time = time.monotonic()
-        _peers.heartbeat(trainer)
-        return None
-
-    def _checkpoint_bytes(self, trainer: pl.Trainer, dirpath: Path) -> int:
-        """The size of the newest checkpoint in ``dirpath``, else an estimate from the model's state."""
-        sizes = _disk_space.checkpoint_sizes(dirpath)
-        if sizes:
-            return sizes[0]
-        return _disk_space.estimate_checkpoint_bytes(trainer.lightning_module, trainer.optimizers)
-
-    def _warn_if_short_of_space(self, trainer: pl.Trainer) -> None:
-        """Rank 0 at start: warn when ``keep_last + 1`` checkpoints cannot fit in the directory."""
-        dirpath = self.resolve_dirpath(trainer)
-        try:
-            warning = _disk_space.shortage(dirpath, self.keep_last, self._checkpoint_bytes(trainer, dirpath))
-        except OSError as err:
-            warning = f"Cannot tell the free space of {dirpath}: {err}"
-        if warning is not None:
-            log.warning(warning)
-
-    def _prune(self, dirpath: Path, step: int, protected: Iterable[int] = ()) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints at or before ``step``, and for each step in
-        ``protected`` the newest valid checkpoint at or before it; drop older and failed ones.
-
-        Checkpoints after ``step`` belong to another timeline (the run was resumed from an older one)
-        and are left alone; a save at the same step replaces them.
-        """
-        entries = [e for e in list_checkpoints(dirpath) if e.step <= step]
-        valid = [e.step for e in entries if verify_checkpoint(e.path, "size") is None]  # newest first
-        keep = set(valid[: self.keep_last])
-        for bound in protected:
-            keep.update(next(([s] for s in valid if s <= bound), []))
-        for entry in entries:
-            if entry.step in keep:
-                continue
-            # The manifest goes first, so that a partly deleted checkpoint never looks valid.
-            remove_path(entry.manifest)
-            fsync_dir(dirpath)
-            remove_path(entry.path)
-
-
-def _point_last_at(dirpath: Path, final: Path) -> None:
-    """Atomically (re)point the convenience symlink ``last.ckpt`` at the newest checkpoint."""
-    link = dirpath / LAST_LINK
-    try:
-        with atomic_write(link) as tmp:
-            os.symlink(final.name, tmp)
-    except OSError as err:  # a filesystem without symlinks: the manifests are what matter
-        log.debug("Could not update %s: %s", link, err)
 
 
 __all__ = ["RNG_KEY", "CheckpointSaveError", "FaultTolerantCheckpoint"]

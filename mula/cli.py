@@ -123,7 +123,7 @@ class MulaCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand in self.subcommands():
             config = self.config[subcommand]
-            check_ckpt_path(config.get("ckpt_path"), verify=config.verify)
+            check_ckpt_path(config.get("ckpt_path"), verify=config.verify, defer_sharded=True)
 
     @override
     def before_instantiate_classes(self) -> None:

@@ -72,8 +72,9 @@ class MulaLightningModule(L.LightningModule):
         init_weights: A Mula weights file (`mula import-hf` output, `.pt`) or a Lightning `.ckpt` of
             this module to start from instead of a random initialisation.
         verify_init_weights: Verify `init_weights` against its manifest when the module is created
-            and refuse a corrupted or incomplete one (`mula.checkpoint.verify_for_reading`); on the
-            command line this is `--verify`.
+            and refuse a corrupted or incomplete one (`mula.checkpoint.verify_for_reading`; in a multi-rank
+            launch the checksums wait for the process group and each file is read by one rank,
+            `mula.checkpoint.group_verify`); on the command line this is `--verify`.
         activation_checkpointing: What backward recomputes instead of keeping in memory: "none",
             "full" (every block) or a list of block parts among "moe", "attention", "norms", e.g.
             `[moe, attention]`. Gradients are unchanged; a training setting, not the architecture.
@@ -109,8 +110,11 @@ class MulaLightningModule(L.LightningModule):
         if init_weights is not None:
             # here, before any work, rather than when the model is built
             from mula.checkpoint import verify_for_reading  # imported lazily: only needed with init_weights
+            from mula.checkpoint.group_verify import launch_world_size
 
-            verify_for_reading(init_weights, verify_init_weights)
+            # In a multi-rank launch the checksums wait for the process group (`_load_init_weights`),
+            # where each file is read by one rank instead of every process reading all of it here.
+            verify_for_reading(init_weights, verify_init_weights, defer=launch_world_size() > 1)
         self.lr, self.min_lr, self.warmup_steps, self.decay_steps = lr, min_lr, warmup_steps, decay_steps
         self.weight_decay, self.betas, self.eps = weight_decay, tuple(betas), eps
         self.no_decay = list(no_decay)
@@ -142,8 +146,11 @@ class MulaLightningModule(L.LightningModule):
     def _load_init_weights(self, path: str) -> None:
         """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
         from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
+        from mula.checkpoint.group_verify import settle_for_reading
 
-        source = load_weights(path, verify=False)  # verified in __init__
+        # with several ranks: verified here by one reader per file (a collective; __init__ checked sizes)
+        settle_for_reading(path, bool(self.hparams.get("verify_init_weights", True)))
+        source = load_weights(path, verify=False)  # verified in __init__ or just above
         diff = self.config.architecture_differences(source.config)
         if diff:
             raise ValueError(

@@ -19,6 +19,7 @@ saved at T=2 resumes at T=1 and the reverse.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from mula.checkpoint.sharded import (
     is_sharded_checkpoint,
     read_sharded_meta,
     saved_keys,
+    start_sharded_write,
     write_sharded_checkpoint,
 )
 from mula.moe import is_expert_param
@@ -127,6 +129,24 @@ def _plain_optimizer_template(
     return {"state": state, "param_groups": None}  # None: filled with the saved tuple by dcp.load
 
 
+def checkpoint_parts(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> tuple[Path, list[Any]]:
+    """What `XPUMoEStrategy` saves at `filepath` (collective: rank 0's name wins): the directory and the
+    optimizer states taken out of `checkpoint`, whose metadata records the layout it was saved at."""
+    path = Path(strategy.broadcast(str(filepath)))
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None else None
+    checkpoint["xpu_moe_layout"] = {
+        "world_size": strategy.world_size,
+        "expert_parallel_size": strategy.expert_parallel_size,
+        "pipeline_parallel_size": strategy.pipeline_parallel_size,
+        "tensor_parallel_size": strategy.tensor_parallel_size,
+        "context_parallel_size": strategy.context_parallel_size,
+        "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+    }
+    return path, optimizer_states
+
+
 def save_sharded(
     path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool
 ) -> None:
@@ -135,6 +155,16 @@ def save_sharded(
     state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
     write_sharded_checkpoint(path, state, checkpoint, is_global_zero)
+
+
+def start_save_sharded(
+    path: Path, checkpoint: dict[str, Any], optimizer_states: list[Any], is_global_zero: bool, group: Any
+) -> Future:
+    """`save_sharded` in the background (`mula.checkpoint.sharded.start_sharded_write`): the tensors are
+    staged to host memory before this returns; the future completes when this rank's files are written."""
+    state = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
+    return start_sharded_write(path, state, checkpoint, is_global_zero, group)
 
 
 def load_sharded(

@@ -26,6 +26,7 @@ or `trainer.strategy: xpu_moe` (E = 1).
 from __future__ import annotations
 
 from collections.abc import Generator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from mula.checkpoint.group_verify import settle
 from mula.layout_rules import (
     check_context_parallel,
     check_degrees,
@@ -76,12 +78,14 @@ from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
 from strategies.pipeline.steps import PipelineSteps
 from strategies.sharded_state import (
+    checkpoint_parts,
     expert_mesh,
     load_sharded,
     model_state,
     plain_optimizer_state,
     rescale_loop_progress,
     save_sharded,
+    start_save_sharded,
 )
 from strategies.tensor_parallel import TensorParallelSteps, apply_tensor_parallel
 from strategies.topology import ExpertParallelTopology, topology_from_layout
@@ -490,23 +494,20 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             raise TypeError(
                 "XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards)."
             )
-        path = Path(self.broadcast(str(filepath)))
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        checkpoint["xpu_moe_layout"] = {
-            "world_size": self.world_size,
-            "expert_parallel_size": self.expert_parallel_size,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
-        }
+        path, optimizer_states = checkpoint_parts(self, checkpoint, filepath)
         save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: Any, group: Any) -> Future:
+        """`save_checkpoint` in the background (collective): staged to host memory when this returns; the
+        future completes when this rank's files are written. `group`: the writer's own gloo group."""
+        path, optimizer_states = checkpoint_parts(self, checkpoint, filepath)
+        return start_save_sharded(path, checkpoint, optimizer_states, self.is_global_zero, group)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata.
+        Checksums left pending before the process group existed are verified first (`settle`)."""
+        path = settle(Path(self.broadcast(str(checkpoint_path))))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         meta = load_sharded(path, self.lightning_module, self._mesh, optimizers, names, weights_only)

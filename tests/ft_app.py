@@ -309,8 +309,54 @@ class App(LightningCLI):
                 self.trainer.ckpt_path = path
 
 
+def _count_hashing(log_path: str) -> None:
+    """Append one JSON line per file a checkpoint verification or save hashes in this process."""
+    from mula.checkpoint import manifest
+
+    digest = manifest.file_digest
+
+    def counted(path: Any, checksum: Any) -> str:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(
+                json.dumps({"pid": os.getpid(), "path": str(path), "bytes": os.path.getsize(path)}) + "\n"
+            )
+        return digest(path, checksum)
+
+    manifest.file_digest = counted
+
+
+def _gate_writes(gate_dir: str) -> None:
+    """Hold the DCP write of a checkpoint while ``<gate_dir>/block-<its directory name>`` exists, after
+    marking ``started-<name>-rank<R>``: a background write made slow deterministically."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from mula.checkpoint import sharded
+
+    class GatedWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            name = Path(str(self.path)).name
+            block = Path(gate_dir) / f"block-{name}"
+            if block.exists():
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                (Path(gate_dir) / f"started-{name}-rank{rank}").write_text(str(os.getpid()))
+                while block.exists():
+                    time.sleep(0.05)
+            return super().write_data(plan, planner)
+
+    sharded.FileSystemWriter = GatedWriter
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    # test-only instrumentation, by environment variables so that the launcher's child processes have it too
+    if os.environ.get("FT_HASH_LOG"):
+        _count_hashing(os.environ["FT_HASH_LOG"])
+    if os.environ.get("FT_WRITE_GATE"):
+        _gate_writes(os.environ["FT_WRITE_GATE"])
+    if os.environ.get("FT_SMALL_CHECKPOINT_BYTES"):
+        from mula.checkpoint import group_verify
+
+        group_verify.SMALL_CHECKPOINT_BYTES = int(os.environ["FT_SMALL_CHECKPOINT_BYTES"])
     App(TinyLM, TinyData, seed_everything_default=1234, save_config_callback=None)
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mula.checkpoint.group_verify import defer
 from mula.checkpoint.manifest import MANIFEST_SUFFIX, Verify, manifest_path, verify_checkpoint
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,15 @@ def list_checkpoints(dirpath: str | os.PathLike) -> list[CheckpointEntry]:
 
 
 def iter_valid_checkpoints(
-    dirpath: str | os.PathLike, verify: Verify = "checksum", warn: bool = True
+    dirpath: str | os.PathLike,
+    verify: Verify = "checksum",
+    warn: bool = True,
+    verifier: Callable[[Path, Verify], str | None] = verify_checkpoint,
 ) -> Iterator[CheckpointEntry]:
-    """Yield the valid checkpoints of ``dirpath``, newest first, warning about each invalid one passed over."""
+    """Yield the valid checkpoints of ``dirpath``, newest first, warning about each invalid one passed over
+    (``verifier``: ``group_verify.verify_on_ranks`` to divide the reading among the ranks, a collective)."""
     for entry in list_checkpoints(dirpath):
-        problem = verify_checkpoint(entry.path, verify)
+        problem = verifier(entry.path, verify)
         if problem is None:
             yield entry
         elif warn:
@@ -85,7 +90,9 @@ class NoValidCheckpoint(ValueError):
         return str(self.args[0])
 
 
-def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksum") -> Path | None:
+def find_resume_checkpoint(
+    dirpath: str | os.PathLike, verify: Verify = "checksum", defer_sharded: bool = False
+) -> Path | None:
     """The newest valid checkpoint in ``dirpath``, or None when it holds no committed checkpoint.
 
     Invalid newer ones are skipped with a warning. Raises :class:`NoValidCheckpoint` when checkpoints
@@ -93,27 +100,33 @@ def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksu
     run away, so that takes an explicit choice (``auto_resume_ckpt_path(..., restart_from_scratch=True)``).
     Checkpoints without a manifest never finished saving (a crash in the very first save): nothing
     was committed, and the run starts from scratch with a warning.
+
+    ``defer_sharded`` (before a process group exists, in every process of a multi-rank launch): a
+    sharded checkpoint is picked by its manifest and sizes alone and its checksums are left pending
+    for the ranks to verify together when the strategy loads it (``group_verify.settle``, which falls
+    back to the older ones on a mismatch), instead of every process reading all of it here.
     """
     entries = list_checkpoints(dirpath)
-    for entry in iter_valid_checkpoints(dirpath, verify):
-        if entry.path != entries[0].path:
+    problems: dict[Path, str] = {}
+    for i, entry in enumerate(entries):
+        deferred = defer_sharded and verify == "checksum" and entry.path.is_dir()
+        problem = verify_checkpoint(entry.path, "size" if deferred else verify)
+        if problem is not None:
+            log.warning("Skipping checkpoint %s: %s.", entry.path, problem)
+            problems[entry.path] = problem
+            continue
+        if i:
             log.warning(
                 "Resuming from %s: the newer checkpoint(s) in %s are incomplete or corrupted (see above).",
                 entry.path,
                 dirpath,
             )
+        if deferred:
+            older = tuple(e.path for e in entries[i + 1 :] if verify_checkpoint(e.path, "size") is None)
+            defer(entry.path, "resume", older)
         return entry.path
-    committed = [e for e in entries if e.manifest.exists()]
-    if committed:
-        problem = verify_checkpoint(committed[0].path, verify)
-        summary = (
-            f"{dirpath} has {len(committed)} committed checkpoint(s) and none is valid (newest: {problem})"
-        )
-        raise NoValidCheckpoint(
-            f"{summary}; nothing was deleted: fix or move them away, or start again from step 0 with"
-            " --restart_from_scratch=true.",
-            summary,
-        )
+    if any(e.manifest.exists() for e in entries):
+        raise no_valid_checkpoint(dirpath, lambda p: problems.get(p) or verify_checkpoint(p, verify))
     if entries:
         log.warning(
             "No complete checkpoint in %s (%d unfinished save(s)); starting from scratch.",
@@ -121,6 +134,22 @@ def find_resume_checkpoint(dirpath: str | os.PathLike, verify: Verify = "checksu
             len(entries),
         )
     return None
+
+
+def no_valid_checkpoint(
+    dirpath: str | os.PathLike, problem_of: Callable[[Path], str | None]
+) -> NoValidCheckpoint:
+    """The error for a directory whose committed checkpoints all failed (``problem_of``: why one failed)."""
+    committed = [e for e in list_checkpoints(dirpath) if e.manifest.exists()]
+    summary = (
+        f"{dirpath} has {len(committed)} committed checkpoint(s) and none is valid"
+        f" (newest: {problem_of(committed[0].path)})"
+    )
+    return NoValidCheckpoint(
+        f"{summary}; nothing was deleted: fix or move them away, or start again from step 0 with"
+        " --restart_from_scratch=true.",
+        summary,
+    )
 
 
 def auto_resume_ckpt_path(trainer: Any, restart_from_scratch: bool = False) -> str | None:

@@ -11,7 +11,7 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -166,36 +166,62 @@ def read_manifest(checkpoint: str | os.PathLike) -> CheckpointManifest:
         raise ValueError(f"Manifest {path} is invalid: {err}.") from None
 
 
-def verify_checkpoint(checkpoint: str | os.PathLike, verify: Verify = "checksum") -> str | None:
-    """Check a checkpoint against its manifest. Returns None if valid, else why it is not (one sentence).
+def first_mismatch(checkpoint: Path, manifest: CheckpointManifest) -> FileEntry | None:
+    """The first file of ``manifest`` (in its order) whose content does not match its checksum, or None.
 
-    ``verify="size"`` checks presence and sizes only (detects incomplete and truncated checkpoints
-    without reading them); ``"checksum"`` also re-hashes every file (detects damaged content).
+    Reads every file once, in this process; ``mula.checkpoint.group_verify.first_mismatch_on_ranks``
+    divides the files among the ranks of a process group instead.
     """
-    if verify not in ("checksum", "size"):
-        raise ValueError(f"Unknown verify mode {verify!r}; expected 'checksum' or 'size'.")
-    checkpoint = Path(checkpoint)
+    for entry in manifest.files:
+        if file_digest(_resolve(checkpoint, entry), manifest.checksum) != entry.digest:
+            return entry
+    return None
+
+
+def check_sizes(checkpoint: Path) -> tuple[CheckpointManifest | None, str | None]:
+    """(manifest, None) when ``checkpoint``'s manifest is readable and every file it lists is present with
+    its size, else (None, why not): the cheap part of verification, reading only metadata."""
     try:
         manifest = read_manifest(checkpoint)
     except (FileNotFoundError, ValueError) as err:
-        return f"{err} (the save did not complete)" if isinstance(err, FileNotFoundError) else str(err)
+        return None, f"{err} (the save did not complete)" if isinstance(err, FileNotFoundError) else str(err)
     if not checkpoint.exists():
-        return f"{checkpoint} is listed by its manifest but does not exist"
+        return None, f"{checkpoint} is listed by its manifest but does not exist"
     if manifest.kind == "file" and not checkpoint.is_file():
-        return f"{checkpoint} should be a file"
+        return None, f"{checkpoint} should be a file"
     if manifest.kind == "dir" and not checkpoint.is_dir():
-        return f"{checkpoint} should be a directory"
+        return None, f"{checkpoint} should be a directory"
     for entry in manifest.files:
         path = _resolve(checkpoint, entry)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            return f"{path} is missing"
+            return None, f"{path} is missing"
         if size != entry.size:
-            return f"{path} has {size} bytes, the manifest says {entry.size} (truncated or overwritten)"
+            return None, f"{path} has {size} bytes, the manifest says {entry.size} (truncated or overwritten)"
+    return manifest, None
+
+
+def verify_checkpoint(
+    checkpoint: str | os.PathLike,
+    verify: Verify = "checksum",
+    mismatch: Callable[[Path, CheckpointManifest], FileEntry | None] = first_mismatch,
+) -> str | None:
+    """Check a checkpoint against its manifest. Returns None if valid, else why it is not (one sentence).
+
+    ``verify="size"`` checks presence and sizes only (detects incomplete and truncated checkpoints
+    without reading them); ``"checksum"`` also re-hashes every file (detects damaged content), with
+    ``mismatch`` (default: every file in this process; ``group_verify.first_mismatch_on_ranks``: each
+    file by one rank of the process group, a collective).
+    """
+    if verify not in ("checksum", "size"):
+        raise ValueError(f"Unknown verify mode {verify!r}; expected 'checksum' or 'size'.")
+    checkpoint = Path(checkpoint)
+    manifest, problem = check_sizes(checkpoint)
+    if manifest is None:
+        return problem
     if verify == "checksum" and manifest.checksum != "none":
-        for entry in manifest.files:
-            path = _resolve(checkpoint, entry)
-            if file_digest(path, manifest.checksum) != entry.digest:
-                return f"{path} does not match its {manifest.checksum} checksum (corrupted)"
+        bad = mismatch(checkpoint, manifest)
+        if bad is not None:
+            return f"{_resolve(checkpoint, bad)} does not match its {manifest.checksum} checksum (corrupted)"
     return None

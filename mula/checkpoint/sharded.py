@@ -11,15 +11,21 @@ they are laid out across ranks) lives in ``strategies/sharded_state.py``.
 
 from __future__ import annotations
 
+import io
+import math
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mula.checkpoint.atomic import atomic_write
+from mula.checkpoint.staging import HostStager
 
 SHARDED_META_FILE = "meta.pt"  # the non-tensor part (Lightning's own name for it)
 DCP_METADATA_FILE = ".metadata"  # DCP's index of the shards
@@ -43,7 +49,8 @@ def write_sharded_checkpoint(
     if path.is_file():
         raise ValueError(f"Checkpoint path {path} is an existing file; sharded checkpoints are directories.")
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=path)  # a rank's write error is raised on every rank by DCP itself
+    # a rank's write error is raised on every rank by DCP itself
+    dcp.save(tensors, storage_writer=FileSystemWriter(str(path)))
     error: Exception | None = None
     if is_global_zero:
         try:
@@ -57,9 +64,73 @@ def write_sharded_checkpoint(
         raise error
 
 
+def start_sharded_write(
+    path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_zero: bool, group: Any
+) -> Future:
+    """Begin writing a sharded checkpoint directory in the background (collective); returns a future
+    that completes when this rank's shards (and, on rank 0, ``meta.pt``) are written.
+
+    ``dcp.async_save`` stages ``tensors`` into host memory (``staging.HostStager``) before it returns (training may change
+    the live tensors from then on) and writes them from a background thread, running its own
+    collectives over ``group``, which must have a CPU backend (gloo) and must not be the group the
+    training step uses (two threads must never interleave collectives on one group). ``meta`` is
+    serialised now, for the same reason, and written after the shards.
+    """
+    if path.is_file():
+        raise ValueError(f"Checkpoint path {path} is an existing file; sharded checkpoints are directories.")
+    path.mkdir(parents=True, exist_ok=True)
+    meta_bytes = None
+    if is_global_zero:
+        buffer = io.BytesIO()
+        torch.save(meta, buffer)
+        meta_bytes = buffer.getvalue()
+    upload = dcp.async_save(
+        tensors, storage_writer=FileSystemWriter(str(path)), process_group=group, async_stager=HostStager()
+    )
+    upload = getattr(upload, "upload_completion", upload)  # an AsyncSaveResponse with a custom stager
+    done: Future = Future()
+
+    def finish(future: Future) -> None:  # in DCP's writer thread, once the shards are written
+        try:
+            future.result()
+            if meta_bytes is not None:
+                with atomic_write(path / SHARDED_META_FILE) as tmp:
+                    Path(tmp).write_bytes(meta_bytes)
+            done.set_result(None)
+        except BaseException as err:  # noqa: BLE001 (handed to whoever waits for the future)
+            done.set_exception(err)
+
+    upload.add_done_callback(finish)
+    return done
+
+
 def saved_keys(path: str | os.PathLike) -> set[str]:
     """The flattened names of every tensor (and DCP-pickled object) stored in a sharded checkpoint."""
     return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def tensor_bytes_by_writer(path: str | os.PathLike) -> tuple[dict[int, int], int]:
+    """(tensor bytes each rank wrote, bytes of every saved tensor counted once) of a sharded checkpoint,
+    from DCP's index: the first sums to the second exactly when no two ranks wrote the same bytes.
+
+    A rank's bytes are the tensor payload of the chunks in its files (``__<rank>_<n>.distcp``), without
+    the files' framing and the pickled non-tensor entries.
+    """
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    chunk_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
+    total = 0
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        itemsize = md.properties.dtype.itemsize
+        total += math.prod(md.size) * itemsize
+        for chunk in md.chunks:
+            chunk_bytes[(fqn, tuple(chunk.offsets))] = math.prod(chunk.sizes) * itemsize
+    written: dict[int, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        rank = int(info.relative_path.split("_")[2])  # FileSystemWriter names a rank's files __<rank>_<n>
+        written[rank] = written.get(rank, 0) + chunk_bytes.get((index.fqn, tuple(index.offset or ())), 0)
+    return written, total
 
 
 def read_sharded_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:

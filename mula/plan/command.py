@@ -281,7 +281,9 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     margin = f"{(dev - total) / GB:.2f} GB free" if result["fits"] else f"{(total - dev) / GB:.2f} GB over"
     lines.append(f"  {'total':<12}{_gb(total)} of {dev / GB:.2f} GB: {verdict}, {margin}")
     if result["host_bytes"]:
-        lines.append(f"  host (offloaded optimizer state): {_gb(result['host_bytes'])}")
+        lines.append(
+            f"  host (offloaded optimizer state, async checkpoint staging): {_gb(result['host_bytes'])}"
+        )
     rows = result["comm_bytes_per_step"]
     sent = [{k: v for k, v in r.items() if k != "grad_rounds" and not k.endswith("_calls")} for r in rows]
     busiest = max(sent, key=lambda r: sum(r.values()))

@@ -49,7 +49,8 @@ class Layout:
     replicated state (DDP, single device). `SHARDING_FIELDS` are `ShardingOptions` fields, with its
     defaults, and make `sharding`, the options the optimizer would be built with (checked by it);
     collectives: as resolved for the device, "native" (reduce-scatter/all-gather: NCCL/XCCL) or
-    "rooted" (gloo on CPU).
+    "rooted" (gloo on CPU). async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
+    copy of each rank's checkpoint state lives in host memory.
     """
 
     world_size: int = 1
@@ -76,6 +77,7 @@ class Layout:
     offload: bool = _OPTIONS.offload
     overlap_param_gather: bool = _OPTIONS.overlap_param_gather
     collectives: str = "native"
+    async_checkpoint: bool = False
     no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
     parallel: ParallelLayout = field(init=False, repr=False, compare=False)
     sharding: ShardingOptions = field(init=False, repr=False, compare=False)

@@ -33,7 +33,9 @@ class MemoryPlan:
 
     params/grads/optimizer/activations/buffers: device bytes per component (`COMPONENTS`), `total`
     their sum. param_tensor_bytes: the parameters themselves without the flat buffers' alignment
-    padding (`mem/param_bytes`); host_bytes: optimizer state kept in host memory (`offload`).
+    padding (`mem/param_bytes`); host_bytes: host memory per rank: optimizer state kept there
+    (`offload`) plus, with asynchronous checkpoints (`async_checkpoint`), the staging copy of the
+    rank's checkpoint state (its parameters and optimizer state).
     stage: the pipeline stage these numbers belong to; activation_micro_batches: micro-batches whose
     activations that stage holds at its peak (fractional under interleaving: a virtual stage's
     micro-batch counts 1 / V).
@@ -160,8 +162,10 @@ def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
     act, in_flight = peak_activations(layout, stage, per_micro_batch)
     buffers += transient_bytes(config, layout, layers, last=last)
     host = 0
+    if layout.async_checkpoint:  # mula.checkpoint.staging copies the rank's tensors to host memory
+        host += tensors + optimizer
     if layout.offload:
-        host, optimizer = optimizer, 0
+        host, optimizer = host + optimizer, 0
     return MemoryPlan(p_alloc, grads, optimizer, act, buffers, tensors, host, stage, in_flight)
 
 

@@ -209,8 +209,14 @@ class _Namespace:
         target = self.sections[section]
         if section == "trainer" and key == "strategy":
             self._assign_strategy(path[1:], value)
+        elif path[0].endswith("+") and len(path) == 1:
+            # a list appended to, as jsonargparse does (callbacks: the planner reads FaultTolerantCheckpoint's
+            # async_save, whose staging copy is in its host bytes)
+            current = target.get(key) or []
+            current = current if isinstance(current, list) else [current]
+            target[key] = current + (value if isinstance(value, list) else [value])
         elif path[0].endswith("+") or len(path) == 1:
-            target[key] = value  # lists appended with `+` (callbacks) are not planner inputs
+            target[key] = value
         elif key == "overrides" or key not in _PLANNED_TYPES[section]:
             # below a mapping value (model.overrides) or inside a class the planner ignores (a logger)
             target[key] = _set_in(target.get(key), path[1:], value)

@@ -51,6 +51,19 @@ def _strategy(trainer: dict[str, Any]) -> dict[str, Any] | None:
     return {**{name: defaults[name] for name in _STRATEGY_ARGS}, **(strategy.get("init_args") or {})}
 
 
+def _async_checkpoint(trainer: dict[str, Any]) -> bool:
+    """Whether the recipe's `callbacks.FaultTolerantCheckpoint` saves asynchronously (`async_save`) with a
+    strategy that can (XPUMoEStrategy): its staging copy lives in host memory."""
+    callbacks = trainer.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    return _strategy(trainer) is not None and any(
+        isinstance(c, dict)
+        and str(c.get("class_path", "")).endswith("FaultTolerantCheckpoint")
+        and bool((c.get("init_args") or {}).get("async_save", False))
+        for c in callbacks
+    )
+
+
 def _local_device_type(accelerator: Any) -> str:
     """The device `trainer.accelerator` resolves to on this machine."""
     name = str(accelerator or "auto")
@@ -146,6 +159,7 @@ def plan_inputs(
         checkpointing=model.get("activation_checkpointing") or "none",
         device_type=device_type,
         no_decay=list(model.get("no_decay") or ["embed.weight"]),
+        async_checkpoint=_async_checkpoint(trainer),
         **kwargs,
     )
     check_runnable(config, layout, global_batch)
