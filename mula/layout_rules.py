@@ -17,22 +17,27 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 
 
 def check_degrees(ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
-    """Refuse a parallel size below 1, and context parallelism (not available yet)."""
+    """Refuse a parallel size below 1."""
     for name, size in (("expert_parallel_size", ep_size), ("pipeline_parallel_size", pp_size),
                        ("tensor_parallel_size", tp_size), ("context_parallel_size", cp_size)):  # fmt: skip
         if size < 1:
             raise ValueError(f"{name} must be at least 1, got {size}.")
-    if cp_size != 1:
-        raise ValueError(
-            f"context_parallel_size={cp_size} is not available yet; use context_parallel_size=1."
-        )
 
 
-def check_world(world_size: int, ep_size: int, pp_size: int, tp_size: int = 1) -> None:
-    """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups of T-rank tensor-parallel
-    groups (one sentence naming the numbers)."""
+def check_world(world_size: int, ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
+    """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups of C-rank context-parallel
+    groups of T-rank tensor-parallel groups (one sentence naming the numbers)."""
     if world_size < 1:
         raise ValueError(f"The world size must be at least 1, got {world_size}.")
+    if cp_size > 1:
+        if world_size % (cp_size * tp_size * ep_size * pp_size) != 0:
+            raise ValueError(
+                f"The world size {world_size} is not divisible by context_parallel_size={cp_size} x "
+                f"tensor_parallel_size={tp_size} x expert_parallel_size={ep_size} x pipeline_parallel_size="
+                f"{pp_size} = {cp_size * tp_size * ep_size * pp_size}; choose sizes whose product divides "
+                "the number of ranks."
+            )
+        return
     if tp_size > 1:
         if world_size % (tp_size * ep_size * pp_size) != 0:
             raise ValueError(
@@ -110,6 +115,38 @@ def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
                 f"The model's {count} {what} are not divisible by tensor_parallel_size={tp_size}; choose "
                 "a tensor-parallel size that divides them."
             )
+
+
+def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
+    """Refuse context parallelism where it is not available yet, or a model whose attention heads (or
+    key/value heads) C does not divide (`config`: a `MulaConfig`; None checks the layout alone)."""
+    if cp_size == 1:
+        return
+    for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
+        if size > 1:
+            raise ValueError(
+                f"context_parallel_size={cp_size} is not yet available with {name}={size}; use {name}=1 "
+                "or context_parallel_size=1."
+            )
+    if config is None:
+        return
+    # MLA's keys and values have one head per query head after kv_b_proj
+    kv_heads = config.num_heads if getattr(config, "kv_lora_rank", None) is not None else config.kv_heads
+    for what, count in (("attention heads", config.num_heads), ("key/value heads", kv_heads)):
+        if count % cp_size:
+            raise ValueError(
+                f"The model's {count} {what} are not divisible by context_parallel_size={cp_size}; choose a "
+                "context-parallel size that divides them (each CP rank attends over its share of the heads)."
+            )
+
+
+def check_sequence_split(seq_len: int, cp_size: int) -> None:
+    """Refuse a sequence the C ranks of a context-parallel group cannot split into equal slices."""
+    if seq_len % cp_size:
+        raise ValueError(
+            f"The sequence length {seq_len} is not divisible by context_parallel_size={cp_size}; choose a "
+            "sequence length that splits into equal slices."
+        )
 
 
 def validate_schedule(schedule: str, pp_size: int, virtual_stages: int) -> None:

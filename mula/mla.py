@@ -18,12 +18,14 @@ tables and of the softmax (`mscale`) is not supported: a config asking for it is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mula.config import MulaConfig
-from mula.layers import RMSNorm, apply_rope
+from mula.layers import RMSNorm, apply_rope, causal_attention
 
 # transformers (and DeepSeek's reference code) build the latent norms with RMSNorm's default eps,
 # not the model's rms_norm_eps
@@ -61,6 +63,8 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
+        # what attends q over k, v (replaced from outside under context parallelism, as `Attention.core`)
+        self.core: Callable[..., Tensor] = causal_attention
 
     def _queries(self, x: Tensor) -> Tensor:
         if hasattr(self, "q_proj"):
@@ -86,5 +90,5 @@ class LatentAttention(nn.Module):
         # come out as zeros, sliced away
         width = max(q.shape[-1], self.v_dim)
         q, k, v = (F.pad(z, (0, width - z.shape[-1])) if z.shape[-1] < width else z for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        y = self.core(q, k, v, self.scale)
         return self.o_proj(y[..., : self.v_dim].transpose(1, 2).reshape(b, t, -1))

@@ -20,13 +20,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
-from mula.layers import MLP, LayerNorm, RMSNorm, apply_rope, make_norm, rope_cos_sin
+from mula.layers import (
+    MLP,
+    LayerNorm,
+    RMSNorm,
+    SequenceShard,
+    apply_rope,
+    causal_attention,
+    make_norm,
+    rope_cos_sin,
+)
 from mula.mla import LatentAttention
 from mula.moe import GroupedExperts, MoELayer, Router
 
@@ -41,6 +49,8 @@ class Attention(nn.Module):
 
     The QK-norm normalises the whole projected q and k (OLMoE), or each head on its own with one
     weight of head_dim shared by the heads (`qk_norm_per_head`, Qwen3); before RoPE either way.
+    `core` (a plain attribute, `causal_attention` by default) attends q over k, v; context parallelism
+    replaces it from outside (strategies/context_parallel.py).
     """
 
     def __init__(self, config: MulaConfig) -> None:
@@ -59,6 +69,7 @@ class Attention(nn.Module):
         q_norm_dim, k_norm_dim = config.qk_norm_dims() or (q_dim, kv_dim)
         self.q_norm = make_norm(config, q_norm_dim) if config.qk_norm else nn.Identity()
         self.k_norm = make_norm(config, k_norm_dim) if config.qk_norm else nn.Identity()
+        self.core: Callable[..., Tensor] = causal_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B,T,H] -> [B,T,H]."""
@@ -72,11 +83,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_heads != self.num_heads:
-            # repeat kv heads explicitly: portable to every SDPA backend (XPU, CUDA, CPU)
-            rep = self.num_heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -191,7 +198,8 @@ class MulaOutput:
 
 class Mula(nn.Module):
     """Decoder-only LM: embed -> blocks -> norm -> lm_head. Dense or MoE from `MulaConfig` (an MoE
-    model's first `num_dense_layers` blocks dense)."""
+    model's first `num_dense_layers` blocks dense). `sequence_shard` says which slice of each sequence
+    the inputs are (`mula.layers.SequenceShard`: the whole one unless context parallelism sets it)."""
 
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
@@ -200,6 +208,7 @@ class Mula(nn.Module):
         self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.sequence_shard = SequenceShard()
         self.reset_parameters()
 
     def set_activation_checkpointing(self, value: str | Sequence[str] | None) -> None:
@@ -233,11 +242,11 @@ class Mula(nn.Module):
                 module.reset_parameters()
 
     def forward(self, input_ids: Tensor) -> MulaOutput:
-        """input_ids [B,T] long -> MulaOutput."""
+        """input_ids [B,T] long (this model's slice of each sequence, `sequence_shard`) -> MulaOutput."""
         t = input_ids.shape[1]
-        check_sequence_length(self.config, t)
+        check_sequence_length(self.config, t * self.sequence_shard.count)
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(self.config, t, x.device)
+        cos, sin = rope_cos_sin(self.config, t, x.device, self.sequence_shard.start(t))
         out = forward_blocks(enumerate(self.layers), x, cos, sin)
         logits = self.lm_head(self.norm(out.hidden))
         if out.router_sums is not None:

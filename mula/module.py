@@ -172,7 +172,11 @@ class MulaLightningModule(L.LightningModule):
                 f"expected a batch of token ids [batch, seq_len + 1], got shape {tuple(batch.shape)}."
             )
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        self._batch_shape = (inputs.shape[0], inputs.shape[1])
+        self._batch_shape = (inputs.shape[0], inputs.shape[1])  # the whole sequence's tokens (throughput)
+        # context parallelism: this rank's slice of the sequence (the whole of it otherwise); its loss is
+        # the slice's mean, and the slices are equal, so the ranks' mean is the sequence's
+        shard = self.model.sequence_shard
+        inputs, targets = shard.take(inputs), shard.take(targets)
         out = self.model(inputs)
         loss, ce = self.combine_losses(out.logits, targets, out.aux_loss, out.z_loss)
         return loss, ce, out

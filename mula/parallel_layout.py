@@ -8,17 +8,27 @@ Dimensions and rank order, innermost first (DESIGN.md "Parallel layout, in numbe
 
     tp   tensor parallel: T consecutive ranks split every dense layer (one node's fabric); MoE layers
          keep their experts whole and split their tokens over the T ranks
-    cp   context parallel (1 for now)
+    cp   context parallel (Ulysses, docs/context-parallel.md): C ranks of one TP index (T apart) hold
+         1/C of every sequence each and exchange attention heads all-to-all (one node's fabric)
     ep   expert parallel: E ranks of one TP index (T apart) exchange tokens all-to-all (one node's fabric)
     pp   pipeline stage: P stages
     edp  expert-data parallel: the W / (P * E) ranks holding the same experts of the same stage
 
     rank = (((edp * P + pp) * E + ep) * CP + cp) * TP + tp
 
+CP sits between EP and TP: its all-to-alls (two per attention layer forward, two backward, each
+carrying the layer's q/k/v or output) are heavier than the expert all-to-all's share and lighter than
+TP's per-layer reductions, so it goes next to TP, inside a node (T x C x E ranks per node at most).
+
 Derived groups: the T ranks of a tensor-parallel group read the same data and each holds 1/T of every
-dense layer; a stage's W / (P * T) ranks of one tensor-parallel index are its data-parallel ranks
-(each reads its own data and holds the same shards of the stage's dense parameters; stage-local rank
-edp * E + ep); the pipeline group of a rank is the P ranks that share its (edp, ep, tp) coordinates. `rank_holdings` answers which blocks and experts a rank
+dense layer; the C ranks of a context-parallel group read the same samples, each its slice of the
+sequence, and replicate the parameters. A stage's W / (P * T) ranks of one tensor-parallel index are
+its replicas (`replica_size`, group "stage", stage-local rank (edp * E + ep) * C + cp): they hold the
+same shards of the stage's dense parameters, and its gradients are reduced and its optimizer state
+sharded over them; W / (P * T * C) of them read their own data (`dp_size`, data-parallel index
+edp * E + ep). Experts are reduced over "edp_cp" (EDP with its CP peers). The pipeline group of a
+rank is the P ranks that share its (edp, ep, cp, tp) coordinates. `rank_holdings` answers which
+blocks and experts a rank
 holds; the strategy, the schedule, the planner and the benchmarks all ask it.
 """
 
@@ -29,6 +39,7 @@ from typing import Any
 
 from mula.layout_rules import (
     check_batch_split,
+    check_context_parallel,
     check_degrees,
     check_experts,
     check_micro_batches,
@@ -40,8 +51,9 @@ from mula.layout_rules import (
     validate_split,
 )
 
-# mesh dimensions, outermost first (the order of the DeviceMesh's shape)
-MESH_DIMS = ("edp", "pp", "ep", "tp")
+# mesh dimensions, outermost first (the order of the DeviceMesh's shape); "cp" is in a layout's mesh
+# only when C > 1 (`ParallelLayout.mesh_dims`), so that layouts without it keep their mesh as it was
+MESH_DIMS = ("edp", "pp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,7 @@ class ParallelLayout:
     """Sizes of every parallel dimension of a W-rank job and its pipeline schedule.
 
     world_size: W; ep: E, expert-parallel group size; pp: P, pipeline stages; tp: T, tensor-parallel
-    group size (dense models, one stage); cp: context parallel size (1 until it lands); schedule, virtual_stages (V per rank), stage_layers (P x V
+    group size (dense models, one stage); cp: C, context-parallel group size (Ulysses); schedule, virtual_stages (V per rank), stage_layers (P x V
     block counts, None: an even split): the pipeline. Construction checks the sizes against W
     (`validate` adds the model and the step).
     """
@@ -122,8 +134,9 @@ class ParallelLayout:
         validate_schedule(self.schedule, self.pp, self.virtual_stages)
         if config is not None:
             validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
-        check_world(self.world_size, self.ep, self.pp, self.tp)  # cp = 1 until it lands (check_degrees)
+        check_world(self.world_size, self.ep, self.pp, self.tp, self.cp)
         check_tensor_parallel(config, self.tp, self.pp)
+        check_context_parallel(config, self.cp, self.tp, self.pp)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step
@@ -151,17 +164,28 @@ class ParallelLayout:
 
     @property
     def edp_size(self) -> int:
-        """Ranks holding the same experts of the same stage (W / (P * E * TP * CP))."""
+        """Data-parallel ranks holding the same experts of the same stage (W / (P * E * TP * CP))."""
         return self.dp_size // self.ep
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of a stage holding the same dense shards, over which its gradients are reduced and its
+        optimizer state sharded: the data-parallel ranks and their context-parallel peers (W / (P * TP))."""
+        return self.dp_size * self.cp
 
     @property
     def num_stages(self) -> int:
         """Pipeline stages in all (P x V)."""
         return self.pp * self.virtual_stages
 
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The DeviceMesh's dimension names, outermost first: `MESH_DIMS`, "cp" only when C > 1."""
+        return tuple(d for d in MESH_DIMS if d != "cp" or self.cp > 1)
+
     def mesh_shape(self) -> tuple[int, ...]:
-        """The DeviceMesh's shape over `MESH_DIMS`, outermost first."""
-        return (self.edp_size, self.pp, self.ep, self.tp)
+        """The DeviceMesh's shape over `mesh_dims()`, outermost first."""
+        sizes = {"edp": self.edp_size, "pp": self.pp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
+        return tuple(sizes[d] for d in self.mesh_dims())
 
     # ----- ranks ---------------------------------------------------------------------------------
     def coordinates(self, rank: int) -> Coordinates:
@@ -179,28 +203,39 @@ class ParallelLayout:
         return (((edp * self.pp + pp) * self.ep + ep) * self.cp + cp) * self.tp + tp
 
     def stage_local_rank(self, rank: int) -> int:
-        """`rank`'s index among its stage's data-parallel ranks (edp * E + ep)."""
+        """`rank`'s index among its stage's replicas ((edp * E + ep) * C + cp; edp * E + ep without CP)."""
         c = self.coordinates(rank)
-        return c.edp * self.ep + c.ep
+        return (c.edp * self.ep + c.ep) * self.cp + c.cp
 
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """Global ranks of `rank`'s group along `dim` ("tp", "ep", "edp", "pp", "stage": the stage's data-
-        parallel ranks in stage-local order, those of `rank`'s tensor-parallel index, or "world"), in
-        group order."""
+        """Global ranks of `rank`'s group along `dim` ("tp", "cp", "ep", "edp", "edp_cp": the EDP group and
+        its CP peers, which hold the same experts; "pp", "stage": the stage's replicas in stage-local
+        order, those of `rank`'s tensor-parallel index, or "world"), in group order."""
         c = self.coordinates(rank)
         if dim == "world":
             return list(range(self.world_size))
         if dim == "stage":
-            return [self.rank(d, c.pp, e, c.cp, c.tp) for d in range(self.edp_size) for e in range(self.ep)]
+            return [
+                self.rank(d, c.pp, e, x, c.tp)
+                for d in range(self.edp_size)
+                for e in range(self.ep)
+                for x in range(self.cp)
+            ]
         if dim == "ep":
             return [self.rank(c.edp, c.pp, e, c.cp, c.tp) for e in range(self.ep)]
         if dim == "edp":
             return [self.rank(d, c.pp, c.ep, c.cp, c.tp) for d in range(self.edp_size)]
+        if dim == "edp_cp":
+            return [self.rank(d, c.pp, c.ep, x, c.tp) for d in range(self.edp_size) for x in range(self.cp)]
+        if dim == "cp":
+            return [self.rank(c.edp, c.pp, c.ep, x, c.tp) for x in range(self.cp)]
         if dim == "pp":
             return [self.rank(c.edp, s, c.ep, c.cp, c.tp) for s in range(self.pp)]
         if dim == "tp":
             return [self.rank(c.edp, c.pp, c.ep, c.cp, t) for t in range(self.tp)]
-        raise ValueError(f"Unknown layout dimension {dim!r}; use tp, ep, edp, pp, stage or world.")
+        raise ValueError(
+            f"Unknown layout dimension {dim!r}; use tp, cp, ep, edp, edp_cp, pp, stage or world."
+        )
 
     def all_groups(self, dim: str) -> list[list[int]]:
         """Every group along `dim` (each a list of global ranks), ordered by their first rank."""

@@ -141,6 +141,7 @@ def checkpoint_parts(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -
         "expert_parallel_size": strategy.expert_parallel_size,
         "pipeline_parallel_size": strategy.pipeline_parallel_size,
         "tensor_parallel_size": strategy.tensor_parallel_size,
+        "context_parallel_size": strategy.context_parallel_size,
         "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
     }
     return path, optimizer_states

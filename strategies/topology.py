@@ -1,16 +1,21 @@
 """Process groups of a parallel layout, all taken from one named `DeviceMesh`.
 
 `mula.parallel_layout.ParallelLayout` says where every rank sits (rank order, innermost first: TP,
-EP, pipeline stage, expert-data parallel); `build_mesh` turns it into one `DeviceMesh` with dimensions
-("edp", "pp", "ep", "tp") and `topology_from_layout` takes every group from it:
+CP, EP, pipeline stage, expert-data parallel); `build_mesh` turns it into one `DeviceMesh` with dimensions
+("edp", "pp", "ep", "cp", "tp"; "cp" only when C > 1) and `topology_from_layout` takes every group from it:
 
     TP group     mesh "tp"       T consecutive ranks splitting every dense layer (one node's fabric);
                                  they read the same data, so they are NOT data-parallel ranks
+    CP group     mesh "cp"       C ranks (T apart) each holding 1/C of every sequence: the attention's
+                                 head all-to-alls (strategies/context_parallel.py); they read the same
+                                 samples but replicate the parameters, so for gradients and optimizer
+                                 shards they count as data-parallel ranks (the stage and EDP groups
+                                 below include them), for the data not (`XPUMoEStrategy.data_parallel_*`)
     EP group     mesh "ep"       E consecutive ranks: the all-to-all of tokens (one node's fabric)
     EDP group    mesh "edp"      ranks holding the same experts of the same stage: expert gradients
-                                 are averaged here, never over the whole world
-    stage group  ("edp", "ep")   the W / (P * T) ranks replicating a stage's dense parameters (the same
-                                 TP shards): gradients are reduced here, over no TP rank
+                 (x "cp")        are averaged here, never over the whole world
+    stage group  ("edp", "ep"    the W / (P * T) ranks replicating a stage's dense parameters (the same
+                  [, "cp"])      TP shards): gradients are reduced here, over no TP rank
                  flattened "dp"  (`world_group`: the stage's data-parallel world)
     PP group     mesh "pp"       one rank per stage: activations, the global gradient norm
     world        all flattened   what checkpoints of the sharded optimizer are laid over
@@ -18,8 +23,9 @@ EP, pipeline stage, expert-data parallel); `build_mesh` turns it into one `Devic
 With W = 8, E = 4, P = 1: EP groups [0..3], [4..7]; EDP groups [0, 4], [1, 5], ... Local expert j
 on EP rank p is global expert p * E_local + j (`ParallelLayout.experts_of`).
 
-`world_size`, `rank` and `world_group` of a topology describe its stage's data-parallel world (stage-
-local rank edp * E + ep, W / (P * T) ranks); `stage_ranks` maps local ranks to global ones.
+`world_size`, `rank` and `world_group` of a topology describe its stage's replicas (stage-local rank
+(edp * E + ep) * C + cp, W / (P * T) ranks: the data-parallel world, with its CP peers); `stage_ranks`
+maps local ranks to global ones.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula.parallel_layout import MESH_DIMS, Holdings, ParallelLayout
+from mula.parallel_layout import Holdings, ParallelLayout
 
 
 @dataclass
@@ -65,12 +71,15 @@ class ExpertParallelTopology:
     tp_rank: int = 0
     tp_group: Any = None  # this rank's tensor-parallel group, None when T = 1
     tp_mesh: Any = None  # the mesh's "tp" dimension (what DTensor parameters are laid over), None when T = 1
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None  # this rank's context-parallel group, None when C = 1
 
     @property
     def stage_layout(self) -> ParallelLayout:
-        """The layout of this rank's data-parallel world alone (its W / (P x T) ranks, E): where
-        stage-local ranks sit."""
-        return ParallelLayout(world_size=self.world_size, ep=self.ep_size)
+        """The layout of this rank's stage replicas alone (its W / (P x T) ranks, E, C): where stage-local
+        ranks sit."""
+        return ParallelLayout(world_size=self.world_size, ep=self.ep_size, cp=self.cp_size)
 
     @property
     def global_rank(self) -> int:
@@ -100,8 +109,9 @@ class ExpertParallelTopology:
         return [self.to_global(r) for r in self.stage_layout.group_ranks("ep", self.rank)]
 
     def edp_group_ranks(self) -> list[int]:
-        """Global ranks of this rank's EDP group, in EDP-rank order."""
-        return [self.to_global(r) for r in self.stage_layout.group_ranks("edp", self.rank)]
+        """Global ranks of this rank's EDP group (with its CP peers, which hold the same experts), in
+        EDP-rank order."""
+        return [self.to_global(r) for r in self.stage_layout.group_ranks("edp_cp", self.rank)]
 
 
 def _device_type() -> str:
@@ -116,7 +126,8 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> Any:
     """The job's one `DeviceMesh` over `MESH_DIMS` (collective: every rank calls it, over any
     initialised backend), with its stage ("dp") and "world" dimensions flattened.
 
-    Returns (mesh, stage_mesh, world_mesh).
+    Returns (mesh, stage_mesh, world_mesh, edp_mesh): edp_mesh is "edp" with its CP peers flattened
+    ("edp_cp") when C > 1, else the mesh's "edp".
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -124,11 +135,15 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> Any:
         raise ValueError(
             f"The layout has {layout.world_size} ranks but the process group has {dist.get_world_size()}."
         )
-    mesh = init_device_mesh(device_type, layout.mesh_shape(), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, layout.mesh_shape(), mesh_dim_names=layout.mesh_dims())
     # flattened dimensions are kept as returned (torch deprecates slicing them from the root mesh)
-    stage_mesh = mesh["edp", "ep"]._flatten("dp")
+    if layout.cp > 1:
+        stage_mesh = mesh["edp", "ep", "cp"]._flatten("dp")
+        edp_mesh = mesh["edp", "cp"]._flatten("edp_cp")
+    else:
+        stage_mesh, edp_mesh = mesh["edp", "ep"]._flatten("dp"), mesh["edp"]
     world_mesh = mesh._flatten("world")
-    return mesh, stage_mesh, world_mesh
+    return mesh, stage_mesh, world_mesh, edp_mesh
 
 
 def topology_from_layout(layout: ParallelLayout, device_type: str | None = None) -> ExpertParallelTopology:
@@ -145,23 +160,26 @@ def topology_from_layout(layout: ParallelLayout, device_type: str | None = None)
         return ExpertParallelTopology(
             world_size=1, rank=0, ep_size=1, edp_size=1, ep_rank=0, edp_rank=0, layout=layout
         )
-    mesh, stage_mesh, world_mesh = build_mesh(layout, device_type or _device_type())
+    mesh, stage_mesh, world_mesh, edp_mesh = build_mesh(layout, device_type or _device_type())
     rank = dist.get_rank()
     where = layout.coordinates(rank)
     return ExpertParallelTopology(
-        world_size=layout.dp_size,
+        world_size=layout.replica_size,
         rank=layout.stage_local_rank(rank),
         ep_size=layout.ep,
-        edp_size=layout.edp_size,
+        edp_size=layout.edp_size * layout.cp,
         ep_rank=where.ep,
-        edp_rank=where.edp,
+        edp_rank=where.edp * layout.cp + where.cp,
         ep_group=mesh.get_group("ep"),
-        edp_group=mesh.get_group("edp"),
+        edp_group=edp_mesh.get_group(),
         world_group=stage_mesh.get_group(),
         pp_size=layout.pp,
         pp_rank=where.pp,
         pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
         stage_ranks=None if layout.pp == layout.tp == 1 else layout.group_ranks("stage", rank),
+        cp_size=layout.cp,
+        cp_rank=where.cp,
+        cp_group=mesh.get_group("cp") if layout.cp > 1 else None,
         layout=layout,
         mesh=mesh,
         stage_mesh=stage_mesh,

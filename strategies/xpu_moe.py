@@ -51,7 +51,13 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from mula.checkpoint.group_verify import settle
-from mula.layout_rules import check_degrees, check_experts, check_tensor_parallel, validate_schedule
+from mula.layout_rules import (
+    check_context_parallel,
+    check_degrees,
+    check_experts,
+    check_tensor_parallel,
+    validate_schedule,
+)
 from mula.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -62,6 +68,7 @@ from mula.lightning_compat import (
 from mula.model import Mula
 from mula.moe import is_expert_param
 from mula.parallel_layout import ParallelLayout
+from strategies.context_parallel import apply_context_parallel
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.devices.environments import PALSEnvironment
 from strategies.eval_forward import spread_forward
@@ -120,6 +127,12 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             TP shard, its state sharded over the data-parallel group.
         sequence_parallel: with T > 1, the norms and the residual stream hold 1/T of the sequence
             (reduce-scatter / all-gather around each layer instead of all-reduce).
+        context_parallel_size: C, Ulysses context parallelism (strategies/context_parallel.py,
+            docs/context-parallel.md): C ranks (between EP and TP in the rank order, one node's fabric)
+            read the same samples, each holding 1/C of every sequence; attention exchanges heads for the
+            sequence with all-to-alls. C must divide the heads, KV heads and the sequence length; the
+            data-parallel size is W / (P x T x C), gradients are averaged over the W / (P x T) replicas.
+            Not yet available with pipeline stages or tensor parallelism.
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -143,6 +156,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         pipeline_stage_layers: list[int] | None = None,
         tensor_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        context_parallel_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Any = None,
@@ -160,8 +174,16 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_degrees(int(expert_parallel_size), int(pipeline_parallel_size), int(tensor_parallel_size))
+        check_degrees(
+            int(expert_parallel_size),
+            int(pipeline_parallel_size),
+            int(tensor_parallel_size),
+            int(context_parallel_size),
+        )
         check_tensor_parallel(None, int(tensor_parallel_size), int(pipeline_parallel_size))
+        check_context_parallel(
+            None, int(context_parallel_size), int(tensor_parallel_size), int(pipeline_parallel_size)
+        )
         if sequence_parallel and int(tensor_parallel_size) == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if bucket_size_mb <= 0:
@@ -179,6 +201,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         self.pipeline_microbatches: int | None = None
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.sequence_parallel = bool(sequence_parallel)
+        self.context_parallel_size = int(context_parallel_size)
         self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = parse_optimizer_options(optimizer_options or {})
@@ -219,19 +242,25 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank of a stage is a data-parallel rank (experts are split, tokens are not), save that
-        the T ranks of a tensor-parallel group read the same data."""
+        the T ranks of a tensor-parallel group and the C ranks of a context-parallel group read the same
+        data."""
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     @property
     def data_parallel_rank(self) -> int:
         """This rank's data-parallel index: its rank inside its pipeline stage's data-parallel world (the
-        global rank when P = T = 1; the same on the T ranks of a tensor-parallel group)."""
-        return self.topology.rank if self.topology is not None else self.global_rank
+        global rank when P = T = C = 1; the same on the T ranks of a tensor-parallel group and the C ranks
+        of a context-parallel group, whose stage-local ranks are C consecutive ones)."""
+        if self.topology is None:
+            return self.global_rank
+        return self.topology.rank // self.topology.cp_size
 
     @property
     def data_parallel_size(self) -> int:
-        """Data-parallel ranks: W / (P x T) (the ranks of one pipeline stage, one per TP group)."""
-        return self.topology.world_size if self.topology is not None else self.world_size
+        """Data-parallel ranks: W / (P x T x C) (the ranks of one pipeline stage, one per TP and CP group)."""
+        if self.topology is None:
+            return self.world_size
+        return self.topology.world_size // self.topology.cp_size
 
     @property
     def process_group_backend(self) -> str | None:
@@ -292,6 +321,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             ep=self.expert_parallel_size,
             pp=self.pipeline_parallel_size,
             tp=self.tensor_parallel_size,
+            cp=self.context_parallel_size,
             schedule=self.pipeline_schedule,
             virtual_stages=self.pipeline_virtual_stages,
             stage_layers=None if self.pipeline_stage_layers is None else tuple(self.pipeline_stage_layers),
@@ -340,6 +370,8 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         self._materialize(module)
         if self.tensor_parallel_size > 1:
             self._split_tensors(module)
+        if self.context_parallel_size > 1:
+            self._split_sequences(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas(module)
@@ -370,6 +402,15 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         if not any(isinstance(p, DTensor) for p in model.parameters()):
             apply_tensor_parallel(model, self.topology.tp_mesh, self.sequence_parallel)
 
+    def _split_sequences(self, module: nn.Module) -> None:
+        """Make the model hold this rank's slice of every sequence (Ulysses attention over its CP group)."""
+        model = getattr(module, "model", None)
+        if not isinstance(model, Mula):
+            raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
+        topo = self.topology
+        assert topo is not None
+        apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size)
+
     @torch.no_grad()
     def _sync_replicas(self, module: nn.Module) -> None:
         """Make replicas identical, as DDP does: dense from rank 0, experts from EDP rank 0."""
@@ -388,6 +429,11 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
     def spread_forward(self) -> Any:
         """The model's forward across this layout's ranks, for downstream evaluation (`DownstreamEval`,
         `mula eval` with a strategy): a `strategies.eval_forward.SpreadForward`."""
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"Downstream evaluation is not yet available with context_parallel_size="
+                f"{self.context_parallel_size}; evaluate the checkpoint with context_parallel_size=1."
+            )
         return spread_forward(self)
 
     # ----- collectives -----------------------------------------------------------------------

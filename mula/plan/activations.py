@@ -26,6 +26,10 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   SDPA's q, k (qk width), v (the kv expansion's storage), output (v width) and log-sum-exp;
 * tensor parallelism: heads and dense MLP features 1/T per rank, and an MoE layer routes 1/T of the
   tokens (its experts whole: strategies/tensor_parallel_moe.py);
+* context parallelism (Ulysses, strategies/context_parallel.py): every per-token term on 1/C of the
+  sequence; SDPA's saved tensors are S tokens x heads / C, the same bytes as S / C tokens x heads,
+  its q, k and v one buffer (the all-to-all's), so grouped KV heads add their k and v before the
+  repeat (2*b*kv);
 * mixed precision (fp32 weights, 16-bit autocast): every matmul keeps its own 16-bit copy of its input
   (q, k and v three) and of its weight, outside recomputed parts;
 * checkpointing keeps only a recomputed part's inputs: "norms" the residual (r*h) per norm, "attention"
@@ -140,6 +144,9 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
         # q/k/v inputs (shared unless cast; under TP the whole sequence, all-gathered under SP), heads / T;
         # MLA reads it twice (the q and kv latent projections, or q_proj and the kv one)
         per_token += ((2 if config.is_mla else 3) if mixed else 1) * b * h + _attention(config, b, t)
+        if layout.cp_size > 1 and not config.is_mla and config.kv_heads != config.num_heads:
+            # Ulysses: SDPA's k and v are views of the exchanged buffer, repeated to the q heads apart
+            per_token += 2 * b * config.kv_heads * config.head_size
         weights += config._attn_matmul_params() // t
     moe_bytes = 0
     if moe:
@@ -168,14 +175,14 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
     """Bytes one micro-batch saves for backward on a stage holding blocks `layers` (and the embedding
     when `first`, the final norm, LM head and loss when `last`)."""
     parts = parse_activation_checkpointing(layout.checkpointing)
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.micro_batch * layout.local_seq_len  # this rank's slice under context parallelism
     moe = sum(config.is_moe_layer(i) for i in layers)  # the rest are dense (all of a dense model's)
     total = moe * _layer_bytes(config, layout, parts, tokens, True) if moe else 0
     if len(layers) > moe:
         total += (len(layers) - moe) * _layer_bytes(config, layout, parts, tokens, False)
-    total += 2 * layout.seq_len * config.rope_dim * 4  # RoPE cos/sin tables, fp32
-    if first:
-        total += layout.micro_batch * (layout.seq_len + 1) * 8  # token ids (the embedding's indices)
+    total += 2 * layout.local_seq_len * config.rope_dim * 4  # RoPE cos/sin tables, fp32
+    if first:  # token ids (the embedding's indices: a view of the whole batch's)
+        total += layout.micro_batch * (layout.seq_len + 1) * 8
     if last:
         h, b, r, t = config.hidden_size, layout.compute_bytes, layout.param_bytes, layout.tp_size
         region = tokens // t if layout.sequence_parallel else tokens
@@ -245,7 +252,7 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> int | float:
 def transient_bytes(config: MulaConfig, layout: Layout, layers: Sequence[int], *, last: bool) -> int:
     """The largest short-lived allocation of a step on a stage holding blocks `layers`: the logits'
     gradient on the last stage, or one MoE layer's all-to-all send and receive buffers."""
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.micro_batch * layout.local_seq_len
     out = 0
     if last:
         out = tokens * config.vocab_size * (4 + layout.compute_bytes)  # fp32 logits grad + logits

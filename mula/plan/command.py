@@ -228,7 +228,7 @@ def scaling(inputs: PlanInputs, base_nodes: int, node_counts: list[int]) -> list
         ratio = w / base_layout.world_size
         weak_batch = int(inputs.global_batch * ratio)
         weak = step_time(inputs.config, base_layout.replace(world_size=w), inputs.machine, weak_batch)
-        dp = base_layout.replace(world_size=w).dp_size  # W / (P * T)
+        dp = base_layout.replace(world_size=w).data_ranks  # W / (P * T * C)
         strong_eff = None
         if inputs.global_batch >= base_layout.micro_batch * dp:  # every rank still has a micro-batch
             m = micro_batches_per_step(inputs.global_batch, dp, base_layout.micro_batch, check=False)
@@ -265,7 +265,9 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     )
     lines = [
         f"mula plan: {inputs.config.name}, {lay.world_size} ranks ({inputs.device_note}): E={lay.ep_size}, "
-        f"P={lay.pp_size} ({lay.pp_schedule}), micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
+        f"P={lay.pp_size} ({lay.pp_schedule}), "
+        + (f"C={lay.cp_size} ({lay.local_seq_len} tokens per rank), " if lay.cp_size > 1 else "")
+        + f"micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
         f"{lay.micro_batches} micro-batch(es) per step, {lay.precision}, checkpointing {lay.checkpointing}, {opt}",
         f"per rank (pipeline stage {result['stage']}):",
     ]

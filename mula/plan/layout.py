@@ -38,7 +38,9 @@ class Layout:
     pp_virtual_stages: the pipeline schedule; pp_stage_layers: layers per stage (None: even split).
     tp_size: T tensor-parallel ranks (innermost) splitting every dense layer (`strategies.tensor_parallel`);
     sequence_parallel: the norm and residual regions on 1/T of the sequence (needs T > 1).
-    These seven make `parallel`, the `ParallelLayout` the strategy builds for the same settings.
+    cp_size: C context-parallel ranks (Ulysses, `strategies.context_parallel`), each holding 1/C of
+    every sequence (`local_seq_len`) and attending over all of it for 1/C of the heads.
+    These eight make `parallel`, the `ParallelLayout` the strategy builds for the same settings.
     micro_batch, seq_len: one micro-batch's sequences and tokens per sequence; micro_batches: per
     optimizer step on each data-parallel rank (gradient accumulation, or the pipeline's micro-batches).
     precision: Lightning's `trainer.precision` string. checkpointing: `model.activation_checkpointing`.
@@ -59,6 +61,7 @@ class Layout:
     pp_stage_layers: list[int] | None = None
     tp_size: int = 1
     sequence_parallel: bool = False
+    cp_size: int = 1
     micro_batch: int = 1
     seq_len: int = 2048
     micro_batches: int = 1
@@ -89,6 +92,7 @@ class Layout:
             ep=self.ep_size,
             pp=self.pp_size,
             tp=self.tp_size,
+            cp=self.cp_size,
             schedule=self.pp_schedule,
             virtual_stages=self.pp_virtual_stages,
             stage_layers=None if self.pp_stage_layers is None else tuple(self.pp_stage_layers),
@@ -118,13 +122,23 @@ class Layout:
     @property
     def dp_size(self) -> int:
         """Ranks of one pipeline stage and tensor-parallel index (W / (P * T)): the dense parameters'
-        data-parallel group."""
+        replicas, their gradients' reduction group (context-parallel peers included)."""
+        return self.parallel.replica_size
+
+    @property
+    def data_ranks(self) -> int:
+        """Data-parallel ranks, each reading its own micro-batches (W / (P * T * C))."""
         return self.parallel.dp_size
 
     @property
     def edp_size(self) -> int:
-        """Ranks holding the same experts (W / (P * E))."""
-        return self.parallel.edp_size
+        """Ranks holding the same experts (W / (P * E * T), context-parallel peers included)."""
+        return self.parallel.edp_size * self.cp_size
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds (seq_len / C)."""
+        return self.seq_len // self.cp_size
 
     def stage_holdings(self, config: Any) -> list[Holdings]:
         """What a rank of each pipeline stage holds of `config` (`ParallelLayout.rank_holdings` of the

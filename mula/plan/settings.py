@@ -23,7 +23,7 @@ from mula.sharding_options import ShardingOptions
 # the XPUMoEStrategy arguments the planner reads (their defaults come from its signature)
 _STRATEGY_ARGS = ("expert_parallel_size", "shard_optimizer", "pipeline_parallel_size", "pipeline_schedule",
                   "pipeline_virtual_stages", "pipeline_stage_layers", "optimizer_options",
-                  "tensor_parallel_size", "sequence_parallel")  # fmt: skip
+                  "tensor_parallel_size", "sequence_parallel", "context_parallel_size")  # fmt: skip
 
 
 @dataclass
@@ -142,12 +142,14 @@ def plan_inputs(
             "pp_stage_layers": strategy["pipeline_stage_layers"],
             "tp_size": int(strategy["tensor_parallel_size"]),
             "sequence_parallel": bool(strategy["sequence_parallel"]),
+            "cp_size": int(strategy["context_parallel_size"]),
             **{name: options[name] for name in SHARDING_FIELDS if name in options},
         }
         if kwargs.get("collectives", "auto") == "auto":
             kwargs["collectives"] = "rooted" if device_type == "cpu" else "native"
-    # data-parallel ranks W / (P * T) (W < P * T: the layout refuses it below)
-    dp = max(1, world // (int(kwargs.get("pp_size", 1)) * int(kwargs.get("tp_size", 1))))
+    # data-parallel ranks W / (P * T * C) (W < P * T * C: the layout refuses it below)
+    split = int(kwargs.get("pp_size", 1)) * int(kwargs.get("tp_size", 1)) * int(kwargs.get("cp_size", 1))
+    dp = max(1, world // split)
     layout = Layout(
         world_size=world,
         micro_batch=micro,

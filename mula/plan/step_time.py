@@ -21,6 +21,10 @@ Per optimizer step, on one rank of the slowest pipeline stage (one stage per nod
     of its output (and the reverse in backward); the QK-norm sums over split heads, the
     vocabulary-parallel loss's three per-token reductions, and, under SP, the all-reduce of the
     replicated norm weights' partial gradients; not overlapped with compute;
+  - context parallelism (`context_parallel_sends`), per attention layer and micro-batch, over the C
+    ranks of a node: Ulysses' all-to-all of q, k and v and that of the output, (C-1)/C of each
+    leaving the rank, forward and backward (and the forward again when attention is recomputed); not
+    overlapped with compute;
   - pipeline: the activations and their gradients each rank sends to its neighbouring stages (the
     residual stream in the parameters' dtype, plus the two fp32 router-loss sums of an MoE model),
     inter-node; and the bubble (P-1)/(v*m) of the stage's compute and all-to-all time.
@@ -61,12 +65,13 @@ class StepTime:
     world_size: int
     peak_flops: float
     tensor_parallel_s: float = 0.0
+    context_parallel_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
         """Predicted wall time of one optimizer step."""
         parts = self.all_to_all_s + self.grad_sync_s + self.param_gather_s + self.pipeline_s
-        return self.compute_s + parts + self.tensor_parallel_s
+        return self.compute_s + parts + self.tensor_parallel_s + self.context_parallel_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,6 +92,7 @@ class StepTime:
             "param_gather_s",
             "pipeline_s",
             "tensor_parallel_s",
+            "context_parallel_s",
         )
         out = {k: getattr(self, k) for k in keys}
         return {**out, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
@@ -114,7 +120,8 @@ class Volumes:
     the tensor-parallel group's collectives (`tensor_parallel_sends`). The `*_calls` are the messages
     behind each volume (collective calls, pipeline send operations), which a calibrated machine prices
     at its latency each: the all-to-alls include the expert-count exchange (and, where the CPU expert
-    layout folds the combine weights in, the weights' exchange).
+    layout folds the combine weights in, the weights' exchange). context_parallel: Ulysses' head
+    all-to-alls (`context_parallel_sends`), context_parallel_calls their calls.
     """
 
     all_to_all: float = 0.0
@@ -127,6 +134,29 @@ class Volumes:
     grad_reduce_calls: float = 0.0
     param_gather_calls: float = 0.0
     pipeline_calls: float = 0.0
+    context_parallel: float = 0.0
+    context_parallel_calls: float = 0.0
+
+
+def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]) -> tuple[float, float]:
+    """(bus bytes, calls) of Ulysses' all-to-alls one rank makes per step over its C ranks
+    (strategies/context_parallel.py): per attention layer and micro-batch, q, k and v of its S/C tokens
+    in one message and the output in another, (C-1)/C of each sent, forward, backward, and forward again
+    when attention is recomputed. Zero without context parallelism."""
+    c = layout.cp_size
+    if c == 1:
+        return 0.0, 0.0
+    parts = parse_activation_checkpointing(layout.checkpointing)
+    passes = 2 + (1 if parts & {"attention", "full"} else 0)  # forward, backward, recomputed forward
+    if config.is_mla:  # q, k, v zero-padded to one width, one key per query head
+        width = max(config.qk_head_size, config.v_head_size)
+        qkv, out = 3 * config.num_heads * width, config.num_heads * width
+    else:
+        qkv = (config.num_heads + 2 * config.kv_heads) * config.head_size
+        out = config.num_heads * config.head_size
+    tokens = max(1, layout.micro_batches) * layout.micro_batch * layout.local_seq_len
+    sent = passes * len(blocks) * tokens * (qkv + out) * layout.compute_bytes * (c - 1) / c
+    return sent, 2.0 * passes * len(blocks) * max(1, layout.micro_batches)
 
 
 def _ring(numel: int, elem_bytes: int, group: int) -> float:
@@ -262,7 +292,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     params = model_parameters(config, tuple(layout.no_decay))
     stages = layout.stage_holdings(config)
     e, m = layout.ep_size, max(1, layout.micro_batches)
-    rank_tokens = m * layout.micro_batch * layout.seq_len  # tokens one rank of a stage processes
+    rank_tokens = m * layout.micro_batch * layout.local_seq_len  # tokens one rank of a stage processes
     recompute = parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"}
     passes = 4 + (2 if recompute else 0)
     row = config.top_k * config.hidden_size * layout.compute_bytes
@@ -287,6 +317,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
         send_calls = _pipeline_send_count(layout, holds.stages) * m * (2 if config.is_moe else 1)
         send_calls = send_calls if layout.pp_size > 1 else 0
         tp = tensor_parallel_sends(config, layout, holds.blocks, holds.first, holds.last)
+        cp, cp_calls = context_parallel_sends(config, layout, holds.blocks)
         out.append(
             Volumes(
                 a2a,
@@ -299,6 +330,8 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
                 rounds * reduce_calls,
                 gather_calls,
                 send_calls,
+                cp,
+                cp_calls,
             )  # fmt: skip
         )
     return out
@@ -365,4 +398,8 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
         pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + sends
     # the TP group stays on a node's fabric; its calls are not counted (bandwidth term only)
     tp = collective_seconds(machine, "all_reduce", layout.tp_size, False, vol.tensor_parallel, 0, intra)
-    return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp)
+    # Ulysses' group (C ranks next to TP) stays on a node's fabric too
+    cp = collective_seconds(
+        machine, "all_to_all", layout.cp_size, False, vol.context_parallel, vol.context_parallel_calls, intra
+    )
+    return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp, cp)

@@ -1,0 +1,111 @@
+"""Ulysses context (sequence) parallelism of a `Mula`, applied from outside (docs/context-parallel.md).
+
+The C ranks of a context-parallel group (`ExpertParallelTopology.cp_group`) read the same samples and
+each keeps its contiguous 1/C of every sequence (`mula.layers.SequenceShard`: the module slices inputs
+and targets, RoPE starts at the slice's global position). Everything but attention is per token, so
+it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place the whole sequence meets:
+
+    attention  `UlyssesAttention` replaces each attention layer's `core`: one all-to-all turns q, k, v
+               [B, heads, S/C, d] (sequence-split) into [B, heads/C, S, d] (head-split: every position,
+               this rank's heads), the causal attention runs over the whole sequence (global positions,
+               the mask of one process), and a second all-to-all turns the output back. torch's
+               `all_to_all_single_autograd` carries the gradients back the same way.
+    MoE        each rank routes its own tokens; `ContextParallelTokens` (a `TokenSplit`) makes the aux
+               and z losses the whole micro-batch's, summed over the CP group. The step's expert counts
+               (router-bias update, metrics) and the global aux-loss scope sum every rank's own counts
+               already, so they see the global counts without a CP term.
+    loss       each rank's loss is the mean over its slice; the ranks' slices are equal, so the mean of
+               the C ranks' losses is the sequence's mean (what `train/loss` logs: the mean over ranks).
+    gradients  CP ranks replicate every parameter (dense and experts) and hold different tokens: the
+               gradient-reduce engine treats them as data-parallel ranks (`ExpertParallelTopology`'s stage
+               and EDP groups include them), averaging over DP x C. That average is the gradient of the
+               mean of the ranks' losses, i.e. of the sequence mean, when every collective inside the loss
+               has its true backward: the all-to-alls' (above) and the router losses' all-reduce, whose
+               backward is an all-reduce too (each rank's loss holds the whole sum, so each share's
+               gradient is the sum of the C ranks' upstream gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+
+from mula.layers import SequenceShard, causal_attention
+from mula.layout_rules import check_context_parallel
+from mula.moe import iter_moe_layers
+from mula.moe.balancing import TokenSplit
+
+
+def _all_to_all(chunks: Tensor, group: Any) -> Tensor:
+    """chunks [C, ...]: chunk j goes to group rank j; returns [C, ...], chunk j from group rank j."""
+    return all_to_all_single_autograd(chunks.contiguous(), None, None, group)
+
+
+def _gather_sequence(x: Tensor, parts: int, group: Any) -> Tensor:
+    """[B, heads, S/C, d] sequence-split -> [B, heads/C, S, d] head-split (group rank r: heads chunk r)."""
+    b, h, t, d = x.shape
+    chunks = x.view(b, parts, h // parts, t, d).transpose(0, 1)  # [C (head chunk), B, h/C, S/C, d]
+    got = _all_to_all(chunks, group)  # [C (sequence slice), B, h/C, S/C, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // parts, parts * t, d)
+
+
+def _scatter_sequence(y: Tensor, parts: int, group: Any) -> Tensor:
+    """[B, heads/C, S, d] head-split -> [B, heads, S/C, d] sequence-split (the inverse of `_gather_sequence`)."""
+    b, h, s, d = y.shape
+    chunks = y.view(b, h, parts, s // parts, d).permute(2, 0, 1, 3, 4)  # [C (sequence slice), B, h/C, S/C, d]
+    got = _all_to_all(chunks, group)  # [C (head chunk), B, h/C, S/C, d]
+    return got.transpose(0, 1).reshape(b, h * parts, s // parts, d)
+
+
+class UlyssesAttention:
+    """An attention layer's `core` over the C ranks of `group`: heads exchanged for the sequence around
+    `causal_attention` (see the module docstring). q [B, heads, S/C, d], k and v [B, kv_heads, S/C, d]
+    -> [B, heads, S/C, d]. q, k and v travel in one all-to-all, the output in another."""
+
+    def __init__(self, group: Any, parts: int) -> None:
+        self.group, self.parts = group, parts
+
+    def __repr__(self) -> str:
+        return f"UlyssesAttention(parts={self.parts})"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        b, heads, t, d = q.shape
+        kv_heads, c = k.shape[1], self.parts
+        # one exchange: per destination rank, its q heads then its k and v heads (concatenated by chunk)
+        per = [z.view(b, c, z.shape[1] // c, t, d) for z in (q, k, v)]
+        packed = torch.cat(per, dim=2).view(b, heads + 2 * kv_heads, t, d)
+        whole = _gather_sequence(packed, c, self.group)
+        q_h, k_h, v_h = whole.split([heads // c, kv_heads // c, kv_heads // c], dim=1)
+        return _scatter_sequence(causal_attention(q_h, k_h, v_h, scale), c, self.group)
+
+
+class ContextParallelTokens(TokenSplit):
+    """A micro-batch's tokens split over the C ranks of `group` by sequence slice (module docstring)."""
+
+    def __init__(self, group: Any, parts: int) -> None:
+        self.group, self.parts = group, parts
+
+    def __repr__(self) -> str:
+        return f"ContextParallelTokens(parts={self.parts})"
+
+    def total(self, t: Tensor) -> Tensor:
+        """t summed over the CP group; backward: the gradients summed over it too, since every CP rank's
+        loss holds the total and the engine averages their gradients (the sum of an autograd all-gather,
+        whose backward is a reduce-scatter: torch's differentiable collectives, small [C, ...] tensors)."""
+        return all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group).sum(0)
+
+
+def apply_context_parallel(model: nn.Module, group: Any, rank: int, parts: int) -> nn.Module:
+    """Make `model` (a `Mula`) hold slice `rank` of `parts` of every sequence and attend over the whole
+    of it with the other ranks of `group` (in place; the model is returned). Refuses, in one sentence,
+    heads or key/value heads that `parts` does not divide."""
+    check_context_parallel(model.config, parts)
+    model.sequence_shard = SequenceShard(rank, parts)
+    for block in model.layers:
+        block.attn.core = UlyssesAttention(group, parts)
+    for _, layer in iter_moe_layers(model):
+        layer.token_split = ContextParallelTokens(group, parts)
+    return model
