@@ -123,7 +123,7 @@ class ParallelLayout:
         if config is not None:
             validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
         check_world(self.world_size, self.ep, self.pp, self.tp)  # cp = 1 until it lands (check_degrees)
-        check_tensor_parallel(config, self.tp, self.pp)
+        check_tensor_parallel(config, self.tp)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step
