@@ -11,7 +11,10 @@ over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with se
 
 from __future__ import annotations
 
+import pytest
+import torch
 from dist_helpers import lightning_env, run_distributed
+from test_pipeline import _Batches  # a loader of fixed batches
 from test_tensor_parallel import RMS, WORLD, _assert_matches, _fit
 
 from strategies import XPUMoEStrategy
@@ -49,3 +52,78 @@ def test_tensor_parallel_stages_match_single_process() -> None:
     runs = run_distributed(_run, WORLD)
     for key, _, _ in RUNS:
         _assert_stages_match(runs, key, ref, ref_params)
+
+
+# the planner against one measured step: a larger RMS model, so activations dominate the per-step noise
+PLAN_RMS = dict(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+    max_position_embeddings=256, norm="rmsnorm", qk_norm=True,
+)  # fmt: skip
+PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 128, 4
+# (sequence_parallel, shard_optimizer)
+PLAN_LAYOUTS = ((False, True), (True, True), (False, False))
+KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/state_bytes",
+        "optim/param_bytes", "optim/grad_buffer_bytes")  # fmt: skip
+
+
+def _measure(rank: int, world: int) -> list[dict]:
+    from dist_helpers import cpu_trainer
+
+    from callbacks import MemoryMetrics
+    from callbacks.moe_metrics import MoEMetrics
+    from mula.module import MulaLightningModule
+
+    lightning_env(rank, world)
+    out = []
+    for sp, shard in PLAN_LAYOUTS:
+        strategy = XPUMoEStrategy(
+            tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
+        )
+        strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
+        torch.manual_seed(0)
+        module = MulaLightningModule("mula-tiny-dense", overrides=PLAN_RMS, decay_steps=10)
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=1,
+            callbacks=[MemoryMetrics(), MoEMetrics()], log_every_n_steps=1,
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
+        batch = torch.randint(0, PLAN_RMS["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
+        trainer.fit(module, _Batches([batch]))
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+        out.append({**logged, "stage": strategy.topology.pp_rank})
+    return out
+
+
+def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
+    """`mula plan` of a T = 2 x P = 2 layout: each rank's parameter, gradient and optimizer bytes equal
+    what it holds after one real step (its stage's TP shards), activations within 10 %."""
+    from mula.config import resolve_config
+    from mula.plan import Layout
+    from mula.plan.memory import plan_stage
+
+    config = resolve_config("mula-tiny-dense", PLAN_RMS)
+    measured = run_distributed(_measure, WORLD)
+    for index, (sp, shard) in enumerate(PLAN_LAYOUTS):
+        layout = Layout(
+            world_size=WORLD, tp_size=2, pp_size=2, sequence_parallel=sp, micro_batch=PLAN_B,
+            seq_len=PLAN_SEQ, micro_batches=PLAN_MICROS, shard_optimizer=shard, collectives="rooted",
+        )  # fmt: skip
+        layout.parallel.validate(config)
+        for rank, logged in enumerate(measured):
+            row = logged[index]
+            assert row["stage"] == rank // 2  # TP innermost: ranks [0, 1] hold stage 0
+            plan = plan_stage(config, layout, row["stage"])
+            where = f"sp={sp} shard={shard} rank {rank}"
+            assert plan.param_tensor_bytes == row["mem/param_bytes"], where
+            assert plan.grads == row["mem/grad_bytes"], where
+            if shard:
+                assert plan.params == row["optim/param_bytes"], where
+                assert plan.grads == row["optim/grad_buffer_bytes"], where
+                assert plan.optimizer == row["optim/state_bytes"], where
+            else:  # torch AdamW: MoEMetrics counts the parameters with their two moments
+                assert plan.params + plan.optimizer == row["optim/state_bytes"], where
+            assert plan.activations == pytest.approx(row["mem/activation_bytes"], rel=0.10), where
+            # not vacuous: the stage's plan without T misses the shards it holds
+            flat = plan_stage(config, layout.replace(tp_size=1, sequence_parallel=False), row["stage"])
+            assert flat.param_tensor_bytes != row["mem/param_bytes"], where
+        assert measured[0][index]["mem/param_bytes"] != measured[2][index]["mem/param_bytes"]
