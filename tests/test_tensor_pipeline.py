@@ -6,7 +6,11 @@ without sequence parallelism, the rank's 1/T of it with -- and the last stage's 
 vocabulary-parallel. fp32, 6 steps with global-norm clipping, the harness of
 tests/test_tensor_parallel.py: every logged loss and gradient norm within 1e-5 (relative), every
 parameter (each stage's, gathered to its full tensor) within 1e-4. Dense RMS model (RMSNorm, QK-norm
-over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with sequence parallelism.
+over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with sequence parallelism;
+the MoE model of tests/test_tensor_parallel_moe.py (a dense block on stage 0, an MoE block with a
+shared expert and the router-bias update on stage 1) with torch's AdamW: stage 0 holds no MoE block,
+yet joins the step's expert-count all-reduce (it hung before). The planner's per-stage bytes are
+checked against one measured step of the dense layouts.
 """
 
 from __future__ import annotations
@@ -16,21 +20,27 @@ import torch
 from dist_helpers import lightning_env, run_distributed
 from test_pipeline import _Batches  # a loader of fixed batches
 from test_tensor_parallel import RMS, WORLD, _assert_matches, _fit
+from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
 
 from strategies import XPUMoEStrategy
 
-# (key, sequence_parallel, shard_optimizer)
-RUNS = (("adamw", False, False), ("sharded", False, True), ("sp_sharded", True, True))
+# (key, model, sequence_parallel, shard_optimizer); MOE: a dense block (stage 0), an MoE block (stage 1)
+RUNS = (
+    ("adamw", RMS, False, False),
+    ("sharded", RMS, False, True),
+    ("sp_sharded", RMS, True, True),
+    ("moe", MOE, False, False),
+)
 
 
 def _run(rank: int, world: int) -> dict:
     lightning_env(rank, world)
     out = {}
-    for key, sp, shard in RUNS:
+    for key, model, sp, shard in RUNS:
         strategy = XPUMoEStrategy(
             tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
         )
-        losses, params = _fit(RMS, strategy, 0, 1)  # DP = 4 / (2 x 2) = 1: one data-parallel rank
+        losses, params = _fit(model, strategy, 0, 1)  # DP = 4 / (2 x 2) = 1: one data-parallel rank
         assert strategy.data_parallel_size == 1
         out[key] = {"losses": losses.losses, "norms": losses.norms, "params": params}
     return out
@@ -48,10 +58,10 @@ def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict) -> N
 
 
 def test_tensor_parallel_stages_match_single_process() -> None:
-    ref, ref_params = _fit(RMS, None)
+    refs = {id(model): _fit(model, None) for model in (RMS, MOE)}
     runs = run_distributed(_run, WORLD)
-    for key, _, _ in RUNS:
-        _assert_stages_match(runs, key, ref, ref_params)
+    for key, model, _, _ in RUNS:
+        _assert_stages_match(runs, key, *refs[id(model)])
 
 
 # the planner against one measured step: a larger RMS model, so activations dominate the per-step noise
