@@ -10,18 +10,22 @@ over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with se
 the MoE model of tests/test_tensor_parallel_moe.py (a dense block on stage 0, an MoE block with a
 shared expert and the router-bias update on stage 1) with torch's AdamW: stage 0 holds no MoE block,
 yet joins the step's expert-count all-reduce (it hung before). The planner's per-stage bytes are
-checked against one measured step of the dense layouts.
+checked against one measured step of the dense layouts. Downstream evaluation's forward of the
+trained SP model (`spread_forward`, 7 tokens padded for SP's split) gives the whole logits on the last
+stage's TP ranks.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from dist_helpers import lightning_env, run_distributed
 from test_pipeline import _Batches  # a loader of fixed batches
+from test_plan_measured_pipeline import assert_stage_bytes
 from test_tensor_parallel import RMS, WORLD, _assert_matches, _fit
 from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
 
+from mula.config import resolve_config
+from mula.model import Mula
 from strategies import XPUMoEStrategy
 
 # (key, model, sequence_parallel, shard_optimizer); MOE: a dense block (stage 0), an MoE block (stage 1)
@@ -43,7 +47,13 @@ def _run(rank: int, world: int) -> dict:
         losses, params = _fit(model, strategy, 0, 1)  # DP = 4 / (2 x 2) = 1: one data-parallel rank
         assert strategy.data_parallel_size == 1
         out[key] = {"losses": losses.losses, "norms": losses.norms, "params": params}
+        if key == "sp_sharded":  # downstream evaluation's forward, 7 tokens: padded for SP's split
+            with torch.no_grad():
+                out["logits"] = strategy.spread_forward().logits(EVAL_TOKENS)
     return out
+
+
+EVAL_TOKENS = torch.arange(14).reshape(2, 7)
 
 
 def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict) -> None:
@@ -62,6 +72,13 @@ def test_tensor_parallel_stages_match_single_process() -> None:
     runs = run_distributed(_run, WORLD)
     for key, model, _, _ in RUNS:
         _assert_stages_match(runs, key, *refs[id(model)])
+    # the trained SP model's logits, whole, on the last stage's TP ranks (2, 3)
+    whole = Mula(resolve_config("mula-tiny-dense", RMS))
+    whole.load_state_dict({n.removeprefix("model."): v for n, v in refs[id(RMS)][1].items()})
+    expected = whole(EVAL_TOKENS).logits.detach()
+    assert runs[0]["logits"] is None and runs[1]["logits"] is None
+    for rank in (2, 3):
+        torch.testing.assert_close(runs[rank]["logits"], expected, rtol=0, atol=1e-4)
 
 
 # the planner against one measured step: a larger RMS model, so activations dominate the per-step noise
@@ -124,15 +141,7 @@ def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
             assert row["stage"] == rank // 2  # TP innermost: ranks [0, 1] hold stage 0
             plan = plan_stage(config, layout, row["stage"])
             where = f"sp={sp} shard={shard} rank {rank}"
-            assert plan.param_tensor_bytes == row["mem/param_bytes"], where
-            assert plan.grads == row["mem/grad_bytes"], where
-            if shard:
-                assert plan.params == row["optim/param_bytes"], where
-                assert plan.grads == row["optim/grad_buffer_bytes"], where
-                assert plan.optimizer == row["optim/state_bytes"], where
-            else:  # torch AdamW: MoEMetrics counts the parameters with their two moments
-                assert plan.params + plan.optimizer == row["optim/state_bytes"], where
-            assert plan.activations == pytest.approx(row["mem/activation_bytes"], rel=0.10), where
+            assert_stage_bytes(plan, row, shard, where)
             # not vacuous: the stage's plan without T misses the shards it holds
             flat = plan_stage(config, layout.replace(tp_size=1, sequence_parallel=False), row["stage"])
             assert flat.param_tensor_bytes != row["mem/param_bytes"], where
