@@ -80,18 +80,12 @@ def check_experts(num_experts: int, ep_size: int) -> None:
         )
 
 
-def check_tensor_parallel(config: Any, tp_size: int, pp_size: int) -> None:
+def check_tensor_parallel(config: Any, tp_size: int) -> None:
     """Refuse tensor parallelism where it is not available yet, or a model whose heads, KV heads, dense
     MLP width or vocabulary T does not divide (`config`: a `MulaConfig`; None checks the layout alone).
-    MoE layers are accepted: their experts stay whole and their tokens are split over the T ranks."""
-    if tp_size == 1:
-        return
-    if pp_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} is not yet available with pipeline_parallel_size={pp_size}; "
-            "use pipeline_parallel_size=1 or tensor_parallel_size=1."
-        )
-    if config is None:
+    MoE layers are accepted: their experts stay whole and their tokens are split over the T ranks;
+    pipeline stages too (each stage's modules split over its own TP group)."""
+    if tp_size == 1 or config is None:
         return
     if getattr(config, "kv_lora_rank", None) is not None:
         raise ValueError(

@@ -288,7 +288,12 @@ class MulaLightningModule(L.LightningModule):
         forward and its backward (an activation-checkpointing recompute must route the same way).
         """
         if self._step_counts is None:
-            return
+            if not self.config.is_moe:
+                return
+            # a pipeline rank holding only dense blocks: zeros, so that it joins every rank's all-reduce
+            self._step_counts = torch.zeros(
+                self.config.num_moe_layers, self.config.num_experts, dtype=torch.long, device=self.device
+            )
         self.step_expert_counts = step_counts(self._step_counts)
         self._step_counts = None
         named = list(iter_moe_layers(self.model))

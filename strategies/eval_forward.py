@@ -72,13 +72,16 @@ class SpreadForward:
     def logits(self, tokens: Tensor) -> Tensor | None:
         """The model's forward of `tokens` [B, T], run by the ranks holding its parts together: the
         logits [B, T, V] where the LM head is (whole, also under tensor parallelism), else None."""
-        if self.pipeline is not None:
-            return self.pipeline.logits(tokens)
         width = tokens.shape[1]
         pad = -width % self.sequence_split
         if pad:
             tokens = torch.nn.functional.pad(tokens, (0, pad))
-        logits = self.model(tokens).logits
+        if self.pipeline is not None:  # with TP too: the last stage's TP ranks hold vocabulary-split logits
+            logits = self.pipeline.logits(tokens)
+            if logits is None:
+                return None
+        else:
+            logits = self.model(tokens).logits
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # split over the vocabulary
         return logits[:, :width]
 

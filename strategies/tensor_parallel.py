@@ -122,61 +122,74 @@ def _split_mlp(mlp: MLP, tp_mesh: Any, sequence_parallel: bool) -> None:
 def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = False) -> Mula:
     """Split a `Mula` over the 1-D `tp_mesh` in place (see the module docstring); returns it.
 
-    Every TP rank must call it with the same weights (replicas are made identical afterwards over the
-    data-parallel group; DTensor's distribution takes each shard from the TP group's first rank).
+    The model may be one pipeline stage's (`strategies.pipeline.split.split_model`): whatever it holds
+    of the embedding, the blocks and the final norm and LM head is split, what it lacks (None) is
+    skipped. Every TP rank must call it with the same weights (replicas are made identical afterwards
+    over the data-parallel group; DTensor's distribution takes each shard from the TP group's first rank).
     """
     sp = sequence_parallel
     # under SP the residual stream between layers is this rank's 1/T of the sequence (a local tensor)
-    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
-    lm_head = ColwiseParallel(
-        input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
-    )
-    parallelize_module(model, tp_mesh, {"embed": embed, "lm_head": lm_head})
-    # tie_embeddings: both plans split the [V, H] table along the vocabulary (dim 0, Shard(0)), so the
-    # LM head can take the embedding's DTensor itself: one parameter, both uses' gradients summed in it
-    model.tie_weights()
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    ends: dict[str, Any] = {}
+    if model.embed is not None:
+        ends["embed"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()
+        )
+    if model.lm_head is not None:
+        ends["lm_head"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+        )
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
+    if model.embed is not None and model.lm_head is not None:
+        # tie_embeddings: both plans split the [V, H] table along the vocabulary (dim 0, Shard(0)), so
+        # the LM head can take the embedding's DTensor itself: one parameter, both uses' gradients summed
+        model.tie_weights()
     for block in model.layers:
-        _split_attention(block.attn, tp_mesh, sp)
-        moe = isinstance(block.mlp, MoELayer)
-        if moe:  # experts whole, tokens split (strategies/tensor_parallel_moe.py)
-            split_moe_tokens(block.mlp, tp_mesh, sp)
-        else:
-            assert isinstance(block.mlp, MLP)
-            _split_mlp(block.mlp, tp_mesh, sp)
-        if sp:
-            plan: dict[str, Any] = {
-                "attn_norm": SequenceParallel(),
-                "mlp_norm": SequenceParallel(),
-                # attention's (x, cos, sin): only x is split along the sequence
-                "attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-            }
-            if not moe:  # an MoE layer takes its slice of the sequence as it is
-                plan["mlp"] = gather
-            parallelize_module(block, tp_mesh, plan)
-    if sp:
+        _split_block(block, tp_mesh, sp)
+    if sp and model.norm is not None:
         parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})
-    if sp or model.config.num_experts > 0:  # both split the sequence over the TP ranks
-        model.register_forward_pre_hook(_check_sequence_split(tp_mesh.size(), sp))
+    model.register_forward_pre_hook(
+        lambda _, args: check_sequence_split(model.config, args[0].shape[1], tp_mesh.size(), sp)
+    )
     return model
 
 
-def _check_sequence_split(t: int, sequence_parallel: bool) -> Any:
-    """A forward pre-hook refusing a sequence that T ranks cannot split evenly (before any collective):
-    sequence parallelism splits it, and so do MoE layers (their tokens are split over the TP ranks)."""
+def _split_block(block: nn.Module, tp_mesh: Any, sp: bool) -> None:
+    """One transformer block over T: attention by heads, a dense MLP by features or an MoE layer by
+    tokens, and under SP its norms on 1/T of the sequence with the layers' inputs all-gathered."""
+    _split_attention(block.attn, tp_mesh, sp)
+    moe = isinstance(block.mlp, MoELayer)
+    if moe:  # experts whole, tokens split (strategies/tensor_parallel_moe.py)
+        split_moe_tokens(block.mlp, tp_mesh, sp)
+    else:
+        assert isinstance(block.mlp, MLP)
+        _split_mlp(block.mlp, tp_mesh, sp)
+    if not sp:
+        return
+    plan: dict[str, Any] = {
+        "attn_norm": SequenceParallel(),
+        "mlp_norm": SequenceParallel(),
+        # attention's (x, cos, sin): only x is split along the sequence
+        "attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+    }
+    if not moe:  # an MoE layer takes its slice of the sequence as it is
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(block, tp_mesh, plan)
+
+
+def check_sequence_split(config: Any, seq: int, t: int, sequence_parallel: bool) -> None:
+    """Refuse a sequence of length `seq` that T ranks cannot split evenly where they split it (sequence
+    parallelism, and MoE layers: their tokens are split over the TP ranks); one sentence, called before
+    any collective (the model's forward pre-hook; a pipeline step before its schedule)."""
+    if t == 1 or not (sequence_parallel or config.num_experts > 0) or seq % t == 0:
+        return
     what = "sequence_parallel splits" if sequence_parallel else "MoE layers under tensor parallelism split"
-
-    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
-        seq = args[0].shape[1]
-        if seq % t:
-            raise ValueError(
-                f"{what} the sequence over tensor_parallel_size={t} ranks, but this batch's "
-                f"sequence length {seq} is not divisible by {t}; choose a seq_len divisible by it."
-            )
-
-    return check
+    raise ValueError(
+        f"{what} the sequence over tensor_parallel_size={t} ranks, but this batch's "
+        f"sequence length {seq} is not divisible by {t}; choose a seq_len divisible by it."
+    )
 
 
 class TensorParallelSteps:

@@ -51,13 +51,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from mula.checkpoint.group_verify import settle
-from mula.layout_rules import (
-    check_context_parallel,
-    check_degrees,
-    check_experts,
-    check_tensor_parallel,
-    validate_schedule,
-)
+from mula.layout_rules import check_context_parallel, check_degrees, check_experts, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -123,7 +117,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             same data; the data-parallel size is W / (P x T). MoE layers keep their experts whole and
             route 1/T of the tokens on each TP rank (strategies/tensor_parallel_moe.py). T must divide
             the heads, KV heads, dense MLP width and vocabulary (and the sequence, with MoE layers or
-            SP); not yet available with pipeline stages or tied embeddings. With `shard_optimizer` the flat buffers hold each rank's local
+            SP); with pipeline stages each stage's modules split over its own TP group. With `shard_optimizer` the flat buffers hold each rank's local
             TP shard, its state sharded over the data-parallel group.
         sequence_parallel: with T > 1, the norms and the residual stream hold 1/T of the sequence
             (reduce-scatter / all-gather around each layer instead of all-reduce).
@@ -180,7 +174,6 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             int(tensor_parallel_size),
             int(context_parallel_size),
         )
-        check_tensor_parallel(None, int(tensor_parallel_size), int(pipeline_parallel_size))
         check_context_parallel(
             None, int(context_parallel_size), int(tensor_parallel_size), int(pipeline_parallel_size)
         )

@@ -241,7 +241,7 @@ def test_shared_experts_are_dense_parameters_and_mla_refuses_tensor_parallelism(
         "deepseek-v3-tiny", num_experts=0, num_dense_layers=0, num_shared_experts=0
     )
     with pytest.raises(ValueError, match="multi-head latent attention"):
-        check_tensor_parallel(dense_mla, 2, 1)
+        check_tensor_parallel(dense_mla, 2)
     with pytest.raises(ValueError, match="set kv_lora_rank"):
         MulaConfig.from_name("mula-tiny-moe", qk_rope_head_dim=16)
     with pytest.raises(ValueError, match="num_shared_experts needs an MoE model"):

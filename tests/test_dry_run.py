@@ -108,6 +108,8 @@ TENSOR = [
         (["--trainer.strategy.init_args.sequence_parallel=false", "--data.global_batch_size=192"], 37),
         # the tiny MoE model: experts whole on each TP rank, sliced over E = 4 (T x E = 8 ranks)
         (["--model.config=mula-tiny-moe", "--trainer.strategy.init_args.expert_parallel_size=4"], 13),
+        # T = 2 x P = 2 with SP: rank 3 holds the last stage's TP shards (rank = (d * P + s) * T + t)
+        (["--trainer.strategy.init_args.pipeline_parallel_size=2"], 3),
     ],
 )
 def test_tensor_parallel_dry_run_bytes_equal_the_plan(extra, rank):
@@ -116,7 +118,8 @@ def test_tensor_parallel_dry_run_bytes_equal_the_plan(extra, rank):
     assert inputs.layout.world_size == 96 and inputs.layout.tp_size > 1
     result = dry_run(inputs, kwargs["trainer"], kwargs["model"], rank)
     assert result["allocated_bytes"] == 0
-    plan = plan_stage(inputs.config, inputs.layout, 0)
+    assert result["stage"] == (rank // inputs.layout.tp_size) % inputs.layout.pp_size
+    plan = plan_stage(inputs.config, inputs.layout, result["stage"])
     for name, field in MEASURED.items():
         assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
     assert dry_run_matches(result)

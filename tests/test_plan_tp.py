@@ -35,9 +35,9 @@ def test_search_tries_tensor_parallel_sizes_the_strategy_runs() -> None:
             # the strategy accepts the layout as planned (torch AdamW, no ZeRO stage, no bf16 weights)
             XPUMoEStrategy(
                 tensor_parallel_size=lay.tp_size, sequence_parallel=lay.sequence_parallel,
-                shard_optimizer=lay.shard_optimizer,
+                shard_optimizer=lay.shard_optimizer, pipeline_parallel_size=lay.pp_size,
             )  # fmt: skip
-            assert lay.dp_size * lay.tp_size == AURORA.tiles_per_node
+            assert lay.dp_size * lay.tp_size * lay.pp_size == AURORA.tiles_per_node
             assert lay.micro_batches * lay.micro_batch * lay.dp_size == 48
     fastest = {}
     for row in rows:
@@ -94,3 +94,14 @@ def test_frontier_recipes_fit_as_mula_plan_says(capsys) -> None:
         result = json.loads(capsys.readouterr().out)
         assert result["fits"], name
         assert result["layout"]["world_size"] == nodes * 8
+
+
+def test_search_offers_tensor_parallelism_inside_pipeline_stages() -> None:
+    """T x P layouts (each stage split over its TP group) are candidates, each one the layout accepts."""
+    layouts = [
+        lay for lay in candidate_layouts(_inputs("mula-tiny-dense")) if lay.tp_size > 1 and lay.pp_size > 1
+    ]
+    # 12 tiles, 2 blocks: P = 2 with T = 2 (3 data-parallel ranks); T = 4 x P = 2 does not divide 12
+    assert {(lay.tp_size, lay.pp_size) for lay in layouts} == {(2, 2)}
+    for lay in layouts:
+        lay.parallel.validate(_inputs("mula-tiny-dense").config)

@@ -1,8 +1,8 @@
 """`mula plan --search`: the layouts that fit the device, fastest first.
 
 Varies the expert-parallel size E (divisors of the experts up to one node), pipeline stages P (1, 2, 4,
-8), the tensor-parallel size T (1, 2, 4, 8 up to one node, with and without sequence parallelism; where
-the strategy runs it: a dense model, one stage, torch's AdamW for now), the micro-batch (1, 2, 4, 8), activation checkpointing (none, moe, moe+attention, full), the ZeRO
+8), the tensor-parallel size T (1, 2, 4, 8 up to one node, with and without sequence parallelism, with
+or without stages: T x P layouts split each stage over its TP group), the micro-batch (1, 2, 4, 8), activation checkpointing (none, moe, moe+attention, full), the ZeRO
 stage (1, 2) and bf16 weights (bf16-true with fp32 masters in the sharded optimizer, or the recipe's
 precision) at the recipe's ranks, sequence length and global batch. Without a machine (no step-time
 model) the layouts are sorted by memory instead.

@@ -203,10 +203,13 @@ def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int,
 def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...]) -> float:
     """Bytes a pipeline rank holding `stages` sends to other stages per step: for each of its (virtual) stages,
     every micro-batch's output forward (not from the last stage) and input gradient backward (not from
-    the first), the residual stream in the parameters' dtype plus an MoE model's router-loss sums."""
+    the first), the residual stream in the parameters' dtype plus an MoE model's router-loss sums. Under
+    tensor parallelism each TP rank sends to its peer of the next stage: the whole sequence (replicated
+    over TP), or its 1/T with sequence parallelism."""
     if layout.pp_size == 1:
         return 0.0
-    message = layout.micro_batch * layout.seq_len * config.hidden_size * layout.param_bytes
+    seq = layout.seq_len // layout.tp_size if layout.sequence_parallel else layout.seq_len
+    message = layout.micro_batch * seq * config.hidden_size * layout.param_bytes
     message += 2 * 4 if config.is_moe else 0  # (aux, z) running sums, fp32
     return _pipeline_send_count(layout, stages) * max(1, layout.micro_batches) * message
 

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
 
 from mula.model import router_losses
 from strategies.pipeline.split import MulaStage
+from strategies.tensor_parallel import check_sequence_split
 from strategies.topology import ExpertParallelTopology
 
 _EVAL_SCHEDULES_KEPT = 8  # forward-only schedules kept for reuse, by batch shape (most recent)
@@ -52,14 +53,24 @@ class PipelineRunner:
             `split_model` into `topology.holdings(config)`).
         topology: the layout (`layout`: schedule, stages; `pp_group`).
         device: this rank's device.
+        sequence_parallel: the stages' modules are (or will be) split over the TP group with sequence
+            parallelism (`strategies.tensor_parallel.apply_tensor_parallel`): the hidden state sent
+            between stages is then each rank's 1/T of the sequence.
     """
 
-    def __init__(self, module: Any, topology: ExpertParallelTopology, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: Any,
+        topology: ExpertParallelTopology,
+        device: torch.device,
+        sequence_parallel: bool = False,
+    ) -> None:
         layout = topology.layout
         if layout is None:
             raise ValueError("A pipeline runner needs a topology built from a ParallelLayout.")
         self.module, self.topology, self.layout, self.device = module, topology, layout, device
         self.schedule_name = layout.schedule
+        self.sequence_parallel = sequence_parallel
         self.num_stages = layout.num_stages
         model = module.model
         holdings = topology.holdings(model.config)
@@ -71,6 +82,7 @@ class PipelineRunner:
         ]
         for stage in self.stages:  # expert counts by global block (router bias, ExpertLoad, MoEMetrics)
             stage.count_sink = getattr(module, "add_expert_counts", None)
+            stage.seq_parts = topology.tp_size if sequence_parallel else 1
         self.has_first = 0 in self.stage_ids
         self.has_last = last in self.stage_ids
         self._schedule: Any = None
@@ -91,6 +103,7 @@ class PipelineRunner:
                 f"The step's batch of {rows} sequences per data-parallel rank does not split into "
                 f"{n_microbatches} pipeline micro-batches."
             )
+        self._check_sequence(seq_len)
         self._ensure_schedule(n_microbatches, rows // n_microbatches, seq_len)
         self._n, self._sums = n_microbatches, []
         args = (batch[:, :-1],) if self.has_first else ()
@@ -120,6 +133,7 @@ class PipelineRunner:
         [rows, T, V] on the rank holding the last stage, None elsewhere. Every rank of the pipeline group
         calls it with the same shape (the stages' static shapes); the last few shapes' schedules are kept."""
         key = tuple(tokens.shape)
+        self._check_sequence(key[1])
         schedule = self._eval_schedules.pop(key, None)
         if schedule is None:
             cls = ScheduleGPipe if len(self.stages) == 1 else ScheduleLoopedBFS
@@ -138,6 +152,11 @@ class PipelineRunner:
         """Drop the forward-only schedules (and their stages' receive buffers), e.g. after an evaluation
         of many batch shapes during training."""
         self._eval_schedules.clear()
+
+    def _check_sequence(self, seq_len: int) -> None:
+        """On every rank before any stage runs (a stage's own check would leave the others waiting for
+        its activations): tensor parallelism's sequence split must be even."""
+        check_sequence_split(self.module.config, seq_len, self.topology.tp_size, self.sequence_parallel)
 
     def _keep_logits(self, output: Any, target: Tensor) -> Tensor:
         logits = output[0] if self.module.config.is_moe else output

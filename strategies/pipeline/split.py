@@ -61,15 +61,20 @@ class MulaStage(nn.Module):
         self.layer_ids = list(layers)  # global block indices
         # set by the runner: receives (global block index, tokens per expert) of each training forward
         self.count_sink: Callable[[int, Tensor], None] | None = None
+        # ranks splitting the sequence of the hidden state between stages (set by the runner): T under
+        # sequence parallelism (each rank holds and sends its 1/T), 1 otherwise (whole, replicated over TP)
+        self.seq_parts = 1
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: Tensor, router: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Run this stage's part of `Mula.forward`."""
+        # positions of the whole sequence (a rank's hidden state may hold 1/seq_parts of it)
+        seq = x.shape[1] if self.embed is not None else x.shape[1] * self.seq_parts
         if self.embed is not None:
-            check_sequence_length(self.config, x.shape[1])
+            check_sequence_length(self.config, seq)
             x = self.embed(x)
-        cos, sin = rope_cos_sin(self.config, x.shape[1], x.device)
+        cos, sin = rope_cos_sin(self.config, seq, x.device)
         out = forward_blocks(zip(self.layer_ids, self.blocks), x, cos, sin, router)
         if self.count_sink is not None and torch.is_grad_enabled():  # training forwards only
             for index, counts in out.tokens_per_expert.items():
@@ -84,14 +89,18 @@ class MulaStage(nn.Module):
         return x, out.router_sums
 
     def example_io(self, micro_batch: int, seq_len: int, dtype: torch.dtype, logits_dtype: torch.dtype):
-        """(inputs, outputs) as meta tensors of one micro-batch: the static shapes `PipelineStage` needs."""
+        """(inputs, outputs) as meta tensors of one micro-batch: the static shapes `PipelineStage` needs.
+
+        The hidden state between stages holds this rank's 1/`seq_parts` of the sequence; the last
+        stage's logits are described by their global shape (under TP a vocabulary-split DTensor, which
+        the loss consumes on the same rank: never sent)."""
         c = self.config
 
         def meta(*shape: int, dt: torch.dtype = dtype, grad: bool = True) -> Tensor:
             return torch.empty(shape, dtype=dt, device="meta").requires_grad_(grad)
 
         router = (meta(2, dt=torch.float32),) if c.is_moe else ()
-        hidden = meta(micro_batch, seq_len, c.hidden_size)
+        hidden = meta(micro_batch, seq_len // self.seq_parts, c.hidden_size)
         inputs = (
             (meta(micro_batch, seq_len, dt=torch.long, grad=False),) if self.embed is not None else (hidden,)
         )

@@ -27,7 +27,7 @@ class PipelineSteps:
     """Training, validation and backward hooks of a strategy with pipeline stages (no-ops at P = 1).
 
     Expects the host strategy to set `topology` (built from its `ParallelLayout`),
-    `pipeline_parallel_size`, `pipeline_microbatches`, `_pipeline` (None) and to provide
+    `pipeline_parallel_size`, `pipeline_microbatches`, `sequence_parallel`, `_pipeline` (None) and to provide
     `block_backward_sync`.
     """
 
@@ -50,7 +50,7 @@ class PipelineSteps:
         if self._pipeline is not None:
             return  # Lightning calls setup again for validate/test after fit
         split_model(model, topo.holdings(model.config))
-        self._pipeline = PipelineRunner(module, topo, self.root_device)
+        self._pipeline = PipelineRunner(module, topo, self.root_device, self.sequence_parallel)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,148 @@
+"""Tensor parallelism inside pipeline stages (T = 2 x P = 2 on 4 gloo ranks) against one process.
+
+Each stage's modules are split over its own TP group (ranks [0, 1] hold stage 0, [2, 3] stage 1);
+the hidden state goes from every TP rank of stage 0 to its TP peer of stage 1 -- the whole sequence
+without sequence parallelism, the rank's 1/T of it with -- and the last stage's loss is
+vocabulary-parallel. fp32, 6 steps with global-norm clipping, the harness of
+tests/test_tensor_parallel.py: every logged loss and gradient norm within 1e-5 (relative), every
+parameter (each stage's, gathered to its full tensor) within 1e-4. Dense RMS model (RMSNorm, QK-norm
+over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with sequence parallelism;
+the MoE model of tests/test_tensor_parallel_moe.py (a dense block on stage 0, an MoE block with a
+shared expert and the router-bias update on stage 1) with torch's AdamW: stage 0 holds no MoE block,
+yet joins the step's expert-count all-reduce (it hung before). The planner's per-stage bytes are
+checked against one measured step of the dense layouts. Downstream evaluation's forward of the
+trained SP model (`spread_forward`, 7 tokens padded for SP's split) gives the whole logits on the last
+stage's TP ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from dist_helpers import lightning_env, run_distributed
+from test_pipeline import _Batches  # a loader of fixed batches
+from test_plan_measured_pipeline import assert_stage_bytes
+from test_tensor_parallel import RMS, WORLD, _assert_matches, _fit
+from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
+
+from mula.config import resolve_config
+from mula.model import Mula
+from strategies import XPUMoEStrategy
+
+# (key, model, sequence_parallel, shard_optimizer); MOE: a dense block (stage 0), an MoE block (stage 1)
+RUNS = (
+    ("adamw", RMS, False, False),
+    ("sharded", RMS, False, True),
+    ("sp_sharded", RMS, True, True),
+    ("moe", MOE, False, False),
+)
+
+
+def _run(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    out = {}
+    for key, model, sp, shard in RUNS:
+        strategy = XPUMoEStrategy(
+            tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
+        )
+        losses, params = _fit(model, strategy, 0, 1)  # DP = 4 / (2 x 2) = 1: one data-parallel rank
+        assert strategy.data_parallel_size == 1
+        out[key] = {"losses": losses.losses, "norms": losses.norms, "params": params}
+        if key == "sp_sharded":  # downstream evaluation's forward, 7 tokens: padded for SP's split
+            with torch.no_grad():
+                out["logits"] = strategy.spread_forward().logits(EVAL_TOKENS)
+    return out
+
+
+EVAL_TOKENS = torch.arange(14).reshape(2, 7)
+
+
+def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict) -> None:
+    """Every rank's losses and norms, and each stage's parameters on each of its TP ranks, match the
+    reference; the stages together hold every parameter of the model."""
+    held: set = set()
+    for rank_out in runs:
+        params = rank_out[key]["params"]
+        held |= params.keys()
+        _assert_matches(rank_out[key], ref, {n: v for n, v in ref_params.items() if n in params})
+    assert held == ref_params.keys()
+
+
+def test_tensor_parallel_stages_match_single_process() -> None:
+    refs = {id(model): _fit(model, None) for model in (RMS, MOE)}
+    runs = run_distributed(_run, WORLD)
+    for key, model, _, _ in RUNS:
+        _assert_stages_match(runs, key, *refs[id(model)])
+    # the trained SP model's logits, whole, on the last stage's TP ranks (2, 3)
+    whole = Mula(resolve_config("mula-tiny-dense", RMS))
+    whole.load_state_dict({n.removeprefix("model."): v for n, v in refs[id(RMS)][1].items()})
+    expected = whole(EVAL_TOKENS).logits.detach()
+    assert runs[0]["logits"] is None and runs[1]["logits"] is None
+    for rank in (2, 3):
+        torch.testing.assert_close(runs[rank]["logits"], expected, rtol=0, atol=1e-4)
+
+
+# the planner against one measured step: a larger RMS model, so activations dominate the per-step noise
+PLAN_RMS = dict(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+    max_position_embeddings=256, norm="rmsnorm", qk_norm=True,
+)  # fmt: skip
+PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 128, 4
+# (sequence_parallel, shard_optimizer)
+PLAN_LAYOUTS = ((False, True), (True, True), (False, False))
+KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/state_bytes",
+        "optim/param_bytes", "optim/grad_buffer_bytes")  # fmt: skip
+
+
+def _measure(rank: int, world: int) -> list[dict]:
+    from dist_helpers import cpu_trainer
+
+    from callbacks import MemoryMetrics
+    from callbacks.moe_metrics import MoEMetrics
+    from mula.module import MulaLightningModule
+
+    lightning_env(rank, world)
+    out = []
+    for sp, shard in PLAN_LAYOUTS:
+        strategy = XPUMoEStrategy(
+            tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
+        )
+        strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
+        torch.manual_seed(0)
+        module = MulaLightningModule("mula-tiny-dense", overrides=PLAN_RMS, decay_steps=10)
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=1,
+            callbacks=[MemoryMetrics(), MoEMetrics()], log_every_n_steps=1,
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
+        batch = torch.randint(0, PLAN_RMS["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
+        trainer.fit(module, _Batches([batch]))
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+        out.append({**logged, "stage": strategy.topology.pp_rank})
+    return out
+
+
+def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
+    """`mula plan` of a T = 2 x P = 2 layout: each rank's parameter, gradient and optimizer bytes equal
+    what it holds after one real step (its stage's TP shards), activations within 10 %."""
+    from mula.config import resolve_config
+    from mula.plan import Layout
+    from mula.plan.memory import plan_stage
+
+    config = resolve_config("mula-tiny-dense", PLAN_RMS)
+    measured = run_distributed(_measure, WORLD)
+    for index, (sp, shard) in enumerate(PLAN_LAYOUTS):
+        layout = Layout(
+            world_size=WORLD, tp_size=2, pp_size=2, sequence_parallel=sp, micro_batch=PLAN_B,
+            seq_len=PLAN_SEQ, micro_batches=PLAN_MICROS, shard_optimizer=shard, collectives="rooted",
+        )  # fmt: skip
+        layout.parallel.validate(config)
+        for rank, logged in enumerate(measured):
+            row = logged[index]
+            assert row["stage"] == rank // 2  # TP innermost: ranks [0, 1] hold stage 0
+            plan = plan_stage(config, layout, row["stage"])
+            where = f"sp={sp} shard={shard} rank {rank}"
+            assert_stage_bytes(plan, row, shard, where)
+            # not vacuous: the stage's plan without T misses the shards it holds
+            flat = plan_stage(config, layout.replace(tp_size=1, sequence_parallel=False), row["stage"])
+            assert flat.param_tensor_bytes != row["mem/param_bytes"], where
+        assert measured[0][index]["mem/param_bytes"] != measured[2][index]["mem/param_bytes"]
