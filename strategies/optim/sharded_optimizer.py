@@ -435,7 +435,10 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         ]
 
     def close(self) -> None:
-        """Remove the backward and forward hooks this optimizer registered."""
+        """Land the parameter all-gathers still in flight (with `overlap_param_gather` the last step's
+        only land in the next forward, which never comes after training), then remove the backward and
+        forward hooks this optimizer registered."""
+        self.wait_for_params()
         self.reducer.remove_hooks()
         if self._host is not None:
             self._host.close()
