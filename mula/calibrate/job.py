@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 from typing import Any
 
@@ -83,7 +84,7 @@ def run_rank(rank: int, world: int, settings: Settings, local_rank: int | None =
 
 def _measure(rank: int, world: int, device: torch.device, backend: str, settings: Settings) -> None:
     hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket_host())
+    dist.all_gather_object(hosts, socket.gethostname())  # ranks on one host share a node's fabric
     groups = _groups(hosts)
     config = MulaConfig.from_name(settings.model, **settings.overrides)
     shapes = matmul_shapes(config, settings.micro_batch * settings.seq_len)
@@ -134,13 +135,6 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
                 for kind, sized in kinds.items():
                     merged.setdefault(scope, {}).setdefault(kind, {}).update(sized)
         _write(settings, every, merged, hosts, backend, device, shapes, counts)
-
-
-def socket_host() -> str:
-    """This rank's host name (ranks on one host share a node's fabric)."""
-    import socket
-
-    return socket.gethostname()
 
 
 def _bar(total: int, enabled: bool) -> Any:

@@ -26,6 +26,7 @@ each coarse bucket into fine ones and a third gathers each fine bucket in a perm
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing as mp
@@ -349,7 +350,7 @@ def _prepare_job(
     # Each shuffle pass starts once every rank has finished the one before (it reads what every task wrote).
     previous = reports
     for kind in ("split", "bucket") if any(p.buckets for p in plans) else ():
-        work = ranks.on_zero(lambda: _raise_failures(previous) or shuffle_pass_to_run(plans, kind))  # noqa: B023
+        work = ranks.on_zero(functools.partial(_next_shuffle_pass, previous, plans, kind))
         if ranks.rank == 0:
             log.info("%d shuffle %s tasks to run on %d rank(s)", len(work), kind, ranks.world)
         share = work[ranks.rank :: ranks.world]
@@ -395,6 +396,14 @@ def _prepare_job(
 
         ranks.on_zero(judge)
     return summary
+
+
+def _next_shuffle_pass(
+    reports: list[dict[str, Any]] | None, plans: list[SourcePlan], kind: str
+) -> list[Task]:
+    """Rank 0: stop on the previous pass's first error, else the shuffle's `kind` tasks still to run."""
+    _raise_failures(reports)
+    return shuffle_pass_to_run(plans, kind)
 
 
 def _raise_failures(reports: list[dict[str, Any]] | None) -> None:
