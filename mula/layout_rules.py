@@ -111,17 +111,18 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
             )
 
 
-def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
+def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1) -> None:
     """Refuse context parallelism where it is not available yet, or a model whose attention heads (or
-    key/value heads) C does not divide (`config`: a `MulaConfig`; None checks the layout alone)."""
+    key/value heads) C does not divide (`config`: a `MulaConfig`; None checks the layout alone).
+    Pipeline stages compose with C (each stage sends its CP rank's slice of the sequence to the next)."""
     if cp_size == 1:
         return
-    for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
-        if size > 1:
-            raise ValueError(
-                f"context_parallel_size={cp_size} is not yet available with {name}={size}; use {name}=1 "
-                "or context_parallel_size=1."
-            )
+    if tp_size > 1:
+        raise ValueError(
+            f"context_parallel_size={cp_size} is not yet available with tensor_parallel_size={tp_size}: "
+            "Ulysses' head exchange over TP's head shards and the MoE token split over both groups are not "
+            "built yet; use tensor_parallel_size=1 or context_parallel_size=1."
+        )
     if config is None:
         return
     # MLA's keys and values have one head per query head after kv_b_proj

@@ -53,17 +53,20 @@ RUNS = {
 
 
 class _Batches:
-    """Data-parallel rank `dp_rank`'s micro-batches of every step (CP ranks read the same ones)."""
+    """Data-parallel rank `dp_rank`'s micro-batches of every step (CP ranks read the same ones), or its
+    whole share of each step in one batch (`whole_steps`: what a pipeline step consumes)."""
 
-    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0) -> None:
+    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0, whole_steps: bool = False) -> None:
         self.dp_rank, self.dp_size, self.first_step, self.consumed = dp_rank, dp_size, first_step, 0
+        self.whole_steps = whole_steps
 
     def __iter__(self):
         per_rank = MICROS_PER_STEP // self.dp_size
         for step in range(self.first_step, STEPS):
             g = torch.Generator().manual_seed(1000 + step)
             batch = torch.randint(0, 256, (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
-            yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+            mine = batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+            yield from [torch.cat(mine)] if self.whole_steps else mine
 
 
 class _LoggedLoss(L.Callback):
@@ -87,14 +90,19 @@ def _fit(
     save_dir=None,
     ckpt_path=None,
     first_step: int = 0,
+    keep_trainer: bool = False,
 ) -> dict:
     """Train to step STEPS (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
-    into `save_dir`): the per-step losses, norms and logged metrics, and every parameter (experts whole)."""
-    batches = _Batches(dp_rank, dp_size, first_step)
+    into `save_dir`): the per-step losses, norms and logged metrics, and every parameter (experts whole;
+    a pipeline rank's stage's), and the trainer with `keep_trainer`."""
+    pipelined = strategy is not None and strategy.pipeline_parallel_size > 1
+    if pipelined:  # what MulaDataModule sets: the step's micro-batches, in one batch per step
+        strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
+    batches = _Batches(dp_rank, dp_size, first_step, whole_steps=pipelined)
     losses, logged, logged_loss = _StepLosses(batches), _Logged(), _LoggedLoss()
     trainer = cpu_trainer(
         WORLD if strategy is not None else 1, strategy, max_steps=STEPS,
-        accumulate_grad_batches=MICROS_PER_STEP // dp_size,
+        accumulate_grad_batches=1 if pipelined else MICROS_PER_STEP // dp_size,
         callbacks=[losses, logged_loss] + ([logged] if preset.endswith("moe") else []),
         gradient_clip_val=0.5, log_every_n_steps=1, save_dir=save_dir,
     )  # fmt: skip
@@ -115,6 +123,7 @@ def _fit(
     return {
         "losses": losses.losses, "norms": losses.norms, "aux": logged.aux, "z": logged.z,
         "counts": logged.counts, "params": params, "logged_loss": logged_loss.values,
+        **({"trainer": trainer} if keep_trainer else {}),
     }  # fmt: skip
 
 
