@@ -15,6 +15,7 @@ of one measured step.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_helpers import lightning_env, run_distributed
 from test_context_parallel import GQA, MICRO, MOE, SEQ, STEPS, WORLD, _close, _fit
@@ -78,3 +79,84 @@ def test_context_parallel_stages_match_single_process() -> None:
             for name, value in run["params"].items():
                 torch.testing.assert_close(value, ref["params"][name], rtol=0, atol=1e-4, msg=name)
         assert held == ref["params"].keys()
+
+
+# the planner against one measured step (the harness of tests/test_tensor_pipeline.py): 4 MoE blocks,
+# two per stage, so that activations dominate; C = 2 halves every per-token term
+PLAN_MOE = {"vocab_size": 512, "num_layers": 4, "max_position_embeddings": 512}
+PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 256, 4
+PLAN_LAYOUTS = (True, False)  # shard_optimizer
+VOLUMES = ("grad_reduce", "param_gather", "pipeline")  # the step-time model's volumes measured here
+KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/state_bytes",
+        "optim/param_bytes", "optim/grad_buffer_bytes")  # fmt: skip
+
+
+def _measure(rank: int, world: int) -> list[dict]:
+    from dist_helpers import cpu_trainer
+    from test_plan_volumes import CollectiveMeter, _Window
+
+    from callbacks import MemoryMetrics
+    from callbacks.moe_metrics import MoEMetrics
+    from mula.config import resolve_config
+    from mula.module import MulaLightningModule
+
+    lightning_env(rank, world)
+    meter = CollectiveMeter(resolve_config("mula-tiny-moe", PLAN_MOE).hidden_size)
+    meter.install()
+    out = []
+    for shard in PLAN_LAYOUTS:
+        meter.bytes.clear()
+        meter.calls.clear()
+        strategy = XPUMoEStrategy(context_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=shard)
+        strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
+        torch.manual_seed(0)
+        module = MulaLightningModule("mula-tiny-moe", overrides=PLAN_MOE, decay_steps=10)
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=1,
+            callbacks=[MemoryMetrics(), MoEMetrics(), _Window(meter)], log_every_n_steps=1,
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
+        batch = torch.randint(0, PLAN_MOE["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
+        trainer.fit(module, _Batches([batch]))
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+        sent = {k: meter.bytes.get(k, 0.0) for k in VOLUMES}
+        calls = {k: meter.calls.get(k, 0) for k in VOLUMES}
+        out.append({**logged, "stage": strategy.topology.pp_rank, "sent": sent, "calls": calls})
+    return out
+
+
+def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
+    """`mula plan` of a C = 2 x P = 2 layout: each rank's parameter, gradient and optimizer bytes equal
+    what it holds after one real step, activations within 10 % (the stage's 1/C of every sequence); the
+    step-time model's gradient-reduction, parameter-gather and stage-to-stage bytes and messages equal
+    those sent (tests/test_plan_volumes.py's meter)."""
+    from test_plan_measured_pipeline import assert_stage_bytes
+
+    from mula.config import resolve_config
+    from mula.plan import Layout
+    from mula.plan.memory import plan_stage
+    from mula.plan.step_time import comm_volumes
+
+    config = resolve_config("mula-tiny-moe", PLAN_MOE)
+    measured = run_distributed(_measure, WORLD)
+    for index, shard in enumerate(PLAN_LAYOUTS):
+        layout = Layout(
+            world_size=WORLD, cp_size=2, pp_size=2, micro_batch=PLAN_B, seq_len=PLAN_SEQ,
+            micro_batches=PLAN_MICROS, shard_optimizer=shard, collectives="rooted",
+        )  # fmt: skip
+        layout.parallel.validate(config)
+        volumes = comm_volumes(config, layout)
+        for rank, logged in enumerate(measured):
+            row = logged[index]
+            assert row["stage"] == rank // 2  # CP inside the stage: ranks [0, 1] hold stage 0
+            plan = plan_stage(config, layout, row["stage"])
+            where = f"shard={shard} rank {rank}"
+            assert_stage_bytes(plan, row, shard, where)
+            # not vacuous: the plan of the whole sequence per rank misses the activations
+            whole = plan_stage(config, layout.replace(cp_size=1), row["stage"]).activations
+            assert whole != pytest.approx(row["mem/activation_bytes"], rel=0.10), where
+            predicted = volumes[row["stage"]]
+            for kind in VOLUMES:
+                assert getattr(predicted, kind) == pytest.approx(row["sent"][kind], rel=1e-9), (where, kind)
+                assert getattr(predicted, f"{kind}_calls") == row["calls"][kind], (where, kind)
+            assert row["sent"]["pipeline"] > 0, where

@@ -205,10 +205,10 @@ def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...])
     every micro-batch's output forward (not from the last stage) and input gradient backward (not from
     the first), the residual stream in the parameters' dtype plus an MoE model's router-loss sums. Under
     tensor parallelism each TP rank sends to its peer of the next stage: the whole sequence (replicated
-    over TP), or its 1/T with sequence parallelism."""
+    over TP), or its 1/T with sequence parallelism; under context parallelism each CP rank its 1/C."""
     if layout.pp_size == 1:
         return 0.0
-    seq = layout.seq_len // layout.tp_size if layout.sequence_parallel else layout.seq_len
+    seq = layout.local_seq_len // layout.tp_size if layout.sequence_parallel else layout.local_seq_len
     message = layout.micro_batch * seq * config.hidden_size * layout.param_bytes
     message += 2 * 4 if config.is_moe else 0  # (aux, z) running sums, fp32
     return _pipeline_send_count(layout, stages) * max(1, layout.micro_batches) * message

@@ -204,7 +204,9 @@ class PipelineRunner:
         dtype = next(p.dtype for s in self.stages for p in s.parameters() if p.is_floating_point())
         stages = []
         for stage_id, mod in zip(self.stage_ids, self.stages):
-            mod.sequence_shard = self.module.model.sequence_shard  # set by context parallelism after the split
+            mod.sequence_shard = (
+                self.module.model.sequence_shard
+            )  # set by context parallelism after the split
             inputs, outputs = mod.example_io(micro_batch, seq_len, dtype, dtype)
             stages.append(
                 PipelineStage(
