@@ -136,7 +136,7 @@ class ParallelLayout:
             validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
         check_world(self.world_size, self.ep, self.pp, self.tp, self.cp)
         check_tensor_parallel(config, self.tp)
-        check_context_parallel(config, self.cp, self.tp)
+        check_context_parallel(config, self.cp, self.tp, self.pp)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step

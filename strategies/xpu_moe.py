@@ -126,8 +126,9 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             read the same samples, each holding 1/C of every sequence; attention exchanges heads for the
             sequence with all-to-alls. C must divide the heads, KV heads and the sequence length; the
             data-parallel size is W / (P x T x C), gradients are averaged over the W / (P x T) replicas.
-            With pipeline stages each stage sends its CP rank's slice to the next; not yet available
-            with tensor parallelism.
+            With pipeline stages each stage sends its CP rank's slice to the next; with tensor
+            parallelism (C x T must divide the heads) Ulysses exchanges each TP rank's heads over its CP
+            group. Not yet available with both at once.
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -175,7 +176,9 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             int(tensor_parallel_size),
             int(context_parallel_size),
         )
-        check_context_parallel(None, int(context_parallel_size), int(tensor_parallel_size))
+        check_context_parallel(
+            None, int(context_parallel_size), int(tensor_parallel_size), int(pipeline_parallel_size)
+        )
         if sequence_parallel and int(tensor_parallel_size) == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if bucket_size_mb <= 0:
@@ -401,7 +404,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
         topo = self.topology
         assert topo is not None
-        apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size)
+        apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size, topo.tp_size)
 
     @torch.no_grad()
     def _sync_replicas(self, module: nn.Module) -> None:

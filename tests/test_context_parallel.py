@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel_moe import _Logged  # per step: the logged aux and z losses, the expert counts
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mula.config import resolve_config
@@ -115,6 +116,8 @@ def _fit(
     params = {}
     for name, p in trainer.lightning_module.named_parameters():
         full = p.detach()
+        if isinstance(full, DTensor):  # tensor parallelism: this rank's shard, gathered
+            full = full.full_tensor()
         if is_expert_param(name) and topo is not None and topo.ep_size > 1:  # this rank's experts only
             parts = [torch.empty_like(full) for _ in range(topo.ep_size)]
             dist.all_gather(parts, full.contiguous(), group=topo.ep_group)
@@ -239,7 +242,12 @@ def test_router_losses_need_their_true_backward(runs) -> None:
             "6 attention heads are not divisible",
         ),
         (dict(world_size=4, cp=4), dict(num_kv_heads=2), "2 key/value heads are not divisible"),
-        (dict(world_size=4, cp=2, tp=2), {}, "not yet available with tensor_parallel_size=2"),
+        (dict(world_size=8, cp=2, tp=2, pp=2), {}, "not yet available with tensor_parallel_size=2 and"),
+        (
+            dict(world_size=4, cp=2, tp=2),
+            dict(num_kv_heads=2),
+            "2 key/value heads are not divisible by context_parallel_size=2 x tensor_parallel_size=2",
+        ),
         (dict(world_size=6, cp=4), {}, "world size 6 is not divisible by context_parallel_size=4"),
     ],
 )
