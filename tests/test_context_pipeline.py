@@ -20,6 +20,7 @@ import torch
 from dist_helpers import lightning_env, run_distributed
 from test_context_parallel import GQA, MICRO, MOE, SEQ, STEPS, WORLD, _close, _fit
 from test_pipeline import _Batches  # a loader of fixed batches
+from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 
 from strategies import XPUMoEStrategy
 
@@ -87,18 +88,12 @@ PLAN_MOE = {"vocab_size": 512, "num_layers": 4, "max_position_embeddings": 512}
 PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 256, 4
 PLAN_LAYOUTS = (True, False)  # shard_optimizer
 VOLUMES = ("grad_reduce", "param_gather", "pipeline")  # the step-time model's volumes measured here
-KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/state_bytes",
-        "optim/param_bytes", "optim/grad_buffer_bytes")  # fmt: skip
 
 
 def _measure(rank: int, world: int) -> list[dict]:
-    from dist_helpers import cpu_trainer
     from test_plan_volumes import CollectiveMeter, _Window
 
-    from callbacks import MemoryMetrics
-    from callbacks.moe_metrics import MoEMetrics
     from mula.config import resolve_config
-    from mula.module import MulaLightningModule
 
     lightning_env(rank, world)
     meter = CollectiveMeter(resolve_config("mula-tiny-moe", PLAN_MOE).hidden_size)
@@ -109,16 +104,9 @@ def _measure(rank: int, world: int) -> list[dict]:
         meter.calls.clear()
         strategy = XPUMoEStrategy(context_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=shard)
         strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
-        torch.manual_seed(0)
-        module = MulaLightningModule("mula-tiny-moe", overrides=PLAN_MOE, decay_steps=10)
-        trainer = cpu_trainer(
-            world, strategy, max_steps=1, accumulate_grad_batches=1,
-            callbacks=[MemoryMetrics(), MoEMetrics(), _Window(meter)], log_every_n_steps=1,
-        )  # fmt: skip
         gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
         batch = torch.randint(0, PLAN_MOE["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
-        trainer.fit(module, _Batches([batch]))
-        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+        logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [_Window(meter)])
         sent = {k: meter.bytes.get(k, 0.0) for k in VOLUMES}
         calls = {k: meter.calls.get(k, 0) for k in VOLUMES}
         out.append({**logged, "stage": strategy.topology.pp_rank, "sent": sent, "calls": calls})
@@ -130,7 +118,6 @@ def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
     what it holds after one real step, activations within 10 % (the stage's 1/C of every sequence); the
     step-time model's gradient-reduction, parameter-gather and stage-to-stage bytes and messages equal
     those sent (tests/test_plan_volumes.py's meter)."""
-    from test_plan_measured_pipeline import assert_stage_bytes
 
     from mula.config import resolve_config
     from mula.plan import Layout

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from dist_helpers import lightning_env, run_distributed
 from test_context_parallel import DENSE, MOE, STEPS, WORLD, _AllToAllBytes, _close, _fit
-from test_pipeline import _Batches  # a loader of fixed batches
-from test_plan_measured_pipeline import assert_stage_bytes
+from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 from test_plan_measured_tp import MOE as PLAN_TP_MOE
 
-from callbacks import MemoryMetrics
-from callbacks.moe_metrics import MoEMetrics
 from mula.config import resolve_config
-from mula.module import MulaLightningModule
 from mula.plan import Layout
 from mula.plan.memory import plan_stage
 from mula.plan.step_time import comm_volumes
@@ -76,8 +72,6 @@ def test_context_and_tensor_parallel_match_single_process() -> None:
 PLAN_MOE = {**PLAN_TP_MOE, "num_heads": 8, "num_kv_heads": 4, "max_position_embeddings": 512}
 PLAN_B, PLAN_SEQ = 2, 256
 PLAN_LAYOUTS = ((False, True), (True, False))  # (sequence parallel, sharded optimizer)
-KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/state_bytes",
-        "optim/param_bytes", "optim/grad_buffer_bytes")  # fmt: skip
 
 
 def _measure(rank: int, world: int) -> list[dict]:
@@ -87,17 +81,10 @@ def _measure(rank: int, world: int) -> list[dict]:
         strategy = XPUMoEStrategy(
             context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
         )
-        torch.manual_seed(0)
-        module = MulaLightningModule("mula-tiny-moe", overrides=PLAN_MOE, decay_steps=10)
-        trainer = cpu_trainer(
-            world, strategy, max_steps=1, accumulate_grad_batches=1,
-            callbacks=[MemoryMetrics(), MoEMetrics()], log_every_n_steps=1,
-        )  # fmt: skip
         gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
         batch = torch.randint(0, PLAN_MOE["vocab_size"], (PLAN_B, PLAN_SEQ + 1), generator=gen)
         with _AllToAllBytes(2) as sent:
-            trainer.fit(module, _Batches([batch]))
-        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+            logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch)
         out.append({**logged, "ulysses": (sent.bytes, sent.calls)})
     return out
 
