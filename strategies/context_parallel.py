@@ -23,6 +23,11 @@ it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place th
                has its true backward: the all-to-alls' (above) and the router losses' all-reduce, whose
                backward is an all-reduce too (each rank's loss holds the whole sum, so each share's
                gradient is the sum of the C ranks' upstream gradients).
+
+Composes with pipeline stages (the runner slices each step's batch, the stages send [B, S/C, H]
+between CP peers: strategies/pipeline/) and with tensor parallelism (applied after it: q, k, v hold the
+TP rank's heads, which Ulysses exchanges over the CP group; an MoE layer's TP token split sums its
+router statistics over TP before the CP sum), not yet with both (docs/context-parallel.md).
 """
 
 from __future__ import annotations
