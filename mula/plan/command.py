@@ -36,8 +36,8 @@ PLAN_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "search": (
         bool,
         False,
-        "List the layouts (E, P, T and sequence parallelism, micro-batch, checkpointing, ZeRO stage, bf16 weights) "
-        "that fit, fastest first.",
+        "List the layouts (E, P, T and sequence parallelism, C (context parallelism), micro-batch, checkpointing, "
+        "ZeRO stage, bf16 weights, optimizer offload) that fit the device and the host, fastest first.",
     ),
     "scaling_nodes": (
         list[int] | None,
@@ -202,6 +202,8 @@ def layout_summary(layout: Layout) -> dict[str, Any]:
         "ep_size",
         "pp_size",
         "pp_schedule",
+        "tp_size",
+        "cp_size",
         "micro_batch",
         "seq_len",
         "micro_batches",
@@ -210,6 +212,7 @@ def layout_summary(layout: Layout) -> dict[str, Any]:
         "shard_optimizer",
         "zero_stage",
         "reduce_dtype",
+        "offload",
     )
     return {k: getattr(layout, k) for k in keys}
 
