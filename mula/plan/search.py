@@ -20,8 +20,8 @@ import itertools
 from typing import Any
 
 from mula.layout_rules import micro_batches_per_step
-from mula.plan.layout import Layout, check_runnable
 from mula.plan.command import host_fit
+from mula.plan.layout import Layout, check_runnable
 from mula.plan.memory import plan_memory
 from mula.plan.settings import PlanInputs
 from mula.plan.step_time import step_time
