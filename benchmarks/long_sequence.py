@@ -41,11 +41,32 @@ from doc_sections import host_line, write_section  # benchmarks/ is on sys.path 
 from rounds import by_case, run_gloo, spread
 
 from mula.config import MulaConfig, resolve_config
+from mula.layout_rules import check_sequence_split
 from mula.parallel_layout import ParallelLayout
 from mula.plan import Layout, plan_memory
 
 SECTION = "## long sequences"
 MiB = 2**20
+DOC = """{section}
+
+Ulysses context parallelism (`XPUMoEStrategy(context_parallel_size=C)`, docs/context-parallel.md) at
+growing sequence lengths, all in one job. Made with:
+
+    .venv/bin/python benchmarks/long_sequence.py --world {world} --doc docs/benchmarks.md
+
+{host}
+
+{result}
+
+How to read it.
+
+- Each rank holds S/C tokens of a sequence, so every per-token activation shrinks by C; attention's
+  saved q, k, v and output are S tokens x heads/C, the same bytes. The activation column is what lets
+  a sequence C times longer fit the same device; `mula plan` predicts it (planned / measured near 1).
+- All C values do the same arithmetic per token; C > 1 adds two all-to-alls per attention layer forward
+  and two backward, and fewer, longer sequences per step. On shared CPU cores tokens/s at C > 1 shows
+  that price (gloo all-to-alls through host memory), not a device's: there the point is memory.
+"""
 
 
 @dataclasses.dataclass
@@ -184,9 +205,7 @@ def main(
     for cp in cp_sizes:  # refuse, before any process starts, a layout the strategy would refuse
         ParallelLayout(world_size=world, cp=cp).validate(config)
         for seq in seq_lens:
-            Layout(world_size=world, cp_size=cp, seq_len=seq)  # sizes
-            if seq % cp:
-                raise ValueError(f"sequence length {seq} is not divisible by context_parallel_size={cp}.")
+            check_sequence_split(seq, cp)
     cases = [(seq, cp) for _ in range(rounds) for seq in seq_lens for cp in cp_sizes]
     spec = Spec(model, overrides, cases, list(cp_sizes), micro_batch, steps)
     rows = _merge_ranks(run_gloo(_rank_rows, world, spec))
@@ -200,32 +219,11 @@ def main(
     )
     result = header + "\n\n" + table(rows, config, world, micro_batch)
     print(result)
-    if doc is not None:
-        write_section(Path(doc), SECTION, _doc_section(result, world))
+    if doc is not None:  # the section names the host it was measured on
+        write_section(
+            Path(doc), SECTION, DOC.format(section=SECTION, world=world, host=host_line(), result=result)
+        )
     return result
-
-
-def _doc_section(result: str, world: int) -> str:
-    return f"""{SECTION}
-
-Ulysses context parallelism (`XPUMoEStrategy(context_parallel_size=C)`, docs/context-parallel.md) at
-growing sequence lengths, all in one job. Made with:
-
-    .venv/bin/python benchmarks/long_sequence.py --world {world} --doc docs/benchmarks.md
-
-{host_line()}
-
-{result}
-
-How to read it.
-
-- Each rank holds S/C tokens of a sequence, so every per-token activation shrinks by C; attention's
-  saved q, k, v and output are S tokens x heads/C, the same bytes. The activation column is what lets
-  a sequence C times longer fit the same device; `mula plan` predicts it (planned / measured near 1).
-- All C values do the same arithmetic per token; C > 1 adds two all-to-alls per attention layer forward
-  and two backward, and fewer, longer sequences per step. On shared CPU cores tokens/s at C > 1 shows
-  that price (gloo all-to-alls through host memory), not a device's: there the point is memory.
-"""
 
 
 if __name__ == "__main__":
