@@ -15,10 +15,10 @@ from mula.plan.settings import plan_inputs
 AURORA = load_machine("aurora")  # 12 tiles per node
 
 
-def _inputs(seq_len: int = 256, machine=AURORA, config: str = "mula-tiny-dense"):
+def _inputs(seq_len: int = 256, machine=AURORA, config: str = "mula-tiny-dense", nodes: int = 1):
     trainer = {"strategy": "xpu_moe", "precision": "bf16-mixed"}  # no asynchronous checkpoint: host 0
-    data = {"global_batch_size": 12, "seq_len": seq_len, "micro_batch_size": 1}
-    return plan_inputs(trainer, {"config": config}, data, machine=machine, nodes=1)
+    data = {"global_batch_size": 12 * nodes, "seq_len": seq_len, "micro_batch_size": 1}
+    return plan_inputs(trainer, {"config": config}, data, machine=machine, nodes=nodes)
 
 
 def _layout_of(layouts, row):
@@ -38,7 +38,7 @@ def test_search_tries_the_context_parallel_sizes_a_node_and_the_heads_allow() ->
     # 4 heads on 12-tile nodes: C = 2 and 4 (3, 6 and 12 do not divide the heads; 8 does not divide 12)
     assert {lay.cp_size for lay in layouts} == {1, 2, 4}
     for lay in layouts:
-        assert AURORA.tiles_per_node % (lay.cp_size * lay.tp_size) == 0  # C x T inside one node
+        assert lay.cp_size == 1 or AURORA.tiles_per_node % (lay.cp_size * lay.tp_size) == 0  # inside a node
         check_runnable(inputs.config, lay, inputs.global_batch)  # what mula plan / mula fit accept
         assert lay.micro_batches * lay.micro_batch * lay.data_ranks == inputs.global_batch
     # a sequence C does not split is not a candidate at that C
@@ -46,6 +46,9 @@ def test_search_tries_the_context_parallel_sizes_a_node_and_the_heads_allow() ->
     assert {lay.cp_size for lay in candidate_layouts(odd)} == {1, 2}
     # one device per node (GH200): no context parallelism inside a node
     assert {lay.cp_size for lay in candidate_layouts(_inputs(machine=load_machine("gh200")))} == {1}
+    # T = 8 on 12-tile nodes (24 ranks) stays a candidate without CP (C = 1), but no C > 1 goes beside it
+    wide = {(lay.tp_size, lay.cp_size) for lay in candidate_layouts(_inputs(config="mula-7b-a1b", nodes=2))}
+    assert (8, 1) in wide and not any(t * c > 12 or 12 % (t * c) for t, c in wide if c > 1)
 
 
 def test_search_rows_give_c_offload_and_the_plans_device_and_host_bytes() -> None:

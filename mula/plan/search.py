@@ -43,9 +43,10 @@ def _tensor_choices(inputs: PlanInputs, node: int) -> list[tuple[int, bool]]:
 
 
 def _context_choices(node: int, tp: int) -> list[int]:
-    """C to try next to T: C x T dividing a node's `node` devices (the CP and TP groups, innermost in the
-    rank order, stay inside one node); whether the heads and the sequence split is `check_runnable`'s."""
-    return [c for c in range(1, node // tp + 1) if node % (c * tp) == 0]
+    """C to try next to T: 1, and every C > 1 with C x T dividing a node's `node` devices (the CP and TP
+    groups, innermost in the rank order, stay inside one node); whether the heads and the sequence split
+    is `check_runnable`'s."""
+    return [1] + [c for c in range(2, node // tp + 1) if node % (c * tp) == 0]
 
 
 def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
