@@ -22,7 +22,7 @@ ranks reduce as data-parallel ones) and AdamW. Reported per (S, C):
 Every (S, C) runs once per round, rounds interleaved, so background load hits every case alike.
 Benchmarks print tables and never assert.
 
-    python benchmarks/long_sequence.py --doc docs/benchmarks.md
+    python benchmarks/long_sequence.py --doc docs/benchmarks.md   # minutes: 8k tokens on one core is slow
     python benchmarks/long_sequence.py --seq_lens '[1024, 2048]' --rounds 1 --steps 1   # a quick look
 """
 

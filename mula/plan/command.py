@@ -262,7 +262,10 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     """The human-readable plan."""
     lay, per = inputs.layout, result["per_rank_bytes"]
     opt = (
-        f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype})"
+        f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype}"
+        + (", state on the host" if lay.offload else "")
+        + (f", {lay.offload_tail_buckets} tail bucket(s) on the device" if lay.offload_tail_buckets else "")
+        + ")"
         if lay.shard_optimizer
         else "replicated AdamW"
     )
