@@ -3,11 +3,11 @@
 Issue 24's "every exported tensor within 1e-4": the other tensor-parallel tests compare each rank's
 parameters (gathered to full tensors) and read checkpoints back with Mula's weights reader; here the
 checkpoints are written to a transformers directory by `mula export-hf` itself and every tensor of it
-is compared with the same export of the one-process reference, name for name. Two layouts whose
-checkpoints hold differently split tensors, on models transformers can load: T = 2 x P = 2 on the tiny
-dense model (OLMo: LayerNorm, no QK-norm; each stage's TP shards in the checkpoint) and T = 2 x E = 2
-on a tiny OLMoE-shaped MoE (RMSNorm, QK-norm over split heads, experts as global tensors over the EP
-group), both with the sharded optimizer, fp32, 6 steps.
+is compared with the same export of the one-process reference, name for name. The issue's five
+layouts, on models transformers can load: T = 2, T = 2 with sequence parallelism, T = 4 and
+T = 2 x P = 2 (each stage's TP shards in the checkpoint) on the tiny dense model (OLMo: LayerNorm, no
+QK-norm), and T = 2 x E = 2 on a tiny OLMoE-shaped MoE (RMSNorm, QK-norm over split heads, experts as
+global tensors over the EP group); the sharded optimizer, fp32, 6 steps.
 """
 
 from __future__ import annotations
@@ -26,14 +26,22 @@ OLMOE = dict(
     vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, norm="rmsnorm",
     qk_norm=True, num_experts=4, top_k=2, expert_intermediate_size=32,
 )  # fmt: skip
-# key -> (model, T, P, E): each run's data-parallel size is 4 / (T x P)
-RUNS = {"t2p2": (TINY, 2, 2, 1), "t2e2": (OLMOE, 2, 1, 2)}
+# key -> (model, T, sequence parallel, P, E): each run's data-parallel size is 4 / (T x P)
+RUNS = {
+    "t2": (TINY, 2, False, 1, 1),
+    "t2sp": (TINY, 2, True, 1, 1),
+    "t4": (TINY, 4, False, 1, 1),
+    "t2e2": (OLMOE, 2, False, 1, 2),
+    "t2p2": (TINY, 2, False, 2, 1),
+}
 
 
 def _train(rank: int, world: int, root: str) -> None:
     lightning_env(rank, world)
-    for key, (model, tp, pp, ep) in RUNS.items():
-        strategy = XPUMoEStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep)
+    for key, (model, tp, sp, pp, ep) in RUNS.items():
+        strategy = XPUMoEStrategy(
+            tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp, expert_parallel_size=ep
+        )
         dp = world // (tp * pp)
         _fit(model, strategy, rank // (tp * pp), dp, save_dir=f"{root}/{key}")
 
@@ -47,8 +55,9 @@ def _exported(directory) -> dict[str, torch.Tensor]:
 
 def test_tensor_parallel_checkpoints_export_the_single_process_tensors(tmp_path) -> None:
     run_distributed(_train, WORLD, str(tmp_path))
+    refs = {id(model): _fit(model, None)[1] for model in (TINY, OLMOE)}
     for key, (model, *_) in RUNS.items():
-        _, ref_params = _fit(model, None)
+        ref_params = refs[id(model)]
         config = resolve_config("mula-tiny-dense", model)
         state = {name.removeprefix("model."): value for name, value in ref_params.items()}
         expected = dict(iter_hf_tensors(config, state))
