@@ -61,7 +61,11 @@ def test_search_offers_tensor_parallelism_for_moe_models() -> None:
     assert any(lay.tp_size > 1 and lay.ep_size > 1 for lay in layouts)
 
 
-FRONTIER_RECIPES = {"mula-gpt-175b": (175.2, 128), "mula-gpt-1t": (1009.2, 384)}  # billions, nodes
+FRONTIER_RECIPES = {
+    "mula-gpt-22b": (22.4, 32),
+    "mula-gpt-175b": (175.2, 128),
+    "mula-gpt-1t": (1009.2, 384),
+}  # billions, nodes
 
 
 def test_frontier_machine_and_dense_gpt_presets() -> None:
@@ -69,6 +73,7 @@ def test_frontier_machine_and_dense_gpt_presets() -> None:
     frontier = load_machine("frontier")
     assert (frontier.tiles_per_node, frontier.memory_per_tile_gb, frontier.peak_bf16_tflops) == (8, 64, 191.5)
     for name, (layers, hidden, heads) in {
+        "mula-gpt-22b": (48, 6144, 64),
         "mula-gpt-175b": (96, 12288, 96),
         "mula-gpt-1t": (128, 25600, 160),
     }.items():

@@ -16,6 +16,8 @@ RECIPES = ROOT / "recipes"
 MODEL_RECIPES = sorted(RECIPES.glob("mula-*.yaml"))
 PAPER = ["mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"]
 STRATEGIES = sorted((RECIPES / "strategies").glob("*.yaml"))
+# the dense GPT shapes of Frontier's 3D-parallel study (arXiv 2312.12705), on frontier.yaml's GCDs
+FRONTIER = sorted((RECIPES / "frontier").glob("*.yaml"))
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +47,7 @@ def test_all_recipe_files_are_covered():
     assert {p.name for p in (RECIPES / "strategies").glob("*.yaml")} >= {"ddp.yaml"}
     assert list((RECIPES / "datasets").glob("*.yaml"))
     assert {p.name for p in (RECIPES / "base").glob("*.yaml")} == {"run.yaml", "paper.yaml", "tiny.yaml"}
+    assert {p.stem for p in FRONTIER} == {"mula-gpt-22b", "mula-gpt-175b", "mula-gpt-1t"}
 
 
 def _including_files() -> list[Path]:
@@ -71,7 +74,7 @@ def test_paper_recipe_holds_only_its_differences(name):
     assert set(doc) <= allowed, set(doc) - allowed
 
 
-@pytest.mark.parametrize("recipe", MODEL_RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", MODEL_RECIPES + FRONTIER, ids=lambda p: p.stem)
 def test_model_recipe_instantiates_without_building_the_model(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative run/data paths stay in the sandbox
     cli = probe(recipe)
@@ -206,6 +209,40 @@ def test_paper_recipe_header_layout_fits_as_planned(name, capsys, monkeypatch):
     assert [a for a in fit_args if a not in launcher] == [
         a for a in plan_args if a not in ("--machine=aurora", "--nodes=32")
     ]
+
+
+@pytest.mark.parametrize("recipe", FRONTIER, ids=lambda p: p.stem)
+def test_frontier_recipe_header_layout_fits_as_planned(recipe, capsys, monkeypatch):
+    """Each Frontier recipe's header names its T x P x D layout and the `mula plan` command that prices
+    it on frontier.yaml: the plan fits the 64 GB GCD with at least 10 GB free (the rule the layouts were
+    chosen by, docs/scaling.md), with the header's numbers, and the strategy the recipe builds is the
+    header's layout with T inside a node."""
+    import json
+    import re
+
+    from mula.entry import main as mula_command
+
+    monkeypatch.chdir(ROOT)
+    text = recipe.read_text()
+    mula_command(["plan", *header_command(text, "mula plan"), "--format=json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["device_bytes"] == 64 * 10**9
+    assert plan["device_bytes"] - plan["per_rank_bytes"]["total"] >= 10 * 10**9
+    said = re.search(r"Planned on (\d+) Frontier nodes: ([\d.]+) GB per rank, ([\d.]+) s per step", text)
+    assert said, "the header states the planned memory and step time"
+    assert float(said.group(2)) == round(plan["per_rank_bytes"]["total"] / 1e9, 1)
+    assert float(said.group(3)) == round(plan["step_time_s"], 2)
+    layout = re.search(r"\((\d+) nodes, ([\d,]+) GCDs\): T=(\d+) .* D=(\d+) data-parallel", text, re.S)
+    nodes, gcds, t, d = (
+        int(layout.group(1)),
+        int(layout.group(2).replace(",", "")),
+        *map(int, layout.group(3, 4)),
+    )
+    stages = re.search(r"P=(\d+) pipeline stages", text)
+    p = int(stages.group(1)) if stages else 1
+    assert nodes == int(said.group(1)) and gcds == 8 * nodes == plan["layout"]["world_size"] == t * p * d
+    init = yaml.safe_load(text)["trainer.strategy"]["init_args"]
+    assert (init["tensor_parallel_size"], init.get("pipeline_parallel_size", 1)) == (t, p) and t <= 8
 
 
 LONG_CONTEXT = {  # recipe -> (tokens per sequence, nodes it is planned on)
