@@ -48,6 +48,7 @@ def test_search_tries_tensor_parallel_sizes_the_strategy_runs() -> None:
             if (lay.tp_size, lay.sequence_parallel, lay.micro_batch, lay.checkpointing, lay.ep_size, lay.pp_size)
             == (t, row["SP"], row["micro_batch"], row["checkpointing"], row["E"], row["P"])
             and (lay.precision == "bf16-true") == row["bf16_weights"] and lay.zero_stage == row["zero_stage"]
+            and (lay.cp_size, lay.offload) == (row["C"], row["offload"])
         ]  # fmt: skip
         assert round(plan_memory(inputs.config, match[0]).total / 1e9, 2) == row["total_gb"]
 
