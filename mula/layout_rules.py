@@ -113,24 +113,31 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
 
 def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
     """Refuse context parallelism where it is not available yet, or a model whose attention heads (or
-    key/value heads) C does not divide (`config`: a `MulaConfig`; None checks the layout alone)."""
+    key/value heads) C x T does not divide (`config`: a `MulaConfig`; None checks the layout alone).
+    C composes with pipeline stages (each stage sends its CP rank's slice of the sequence to the next)
+    and with tensor parallelism (Ulysses exchanges the TP rank's heads over its CP group), not yet with
+    both at once."""
     if cp_size == 1:
         return
-    for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
-        if size > 1:
-            raise ValueError(
-                f"context_parallel_size={cp_size} is not yet available with {name}={size}; use {name}=1 "
-                "or context_parallel_size=1."
-            )
+    if tp_size > 1 and pp_size > 1:
+        raise ValueError(
+            f"context_parallel_size={cp_size} is not yet available with tensor_parallel_size={tp_size} and "
+            f"pipeline_parallel_size={pp_size} together (each pair composes, all three are untested); drop "
+            "one of the three."
+        )
     if config is None:
         return
     # MLA's keys and values have one head per query head after kv_b_proj
     kv_heads = config.num_heads if getattr(config, "kv_lora_rank", None) is not None else config.kv_heads
+    split = cp_size * tp_size
     for what, count in (("attention heads", config.num_heads), ("key/value heads", kv_heads)):
-        if count % cp_size:
+        if count % split:
+            by = f"context_parallel_size={cp_size}" + (
+                f" x tensor_parallel_size={tp_size}" if tp_size > 1 else ""
+            )
             raise ValueError(
-                f"The model's {count} {what} are not divisible by context_parallel_size={cp_size}; choose a "
-                "context-parallel size that divides them (each CP rank attends over its share of the heads)."
+                f"The model's {count} {what} are not divisible by {by}; choose sizes whose product divides "
+                "them (each CP rank attends over its share of its TP rank's heads)."
             )
 
 

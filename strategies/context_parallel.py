@@ -23,6 +23,11 @@ it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place th
                has its true backward: the all-to-alls' (above) and the router losses' all-reduce, whose
                backward is an all-reduce too (each rank's loss holds the whole sum, so each share's
                gradient is the sum of the C ranks' upstream gradients).
+
+Composes with pipeline stages (the runner slices each step's batch, the stages send [B, S/C, H]
+between CP peers: strategies/pipeline/) and with tensor parallelism (applied after it: q, k, v hold the
+TP rank's heads, which Ulysses exchanges over the CP group; an MoE layer's TP token split sums its
+router statistics over TP before the CP sum), not yet with both (docs/context-parallel.md).
 """
 
 from __future__ import annotations
@@ -83,29 +88,42 @@ class UlyssesAttention:
 
 
 class ContextParallelTokens(TokenSplit):
-    """A micro-batch's tokens split over the C ranks of `group` by sequence slice (module docstring)."""
+    """A micro-batch's tokens split over the C ranks of `group` by sequence slice (module docstring),
+    each CP rank's slice possibly split further by `inner` (tensor parallelism's `TensorParallelTokens`:
+    each TP rank routes 1/T of it): C x inner.parts ranks in all."""
 
-    def __init__(self, group: Any, parts: int) -> None:
-        self.group, self.parts = group, parts
+    def __init__(self, group: Any, cp_parts: int, inner: TokenSplit | None = None) -> None:
+        self.group, self.cp_parts = group, cp_parts
+        self.inner = inner if inner is not None else TokenSplit()
+        self.parts = cp_parts * self.inner.parts
 
     def __repr__(self) -> str:
-        return f"ContextParallelTokens(parts={self.parts})"
+        return f"ContextParallelTokens(cp_parts={self.cp_parts}, inner={self.inner!r})"
 
     def total(self, t: Tensor) -> Tensor:
-        """t summed over the CP group; backward: the gradients summed over it too, since every CP rank's
-        loss holds the total and the engine averages their gradients (the sum of an autograd all-gather,
-        whose backward is a reduce-scatter: torch's differentiable collectives, small [C, ...] tensors)."""
+        """t summed over the CP group (after the inner split's sum); backward: the gradients summed over
+        the CP group too, since every CP rank's loss holds the total and the engine averages their
+        gradients (the sum of an autograd all-gather, whose backward is a reduce-scatter: torch's
+        differentiable collectives, small [C, ...] tensors). The inner (TP) sum keeps its own backward:
+        the identity, TP peers holding one loss whose partial gradients the engine sums."""
+        t = self.inner.total(t)
         return all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group).sum(0)
 
 
-def apply_context_parallel(model: nn.Module, group: Any, rank: int, parts: int) -> nn.Module:
-    """Make `model` (a `Mula`) hold slice `rank` of `parts` of every sequence and attend over the whole
-    of it with the other ranks of `group` (in place; the model is returned). Refuses, in one sentence,
-    heads or key/value heads that `parts` does not divide."""
-    check_context_parallel(model.config, parts)
+def apply_context_parallel(
+    model: nn.Module, group: Any, rank: int, parts: int, tp_size: int = 1
+) -> nn.Module:
+    """Make `model` (a `Mula`, possibly split over `tp_size` TP ranks already) hold slice `rank` of
+    `parts` of every sequence and attend over the whole of it with the other ranks of `group` (in place;
+    the model is returned). Refuses, in one sentence, heads or key/value heads that `parts` x `tp_size`
+    does not divide."""
+    check_context_parallel(model.config, parts, tp_size)
     model.sequence_shard = SequenceShard(rank, parts)
     for block in model.layers:
         block.attn.core = UlyssesAttention(group, parts)
     for _, layer in iter_moe_layers(model):
-        layer.token_split = ContextParallelTokens(group, parts)
+        inner = layer.token_split
+        if isinstance(inner, ContextParallelTokens):  # applied already (Lightning calls setup again)
+            inner = inner.inner
+        layer.token_split = ContextParallelTokens(group, parts, inner)
     return model

@@ -126,7 +126,9 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             read the same samples, each holding 1/C of every sequence; attention exchanges heads for the
             sequence with all-to-alls. C must divide the heads, KV heads and the sequence length; the
             data-parallel size is W / (P x T x C), gradients are averaged over the W / (P x T) replicas.
-            Not yet available with pipeline stages or tensor parallelism.
+            With pipeline stages each stage sends its CP rank's slice to the next; with tensor
+            parallelism (C x T must divide the heads) Ulysses exchanges each TP rank's heads over its CP
+            group. Not yet available with both at once.
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -402,7 +404,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
         topo = self.topology
         assert topo is not None
-        apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size)
+        apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size, topo.tp_size)
 
     @torch.no_grad()
     def _sync_replicas(self, module: nn.Module) -> None:

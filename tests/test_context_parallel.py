@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel_moe import _Logged  # per step: the logged aux and z losses, the expert counts
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mula.config import resolve_config
@@ -53,17 +54,20 @@ RUNS = {
 
 
 class _Batches:
-    """Data-parallel rank `dp_rank`'s micro-batches of every step (CP ranks read the same ones)."""
+    """Data-parallel rank `dp_rank`'s micro-batches of every step (CP ranks read the same ones), or its
+    whole share of each step in one batch (`whole_steps`: what a pipeline step consumes)."""
 
-    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0) -> None:
+    def __init__(self, dp_rank: int, dp_size: int, first_step: int = 0, whole_steps: bool = False) -> None:
         self.dp_rank, self.dp_size, self.first_step, self.consumed = dp_rank, dp_size, first_step, 0
+        self.whole_steps = whole_steps
 
     def __iter__(self):
         per_rank = MICROS_PER_STEP // self.dp_size
         for step in range(self.first_step, STEPS):
             g = torch.Generator().manual_seed(1000 + step)
             batch = torch.randint(0, 256, (MICROS_PER_STEP * MICRO, SEQ + 1), generator=g)
-            yield from batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+            mine = batch.split(MICRO)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+            yield from [torch.cat(mine)] if self.whole_steps else mine
 
 
 class _LoggedLoss(L.Callback):
@@ -87,14 +91,19 @@ def _fit(
     save_dir=None,
     ckpt_path=None,
     first_step: int = 0,
+    keep_trainer: bool = False,
 ) -> dict:
     """Train to step STEPS (from `ckpt_path`, saved at `first_step`, when given; checkpoints every 2 steps
-    into `save_dir`): the per-step losses, norms and logged metrics, and every parameter (experts whole)."""
-    batches = _Batches(dp_rank, dp_size, first_step)
+    into `save_dir`): the per-step losses, norms and logged metrics, and every parameter (experts whole;
+    a pipeline rank's stage's), and the trainer with `keep_trainer`."""
+    pipelined = strategy is not None and strategy.pipeline_parallel_size > 1
+    if pipelined:  # what MulaDataModule sets: the step's micro-batches, in one batch per step
+        strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
+    batches = _Batches(dp_rank, dp_size, first_step, whole_steps=pipelined)
     losses, logged, logged_loss = _StepLosses(batches), _Logged(), _LoggedLoss()
     trainer = cpu_trainer(
         WORLD if strategy is not None else 1, strategy, max_steps=STEPS,
-        accumulate_grad_batches=MICROS_PER_STEP // dp_size,
+        accumulate_grad_batches=1 if pipelined else MICROS_PER_STEP // dp_size,
         callbacks=[losses, logged_loss] + ([logged] if preset.endswith("moe") else []),
         gradient_clip_val=0.5, log_every_n_steps=1, save_dir=save_dir,
     )  # fmt: skip
@@ -107,6 +116,8 @@ def _fit(
     params = {}
     for name, p in trainer.lightning_module.named_parameters():
         full = p.detach()
+        if isinstance(full, DTensor):  # tensor parallelism: this rank's shard, gathered
+            full = full.full_tensor()
         if is_expert_param(name) and topo is not None and topo.ep_size > 1:  # this rank's experts only
             parts = [torch.empty_like(full) for _ in range(topo.ep_size)]
             dist.all_gather(parts, full.contiguous(), group=topo.ep_group)
@@ -115,6 +126,7 @@ def _fit(
     return {
         "losses": losses.losses, "norms": losses.norms, "aux": logged.aux, "z": logged.z,
         "counts": logged.counts, "params": params, "logged_loss": logged_loss.values,
+        **({"trainer": trainer} if keep_trainer else {}),
     }  # fmt: skip
 
 
@@ -230,7 +242,12 @@ def test_router_losses_need_their_true_backward(runs) -> None:
             "6 attention heads are not divisible",
         ),
         (dict(world_size=4, cp=4), dict(num_kv_heads=2), "2 key/value heads are not divisible"),
-        (dict(world_size=4, cp=2, tp=2), {}, "not yet available with tensor_parallel_size=2"),
+        (dict(world_size=8, cp=2, tp=2, pp=2), {}, "not yet available with tensor_parallel_size=2 and"),
+        (
+            dict(world_size=4, cp=2, tp=2),
+            dict(num_kv_heads=2),
+            "2 key/value heads are not divisible by context_parallel_size=2 x tensor_parallel_size=2",
+        ),
         (dict(world_size=6, cp=4), {}, "world size 6 is not divisible by context_parallel_size=4"),
     ],
 )

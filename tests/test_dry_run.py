@@ -158,3 +158,42 @@ def test_sharded_optimizer_refuses_meta_parameters_outside_a_dry_run():
     p = torch.nn.Parameter(torch.empty(8, device="meta"))
     with pytest.raises(ValueError, match="must be materialised on one device"):
         EPShardedAdamW([p], [("w", p)])
+
+
+CONTEXT = [
+    "-c", str(RECIPES / "mula-tiny-moe.yaml"), "-c", str(RECIPES / "strategies" / "context-parallel.yaml"),
+    "--trainer.accelerator=cpu", "--trainer.devices=12", "--trainer.num_nodes=8", "--data.micro_batch_size=1",
+    "--data.global_batch_size=96",
+]  # fmt: skip
+STAGES = "--trainer.strategy.init_args.pipeline_parallel_size=2"
+
+
+@pytest.mark.parametrize(
+    ("extra", "rank", "stage"),
+    [
+        ([STAGES], 5, 0),  # C = 2 x P = 2: rank = (d * P + s) * C + c, so rank 5 (d = 1, c = 1) holds stage 0
+        ([STAGES, "--trainer.strategy.init_args.expert_parallel_size=2"], 95, 1),  # C = 2 x E = 2 x P = 2
+        # C = 2 x T = 2 with SP: rank 7's TP shards, its state sharded over the W / T = 48 replicas
+        (
+            [
+                "--trainer.strategy.init_args.tensor_parallel_size=2",
+                "--trainer.strategy.init_args.sequence_parallel=true",
+            ],
+            7,
+            0,
+        ),
+    ],
+)
+def test_context_parallel_dry_run_bytes_equal_the_plan(extra, rank, stage):
+    """C x P and C x T layouts: each rank's (stage's) parameters, gradients and optimizer shard (over the
+    W / (P x T) replicas, CP peers included), as planned."""
+    inputs, kwargs = _inputs([*CONTEXT, *extra])
+    lay = inputs.layout
+    assert (lay.world_size, lay.cp_size, lay.pp_size * lay.tp_size) == (96, 2, 2)
+    result = dry_run(inputs, kwargs["trainer"], kwargs["model"], rank)
+    assert result["allocated_bytes"] == 0
+    assert result["stage"] == stage
+    plan = plan_stage(inputs.config, lay, stage)
+    for name, field in MEASURED.items():
+        assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
+    assert dry_run_matches(result)

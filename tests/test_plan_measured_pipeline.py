@@ -117,6 +117,26 @@ def test_every_rank_matches_the_plan_of_its_stage(measured, index: int) -> None:
         assert_stage_bytes(plan, row, layout.shard_optimizer, where)
 
 
+def measure_step(
+    world: int, strategy, preset: str, overrides: dict, batch: torch.Tensor, callbacks=()
+) -> dict:
+    """One optimizer step of `batch` (this data-parallel rank's whole step: one micro-batch, or a
+    pipeline's micro-batches) under `strategy` on `world` CPU ranks, fp32: the bytes `MemoryMetrics` and
+    `MoEMetrics` log (`KEYS`)."""
+    from dist_helpers import cpu_trainer
+
+    from mula.module import MulaLightningModule
+
+    torch.manual_seed(0)
+    module = MulaLightningModule(preset, overrides=overrides, decay_steps=10)
+    trainer = cpu_trainer(
+        world, strategy, max_steps=1, accumulate_grad_batches=1,
+        callbacks=[MemoryMetrics(), MoEMetrics(), *callbacks], log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(module, _Steps(batch))
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+
+
 def assert_stage_bytes(plan, row: dict, sharded: bool, where: str) -> None:
     """A stage's plan against one rank's logged bytes: parameters, gradients and optimizer state equal,
     activations within 10 %."""

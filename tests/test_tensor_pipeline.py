@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 from dist_helpers import lightning_env, run_distributed
-from test_pipeline import _Batches  # a loader of fixed batches
-from test_plan_measured_pipeline import assert_stage_bytes
+from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 from test_tensor_parallel import RMS, WORLD, _assert_matches, _fit
 from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
 
@@ -89,17 +88,9 @@ PLAN_RMS = dict(
 PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 128, 4
 # (sequence_parallel, shard_optimizer)
 PLAN_LAYOUTS = ((False, True), (True, True), (False, False))
-KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/state_bytes",
-        "optim/param_bytes", "optim/grad_buffer_bytes")  # fmt: skip
 
 
 def _measure(rank: int, world: int) -> list[dict]:
-    from dist_helpers import cpu_trainer
-
-    from callbacks import MemoryMetrics
-    from callbacks.moe_metrics import MoEMetrics
-    from mula.module import MulaLightningModule
-
     lightning_env(rank, world)
     out = []
     for sp, shard in PLAN_LAYOUTS:
@@ -107,16 +98,9 @@ def _measure(rank: int, world: int) -> list[dict]:
             tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
         )
         strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
-        torch.manual_seed(0)
-        module = MulaLightningModule("mula-tiny-dense", overrides=PLAN_RMS, decay_steps=10)
-        trainer = cpu_trainer(
-            world, strategy, max_steps=1, accumulate_grad_batches=1,
-            callbacks=[MemoryMetrics(), MoEMetrics()], log_every_n_steps=1,
-        )  # fmt: skip
         gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
         batch = torch.randint(0, PLAN_RMS["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
-        trainer.fit(module, _Batches([batch]))
-        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
+        logged = measure_step(world, strategy, "mula-tiny-dense", PLAN_RMS, batch)
         out.append({**logged, "stage": strategy.topology.pp_rank})
     return out
 

@@ -146,7 +146,7 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
         per_token += ((2 if config.is_mla else 3) if mixed else 1) * b * h + _attention(config, b, t)
         if layout.cp_size > 1 and not config.is_mla and config.kv_heads != config.num_heads:
             # Ulysses: SDPA's k and v are views of the exchanged buffer, repeated to the q heads apart
-            per_token += 2 * b * config.kv_heads * config.head_size
+            per_token += 2 * b * (config.kv_heads // t) * config.head_size  # this TP rank's KV heads
         weights += config._attn_matmul_params() // t
     moe_bytes = 0
     if moe:

@@ -272,6 +272,7 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     lines = [
         f"mula plan: {inputs.config.name}, {lay.world_size} ranks ({inputs.device_note}): E={lay.ep_size}, "
         f"P={lay.pp_size} ({lay.pp_schedule}), "
+        + (f"T={lay.tp_size}{' with SP' if lay.sequence_parallel else ''}, " if lay.tp_size > 1 else "")
         + (f"C={lay.cp_size} ({lay.local_seq_len} tokens per rank), " if lay.cp_size > 1 else "")
         + f"micro-batch {lay.micro_batch} x {lay.seq_len} tokens, "
         f"{lay.micro_batches} micro-batch(es) per step, {lay.precision}, checkpointing {lay.checkpointing}, {opt}",

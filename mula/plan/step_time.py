@@ -141,7 +141,7 @@ class Volumes:
 def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]) -> tuple[float, float]:
     """(bus bytes, calls) of Ulysses' all-to-alls one rank makes per step over its C ranks
     (strategies/context_parallel.py): per attention layer and micro-batch, q, k and v of its S/C tokens
-    in one message and the output in another, (C-1)/C of each sent, forward, backward, and forward again
+    (its TP rank's heads) in one message and the output in another, (C-1)/C of each sent, forward, backward, and forward again
     when attention is recomputed. Zero without context parallelism."""
     c = layout.cp_size
     if c == 1:
@@ -155,7 +155,9 @@ def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]
         qkv = (config.num_heads + 2 * config.kv_heads) * config.head_size
         out = config.num_heads * config.head_size
     tokens = max(1, layout.micro_batches) * layout.micro_batch * layout.local_seq_len
-    sent = passes * len(blocks) * tokens * (qkv + out) * layout.compute_bytes * (c - 1) / c
+    # under tensor parallelism each TP rank exchanges its 1/T of the heads over its CP group
+    width = (qkv + out) // layout.tp_size
+    sent = passes * len(blocks) * tokens * width * layout.compute_bytes * (c - 1) / c
     return sent, 2.0 * passes * len(blocks) * max(1, layout.micro_batches)
 
 
@@ -205,10 +207,10 @@ def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...])
     every micro-batch's output forward (not from the last stage) and input gradient backward (not from
     the first), the residual stream in the parameters' dtype plus an MoE model's router-loss sums. Under
     tensor parallelism each TP rank sends to its peer of the next stage: the whole sequence (replicated
-    over TP), or its 1/T with sequence parallelism."""
+    over TP), or its 1/T with sequence parallelism; under context parallelism each CP rank its 1/C."""
     if layout.pp_size == 1:
         return 0.0
-    seq = layout.seq_len // layout.tp_size if layout.sequence_parallel else layout.seq_len
+    seq = layout.local_seq_len // layout.tp_size if layout.sequence_parallel else layout.local_seq_len
     message = layout.micro_batch * seq * config.hidden_size * layout.param_bytes
     message += 2 * 4 if config.is_moe else 0  # (aux, z) running sums, fp32
     return _pipeline_send_count(layout, stages) * max(1, layout.micro_batches) * message
@@ -236,7 +238,7 @@ def tensor_parallel_sends(
     if t == 1:
         return 0.0
     parts = parse_activation_checkpointing(layout.checkpointing)
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.micro_batch * layout.local_seq_len  # this CP rank's slice under context parallelism
     r, b, act = layout.param_bytes, layout.compute_bytes, tokens * config.hidden_size
     ring = (t - 1) / t
     # one QK-norm's statistics over split heads: sums of [tokens] fp32, forward and backward

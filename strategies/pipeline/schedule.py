@@ -93,21 +93,24 @@ class PipelineRunner:
         self._eval_logits: list[Tensor] = []
 
     def step(self, batch: Tensor, n_microbatches: int) -> tuple[Tensor, int]:
-        """Forward and backward of one optimizer step's batch [rows, T + 1] in `n_microbatches`.
+        """Forward and backward of one optimizer step's batch [rows, T + 1] in `n_microbatches` (under
+        context parallelism the stages run and send this CP rank's slice of every sequence).
 
         Returns this rank's summed [loss, ce, aux, z] over the micro-batches it computed the loss of,
         and their number (zeros and 0 on ranks without the last stage)."""
-        rows, seq_len = batch.shape[0], batch.shape[1] - 1
+        rows = batch.shape[0]
         if rows % n_microbatches:
             raise ValueError(
                 f"The step's batch of {rows} sequences per data-parallel rank does not split into "
                 f"{n_microbatches} pipeline micro-batches."
             )
+        inputs, targets = self._slice(batch)
+        seq_len = inputs.shape[1]
         self._check_sequence(seq_len)
         self._ensure_schedule(n_microbatches, rows // n_microbatches, seq_len)
         self._n, self._sums = n_microbatches, []
-        args = (batch[:, :-1],) if self.has_first else ()
-        target = batch[:, 1:] if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
         self._schedule.step(*args, target=target, return_outputs=False)
         sums = (
             torch.stack(self._sums).sum(0)
@@ -120,12 +123,15 @@ class PipelineRunner:
 
     def evaluate(self, batch: Tensor) -> tuple[Tensor, int]:
         """Forward-only cross-entropy of a batch [rows, T + 1] as one micro-batch: (ce, target tokens)
-        on ranks with the last stage, (0, 0) elsewhere."""
-        logits = self.logits(batch[:, :-1])
+        on ranks with the last stage, (0, 0) elsewhere. Under context parallelism the cross-entropy is
+        this CP rank's slice's, counted with the whole sequence's tokens (every CP rank the same weight,
+        so the weighted mean over ranks is the sequence's)."""
+        inputs, targets = self._slice(batch)
+        logits = self.logits(inputs)
         if logits is None:
             return torch.zeros((), dtype=torch.float32, device=self.device), 0
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
-        ce = self.module.combine_losses(logits, batch[:, 1:], zero, zero)[1]
+        ce = self.module.combine_losses(logits, targets, zero, zero)[1]
         return ce.detach(), batch.shape[0] * (batch.shape[1] - 1)
 
     def logits(self, tokens: Tensor) -> Tensor | None:
@@ -152,6 +158,13 @@ class PipelineRunner:
         """Drop the forward-only schedules (and their stages' receive buffers), e.g. after an evaluation
         of many batch shapes during training."""
         self._eval_schedules.clear()
+
+    def _slice(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of a batch [rows, T + 1]: this CP rank's slice of each (the whole sequence
+        without context parallelism); a sequence C does not divide is refused on every rank before any
+        stage runs."""
+        shard = self.module.model.sequence_shard
+        return shard.take(batch[:, :-1]), shard.take(batch[:, 1:])
 
     def _check_sequence(self, seq_len: int) -> None:
         """On every rank before any stage runs (a stage's own check would leave the others waiting for
@@ -191,6 +204,9 @@ class PipelineRunner:
         dtype = next(p.dtype for s in self.stages for p in s.parameters() if p.is_floating_point())
         stages = []
         for stage_id, mod in zip(self.stage_ids, self.stages):
+            mod.sequence_shard = (
+                self.module.model.sequence_shard
+            )  # set by context parallelism after the split
             inputs, outputs = mod.example_io(micro_batch, seq_len, dtype, dtype)
             stages.append(
                 PipelineStage(

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from mula.layers import SequenceShard
 from mula.model import Mula, check_sequence_length, forward_blocks, rope_cos_sin
 from mula.parallel_layout import Holdings
 
@@ -64,17 +65,21 @@ class MulaStage(nn.Module):
         # ranks splitting the sequence of the hidden state between stages (set by the runner): T under
         # sequence parallelism (each rank holds and sends its 1/T), 1 otherwise (whole, replicated over TP)
         self.seq_parts = 1
+        # which slice of every sequence this rank holds (set by the runner): context parallelism's
+        # CP rank c holds 1/C of it, and its RoPE positions start at c S/C (the whole sequence otherwise)
+        self.sequence_shard = SequenceShard()
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: Tensor, router: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Run this stage's part of `Mula.forward`."""
-        # positions of the whole sequence (a rank's hidden state may hold 1/seq_parts of it)
+        # positions of this CP rank's slice (a rank's hidden state may hold 1/seq_parts of it: SP)
         seq = x.shape[1] if self.embed is not None else x.shape[1] * self.seq_parts
+        shard = self.sequence_shard
         if self.embed is not None:
-            check_sequence_length(self.config, seq)
+            check_sequence_length(self.config, seq * shard.count)
             x = self.embed(x)
-        cos, sin = rope_cos_sin(self.config, seq, x.device)
+        cos, sin = rope_cos_sin(self.config, seq, x.device, shard.start(seq))
         out = forward_blocks(zip(self.layer_ids, self.blocks), x, cos, sin, router)
         if self.count_sink is not None and torch.is_grad_enabled():  # training forwards only
             for index, counts in out.tokens_per_expert.items():
@@ -89,9 +94,10 @@ class MulaStage(nn.Module):
         return x, out.router_sums
 
     def example_io(self, micro_batch: int, seq_len: int, dtype: torch.dtype, logits_dtype: torch.dtype):
-        """(inputs, outputs) as meta tensors of one micro-batch: the static shapes `PipelineStage` needs.
+        """(inputs, outputs) as meta tensors of one micro-batch of `seq_len` tokens (this CP rank's
+        slice under context parallelism): the static shapes `PipelineStage` needs.
 
-        The hidden state between stages holds this rank's 1/`seq_parts` of the sequence; the last
+        The hidden state between stages holds this rank's 1/`seq_parts` of it; the last
         stage's logits are described by their global shape (under TP a vocabulary-split DTensor, which
         the loss consumes on the same rank: never sent)."""
         c = self.config

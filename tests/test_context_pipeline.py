@@ -1,0 +1,149 @@
+"""Context parallelism across pipeline stages (C = 2 x P = 2 on 4 gloo ranks) against one process.
+
+Rank order (docs/context-parallel.md): CP inside the stage, so ranks [0, 1] hold stage 0 and [2, 3]
+stage 1, CP groups [0, 1] and [2, 3], pipeline groups [0, 2] and [1, 3]: CP rank c of stage 0 sends
+its slice of every sequence's hidden state to CP rank c of stage 1. The harness of
+tests/test_context_parallel.py (sequences of 1,024 tokens, fp32, 6 steps with global-norm clipping,
+4 micro-batches per step on the one data-parallel rank): the tiny MoE (a dense block on stage 0, an
+MoE block with a shared expert and the router-bias update on stage 1) with the sharded optimizer, and
+the tiny dense model (GQA, QK-norm) with torch's AdamW. Every logged loss (total; aux and z), every
+global gradient norm within 1e-5 (relative), the step's expert counts equal, every parameter of each
+stage within 1e-4; the stages together hold the whole model. Validation through the stages (each CP
+rank's slice) gives one process's val/loss. The planner's per-rank bytes of this layout equal those
+of one measured step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import lightning_env, run_distributed
+from test_context_parallel import GQA, MICRO, MOE, SEQ, STEPS, WORLD, _close, _fit
+from test_pipeline import _Batches  # a loader of fixed batches
+from test_plan_measured_pipeline import assert_stage_bytes, measure_step
+
+from strategies import XPUMoEStrategy
+
+# key -> (preset, overrides, sharded optimizer)
+RUNS = {
+    "moe": ("mula-tiny-moe", MOE, True),
+    "dense": ("mula-tiny-dense", GQA, False),
+}
+VAL = 2  # validation batches of MICRO sequences
+
+
+def _val_batches() -> list[torch.Tensor]:
+    return [
+        torch.randint(0, 256, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(7 + k))
+        for k in range(VAL)
+    ]
+
+
+def _validate(trainer) -> float:
+    trainer.validate(trainer.lightning_module, _Batches(_val_batches()), verbose=False)
+    return float(trainer.callback_metrics["val/loss"])
+
+
+def _run(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    out = {}
+    for key, (preset, overrides, shard) in RUNS.items():
+        strategy = XPUMoEStrategy(context_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=shard)
+        run = _fit(preset, overrides, strategy, 0, 1, keep_trainer=True)
+        topo = strategy.topology
+        assert (topo.cp_rank, topo.pp_rank, strategy.data_parallel_size) == (rank % 2, rank // 2, 1)
+        run["val"] = _validate(run.pop("trainer"))
+        out[key] = run
+    return out
+
+
+def test_context_parallel_stages_match_single_process() -> None:
+    """Losses (logged and per step; aux and z), gradient norms, expert counts, val/loss and each stage's
+    parameters equal one process's on the same global batches."""
+    refs = {}
+    for key, (preset, overrides, _) in RUNS.items():
+        ref = _fit(preset, overrides, None, keep_trainer=True)
+        ref["val"] = _validate(ref.pop("trainer"))
+        refs[key] = ref
+    out = run_distributed(_run, WORLD)
+    for key, ref in refs.items():
+        assert len(ref["losses"]) == STEPS
+        held: set = set()
+        for rank_out in out:
+            run = rank_out[key]
+            for what in ("losses", "norms", "aux", "z", "logged_loss"):
+                _close(run[what], ref[what], 1e-5, f"{key} {what}")
+            _close([run["val"]], [ref["val"]], 1e-5, f"{key} val/loss")
+            for mine, theirs in zip(run["counts"], ref["counts"], strict=True):
+                assert torch.equal(mine, theirs)
+            held |= run["params"].keys()
+            for name, value in run["params"].items():
+                torch.testing.assert_close(value, ref["params"][name], rtol=0, atol=1e-4, msg=name)
+        assert held == ref["params"].keys()
+
+
+# the planner against one measured step (the harness of tests/test_tensor_pipeline.py): 4 MoE blocks,
+# two per stage, so that activations dominate; C = 2 halves every per-token term
+PLAN_MOE = {"vocab_size": 512, "num_layers": 4, "max_position_embeddings": 512}
+PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 256, 4
+PLAN_LAYOUTS = (True, False)  # shard_optimizer
+VOLUMES = ("grad_reduce", "param_gather", "pipeline")  # the step-time model's volumes measured here
+
+
+def _measure(rank: int, world: int) -> list[dict]:
+    from test_plan_volumes import CollectiveMeter, _Window
+
+    from mula.config import resolve_config
+
+    lightning_env(rank, world)
+    meter = CollectiveMeter(resolve_config("mula-tiny-moe", PLAN_MOE).hidden_size)
+    meter.install()
+    out = []
+    for shard in PLAN_LAYOUTS:
+        meter.bytes.clear()
+        meter.calls.clear()
+        strategy = XPUMoEStrategy(context_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=shard)
+        strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
+        gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
+        batch = torch.randint(0, PLAN_MOE["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
+        logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [_Window(meter)])
+        sent = {k: meter.bytes.get(k, 0.0) for k in VOLUMES}
+        calls = {k: meter.calls.get(k, 0) for k in VOLUMES}
+        out.append({**logged, "stage": strategy.topology.pp_rank, "sent": sent, "calls": calls})
+    return out
+
+
+def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
+    """`mula plan` of a C = 2 x P = 2 layout: each rank's parameter, gradient and optimizer bytes equal
+    what it holds after one real step, activations within 10 % (the stage's 1/C of every sequence); the
+    step-time model's gradient-reduction, parameter-gather and stage-to-stage bytes and messages equal
+    those sent (tests/test_plan_volumes.py's meter)."""
+
+    from mula.config import resolve_config
+    from mula.plan import Layout
+    from mula.plan.memory import plan_stage
+    from mula.plan.step_time import comm_volumes
+
+    config = resolve_config("mula-tiny-moe", PLAN_MOE)
+    measured = run_distributed(_measure, WORLD)
+    for index, shard in enumerate(PLAN_LAYOUTS):
+        layout = Layout(
+            world_size=WORLD, cp_size=2, pp_size=2, micro_batch=PLAN_B, seq_len=PLAN_SEQ,
+            micro_batches=PLAN_MICROS, shard_optimizer=shard, collectives="rooted",
+        )  # fmt: skip
+        layout.parallel.validate(config)
+        volumes = comm_volumes(config, layout)
+        for rank, logged in enumerate(measured):
+            row = logged[index]
+            assert row["stage"] == rank // 2  # CP inside the stage: ranks [0, 1] hold stage 0
+            plan = plan_stage(config, layout, row["stage"])
+            where = f"shard={shard} rank {rank}"
+            assert_stage_bytes(plan, row, shard, where)
+            # not vacuous: the plan of the whole sequence per rank misses the activations
+            whole = plan_stage(config, layout.replace(cp_size=1), row["stage"]).activations
+            assert whole != pytest.approx(row["mem/activation_bytes"], rel=0.10), where
+            predicted = volumes[row["stage"]]
+            for kind in VOLUMES:
+                assert getattr(predicted, kind) == pytest.approx(row["sent"][kind], rel=1e-9), (where, kind)
+                assert getattr(predicted, f"{kind}_calls") == row["calls"][kind], (where, kind)
+            assert row["sent"]["pipeline"] > 0, where
