@@ -28,7 +28,7 @@ from mula.compile import CompileWatch, compile_blocks, compile_regions, parse_co
 from mula.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
-STEPS, MORE_STEPS, WARMUP = 20, 50, 3
+STEPS, MORE_STEPS, WARMUP, BF16_STEPS = 20, 50, 3, 4
 MOE = dict(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_experts=4, top_k=2,
            expert_intermediate_size=32, max_position_embeddings=64)  # fmt: skip
 DENSE = dict(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
@@ -47,7 +47,16 @@ def _module(kind: str, compile_value, checkpointing: str = "none") -> MulaLightn
     )  # fmt: skip
 
 
-def _fit(kind: str, compile_value, strategy=None, dp_rank=0, dp_size=1, steps=STEPS, checkpointing="none"):
+def _fit(
+    kind: str,
+    compile_value,
+    strategy=None,
+    dp_rank=0,
+    dp_size=1,
+    steps=STEPS,
+    checkpointing="none",
+    precision="32-true",
+):
     """Train; return (step losses, parameters after step 20, state-dict keys, per step: the compile
     counters and the step's expert counts)."""
     import lightning.pytorch as L
@@ -78,6 +87,7 @@ def _fit(kind: str, compile_value, strategy=None, dp_rank=0, dp_size=1, steps=ST
         callbacks=[losses, MemoryMetrics(), Record()],  # MemoryMetrics: saved-tensor hooks over the graphs
         gradient_clip_val=0.5,
         log_every_n_steps=2,
+        precision=precision,
     )
     module = _module(kind, compile_value, checkpointing)
     trainer.fit(module, batches)
@@ -158,14 +168,23 @@ def _expert_pipeline(rank: int, world: int, cache_dir: str):
     lightning_env(rank, world)
     strategy = XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2)
     # E = 2 x P = 2 on 4 ranks: one data-parallel replica of each stage, experts split in two
-    return _fit("moe", {"cache_dir": cache_dir}, strategy, dp_rank=0, dp_size=1)
+    fp32 = _fit("moe", {"cache_dir": cache_dir}, strategy, dp_rank=0, dp_size=1)
+    # bf16 weights with fp32 masters, built on the meta device: compiled against eager on this layout
+    bf16 = {}
+    for compiled in (False, True):
+        strategy = XPUMoEStrategy(expert_parallel_size=2, pipeline_parallel_size=2, meta_init=True)
+        setting = {"cache_dir": cache_dir} if compiled else False
+        run = _fit("moe", setting, strategy, steps=BF16_STEPS, precision="bf16-true")
+        master = strategy._sharded_optimizer().master.dtype
+        bf16[compiled] = (run[0], {n: v.dtype for n, (_, v) in run[1].items()}, master, run[3])
+    return fp32, bf16
 
 
 def test_compiled_moe_under_expert_parallel_pipeline_stages_matches_eager(eager, cache_dir) -> None:
     runs = run_distributed(_expert_pipeline, 4, cache_dir)
     ref_losses, ref_params, _, _ = eager["moe"]
     held: set = set()
-    for losses, params, _keys, snaps in runs:
+    for (losses, params, _keys, snaps), _ in runs:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
         held |= params.keys()
         for name, (first, value) in params.items():
@@ -175,6 +194,15 @@ def test_compiled_moe_under_expert_parallel_pipeline_stages_matches_eager(eager,
             torch.testing.assert_close(value, ref, rtol=0, atol=1e-4, msg=name)
         assert snaps[-1]["compile/compiles"] >= 1 and snaps[-1]["compile/recompiles"] == 0
     assert held == ref_params.keys()
+    for _, bf16 in runs:  # bf16-true, fp32 masters, meta-device build: compiled within bf16's rounding
+        (eager_losses, dtypes, master, _), (losses, compiled_dtypes, compiled_master, snaps) = (
+            bf16[False],
+            bf16[True],
+        )
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=2e-2, atol=0)
+        assert set(dtypes.values()) == set(compiled_dtypes.values()) == {torch.bfloat16}
+        assert master == compiled_master == torch.float32
+        assert snaps[-1]["compile/compiles"] >= 1
 
 
 def test_settings_are_checked_before_any_work() -> None:
