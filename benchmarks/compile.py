@@ -20,7 +20,6 @@ Benchmarks print tables and never assert.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,9 +44,17 @@ MODELS = {
     "tiny": ("mula-tiny-moe", {}, 8, 256),
     "wide": (
         "mula-tiny-moe",
-        dict(hidden_size=1024, num_layers=8, num_heads=16, num_experts=32, top_k=8,
-             expert_intermediate_size=512, vocab_size=4096),
-        4, 256,
+        dict(
+            hidden_size=1024,
+            num_layers=8,
+            num_heads=16,
+            num_experts=32,
+            top_k=8,
+            expert_intermediate_size=512,
+            vocab_size=4096,
+        ),
+        4,
+        256,
     ),  # fmt: skip
 }
 NOTES = """
@@ -106,7 +113,9 @@ def _candidates(name: str, dtype: torch.dtype, max_batched_gib: float) -> tuple[
     return steps, notes, batch * seq
 
 
-def _rounds(steps: dict[str, Callable[[], None]], rounds: int, per_round: int, tokens: int) -> dict[str, list]:
+def _rounds(
+    steps: dict[str, Callable[[], None]], rounds: int, per_round: int, tokens: int
+) -> dict[str, list]:
     """tokens/s of each candidate in each round (one untimed step each first: compilation, warm-up)."""
     for step in steps.values():
         step()
@@ -231,16 +240,14 @@ def main(
                 print(first_rows[-1], flush=True)
     if first_steps:
         out += ["\n### First step: compilation, cold and with a resumed run's cache\n", *first_rows]
-    out.append(NOTES)
-    text = "\n".join(out) + "\n"
     print(NOTES)
+    text = "\n".join([*out, NOTES]) + "\n"
     if doc is not None:
         write_section(Path(doc), SECTION, text)
     return text
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jsonargparse import CLI
 
     CLI(main, as_positional=False)

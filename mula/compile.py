@@ -169,6 +169,7 @@ class CompileWatch:
         self._breaks0 = 0
         self._at_warmup: int | None = None  # recompiles when the warm-up ended
         self._warned = 0
+        self.steps = 0  # optimizer steps seen
 
     def start(self) -> CompileWatch:
         """Begin counting (registers the callbacks)."""
@@ -223,10 +224,12 @@ class CompileWatch:
             "compile/time_s": self.compile_s,
         }
 
-    def after_step(self, step: int) -> dict[str, float] | None:
-        """Call after optimizer step `step` (1-based): the metrics to log once at the end of the warm-up
-        (None otherwise); a warning each time recompilation continues after it."""
-        if step == self.warmup_steps and self._at_warmup is None:
+    def after_step(self) -> dict[str, float] | None:
+        """Call after each optimizer step of this process (a resumed run counts its warm-up afresh): the
+        metrics to log once at the end of the warm-up (None otherwise); a warning each time
+        recompilation continues after it."""
+        self.steps += 1
+        if self.steps == self.warmup_steps:
             self._at_warmup = self._warned = self.recompiles
             return self.metrics()
         if self._at_warmup is not None and self.recompiles > self._warned:

@@ -196,9 +196,9 @@ class MulaLightningModule(L.LightningModule):
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Log the compile counters once after the warm-up steps; warn while recompilation continues."""
-        if self._compile_watch is None:
+        if self._compile_watch is None or not ends_optimizer_step(self.trainer):
             return
-        metrics = self._compile_watch.after_step(self.trainer.global_step)
+        metrics = self._compile_watch.after_step()
         if metrics is not None and self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics(metrics, step=self.trainer.global_step)
