@@ -4,9 +4,10 @@ fp32 on CPU, Inductor, the same weights and batches: 20 optimizer steps of 4 mic
 global-norm clipping; every logged loss within 1e-5 and every weight within 1e-4 of the eager run,
 for a tiny MoE model (the compiled run goes on for 50 more steps: after the first 3 steps, learned and
 uneven routing compiles nothing more, counted from torch's compile callbacks) and a tiny dense one,
-with `activation_checkpointing: full`, and on 4 gloo ranks with E = 2 x P = 2. Graph breaks: at most
-one per MoE block kind, none in a dense block (docs/compile.md says why). State-dict keys are those of
-the eager model (no `_orig_mod.`).
+with `activation_checkpointing: full` and with every part checkpointed, and on 4 gloo ranks with
+E = 2 x P = 2 (there also bf16-true with fp32 masters and the meta-device build, compiled against eager
+within bf16's rounding). Graph breaks: at most one per MoE block kind, none in a dense block
+(docs/compile.md says why). State-dict keys are those of the eager model (no `_orig_mod.`).
 
 CI time: torch.compile on a small CPU is slow, so the tests share one Inductor cache (a module-scoped
 directory) -- the graphs of identical blocks compile once, the later runs and the 4 ranks find them
@@ -157,8 +158,9 @@ def test_compiled_dense_matches_eager(eager, cache_dir) -> None:
     assert run[3][-1]["compile/recompiles"] == 0
 
 
-def test_compiled_moe_with_full_activation_checkpointing_matches_eager(eager, cache_dir) -> None:
-    run = _fit("moe", {"cache_dir": cache_dir}, checkpointing="full")
+@pytest.mark.parametrize("checkpointing", ["full", ["moe", "attention", "norms"]], ids=["full", "parts"])
+def test_compiled_moe_with_activation_checkpointing_matches_eager(eager, cache_dir, checkpointing) -> None:
+    run = _fit("moe", {"cache_dir": cache_dir}, checkpointing=checkpointing)
     _assert_matches(run, eager["moe"])
     assert run[3][-1]["compile/compiles"] >= 1
     assert run[3][-1]["compile/graph_breaks"] <= GRAPH_BREAKS["moe"]
