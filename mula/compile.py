@@ -235,7 +235,7 @@ class CompileWatch:
         if self._at_warmup is not None and self.recompiles > self._warned:
             log.warning(
                 "torch.compile recompiled %d time(s) after the %d warm-up steps (%d in all): a new shape "
-                "or mode (a validation's no-grad forward compiles once); if it continues, every step pays "
+                "or mode (a validation's first no-grad forward compiles again once); if it continues, every step pays "
                 "a compile (TORCH_LOGS=recompiles names the failing guard).",
                 self.recompiles - self._at_warmup,
                 self.warmup_steps,
