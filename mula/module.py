@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
+from mula.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
 from mula.config import MulaConfig, resolve_config
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.model import Mula, parse_activation_checkpointing
@@ -78,6 +80,10 @@ class MulaLightningModule(L.LightningModule):
         activation_checkpointing: What backward recomputes instead of keeping in memory: "none",
             "full" (every block) or a list of block parts among "moe", "attention", "norms", e.g.
             `[moe, attention]`. Gradients are unchanged; a training setting, not the architecture.
+        compile: `torch.compile` each transformer block: false, true, or a mapping of
+            `mula.compile.CompileSettings` fields (`mode`, `dynamic`, `fullgraph`, `backend`, `options`,
+            `cache_dir`, `warmup_steps`); applied when training starts, after the strategy laid the
+            model out (docs/compile.md). Parameter names are unchanged.
     """
 
     def __init__(
@@ -95,6 +101,7 @@ class MulaLightningModule(L.LightningModule):
         init_weights: str | None = None,
         verify_init_weights: bool = True,
         activation_checkpointing: str | list[str] = "none",
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         self.config = resolve_config(config, overrides)
@@ -107,6 +114,8 @@ class MulaLightningModule(L.LightningModule):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         parse_activation_checkpointing(activation_checkpointing)  # refuse an unknown part now
         self.activation_checkpointing = activation_checkpointing
+        self.compile_settings = parse_compile(compile)  # refuse a bad setting now
+        self._compile_watch: CompileWatch | None = None
         if init_weights is not None:
             # here, before any work, rather than when the model is built
             from mula.checkpoint import verify_for_reading  # imported lazily: only needed with init_weights
@@ -158,6 +167,47 @@ class MulaLightningModule(L.LightningModule):
             )
         on_meta = any(p.is_meta for p in self.model.parameters())
         self.model.load_state_dict(source.state_dict(), assign=on_meta)
+
+    def _compile_model(self) -> None:
+        """Compile the blocks (once), now that the strategy has laid the model out: Inductor's cache
+        in `cache_dir` (default: the run directory's `compile_cache`), the counters started."""
+        settings = self.compile_settings
+        if settings is None or self._compile_watch is not None:
+            return
+        use_cache_dir(settings.cache_dir or os.path.join(self.trainer.default_root_dir, "compile_cache"))
+        self._compile_watch = CompileWatch(settings.warmup_steps).start()
+        compile_blocks(self.model.layers, settings)
+
+    @override
+    def on_fit_start(self) -> None:
+        """Compile the blocks (`model.compile`) after the strategy's setup."""
+        self._compile_model()
+
+    @override
+    def on_validation_start(self) -> None:
+        """Compile the blocks (`model.compile`) for `validate` too."""
+        self._compile_model()
+
+    @override
+    def on_test_start(self) -> None:
+        """Compile the blocks (`model.compile`) for `test` too."""
+        self._compile_model()
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log the compile counters once after the warm-up steps; warn while recompilation continues."""
+        if self._compile_watch is None or not ends_optimizer_step(self.trainer):
+            return
+        metrics = self._compile_watch.after_step()
+        if metrics is not None and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(metrics, step=self.trainer.global_step)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        """Stop counting compilations (the compiled blocks stay compiled)."""
+        if self._compile_watch is not None:
+            self._compile_watch.stop()
 
     @override
     def forward(self, input_ids: Tensor):

@@ -72,15 +72,31 @@ class MoELayer(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         route = self.router(x)
-        x_grouped, grouping, state = self.dispatcher.dispatch(x, route.topk_idx, route.topk_weight)
-        y = self.dispatcher.combine(self.experts(x_grouped, grouping), state)
-        counts = expert_counts(route.topk_idx, self.num_experts)
-        f = None
-        if self.global_load is not None and torch.is_grad_enabled():
-            f = self.global_load.frequencies(counts, x.shape[0])
+        y, counts, f = self.routed(x, route.topk_idx, route.topk_weight)
         aux, z = self.token_split.router_losses(route, counts, f)
         stats = MoEStats(aux, z, counts)
         y = y.view(shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).view(shape)
         return y, stats
+
+    @torch.compiler.disable
+    def routed(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The routed experts of x [N,H]: (y [N,H] = the weighted sum of each token's K expert outputs,
+        counts [E] long, the global-scope frequencies f [E] or None).
+
+        Everything here has data-dependent sizes or host-side state (the dispatch's rows per expert, the
+        CPU kernels' bucketed layout planned from host counts, the expert-parallel all-to-all's split
+        sizes, `GlobalLoad`'s running sums), while what goes in and comes out has static shapes. So
+        `torch.compile` leaves it to its own kernels (`torch.compiler.disable`): one graph break per MoE
+        block, and no recompilation however routing changes (docs/compile.md).
+        """
+        x_grouped, grouping, state = self.dispatcher.dispatch(x, topk_idx, topk_weight)
+        y = self.dispatcher.combine(self.experts(x_grouped, grouping), state)
+        counts = expert_counts(topk_idx, self.num_experts)
+        f = None
+        if self.global_load is not None and torch.is_grad_enabled():
+            f = self.global_load.frequencies(counts, x.shape[0])
+        return y, counts, f
