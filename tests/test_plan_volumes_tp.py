@@ -38,6 +38,11 @@ RMS = dict(
     max_position_embeddings=64, norm="rmsnorm", qk_norm=True,
 )  # fmt: skip
 TINY = dict(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=64)
+# an MoE model (uniform routing): its layers route 1/T of the tokens, the router losses summed over TP
+MOE = dict(
+    RMS, num_experts=4, top_k=2, expert_intermediate_size=32, routing_mode="uniform", num_dense_layers=1,
+    num_layers=3,
+)  # fmt: skip
 # name: (overrides, T, sequence parallel, checkpointing, precision)
 LAYOUTS = {
     "T=2": (RMS, 2, False, "none", "32-true"),
@@ -52,7 +57,13 @@ LAYOUTS = {
         "full",
         "bf16-mixed",
     ),
+    "T=2 MoE": (MOE, 2, False, "none", "32-true"),
+    "T=2 SP MoE, moe recomputed": (MOE, 2, True, ["moe"], "32-true"),
 }
+
+
+# the functional ops that are collectives (not `wait_tensor` nor the autograd wrappers)
+COLLECTIVE_OPS = ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 class FunctionalCollectiveMeter(TorchDispatchMode):
@@ -132,7 +143,11 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
             callbacks=[_Window(meter, collectives)], precision=precision,
         )  # fmt: skip
         trainer.fit(module, _Micro(rank // tp, overrides["vocab_size"]))
-        out[name] = {"tensor_parallel": meter.bytes, "grad_reduce": collectives.bytes.get("grad_reduce", 0.0)}
+        out[name] = {
+            "tensor_parallel": meter.bytes,
+            "tensor_parallel_calls": sum(n for k, n in meter.calls.items() if k in COLLECTIVE_OPS),
+            "grad_reduce": collectives.bytes.get("grad_reduce", 0.0),
+        }
     return out
 
 
@@ -158,6 +173,16 @@ def test_tensor_parallel_volumes_match_the_bytes_sent(measured, name: str) -> No
         got = runs[name]
         assert volumes.tensor_parallel == pytest.approx(got["tensor_parallel"], rel=1e-9), (rank, got)
         assert volumes.grad_reduce == pytest.approx(got["grad_reduce"], rel=1e-9), (rank, got)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_calls_match_the_collectives_issued(measured, name: str) -> None:
+    """The calls the model prices at the all-reduce's latency: every functional collective DTensor and
+    the MoE layer's token split issue, forward, backward, recomputed forward and the partial gradients'
+    sums (a lost per-layer call, a per-micro-batch count taken per step, fail it)."""
+    volumes = _volumes(name)
+    for rank, runs in enumerate(measured):
+        assert volumes.tensor_parallel_calls == runs[name]["tensor_parallel_calls"], (rank, runs[name])
 
 
 def test_the_layouts_move_different_bytes(measured) -> None:

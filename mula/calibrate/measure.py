@@ -22,6 +22,8 @@ import torch.distributed as dist
 from mula.config import MulaConfig
 
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv")
+# `training_tflops`' rates: a block's forward + backward and forward, and the rest of the model's
+TRAINING_RATES = ("step", "forward", "head_step", "head_forward")
 # torch >= 2.10 names the tensor collectives *_single (as strategies/optim/grad_reduce.py uses them)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -182,28 +184,85 @@ def time_collective(
 def training_tflops(
     config: MulaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, reps: int
 ) -> dict[str, float]:
-    """The model's effective TFLOP/s on one micro-batch: `step` (forward + backward, the loss and router
-    losses included) and `forward` alone, counted with `MulaConfig.flops_per_token` (a forward is a
-    third of it), so everything that is not a matmul (norms, rotary, softmax, routing, permutation,
-    the loss) is in the rate. At most two blocks past the dense ones are built: the rate is per block."""
+    """The model's effective TFLOP/s on one micro-batch, counted with `MulaConfig.flops_per_token`'s
+    terms, so everything that is not a matmul (norms, rotary, softmax, routing, permutation, the loss) is
+    in the rate: `step` (forward + backward) and `forward` (a third of the FLOPs) of one block, and
+    `head_step` / `head_forward` of the rest (embedding, final norm, LM head and loss, at the LM head's
+    FLOPs). Two models are timed, with one and with two blocks past the dense ones: their difference is
+    a block, the first model less its blocks the rest (the blocks' FLOPs at the block's rate)."""
     from mula.model import Mula
 
-    keep = min(config.num_layers, config.num_dense_layers + 2)
-    small = dataclasses.replace(config, num_layers=keep)
-    torch.manual_seed(0)
-    model = Mula(small).to(device=device, dtype=dtype)
-    ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
-    flops = float(small.flops_per_token(seq_len)) * micro_batch * seq_len
+    tokens = micro_batch * seq_len
+    seconds = {}
+    for extra in (1, 2):
+        small = dataclasses.replace(
+            config, num_layers=min(config.num_layers, config.num_dense_layers + extra)
+        )
+        torch.manual_seed(0)
+        model = Mula(small).to(device=device, dtype=dtype)
+        ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
 
-    def loss() -> torch.Tensor:
-        out = model(ids[:, :-1])
-        ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
-        return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
+        def loss(model=model, ids=ids, small=small) -> torch.Tensor:
+            out = model(ids[:, :-1])
+            ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
+            return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
 
-    def step() -> None:
-        loss().backward()
-        model.zero_grad(set_to_none=True)
+        def step(model=model, loss=loss) -> None:
+            loss().backward()
+            model.zero_grad(set_to_none=True)
 
-    with torch.no_grad():
-        forward = _best_time(loss, device, reps)
-    return {"step": flops / _best_time(step, device, reps) / 1e12, "forward": flops / 3 / forward / 1e12}
+        with torch.no_grad():
+            forward = _best_time(loss, device, reps)
+        seconds[small.num_layers] = (_best_time(step, device, reps), forward)
+    core = 6 * config.attention_core_width * seq_len
+    block_flops = [(6 * config.layer_matmul_params(i) + core) * tokens for i in range(config.num_layers)]
+    head_flops = 6 * config.vocab_size * config.hidden_size * tokens
+    first, *more = sorted(seconds)
+    out = {}
+    for k, (name, third) in enumerate((("step", 1), ("forward", 3))):
+        whole = (sum(block_flops[:first]) + head_flops) / third / seconds[first][k]  # the fallback
+        block = whole
+        if more and seconds[more[0]][k] > seconds[first][k]:
+            block = block_flops[first] / third / (seconds[more[0]][k] - seconds[first][k])
+        rest = seconds[first][k] - sum(block_flops[:first]) / third / block
+        # a loaded host can leave no time for the rest: then both at the whole model's rate
+        head = head_flops / third / rest if rest > 0 else whole
+        out[name], out["head_" + name] = block / 1e12, head / 1e12
+    return out
+
+
+def functional_call_seconds(
+    group: Any, device: torch.device, reps: int, calls: int = 16, numel: int = 4096, width: int = 256
+) -> float:
+    """Seconds one small functional all-reduce (torch's `_c10d_functional` ops, as DTensor and Ulysses
+    issue them: launched, then waited on) adds between two pieces of compute: a loop of `calls` (matmul,
+    all-reduce of `numel` fp32) less the same loop without the all-reduces, over `calls`; the median over
+    `reps` of the slowest rank's. Unlike the back-to-back calls of `time_collective`, the ranks reach
+    each call from their own compute, so the time the call hands to the backend's thread and the ranks'
+    skew are in it."""
+    ops = torch.ops._c10d_functional
+    a = torch.randn(width, width, device=device)
+    x = torch.ones(numel, device=device)
+
+    def loop(communicate: bool) -> None:
+        y = a
+        for _ in range(calls):
+            y = torch.mm(a, a)
+            if communicate:
+                ops.wait_tensor(ops.all_reduce(x, "sum", group.group_name))
+        synchronize(device)
+        del y
+
+    out = torch.zeros(reps, dtype=torch.float64)
+    for i in range(reps):
+        spent = []
+        for communicate in (False, True):
+            loop(communicate)  # warm-up
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            loop(communicate)
+            spent.append(time.perf_counter() - start)
+        out[i] = (spent[1] - spent[0]) / calls
+    slowest = out.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return max(0.0, statistics.median(slowest.cpu().tolist()))
