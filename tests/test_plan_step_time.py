@@ -14,7 +14,7 @@ from mula.plan.machines import Machine, load_machine
 from mula.plan.search import search_layouts
 from mula.plan.settings import PlanInputs
 from mula.plan.step_overheads import update_bytes
-from mula.plan.step_time import step_time
+from mula.plan.step_time import comm_volumes, step_time
 
 AURORA = load_machine("aurora")
 CONFIG = MulaConfig.from_name("mula-20b-a2b")
@@ -200,3 +200,34 @@ def test_blocks_and_the_lm_head_each_at_their_calibrated_rate() -> None:
     piped = step_time(TINY, SMALL.replace(ep_size=1, pp_size=2), machine, 16)  # the head's stage is slower
     half = TINY.num_layers // 2
     assert piped.compute_s == pytest.approx(tokens / 2 * (sum(blocks[half:]) / 0.05e12 + head / 0.2e12))
+
+
+def test_tensor_and_context_parallel_calls_at_the_functional_call_price() -> None:
+    """T's and C's calls (DTensor's and Ulysses' functional collectives, counted in a real run by
+    tests/test_plan_volumes_tp.py) each at the calibrated price of a call between computes, when the
+    calibration has one, else at their collective's latency; their bytes at its bandwidth either way."""
+    dense = MulaConfig.from_name("mula-tiny-dense")
+    tp = Layout(world_size=2, tp_size=2, micro_batch=2, seq_len=128, micro_batches=2, device_type="cpu")
+    cp = tp.replace(tp_size=1, cp_size=2)
+    for layout, part in ((tp, "tensor_parallel"), (cp, "context_parallel")):
+        (v,) = comm_volumes(dense, layout)
+        calls = getattr(v, part + "_calls")
+        assert calls > 0
+        latency = step_time(dense, layout, _calibrated(), 4)
+        assert getattr(latency, part + "_s") == pytest.approx(calls * 1e-4 + 1e-9 * getattr(v, part))
+        priced = step_time(dense, layout, _calibrated(functional_call_s={2: 3e-3}), 4)
+        assert getattr(priced, part + "_s") == pytest.approx(calls * 3e-3 + 1e-9 * getattr(v, part))
+
+
+def test_gradient_reduction_overlaps_backward_on_accelerators_only() -> None:
+    """On CPU ranks gloo reduces on the cores that compute: the whole reduction counts; on an
+    accelerator it hides behind the last micro-batch's backward."""
+    machine = _calibrated()
+    layout = SMALL.replace(ep_size=1)
+    cpu = step_time(TINY, layout, machine, 16)
+    (v,) = comm_volumes(TINY, layout)
+    whole = v.grad_reduce_calls * 1e-4 + 1e-9 * v.grad_reduce
+    assert cpu.grad_sync_s == pytest.approx(whole)
+    xpu = step_time(TINY, layout.replace(device_type="xpu"), machine, 16)
+    assert xpu.grad_sync_s == pytest.approx(max(0.0, whole - xpu.compute_s * 2 / 3 / layout.micro_batches))
+    assert xpu.grad_sync_s < cpu.grad_sync_s

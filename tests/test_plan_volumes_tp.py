@@ -1,4 +1,5 @@
-"""The step-time model's tensor-parallel volumes against the bytes real runs hand to the collectives.
+"""The step-time model's tensor-parallel volumes against the bytes real runs hand to the collectives
+(and the context-parallel group's calls against the functional collectives a real run issues).
 
 4 gloo CPU ranks train the tiny dense model with `XPUMoEStrategy(tensor_parallel_size=T,
 sequence_parallel=...)` under Lightning's Trainer, one optimizer step of two accumulated micro-batches:
@@ -91,6 +92,8 @@ class FunctionalCollectiveMeter(TorchDispatchMode):
                 self.bytes += nbytes * (args[1] - 1)
             elif name == "reduce_scatter_tensor":
                 self.bytes += nbytes * (args[2] - 1) / args[2]
+            elif name == "all_to_all_single":  # Ulysses' (context parallelism): calls only, not TP bytes
+                pass
             elif name != "wait_tensor" and not name.startswith("_wrap"):
                 raise AssertionError(f"uncounted functional collective {func}")
             self.calls[name] += 1
@@ -189,3 +192,45 @@ def test_the_layouts_move_different_bytes(measured) -> None:
     """Not vacuous: every layout moves tensor-parallel bytes, each a different amount."""
     sent = [measured[0][name]["tensor_parallel"] for name in LAYOUTS]
     assert all(s > 0 for s in sent) and len(set(sent)) == len(LAYOUTS)
+
+
+# context parallelism over 2 of the ranks (DP = 2) of the MoE model: its functional collectives
+CP_LAYOUTS = {"C=2 MoE": "none", "C=2 MoE, moe recomputed": ["moe"]}
+
+
+def _measure_cp(rank: int, world: int) -> dict[str, int]:
+    from mula.module import MulaLightningModule
+
+    lightning_env(rank, world)
+    collectives = CollectiveMeter(32)
+    collectives.install()
+    out = {}
+    for name, ckpt in CP_LAYOUTS.items():
+        meter = FunctionalCollectiveMeter()
+        strategy = XPUMoEStrategy(context_parallel_size=2, shard_optimizer=False)
+        torch.manual_seed(0)
+        module = MulaLightningModule(
+            "mula-tiny-dense", overrides=MOE, decay_steps=10, activation_checkpointing=ckpt
+        )
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=MICROS,
+            callbacks=[_Window(meter, collectives)], precision="32-true",
+        )  # fmt: skip
+        trainer.fit(module, _Micro(rank // 2, MOE["vocab_size"]))
+        out[name] = sum(n for k, n in meter.calls.items() if k in (*COLLECTIVE_OPS, "all_to_all_single"))
+    return out
+
+
+def test_context_parallel_calls_match_the_collectives_issued() -> None:
+    """Ulysses' all-to-alls and the router-loss totals' all-gathers and reduce-scatters: every
+    functional collective a C = 2 MoE step issues, the forward recomputed or not."""
+    measured = run_distributed(_measure_cp, WORLD)
+    for name, ckpt in CP_LAYOUTS.items():
+        layout = Layout(
+            world_size=WORLD, cp_size=2, micro_batch=B, seq_len=SEQ, micro_batches=MICROS,
+            checkpointing=ckpt, shard_optimizer=False, collectives="rooted",
+        )  # fmt: skip
+        (volumes,) = comm_volumes(resolve_config("mula-tiny-dense", MOE), layout)
+        assert volumes.context_parallel_calls > 0
+        for rank, runs in enumerate(measured):
+            assert volumes.context_parallel_calls == runs[name], (rank, name, runs[name])

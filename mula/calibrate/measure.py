@@ -47,6 +47,23 @@ def _best_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return min(times)
 
 
+def _busy_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """The median time of `fn` with every rank of the job running it at once (a barrier before each
+    repetition): a rate for ranks that share the device's memory, caches or cores, as training's do.
+    The median, not the best: the best is a repetition the other ranks happened not to disturb."""
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def matmul_shapes(config: MulaConfig, tokens: int) -> dict[str, tuple[int, int, int]]:
     """(M, K, N) of the matmuls one layer runs per micro-batch of `tokens`: its projections (MLA's latent
     ones where it has them), the dense MLP, one expert's share of the routed rows (tokens x top_k /
@@ -186,48 +203,56 @@ def training_tflops(
 ) -> dict[str, float]:
     """The model's effective TFLOP/s on one micro-batch, counted with `MulaConfig.flops_per_token`'s
     terms, so everything that is not a matmul (norms, rotary, softmax, routing, permutation, the loss) is
-    in the rate: `step` (forward + backward) and `forward` (a third of the FLOPs) of one block, and
-    `head_step` / `head_forward` of the rest (embedding, final norm, LM head and loss, at the LM head's
-    FLOPs). Two models are timed, with one and with two blocks past the dense ones: their difference is
-    a block, the first model less its blocks the rest (the blocks' FLOPs at the block's rate)."""
+    in the rate: `step` (forward + backward) and `forward` (a third of the FLOPs) of the blocks, and
+    `head_step` / `head_forward` of the rest (final norm, LM head and loss, at the LM head's FLOPs).
+    The rest is timed on its own (on hidden states); a model of two blocks past the dense ones less the
+    rest gives the blocks (the embedding lookup, no matmul, rides with them). Every rank of the job
+    times together (`_busy_time`)."""
     from mula.model import Mula
 
     tokens = micro_batch * seq_len
-    seconds = {}
-    for extra in (1, 2):
-        small = dataclasses.replace(
-            config, num_layers=min(config.num_layers, config.num_dense_layers + extra)
-        )
-        torch.manual_seed(0)
-        model = Mula(small).to(device=device, dtype=dtype)
-        ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
+    small = dataclasses.replace(config, num_layers=min(config.num_layers, config.num_dense_layers + 2))
+    torch.manual_seed(0)
+    model = Mula(small).to(device=device, dtype=dtype)
+    ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
+    hidden = torch.randn(
+        micro_batch, seq_len, small.hidden_size, device=device, dtype=dtype, requires_grad=True
+    )
 
-        def loss(model=model, ids=ids, small=small) -> torch.Tensor:
-            out = model(ids[:, :-1])
-            ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
-            return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
+    def loss() -> torch.Tensor:
+        out = model(ids[:, :-1])
+        ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
 
-        def step(model=model, loss=loss) -> None:
-            loss().backward()
-            model.zero_grad(set_to_none=True)
+    def head_loss() -> torch.Tensor:
+        logits = model.lm_head(model.norm(hidden))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
-        with torch.no_grad():
-            forward = _best_time(loss, device, reps)
-        seconds[small.num_layers] = (_best_time(step, device, reps), forward)
+    def step(fn=loss) -> None:
+        fn().backward()
+        model.zero_grad(set_to_none=True)
+        hidden.grad = None
+
+    with torch.no_grad():
+        seconds = {
+            "forward": _best_time(loss, device, reps),
+            "head_forward": _best_time(head_loss, device, reps),
+        }
+    seconds |= {
+        "step": _best_time(step, device, reps),
+        "head_step": _best_time(lambda: step(head_loss), device, reps),
+    }
     core = 6 * config.attention_core_width * seq_len
-    block_flops = [(6 * config.layer_matmul_params(i) + core) * tokens for i in range(config.num_layers)]
-    head_flops = 6 * config.vocab_size * config.hidden_size * tokens
-    first, *more = sorted(seconds)
+    blocks = sum(6 * config.layer_matmul_params(i) + core for i in range(small.num_layers)) * tokens
+    head = 6 * config.vocab_size * config.hidden_size * tokens
     out = {}
-    for k, (name, third) in enumerate((("step", 1), ("forward", 3))):
-        whole = (sum(block_flops[:first]) + head_flops) / third / seconds[first][k]  # the fallback
-        block = whole
-        if more and seconds[more[0]][k] > seconds[first][k]:
-            block = block_flops[first] / third / (seconds[more[0]][k] - seconds[first][k])
-        rest = seconds[first][k] - sum(block_flops[:first]) / third / block
-        # a loaded host can leave no time for the rest: then both at the whole model's rate
-        head = head_flops / third / rest if rest > 0 else whole
-        out[name], out["head_" + name] = block / 1e12, head / 1e12
+    for name, third in (("step", 1), ("forward", 3)):
+        whole = (blocks + head) / third / seconds[name]
+        rest, body = seconds["head_" + name], seconds[name] - seconds["head_" + name]
+        # a loaded host can leave the blocks no time of their own: then both at the whole model's rate
+        ok = body > 0
+        out[name] = (blocks / third / body if ok else whole) / 1e12
+        out["head_" + name] = (head / third / rest if ok else whole) / 1e12
     return out
 
 

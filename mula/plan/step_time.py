@@ -14,7 +14,8 @@ Per optimizer step, on one rank of the slowest pipeline stage (one stage per nod
     included), dense over the stage's W/P ranks and experts over their EDP group, (n-1)/n of each
     bucket (ZeRO-2: once per micro-batch), or the all-reduce of replicated AdamW (twice that, in the
     parameters' dtype); the reduction overlaps the last micro-batch's backward, the all-gather
-    overlaps nothing unless `overlap_param_gather`;
+    overlaps nothing unless `overlap_param_gather` (on CPU ranks neither overlaps: gloo works on the
+    cores that compute);
   - tensor parallelism (`tensor_parallel_sends`), per micro-batch, over the T ranks of a node: the
     all-reduce of every row-parallel output (forward) and of every column-parallel input's gradient
     (backward), or under sequence parallelism the all-gather of each layer's input and reduce-scatter
@@ -128,7 +129,8 @@ class Volumes:
     behind each volume (collective calls, pipeline send operations), which a calibrated machine prices
     at its latency each: the all-to-alls include the expert-count exchange (and, where the CPU expert
     layout folds the combine weights in, the weights' exchange). context_parallel: Ulysses' head
-    all-to-alls (`context_parallel_sends`), context_parallel_calls their calls; tensor_parallel_calls:
+    all-to-alls (`context_parallel_sends`), context_parallel_calls their calls and the router-loss
+    totals' (`context_parallel_router_calls`); tensor_parallel_calls:
     DTensor's collective calls behind `tensor_parallel`.
     """
 
@@ -166,6 +168,22 @@ def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]
     tokens = max(1, layout.micro_batches) * layout.micro_batch * layout.local_seq_len
     sent = passes * len(blocks) * tokens * (qkv + out) * layout.compute_bytes * (c - 1) / c
     return sent, 2.0 * passes * len(blocks) * max(1, layout.micro_batches)
+
+
+def context_parallel_router_calls(config: MulaConfig, layout: Layout, blocks: list[int]) -> float:
+    """Calls of an MoE model's router-loss totals over the C ranks (`ContextParallelTokens.total`: an
+    autograd all-gather of each sum, a reduce-scatter in backward for those with a gradient), per MoE
+    layer and micro-batch: the mean probabilities, z and (unless the global scope gives the frequencies)
+    the counts gathered in every forward of the layer (again when it is recomputed), the first two
+    reduce-scattered in backward. Zero without context parallelism. Their bytes (a few numbers per
+    expert) are left out."""
+    if layout.cp_size == 1 or not config.is_moe:
+        return 0.0
+    parts = parse_activation_checkpointing(layout.checkpointing)
+    forwards = 1 + bool(parts & {"moe", "full"})
+    sums = 2 + (config.aux_loss_scope != "global")
+    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
+    return float(max(1, layout.micro_batches) * moe_layers * (forwards * sums + 2))
 
 
 def _ring(numel: int, elem_bytes: int, group: int) -> float:
@@ -345,6 +363,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
         send_calls = send_calls if layout.pp_size > 1 else 0
         tp, tp_calls = tensor_parallel_sends(config, layout, holds.blocks, holds.first, holds.last)
         cp, cp_calls = context_parallel_sends(config, layout, holds.blocks)
+        cp_calls += context_parallel_router_calls(config, layout, holds.blocks)
         out.append(
             Volumes(
                 a2a,
@@ -422,7 +441,9 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     contention = machine.cross_group_slowdown(layout.dp_size / node) if spans else 1.0
     reduce_kind = "reduce_scatter" if layout.shard_optimizer else "all_reduce"
     m = max(1, layout.micro_batches)
-    backward = compute * 2 / 3 / m  # one micro-batch's backward, which a gradient reduction overlaps
+    # one micro-batch's backward, which a gradient reduction overlaps; on CPU ranks none: gloo's
+    # reductions run on the cores that compute, so they add their time
+    backward = 0.0 if layout.device_type == "cpu" else compute * 2 / 3 / m
     # ZeRO-2 reduces after every micro-batch, everything else once, during the last backward
     rounds = vol.grad_rounds
     one_round = collective_seconds(
@@ -433,7 +454,7 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     gather = collective_seconds(
         machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw, contention
     )
-    if layout.overlap_param_gather:
+    if layout.overlap_param_gather and layout.device_type != "cpu":
         gather = max(0.0, gather - compute / 3 / m)
 
     pipeline = 0.0
