@@ -97,16 +97,21 @@ def _manual_s(steps: int) -> tuple[float, float]:
 def loop_seconds(steps: int = 8) -> dict[str, float]:
     """{"step": s, "batch": s}: the loop's fixed seconds per optimizer step and per micro-batch on this
     rank (each at least 0: on a loaded host the difference of two timings can come out negative)."""
-    quiet = logging.getLogger("lightning.pytorch")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # Lightning's banner of devices, once per Trainer
+    import lightning.pytorch  # noqa: F401  (its loggers exist once it is imported)
+
+    # Lightning's banner of devices and hints, once per Trainer, on every rank: kept quiet
+    quiet = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("lightning")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's hints about workers and loggers
             one = _lightning_step_s(1, steps)
             many = _lightning_step_s(ACCUMULATE, steps)
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     fb, up = _manual_s(steps)
     batch = max(0.0, (many - one) / (ACCUMULATE - 1) - fb)
     step = max(0.0, one - fb - batch - up)
