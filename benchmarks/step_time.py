@@ -277,16 +277,21 @@ def main(
             same = [c for c in chosen if c.world == world]
             rows += run_gloo(_measure, world, dataclasses.replace(spec, cases=same))[0]
     cal = machine.calibration or {}
+    rates = cal.get("training_tflops", {}).get(str(DTYPES[precision]).removeprefix("torch."), {})
+    loop = cal.get("loop_s", {})
+    calls = cal.get("functional_call_s", {}).get(2, 0.0)
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
         f"(FFN {expert_intermediate_size}, uniform routing), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M "
         f"parameters, {precision}; global batch {global_batch} x {seq_len} tokens in micro-batches of {micro_batch}; "
         f"2 gloo processes on {os.cpu_count()} CPU cores, 1 torch thread each; median of {steps} optimizer steps "
         f"after {warmup} warm-up steps, {rounds} interleaved rounds.\n\n"
-        f"Machine: `mula calibrate --devices 2` on this host (measured {cal.get('measured_at')}): the model's "
-        f"matmuls at {1e3 * cal.get('model_tflops', {}).get('float32', 0):.1f} (fp32) / "
-        f"{1e3 * cal.get('model_tflops', {}).get('bfloat16', 0):.1f} (bf16) GFLOP/s per rank; every collective "
-        f"priced by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
+        f"Machine: `mula calibrate --devices 2` on this host (measured {cal.get('measured_at')}): a block's "
+        f"forward + backward at {1e3 * rates.get('step', 0):.1f} GFLOP/s per rank ({precision}), the LM head's "
+        f"at {1e3 * rates.get('head_step', 0):.1f}; elementwise {cal.get('elementwise_gbps', 0):.1f} GB/s; the "
+        f"loop's fixed {1e3 * loop.get('step', 0):.1f} ms per step and {1e3 * loop.get('batch', 0):.1f} ms per "
+        f"micro-batch; a functional collective {1e3 * calls:.2f} ms between computes; every collective priced "
+        f"by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
     )
     text = header + "\n\n" + table(rows, config, spec, machine)
     print(text)
