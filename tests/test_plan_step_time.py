@@ -231,3 +231,13 @@ def test_gradient_reduction_overlaps_backward_on_accelerators_only() -> None:
     xpu = step_time(TINY, layout.replace(device_type="xpu"), machine, 16)
     assert xpu.grad_sync_s == pytest.approx(max(0.0, whole - xpu.compute_s * 2 / 3 / layout.micro_batches))
     assert xpu.grad_sync_s < cpu.grad_sync_s
+
+
+def test_an_offloaded_update_leaves_the_device_pass() -> None:
+    """With optimizer offload only the device-resident tail buckets' shard goes through the device's
+    AdamW pass (the host updates the rest during backward)."""
+    layout = SMALL.replace(offload=True, offload_tail_buckets=0)
+    plan = plan_memory(TINY, layout)
+    assert plan.optimizer == 0
+    assert update_bytes(TINY, layout) == plan.grads  # the gradient buffer is still zeroed
+    assert update_bytes(TINY, layout) < update_bytes(TINY, SMALL)

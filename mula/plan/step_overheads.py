@@ -7,7 +7,9 @@ update's elementwise passes and the training loop's fixed work per step and per 
   torch's fused AdamW reads master weights, gradient, exp_avg and exp_avg_sq and writes master,
   exp_avg and exp_avg_sq (fp32, the gradient in its reduce dtype), the gather copies the new master
   shard into the parameters' flat buffer (fp32 read, parameters' dtype written), and `zero_grad`
-  writes the whole gradient buffer (full buckets under ZeRO-1, the shard under ZeRO-2). Replicated
+  writes the whole gradient buffer (full buckets under ZeRO-1, the shard under ZeRO-2); with optimizer
+  offload only the buckets whose state stays on the device count (the host's update overlaps backward,
+  docs/offload.md, and is not priced). Replicated
   torch AdamW: the same passes over every local parameter in the parameters' dtype (its gradients are
   freed, not zeroed). Priced at the calibrated elementwise bandwidth (`mula calibrate`); a machine file
   without one leaves the update out (it is a few milliseconds at HBM bandwidth).
@@ -38,11 +40,13 @@ def update_bytes(config: MulaConfig, layout: Layout) -> float:
     (module docstring)."""
     worst = 0.0
     for held in layout.stage_holdings(config):
-        _, tensors, grads, _, _, _, state = stage_state(
+        _, tensors, grads, device_state, _, _, _ = stage_state(
             config, layout, tuple(held.blocks), held.first, held.last
         )
         if layout.shard_optimizer:
-            n = state // 12  # fp32 master + exp_avg + exp_avg_sq of the owned shard
+            # fp32 master + exp_avg + exp_avg_sq of the owned shard on the device (with offload, the
+            # tail buckets': the host updates the rest during backward, docs/offload.md)
+            n = device_state // 12
             rb = layout.reduce_bytes
             moved = n * (rb + _ADAMW_FP32_WORDS * 4 + rb + 4 + layout.param_bytes) + grads
         else:
