@@ -414,7 +414,7 @@ def main(
         out.append(
             "No GPU was available for this run: GPU targets (1.3x grouped_mm, 70% of dense TFLOP/s) "
             "are unmeasured; Triton kernels were verified only through TRITON_INTERPRET=1 tests "
-            "and an ahead-of-time sm_90 compile."
+            "and ahead-of-time sm_90 and gfx90a compiles."
         )
     target = 1.5 if dev.type == "cpu" else 1.3  # the CPU and GPU targets
     summary = ["\nSummary (speedup of Mula as built over the fastest transformers implementation):\n"]

@@ -8,8 +8,8 @@ Per optimizer step (automatic optimization):
   therefore sees the same global mean loss and the same verdict: skip if anything was non-finite,
   or if the loss is a spike -- robust z-score ``(loss - median) / (1.4826 * MAD)`` over the last
   ``window`` accepted losses above ``zscore_threshold``;
-* a skipped step runs forward and backward but not the update: parameters and optimizer state stay
-  untouched (a strategy that owns the step, XPUMoEStrategy, is told with ``skip_optimizer_step``;
+* a skipped step runs forward and backward but not the update: parameters and optimizer state (and,
+  under XPUMoEStrategy, the router's balancing bias) stay untouched (a strategy that owns the step, XPUMoEStrategy, is told with ``skip_optimizer_step``;
   under other strategies the gradients are dropped, and torch optimizers skip parameters without one).
   Under XPUMoEStrategy the non-finite-gradient check is the strategy's flag, computed over the
   optimizer's gradient shards inside the global-norm all-reduce (a sharded optimizer keeps no ``.grad``). Lightning still counts the

@@ -298,7 +298,10 @@ class MulaLightningModule(L.LightningModule):
         self._step_counts = None
         named = list(iter_moe_layers(self.model))
         layers = [layer for _, layer in named]
-        if self.config.router_bias_update_rate > 0:
+        # a skipped step leaves every piece of trained state as it was, the balancing bias included
+        # (strategies without a skip verdict never skip)
+        skipped = self._trainer is not None and getattr(self.trainer.strategy, "update_skipped", False)
+        if self.config.router_bias_update_rate > 0 and not skipped:
             rate = self.config.router_bias_update_rate
             # each layer's row from its global block index ("layers.<i>.mlp"): a pipeline stage holds
             # only some blocks, and the dense first blocks have no row

@@ -94,19 +94,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "expert_intermediate_size": 1536, "num_layers": 64,
     },
     # The dense GPT shapes Frontier trained with tensor, pipeline and data parallelism (arXiv 2312.12705,
-    # "Optimizing Distributed Training on Frontier for Large Language Models"; shapes as issue 24 quotes
-    # them): 175B = GPT-3's 96 layers, hidden 12,288, 96 heads; 1T = 128 layers, hidden 25,600, 160 heads.
+    # "Optimizing Distributed Training on Frontier for Large Language Models", Dash et al.): 175B = GPT-3's
+    # 96 layers, hidden 12,288, 96 heads; 1T = 128 layers, hidden 25,600, 160 heads (the shapes issue 24
+    # quotes from the paper). 22B: the paper's own table could not be read from this workspace (only its
+    # abstract is reachable), so it is Megatron-LM's 22B GPT (48 layers, hidden 6,144, 64 heads; Korthikanti
+    # et al., arXiv 2205.05198, its table of evaluated models; as calculon's models/megatron-22B.json) -- the same family the 1T
+    # shape is (that table's 1T is 128 x 25,600 x 160): check it against the paper's table when reachable.
     # Mula's blocks are SwiGLU: intermediate_size = 8h/3 keeps GPT's 8h^2 MLP weights per layer (rounded
     # down to a multiple of 8 for the 1T, so that T = 8 splits it). Non-parametric LayerNorm, no QK-norm,
     # untied head, as mula-1b. Vocabulary and context: GPT-3's 2,048 tokens and Megatron's GPT-2 BPE
-    # vocabulary padded to 51,200 -- not yet checked against the Frontier paper's own values.
+    # vocabulary padded to 51,200 (Megatron-LM's GPT models, arXiv 2104.04473 and 2205.05198) -- the
+    # Frontier paper's own values not checked here, for the same reason.
     **{
         name: {
             **_OLMOE, "name": name, "vocab_size": 51200, "max_position_embeddings": 2048, "norm": "layernorm",
             "qk_norm": False, "num_experts": 0, "num_layers": layers, "hidden_size": hidden,
             "num_heads": heads, "intermediate_size": 8 * hidden // 3 // 8 * 8,
         }
-        for name, layers, hidden, heads in (("mula-gpt-175b", 96, 12288, 96), ("mula-gpt-1t", 128, 25600, 160))
+        for name, layers, hidden, heads in (
+            ("mula-gpt-22b", 48, 6144, 64),
+            ("mula-gpt-175b", 96, 12288, 96),
+            ("mula-gpt-1t", 128, 25600, 160),
+        )
     },
     # The DeepSeek-V3 family (docs/models.md). A tiny test shape: every feature on (MLA with a q latent,
     # a dense first block, one shared expert, sigmoid routing over 4 groups of which 2, scaling, bias).

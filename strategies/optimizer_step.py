@@ -140,6 +140,12 @@ class OptimizerSteps:
         self._skip_reason = None
         return closure_loss
 
+    @property
+    def update_skipped(self) -> bool:
+        """Whether this step's update is skipped (a non-finite gradient or a callback's veto). Final for
+        the module's own `on_before_optimizer_step`, which runs after every callback's."""
+        return self._skip_reason is not None
+
     def skip_optimizer_step(self, reason: str) -> None:
         """Veto this step's update (from an `on_before_optimizer_step` hook, on every rank alike): the
         parameters and optimizer state stay as they are, the gradients are dropped. The caller

@@ -4,8 +4,8 @@ A bf16 overflow in backward gives exactly this: one expert weight's gradient is 
 while every loss is finite. With the sharded optimizer the gradients live in its buffers (`p.grad` is
 None), so the check must be the optimizer's: a non-finite flag carried by the global-norm all-reduce.
 On 2 gloo ranks, for the sharded optimizer (E=2), the unsharded AdamW path and pipeline stages (P=2):
-the step is skipped on every rank, no weight or optimizer state changes, the skip is logged, and the
-following steps train normally. Without AnomalyGuard the strategy skips the step by itself and says so.
+the step is skipped on every rank, no weight, router balancing bias or optimizer state changes, the skip
+is logged, and the following steps train normally. Without AnomalyGuard the strategy skips the step by itself and says so.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from strategies import XPUMoEStrategy
 MICRO, SEQ, MICROS_PER_STEP, STEPS, BAD_STEP = 2, 16, 2, 8, 5
 OVERRIDES = dict(
     vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
-    expert_intermediate_size=32, max_position_embeddings=64,
+    expert_intermediate_size=32, max_position_embeddings=64, router_bias_update_rate=0.01,
 )  # fmt: skip
 EXPERT = "model.layers.0.mlp.experts.gate_up"  # on rank 0 in every layout (stage 0 holds block 0)
 
@@ -83,6 +83,8 @@ class _Recorder(L.Callback):
             opt.wait_for_params()
         step = trainer.global_step
         self.params[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        # the loss-free balancing bias is state the step updates too: a skipped step must leave it
+        self.params[step] |= {n: b.clone() for n, b in pl_module.named_buffers() if n.endswith("router.bias")}
         self.losses[step] = float(outputs["loss"])
         state = opt.steps_done if hasattr(opt, "steps_done") else _adam_steps(opt)
         self.optimizer_steps[step] = state

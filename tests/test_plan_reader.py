@@ -84,6 +84,13 @@ def test_paper_recipe_header_commands_read_alike(name, monkeypatch):
     assert_read_alike(argv + ["--search", "--scaling_nodes=[64, 128]", "--format", "json"], monkeypatch)
 
 
+@pytest.mark.parametrize("path", sorted((RECIPES / "long-context").glob("*.yaml")), ids=lambda p: p.stem)
+def test_long_context_recipe_header_commands_read_alike(path, monkeypatch):
+    """The long-context recipes include a paper recipe from a subdirectory (`config: ../...`)."""
+    monkeypatch.chdir(ROOT)
+    assert_read_alike(header_command(path.read_text(), "mula plan"), monkeypatch)
+
+
 FILES = {
     "base.yaml": """
         trainer:

@@ -48,6 +48,7 @@ def test_search_tries_tensor_parallel_sizes_the_strategy_runs() -> None:
             if (lay.tp_size, lay.sequence_parallel, lay.micro_batch, lay.checkpointing, lay.ep_size, lay.pp_size)
             == (t, row["SP"], row["micro_batch"], row["checkpointing"], row["E"], row["P"])
             and (lay.precision == "bf16-true") == row["bf16_weights"] and lay.zero_stage == row["zero_stage"]
+            and (lay.cp_size, lay.offload) == (row["C"], row["offload"])
         ]  # fmt: skip
         assert round(plan_memory(inputs.config, match[0]).total / 1e9, 2) == row["total_gb"]
 
@@ -60,7 +61,11 @@ def test_search_offers_tensor_parallelism_for_moe_models() -> None:
     assert any(lay.tp_size > 1 and lay.ep_size > 1 for lay in layouts)
 
 
-FRONTIER_RECIPES = {"mula-gpt-175b": (175.2, 128), "mula-gpt-1t": (1009.2, 384)}  # billions, nodes
+FRONTIER_RECIPES = {
+    "mula-gpt-22b": (22.4, 32),
+    "mula-gpt-175b": (175.2, 128),
+    "mula-gpt-1t": (1009.2, 384),
+}  # billions, nodes
 
 
 def test_frontier_machine_and_dense_gpt_presets() -> None:
@@ -68,6 +73,7 @@ def test_frontier_machine_and_dense_gpt_presets() -> None:
     frontier = load_machine("frontier")
     assert (frontier.tiles_per_node, frontier.memory_per_tile_gb, frontier.peak_bf16_tflops) == (8, 64, 191.5)
     for name, (layers, hidden, heads) in {
+        "mula-gpt-22b": (48, 6144, 64),
         "mula-gpt-175b": (96, 12288, 96),
         "mula-gpt-1t": (128, 25600, 160),
     }.items():

@@ -16,6 +16,8 @@ RECIPES = ROOT / "recipes"
 MODEL_RECIPES = sorted(RECIPES.glob("mula-*.yaml"))
 PAPER = ["mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"]
 STRATEGIES = sorted((RECIPES / "strategies").glob("*.yaml"))
+# the dense GPT shapes of Frontier's 3D-parallel study (arXiv 2312.12705), on frontier.yaml's GCDs
+FRONTIER = sorted((RECIPES / "frontier").glob("*.yaml"))
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +47,7 @@ def test_all_recipe_files_are_covered():
     assert {p.name for p in (RECIPES / "strategies").glob("*.yaml")} >= {"ddp.yaml"}
     assert list((RECIPES / "datasets").glob("*.yaml"))
     assert {p.name for p in (RECIPES / "base").glob("*.yaml")} == {"run.yaml", "paper.yaml", "tiny.yaml"}
+    assert {p.stem for p in FRONTIER} == {"mula-gpt-22b", "mula-gpt-175b", "mula-gpt-1t"}
 
 
 def _including_files() -> list[Path]:
@@ -71,7 +74,7 @@ def test_paper_recipe_holds_only_its_differences(name):
     assert set(doc) <= allowed, set(doc) - allowed
 
 
-@pytest.mark.parametrize("recipe", MODEL_RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", MODEL_RECIPES + FRONTIER, ids=lambda p: p.stem)
 def test_model_recipe_instantiates_without_building_the_model(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative run/data paths stay in the sandbox
     cli = probe(recipe)
@@ -205,4 +208,98 @@ def test_paper_recipe_header_layout_fits_as_planned(name, capsys, monkeypatch):
     launcher = {"--trainer.num_nodes=$NNODES", "--trainer.accelerator=xpu", "--trainer.devices=12"}
     assert [a for a in fit_args if a not in launcher] == [
         a for a in plan_args if a not in ("--machine=aurora", "--nodes=32")
+    ]
+
+
+@pytest.mark.parametrize("recipe", FRONTIER, ids=lambda p: p.stem)
+def test_frontier_recipe_header_layout_fits_as_planned(recipe, capsys, monkeypatch):
+    """Each Frontier recipe's header names its T x P x D layout and the `mula plan` command that prices
+    it on frontier.yaml: the plan fits the 64 GB GCD with at least 10 GB free (the rule the layouts were
+    chosen by, docs/scaling.md), with the header's numbers, and the strategy the recipe builds is the
+    header's layout with T inside a node."""
+    import json
+    import re
+
+    from mula.entry import main as mula_command
+
+    monkeypatch.chdir(ROOT)
+    text = recipe.read_text()
+    mula_command(["plan", *header_command(text, "mula plan"), "--format=json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["device_bytes"] == 64 * 10**9
+    assert plan["device_bytes"] - plan["per_rank_bytes"]["total"] >= 10 * 10**9
+    said = re.search(r"Planned on (\d+) Frontier nodes: ([\d.]+) GB per rank, ([\d.]+) s per step", text)
+    assert said, "the header states the planned memory and step time"
+    assert float(said.group(2)) == round(plan["per_rank_bytes"]["total"] / 1e9, 1)
+    assert float(said.group(3)) == round(plan["step_time_s"], 2)
+    layout = re.search(r"\((\d+) nodes, ([\d,]+) GCDs\): T=(\d+) .* D=(\d+) data-parallel", text, re.S)
+    nodes, gcds, t, d = (
+        int(layout.group(1)),
+        int(layout.group(2).replace(",", "")),
+        *map(int, layout.group(3, 4)),
+    )
+    stages = re.search(r"P=(\d+) pipeline stages", text)
+    p = int(stages.group(1)) if stages else 1
+    assert nodes == int(said.group(1)) and gcds == 8 * nodes == plan["layout"]["world_size"] == t * p * d
+    init = yaml.safe_load(text)["trainer.strategy"]["init_args"]
+    assert (init["tensor_parallel_size"], init.get("pipeline_parallel_size", 1)) == (t, p) and t <= 8
+
+
+LONG_CONTEXT = {  # recipe -> (tokens per sequence, nodes it is planned on)
+    "mula-7b-a1b-32k": (32768, 32),
+    "mula-7b-a1b-128k": (131072, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_CONTEXT))
+def test_long_context_recipe_parses_with_positions_for_its_sequences(name, tmp_path, monkeypatch):
+    """The long-context recipes instantiate; RoPE reaches their sequences (max positions, a raised base) and
+    a step holds the paper's 3072 x 2048 tokens."""
+    monkeypatch.chdir(tmp_path)
+    cli = probe(RECIPES / "long-context" / f"{name}.yaml")
+    config, data = cli.model.config, cli.datamodule
+    seq, _ = LONG_CONTEXT[name]
+    assert config.name == "mula-7b-a1b" and data.seq_len == seq == config.max_position_embeddings
+    assert config.rope_theta == 500000.0 and config.router_aux_loss_coef == 0.01  # paper.yaml's kept
+    assert data.seq_len * data.global_batch_size == 3072 * 2048 and data.micro_batch_size == 1
+    assert cli.trainer.default_root_dir.endswith(str(Path("runs", name)))
+    assert cli.trainer.max_steps * data.seq_len * data.global_batch_size == pytest.approx(100e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", list(LONG_CONTEXT))
+def test_long_context_recipe_header_is_the_searched_layout_and_fits(name, capsys, monkeypatch):
+    """The header's `mula plan` command fits the 64 GB tile and the node's host memory with the header's
+    numbers, its layout is the first row `--search` lists for it, and the `mula fit` command uses the same
+    files and overrides."""
+    import json
+    import re
+
+    from mula.entry import main as mula_command
+
+    monkeypatch.chdir(ROOT)
+    text = (RECIPES / "long-context" / f"{name}.yaml").read_text()
+    plan_args = header_command(text, "mula plan")
+    mula_command(["plan", *plan_args, "--search", "--format=json"])
+    plan = json.loads(capsys.readouterr().out)
+    _, nodes = LONG_CONTEXT[name]
+    assert plan["fits"] and plan["host_fits"] and plan["device_bytes"] == 64 * 10**9
+    assert plan["layout"]["world_size"] == nodes * 12 and plan["layout"]["cp_size"] > 1
+    said = re.search(
+        rf"Planned on {nodes} Aurora nodes \({nodes * 12} tiles\): ([\d.]+) GB per rank .*?host ([\d.]+) GB per "
+        r"node .*?, ([\d.]+) s per step",
+        text,
+        re.S,
+    )
+    assert said, "the header states the planned device and host memory and step time"
+    assert float(said.group(1)) == round(plan["per_rank_bytes"]["total"] / 1e9, 1)
+    assert float(said.group(2)) == round(plan["host_bytes_per_node"] / 1e9, 1)
+    assert float(said.group(3)) == round(plan["step_time_s"], 2)
+    best, lay = plan["search"][0], plan["layout"]
+    assert (best["E"], best["P"], best["T"], best["C"], best["micro_batch"], best["checkpointing"],
+            best["zero_stage"], best["bf16_weights"], best["offload"]) == (
+        lay["ep_size"], lay["pp_size"], lay["tp_size"], lay["cp_size"], lay["micro_batch"], lay["checkpointing"],
+        lay["zero_stage"], lay["precision"] == "bf16-true", lay["offload"])  # fmt: skip
+    fit_args = header_command(text, "mpiexec -n $((NNODES * 12)) --ppn 12 mula fit")
+    assert [a for a in fit_args if a != "--trainer.num_nodes=$NNODES"] == [
+        a for a in plan_args if a not in ("--machine=aurora", f"--nodes={nodes}")
     ]

@@ -36,8 +36,8 @@ PLAN_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "search": (
         bool,
         False,
-        "List the layouts (E, P, T and sequence parallelism, micro-batch, checkpointing, ZeRO stage, bf16 weights) "
-        "that fit, fastest first.",
+        "List the layouts (E, P, T and sequence parallelism, C (context parallelism), micro-batch, checkpointing, "
+        "ZeRO stage, bf16 weights, optimizer offload) that fit the device and the host, fastest first.",
     ),
     "scaling_nodes": (
         list[int] | None,
@@ -202,6 +202,8 @@ def layout_summary(layout: Layout) -> dict[str, Any]:
         "ep_size",
         "pp_size",
         "pp_schedule",
+        "tp_size",
+        "cp_size",
         "micro_batch",
         "seq_len",
         "micro_batches",
@@ -210,6 +212,7 @@ def layout_summary(layout: Layout) -> dict[str, Any]:
         "shard_optimizer",
         "zero_stage",
         "reduce_dtype",
+        "offload",
     )
     return {k: getattr(layout, k) for k in keys}
 
@@ -259,7 +262,10 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
     """The human-readable plan."""
     lay, per = inputs.layout, result["per_rank_bytes"]
     opt = (
-        f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype})"
+        f"sharded AdamW ZeRO-{lay.zero_stage} (reduce {lay.reduce_dtype}"
+        + (", state on the host" if lay.offload else "")
+        + (f", {lay.offload_tail_buckets} tail bucket(s) on the device" if lay.offload_tail_buckets else "")
+        + ")"
         if lay.shard_optimizer
         else "replicated AdamW"
     )

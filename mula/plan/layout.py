@@ -156,7 +156,11 @@ class Layout:
 def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
     """Refuse, with the sentence `mula fit` would stop with, a layout the strategy or the data module
     cannot run (`ParallelLayout.validate`): the stage split, the experts, ZeRO-2 under pipeline stages,
-    a global batch that does not split into whole micro-batches, too few micro-batches for the schedule."""
+    a global batch that does not split into whole micro-batches, too few micro-batches for the schedule,
+    a sequence the context-parallel ranks cannot split evenly."""
+    from mula.layout_rules import check_sequence_split
+
+    check_sequence_split(layout.seq_len, layout.cp_size)
     layout.parallel.validate(
         config,
         zero_stage=layout.zero_stage if layout.shard_optimizer else None,
