@@ -1,11 +1,12 @@
 """The planner's step time (`mula.plan.step_time`) against measured step times on this CPU host.
 
-First `mula calibrate --devices 2` measures this host at the benchmark model's shapes (matmul rates
-per rank with both ranks busy, and every collective's latency and bandwidth over message sizes; or
-`--calibration FILE` reads a machine file it wrote). The planner prices each layout with it: compute
-at the measured rate of the model's matmuls, each collective by its own alpha + beta * bytes curve
-times the calls the layout makes (`comm_volumes`' `*_calls`, checked against real runs in
-tests/test_plan_volumes.py).
+First `mula calibrate --devices 2` measures this host at the benchmark model's shapes (training rates
+per rank with both ranks busy, elementwise bandwidth, the training loop's fixed work, and every
+collective's latency and bandwidth over message sizes; or `--calibration FILE` reads a machine file it
+wrote). The planner prices each layout with it (`mula.plan.step_time.step_time`): compute at the
+measured rates, each collective by its own alpha + beta * bytes curve times the calls the layout makes
+(`comm_volumes`' `*_calls`, checked against real runs in tests/test_plan_volumes*.py), the optimizer
+update and the loop's fixed seconds.
 
 Then, in interleaved rounds (every layout once per round), a small MoE (uniform routing, the model's
 balanced-routing assumption) trains full optimizer steps of one global batch -- forward, backward,
@@ -17,7 +18,8 @@ Trainer and XPUMoEStrategy as `mula fit` trains (a step: from one optimizer step
   E=2             expert parallelism (all-to-all dispatch), also with every block recomputed;
   P=2             two pipeline stages, 1F1B and GPipe;
   T=2             tensor parallelism (tokens split over the TP pair before routing), also with
-                  sequence parallelism.
+                  sequence parallelism;
+  C=2             Ulysses context parallelism (each rank holds half of every sequence).
 
 Each row: the planner's prediction (`step_time` with the measured machine), the measured seconds
 per step (slowest rank, median of the steps of each round; median [min-max] over rounds) and
@@ -54,7 +56,10 @@ from mula.plan.step_time import step_time
 from strategies import XPUMoEStrategy
 
 SECTION = "## step time"
-PARTS = ("compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s")
+PARTS = (
+    "compute_s", "all_to_all_s", "grad_sync_s", "param_gather_s", "pipeline_s", "tensor_parallel_s",
+    "context_parallel_s", "optimizer_s", "loop_s",
+)  # fmt: skip
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
 
 
@@ -71,6 +76,7 @@ class Case:
     checkpointing: Any = "none"
     tp: int = 1
     sp: bool = False
+    cp: int = 1
 
 
 CASES = [
@@ -83,6 +89,7 @@ CASES = [
     Case("P=2 gpipe", pp=2, schedule="gpipe"),
     Case("T=2", tp=2),
     Case("T=2, sequence parallel", tp=2, sp=True),
+    Case("C=2", cp=2),
 ]
 
 
@@ -158,7 +165,7 @@ def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
         os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(case.world), RANK=str(rank))
         strategy = XPUMoEStrategy(
             expert_parallel_size=case.ep, pipeline_parallel_size=case.pp, pipeline_schedule=case.schedule,
-            tensor_parallel_size=case.tp, sequence_parallel=case.sp,
+            tensor_parallel_size=case.tp, sequence_parallel=case.sp, context_parallel_size=case.cp,
             optimizer_options={"zero_stage": case.zero, "collectives": "native"},
         )  # fmt: skip
         if case.pp > 1:
@@ -170,9 +177,10 @@ def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[timer],
     )  # fmt: skip
-    # global rank = ((d * P + s) * E + e) * T + t: the data-parallel index is d * E + e
-    e = (rank // case.tp) % case.ep
-    d = rank // (case.tp * case.ep * case.pp)
+    # global rank = (((d * P + s) * E + e) * C + c) * T + t: the data-parallel index is d * E + e (the C
+    # context-parallel ranks read the same sequences, each keeping its 1/C)
+    e = (rank // (case.tp * case.cp)) % case.ep
+    d = rank // (case.tp * case.cp * case.ep * case.pp)
     trainer.fit(
         module, _Batches(spec, d * case.ep + e, layout.dp_size, case.pp > 1, module.config.vocab_size)
     )
@@ -194,13 +202,13 @@ def _measure(rank: int, world: int, spec: Spec) -> list[dict[str, Any]] | None:
 
 def layout_of(case: Case, spec: Spec) -> Layout:
     """The planner's layout of a case."""
-    dp = case.world // (case.pp * case.tp)
+    dp = case.world // (case.pp * case.tp * case.cp)
     return Layout(
         world_size=case.world, ep_size=case.ep, pp_size=case.pp, pp_schedule=case.schedule,
         micro_batch=spec.micro_batch, seq_len=spec.seq_len,
         micro_batches=micro_batches_per_step(spec.global_batch, dp, spec.micro_batch), precision=spec.precision,
         checkpointing=case.checkpointing, shard_optimizer=True, zero_stage=case.zero, collectives="native",
-        tp_size=case.tp, sequence_parallel=case.sp,
+        tp_size=case.tp, sequence_parallel=case.sp, cp_size=case.cp,
     )  # fmt: skip
 
 
@@ -208,7 +216,7 @@ def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machine: M
     """Markdown table: predicted and measured seconds per step, their ratio per round, predicted parts."""
     lines = [
         "| layout | predicted s/step | measured s/step (median [min-max] of rounds) | measured / predicted | "
-        "predicted compute / all-to-all / grad / gather / pipeline ms |",
+        "predicted compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms |",
         "|---|---|---|---|---|",
     ]
     cases = {c.name: c for c in spec.cases}
@@ -239,9 +247,10 @@ def main(
     precision: str = "32-true",
     doc: str | None = None,
     calibration: str | None = None,
+    cases: list[str] | None = None,
 ) -> str:
     """Calibrate the host (`mula calibrate`, or read `calibration`, a machine file it wrote), then run every
-    layout in `rounds` interleaved rounds in one 2-process job."""
+    layout in `rounds` interleaved rounds in one 2-process job (`cases`: only the rows of these names)."""
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}.")
     overrides = dict(
@@ -250,8 +259,11 @@ def main(
         max_position_embeddings=max(seq_len, 64), routing_mode="uniform",
     )  # fmt: skip
     config = MulaConfig.from_name("mula-tiny-moe", **overrides)
-    spec = Spec(overrides, precision, CASES, global_batch, micro_batch, seq_len, steps, warmup)
-    for case in CASES:  # refuse, before any process starts, a case the strategy would refuse
+    chosen = [c for c in CASES if cases is None or c.name in cases]
+    if not chosen:
+        raise ValueError(f"no case named {cases}; the cases are: {', '.join(c.name for c in CASES)}.")
+    spec = Spec(overrides, precision, chosen, global_batch, micro_batch, seq_len, steps, warmup)
+    for case in chosen:  # refuse, before any process starts, a case the strategy would refuse
         check_runnable(config, layout_of(case, spec), global_batch)
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
     machine_file = Path(calibration) if calibration else Path(tempfile.mkdtemp()) / "this-host.yaml"
@@ -261,20 +273,25 @@ def main(
     machine = load_machine(str(machine_file))
     rows = []
     for _ in range(rounds):  # interleaved rounds: drift hits every layout; each world size its own job
-        for world in sorted({c.world for c in CASES}):
-            cases = [c for c in CASES if c.world == world]
-            rows += run_gloo(_measure, world, dataclasses.replace(spec, cases=cases))[0]
+        for world in sorted({c.world for c in chosen}):
+            same = [c for c in chosen if c.world == world]
+            rows += run_gloo(_measure, world, dataclasses.replace(spec, cases=same))[0]
     cal = machine.calibration or {}
+    rates = cal.get("training_tflops", {}).get(str(DTYPES[precision]).removeprefix("torch."), {})
+    loop = cal.get("loop_s", {})
+    calls = cal.get("functional_call_s", {}).get(2, 0.0)
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
         f"(FFN {expert_intermediate_size}, uniform routing), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M "
         f"parameters, {precision}; global batch {global_batch} x {seq_len} tokens in micro-batches of {micro_batch}; "
         f"2 gloo processes on {os.cpu_count()} CPU cores, 1 torch thread each; median of {steps} optimizer steps "
         f"after {warmup} warm-up steps, {rounds} interleaved rounds.\n\n"
-        f"Machine: `mula calibrate --devices 2` on this host (measured {cal.get('measured_at')}): the model's "
-        f"matmuls at {1e3 * cal.get('model_tflops', {}).get('float32', 0):.1f} (fp32) / "
-        f"{1e3 * cal.get('model_tflops', {}).get('bfloat16', 0):.1f} (bf16) GFLOP/s per rank; every collective "
-        f"priced by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
+        f"Machine: `mula calibrate --devices 2` on this host (measured {cal.get('measured_at')}): a block's "
+        f"forward + backward at {1e3 * rates.get('step', 0):.1f} GFLOP/s per rank ({precision}), the LM head's "
+        f"at {1e3 * rates.get('head_step', 0):.1f}; elementwise {cal.get('elementwise_gbps', 0):.1f} GB/s; the "
+        f"loop's fixed {1e3 * loop.get('step', 0):.1f} ms per step and {1e3 * loop.get('batch', 0):.1f} ms per "
+        f"micro-batch; a functional collective {1e3 * calls:.2f} ms between computes; every collective priced "
+        f"by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
     )
     text = header + "\n\n" + table(rows, config, spec, machine)
     print(text)
@@ -297,13 +314,17 @@ with a machine file `mula calibrate --devices 2` measured on it at the benchmark
 
 How to read it.
 
-- Every row is a prediction: compute at the calibrated training rate of the model (whole forward +
-  backward passes of a micro-batch with both ranks busy; the forward rate for recomputation), each
-  collective as calls x latency + bus bytes x inverse bandwidth from its own measured curve (the calls
-  and bytes of each layout checked against real runs in tests/test_plan_volumes.py), the pipeline
-  bubble, and the gradient reduction's overlap with the last micro-batch's backward.
-- A ratio above 1 is time the model leaves out: the optimizer update, Lightning's own work per step,
-  and anything the calibration's micro-benchmarks do not see in a real step.
+- Every row is a prediction: compute at the calibrated training rates (a block's, and the embedding,
+  LM head and loss's on the last stage; whole forward + backward passes of a micro-batch with both
+  ranks busy; the forward rate for recomputation), each collective as calls x latency + bus bytes x
+  inverse bandwidth from its own measured curve (the calls and bytes of each layout checked against
+  real runs in tests/test_plan_volumes.py and tests/test_plan_volumes_tp.py), tensor- and
+  context-parallel calls at the measured price of a functional collective between computes, the
+  pipeline bubble, the gradient reduction's overlap with the last micro-batch's backward, the
+  optimizer update's bytes at the elementwise bandwidth and the training loop's fixed seconds per step
+  and micro-batch (mula/plan/step_overheads.py).
+- A ratio above 1 is time the model leaves out; below 1, time it counts that the step does not spend.
+  The calibration and the benchmark run back to back, so both see the same load.
 """
 
 

@@ -97,6 +97,12 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
         assert all(seconds > 0 for _, seconds in entry["points"])
     assert machine.tiles_per_node == 2 and machine.peak_bf16_tflops > 0 and 0 < machine.compute_mfu <= 1
     assert set(cal["model_tflops"]) == {"float32", "bfloat16"}
+    # the rates of a block and of the rest, the update's bandwidth, the training loop's fixed seconds
+    for rates in cal["training_tflops"].values():
+        assert set(rates) == {"step", "forward", "head_step", "head_forward"} and min(rates.values()) > 0
+    assert cal["elementwise_gbps"] > 0 and set(cal["loop_s"]) == {"step", "batch"}
+    assert min(cal["loop_s"].values()) >= 0 and cal["loop_s"]["step"] + cal["loop_s"]["batch"] > 0
+    assert set(cal["functional_call_s"]) == {2} and cal["functional_call_s"][2] >= 0  # the TP/CP call price
     plan = _mula("plan", "-c", str(ROOT / "recipes/mula-tiny-moe.yaml"), "--trainer.devices=2",
                  "--trainer.strategy=strategies.XPUMoEStrategy", "--trainer.strategy.init_args.expert_parallel_size=2",
                  f"--machine={out}", cwd=ROOT)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The step-time model's tensor-parallel volumes against the bytes real runs hand to the collectives.
+"""The step-time model's tensor-parallel volumes against the bytes real runs hand to the collectives
+(and the context-parallel group's calls against the functional collectives a real run issues).
 
 4 gloo CPU ranks train the tiny dense model with `XPUMoEStrategy(tensor_parallel_size=T,
 sequence_parallel=...)` under Lightning's Trainer, one optimizer step of two accumulated micro-batches:
@@ -38,6 +39,11 @@ RMS = dict(
     max_position_embeddings=64, norm="rmsnorm", qk_norm=True,
 )  # fmt: skip
 TINY = dict(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=64)
+# an MoE model (uniform routing): its layers route 1/T of the tokens, the router losses summed over TP
+MOE = dict(
+    RMS, num_experts=4, top_k=2, expert_intermediate_size=32, routing_mode="uniform", num_dense_layers=1,
+    num_layers=3,
+)  # fmt: skip
 # name: (overrides, T, sequence parallel, checkpointing, precision)
 LAYOUTS = {
     "T=2": (RMS, 2, False, "none", "32-true"),
@@ -52,7 +58,13 @@ LAYOUTS = {
         "full",
         "bf16-mixed",
     ),
+    "T=2 MoE": (MOE, 2, False, "none", "32-true"),
+    "T=2 SP MoE, moe recomputed": (MOE, 2, True, ["moe"], "32-true"),
 }
+
+
+# the functional ops that are collectives (not `wait_tensor` nor the autograd wrappers)
+COLLECTIVE_OPS = ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 class FunctionalCollectiveMeter(TorchDispatchMode):
@@ -80,6 +92,8 @@ class FunctionalCollectiveMeter(TorchDispatchMode):
                 self.bytes += nbytes * (args[1] - 1)
             elif name == "reduce_scatter_tensor":
                 self.bytes += nbytes * (args[2] - 1) / args[2]
+            elif name == "all_to_all_single":  # Ulysses' (context parallelism): calls only, not TP bytes
+                pass
             elif name != "wait_tensor" and not name.startswith("_wrap"):
                 raise AssertionError(f"uncounted functional collective {func}")
             self.calls[name] += 1
@@ -132,7 +146,11 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
             callbacks=[_Window(meter, collectives)], precision=precision,
         )  # fmt: skip
         trainer.fit(module, _Micro(rank // tp, overrides["vocab_size"]))
-        out[name] = {"tensor_parallel": meter.bytes, "grad_reduce": collectives.bytes.get("grad_reduce", 0.0)}
+        out[name] = {
+            "tensor_parallel": meter.bytes,
+            "tensor_parallel_calls": sum(n for k, n in meter.calls.items() if k in COLLECTIVE_OPS),
+            "grad_reduce": collectives.bytes.get("grad_reduce", 0.0),
+        }
     return out
 
 
@@ -160,7 +178,59 @@ def test_tensor_parallel_volumes_match_the_bytes_sent(measured, name: str) -> No
         assert volumes.grad_reduce == pytest.approx(got["grad_reduce"], rel=1e-9), (rank, got)
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_calls_match_the_collectives_issued(measured, name: str) -> None:
+    """The calls the model prices at the all-reduce's latency: every functional collective DTensor and
+    the MoE layer's token split issue, forward, backward, recomputed forward and the partial gradients'
+    sums (a lost per-layer call, a per-micro-batch count taken per step, fail it)."""
+    volumes = _volumes(name)
+    for rank, runs in enumerate(measured):
+        assert volumes.tensor_parallel_calls == runs[name]["tensor_parallel_calls"], (rank, runs[name])
+
+
 def test_the_layouts_move_different_bytes(measured) -> None:
     """Not vacuous: every layout moves tensor-parallel bytes, each a different amount."""
     sent = [measured[0][name]["tensor_parallel"] for name in LAYOUTS]
     assert all(s > 0 for s in sent) and len(set(sent)) == len(LAYOUTS)
+
+
+# context parallelism over 2 of the ranks (DP = 2) of the MoE model: its functional collectives
+CP_LAYOUTS = {"C=2 MoE": "none", "C=2 MoE, moe recomputed": ["moe"]}
+
+
+def _measure_cp(rank: int, world: int) -> dict[str, int]:
+    from mula.module import MulaLightningModule
+
+    lightning_env(rank, world)
+    collectives = CollectiveMeter(32)
+    collectives.install()
+    out = {}
+    for name, ckpt in CP_LAYOUTS.items():
+        meter = FunctionalCollectiveMeter()
+        strategy = XPUMoEStrategy(context_parallel_size=2, shard_optimizer=False)
+        torch.manual_seed(0)
+        module = MulaLightningModule(
+            "mula-tiny-dense", overrides=MOE, decay_steps=10, activation_checkpointing=ckpt
+        )
+        trainer = cpu_trainer(
+            world, strategy, max_steps=1, accumulate_grad_batches=MICROS,
+            callbacks=[_Window(meter, collectives)], precision="32-true",
+        )  # fmt: skip
+        trainer.fit(module, _Micro(rank // 2, MOE["vocab_size"]))
+        out[name] = sum(n for k, n in meter.calls.items() if k in (*COLLECTIVE_OPS, "all_to_all_single"))
+    return out
+
+
+def test_context_parallel_calls_match_the_collectives_issued() -> None:
+    """Ulysses' all-to-alls and the router-loss totals' all-gathers and reduce-scatters: every
+    functional collective a C = 2 MoE step issues, the forward recomputed or not."""
+    measured = run_distributed(_measure_cp, WORLD)
+    for name, ckpt in CP_LAYOUTS.items():
+        layout = Layout(
+            world_size=WORLD, cp_size=2, micro_batch=B, seq_len=SEQ, micro_batches=MICROS,
+            checkpointing=ckpt, shard_optimizer=False, collectives="rooted",
+        )  # fmt: skip
+        (volumes,) = comm_volumes(resolve_config("mula-tiny-dense", MOE), layout)
+        assert volumes.context_parallel_calls > 0
+        for rank, runs in enumerate(measured):
+            assert volumes.context_parallel_calls == runs[name], (rank, name, runs[name])

@@ -12,9 +12,12 @@ import torch.distributed as dist
 
 from mula.calibrate.command import DTYPES, Settings, host_description, now, write_machine_file
 from mula.calibrate.fit import fit_curve
+from mula.calibrate.loop import loop_seconds
 from mula.calibrate.measure import (
     COLLECTIVES,
+    TRAINING_RATES,
     elementwise_gbps,
+    functional_call_seconds,
     matmul_shapes,
     matmul_tflops,
     peak_tflops,
@@ -103,10 +106,12 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
         )
         bar.update(1)
     local["elementwise_gbps"] = elementwise_gbps(device, 1 << 24, settings.reps)
+    local["loop_s"] = loop_seconds()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, local)
 
     curves: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    calls: dict[int, float] = {}  # a functional collective's seconds between computes, per group size
     for scope, sized in groups.items():
         for g, ranks in sized.items():
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
@@ -125,16 +130,22 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
                 synchronize(device)
                 dist.barrier()
                 bar.update(1)
+            if scope == "intra" and rank in ranks:  # TP and CP groups stay in a node
+                seconds = functional_call_seconds(group, device, settings.reps)
+                if rank == ranks[0]:
+                    calls[g] = seconds
+            dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, curves)
+    dist.all_gather_object(gathered, (curves, calls))
     bar.close()
     if rank == 0:
         merged: dict[str, Any] = {}
-        for part in gathered:
+        functional = {g: s for _, sized_calls in gathered for g, s in sized_calls.items()}
+        for part, _ in gathered:
             for scope, kinds in part.items():
                 for kind, sized in kinds.items():
                     merged.setdefault(scope, {}).setdefault(kind, {}).update(sized)
-        _write(settings, every, merged, hosts, backend, device, shapes, counts)
+        _write(settings, every, merged, functional, hosts, backend, device, shapes, counts)
 
 
 def _bar(total: int, enabled: bool) -> Any:
@@ -147,6 +158,7 @@ def _write(
     settings: Settings,
     every: list[dict[str, Any]],
     curves: dict[str, Any],
+    functional: dict[int, float],
     hosts: list[str],
     backend: str,
     device: torch.device,
@@ -184,13 +196,19 @@ def _write(
         "tokens_per_micro_batch": settings.micro_batch * settings.seq_len,
         "matmul_tflops": matmul,
         "model_tflops": {d: round(v, 6) for d, v in model.items()},
-        # the whole forward + backward (and the forward alone) of a micro-batch, per rank, all ranks busy
+        # forward + backward (and the forward alone) of a micro-batch, per rank, all ranks busy: of a
+        # block, and of the rest (embedding, LM head, loss)
         "training_tflops": {
-            d: {k: round(min(r[d + "_training"][k] for r in every), 6) for k in ("step", "forward")}
+            d: {k: round(min(r[d + "_training"][k] for r in every), 6) for k in TRAINING_RATES}
             for d in DTYPES
         },
+        # the training loop's fixed seconds per optimizer step and per micro-batch (mula.calibrate.loop)
+        "loop_s": {k: round(statistics.median(r["loop_s"][k] for r in every), 6) for k in ("step", "batch")},
         "elementwise_gbps": round(statistics.median(r["elementwise_gbps"] for r in every), 3),
         "error_band": round(max(errors), 4),
+        # per group size inside a node: a small functional collective's seconds between computes (the
+        # tensor- and context-parallel calls' price, mula.calibrate.measure.functional_call_seconds)
+        "functional_call_s": {g: round(s, 7) for g, s in sorted(functional.items())},
         "collectives": curves,
     }
     write_machine_file(settings, machine, calibration)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from mula.config import MulaConfig
 
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv")
+# `training_tflops`' rates: a block's forward + backward and forward, and the rest of the model's
+TRAINING_RATES = ("step", "forward", "head_step", "head_forward")
 # torch >= 2.10 names the tensor collectives *_single (as strategies/optim/grad_reduce.py uses them)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,6 +45,23 @@ def _best_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _busy_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """The median time of `fn` with every rank of the job running it at once (a barrier before each
+    repetition): a rate for ranks that share the device's memory, caches or cores, as training's do.
+    The median, not the best: the best is a repetition the other ranks happened not to disturb."""
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_shapes(config: MulaConfig, tokens: int) -> dict[str, tuple[int, int, int]]:
@@ -182,28 +201,92 @@ def time_collective(
 def training_tflops(
     config: MulaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, reps: int
 ) -> dict[str, float]:
-    """The model's effective TFLOP/s on one micro-batch: `step` (forward + backward, the loss and router
-    losses included) and `forward` alone, counted with `MulaConfig.flops_per_token` (a forward is a
-    third of it), so everything that is not a matmul (norms, rotary, softmax, routing, permutation,
-    the loss) is in the rate. At most two blocks past the dense ones are built: the rate is per block."""
+    """The model's effective TFLOP/s on one micro-batch, counted with `MulaConfig.flops_per_token`'s
+    terms, so everything that is not a matmul (norms, rotary, softmax, routing, permutation, the loss) is
+    in the rate: `step` (forward + backward) and `forward` (a third of the FLOPs) of the blocks, and
+    `head_step` / `head_forward` of the rest (final norm, LM head and loss, at the LM head's FLOPs).
+    The rest is timed on its own (on hidden states); a model of two blocks past the dense ones less the
+    rest gives the blocks (the embedding lookup, no matmul, rides with them). Every rank of the job
+    times together (`_busy_time`)."""
     from mula.model import Mula
 
-    keep = min(config.num_layers, config.num_dense_layers + 2)
-    small = dataclasses.replace(config, num_layers=keep)
+    tokens = micro_batch * seq_len
+    small = dataclasses.replace(config, num_layers=min(config.num_layers, config.num_dense_layers + 2))
     torch.manual_seed(0)
     model = Mula(small).to(device=device, dtype=dtype)
     ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
-    flops = float(small.flops_per_token(seq_len)) * micro_batch * seq_len
+    hidden = torch.randn(
+        micro_batch, seq_len, small.hidden_size, device=device, dtype=dtype, requires_grad=True
+    )
 
     def loss() -> torch.Tensor:
         out = model(ids[:, :-1])
         ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
         return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
 
-    def step() -> None:
-        loss().backward()
-        model.zero_grad(set_to_none=True)
+    def head_loss() -> torch.Tensor:
+        logits = model.lm_head(model.norm(hidden))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
-    with torch.no_grad():
-        forward = _best_time(loss, device, reps)
-    return {"step": flops / _best_time(step, device, reps) / 1e12, "forward": flops / 3 / forward / 1e12}
+    def step(fn=loss) -> None:
+        fn().backward()
+        model.zero_grad(set_to_none=True)
+        hidden.grad = None
+
+    # the forward as activation checkpointing reruns it: recording for backward (its graph and saved
+    # tensors), not under no_grad
+    seconds = {
+        "forward": _busy_time(loss, device, reps),
+        "head_forward": _busy_time(head_loss, device, reps),
+        "step": _busy_time(step, device, reps),
+        "head_step": _busy_time(lambda: step(head_loss), device, reps),
+    }
+    core = 6 * config.attention_core_width * seq_len
+    blocks = sum(6 * config.layer_matmul_params(i) + core for i in range(small.num_layers)) * tokens
+    head = 6 * config.vocab_size * config.hidden_size * tokens
+    out = {}
+    for name, third in (("step", 1), ("forward", 3)):
+        whole = (blocks + head) / third / seconds[name]
+        rest, body = seconds["head_" + name], seconds[name] - seconds["head_" + name]
+        # a loaded host can leave the blocks no time of their own: then both at the whole model's rate
+        ok = body > 0
+        out[name] = (blocks / third / body if ok else whole) / 1e12
+        out["head_" + name] = (head / third / rest if ok else whole) / 1e12
+    return out
+
+
+def functional_call_seconds(
+    group: Any, device: torch.device, reps: int, calls: int = 16, numel: int = 4096, width: int = 256
+) -> float:
+    """Seconds one small functional all-reduce (torch's `_c10d_functional` ops, as DTensor and Ulysses
+    issue them: launched, then waited on) adds between two pieces of compute: a loop of `calls` (matmul,
+    all-reduce of `numel` fp32) less the same loop without the all-reduces, over `calls`; the median over
+    `reps` of the slowest rank's. Unlike the back-to-back calls of `time_collective`, the ranks reach
+    each call from their own compute, so the time the call hands to the backend's thread and the ranks'
+    skew are in it."""
+    ops = torch.ops._c10d_functional
+    a = torch.randn(width, width, device=device)
+    x = torch.ones(numel, device=device)
+
+    def loop(communicate: bool) -> None:
+        y = a
+        for _ in range(calls):
+            y = torch.mm(a, a)
+            if communicate:
+                ops.wait_tensor(ops.all_reduce(x, "sum", group.group_name))
+        synchronize(device)
+        del y
+
+    out = torch.zeros(reps, dtype=torch.float64)
+    for i in range(reps):
+        spent = []
+        for communicate in (False, True):
+            loop(communicate)  # warm-up
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            loop(communicate)
+            spent.append(time.perf_counter() - start)
+        out[i] = (spent[1] - spent[0]) / calls
+    slowest = out.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return max(0.0, statistics.median(slowest.cpu().tolist()))

@@ -51,16 +51,20 @@ def collective_seconds(
     return calls * measured.alpha_s + slowdown * measured.beta_s_per_byte * bus_bytes
 
 
-def compute_flops_per_s(machine: Machine, compute_bytes: int, forward: bool = False) -> float:
+def compute_flops_per_s(
+    machine: Machine, compute_bytes: int, forward: bool = False, head: bool = False
+) -> float:
     """One rank's training FLOP/s in the compute dtype (`forward`: of a forward alone, what activation
-    checkpointing runs again): a calibrated machine's measured rate of whole forward + backward passes
-    of the model (everything that is not a matmul included), else of its matmuls alone, else the
-    machine's peak bf16 FLOP/s times its assumed `compute_mfu`."""
+    checkpointing runs again) of a block, or (`head`) of the rest of the model (embedding, final norm,
+    LM head and loss, counted at the LM head's FLOPs): a calibrated machine's measured rate of whole
+    forward + backward passes (everything that is not a matmul included), else of its matmuls alone,
+    else the machine's peak bf16 FLOP/s times its assumed `compute_mfu`."""
     cal = machine.calibration or {}
     dtype = "bfloat16" if compute_bytes == 2 else "float32"
     training = cal.get("training_tflops", {}).get(dtype)
     if training:
-        return float(training["forward" if forward else "step"]) * 1e12
+        key = ("head_" if head and "head_step" in training else "") + ("forward" if forward else "step")
+        return float(training[key]) * 1e12
     matmuls = cal.get("model_tflops", {}).get(dtype)
     if matmuls:
         return float(matmuls) * 1e12
@@ -72,3 +76,14 @@ def error_band(machine: Machine) -> float | None:
     if not machine.calibration:
         return None
     return float(machine.calibration.get("error_band", 0.0))
+
+
+def functional_call_seconds(machine: Machine, group: int) -> float | None:
+    """A small functional collective's measured seconds between computes (the price of each of the
+    tensor- and context-parallel groups' calls, DTensor's and Ulysses'), at the nearest measured group
+    size inside a node; None when the calibration has none (the collective's own latency prices them)."""
+    sized = (machine.calibration or {}).get("functional_call_s")
+    if not sized or group <= 1:
+        return None
+    nearest = min(sized, key=lambda g: abs(math.log2(int(g)) - math.log2(group)))
+    return float(sized[nearest])

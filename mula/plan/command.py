@@ -319,7 +319,9 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
             f"step time {result['step_time_s']:.3f} s (compute {parts['compute_s']:.3f}, all-to-all "
             f"{parts['all_to_all_s']:.3f}, grad sync {parts['grad_sync_s']:.3f}, param gather "
             f"{parts['param_gather_s']:.3f}, pipeline {parts['pipeline_s']:.3f}, tensor parallel "
-            f"{parts['tensor_parallel_s']:.3f}), {result['tokens_per_s']:,.0f} tokens/s, "
+            f"{parts['tensor_parallel_s']:.3f}, context parallel {parts['context_parallel_s']:.3f}, "
+            f"update {parts['optimizer_s']:.3f}, loop {parts['loop_s']:.3f}), "
+            f"{result['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {100 * result['mfu']:.1f} %"
         )
         if result.get("calibration"):

@@ -145,7 +145,7 @@ _STATE_FIELDS = ("ep_size", "tp_size", "dp_size", "edp_size", "param_bytes", "re
                  "offload_tail_buckets", "offload_speculation")  # fmt: skip
 
 
-def _stage_state(
+def stage_state(
     config: MulaConfig, layout: Layout, layers: tuple[int, ...], first: bool, last: bool
 ) -> tuple[int, int, int, int, int, int, int]:
     """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
@@ -172,7 +172,7 @@ def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
     held = layout.stage_holdings(config)[stage]  # refuses experts E does not divide, a bad split
     chunks, first, last = held.blocks_per_stage, held.first, held.last
     layers = tuple(held.blocks)
-    p_alloc, tensors, grads, optimizer, buffers, host, state = _stage_state(
+    p_alloc, tensors, grads, optimizer, buffers, host, state = stage_state(
         config, layout, layers, first, last
     )
     # the embedding rides with the first virtual stage of stage 0, the head with the last of stage P - 1

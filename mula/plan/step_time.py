@@ -14,7 +14,8 @@ Per optimizer step, on one rank of the slowest pipeline stage (one stage per nod
     included), dense over the stage's W/P ranks and experts over their EDP group, (n-1)/n of each
     bucket (ZeRO-2: once per micro-batch), or the all-reduce of replicated AdamW (twice that, in the
     parameters' dtype); the reduction overlaps the last micro-batch's backward, the all-gather
-    overlaps nothing unless `overlap_param_gather`;
+    overlaps nothing unless `overlap_param_gather` (on CPU ranks neither overlaps: gloo works on the
+    cores that compute);
   - tensor parallelism (`tensor_parallel_sends`), per micro-batch, over the T ranks of a node: the
     all-reduce of every row-parallel output (forward) and of every column-parallel input's gradient
     (backward), or under sequence parallelism the all-gather of each layer's input and reduce-scatter
@@ -33,8 +34,9 @@ Volumes are counted as a bandwidth-optimal algorithm moves them (the "bus bytes"
 an all-to-all sends to other ranks, (n-1)/n of a reduce-scatter's or all-gather's buffer, 2(n-1)/n of
 an all-reduce's. tests/test_plan_volumes.py and tests/test_plan_volumes_tp.py check them against the
 bytes real runs hand to these collectives. The all-to-all is not overlapped with compute (Mula's dispatcher is synchronous).
-Everything else that is real but small (router, norms, optimizer update, the all-to-all's expert
-counts, kernel launch latency) is not modelled.
+The optimizer update's elementwise passes and the training loop's fixed work per step and micro-batch
+are priced from a calibrated machine file (`mula.plan.step_overheads`); compute is the calibrated rate
+of whole forward + backward passes (router, norms and kernel launches inside it).
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ from dataclasses import dataclass
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
 from mula.flat_buffers import plan_buckets
-from mula.plan.calibrated import collective_seconds, compute_flops_per_s
+from mula.plan.calibrated import collective_seconds, compute_flops_per_s, functional_call_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import optimizer_entries, stage_params
 from mula.plan.parameters import model_parameters
+from mula.plan.step_overheads import loop_seconds, update_bytes, update_seconds
 
 
 @dataclass
@@ -66,12 +69,15 @@ class StepTime:
     peak_flops: float
     tensor_parallel_s: float = 0.0
     context_parallel_s: float = 0.0
+    optimizer_s: float = 0.0
+    loop_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
         """Predicted wall time of one optimizer step."""
         parts = self.all_to_all_s + self.grad_sync_s + self.param_gather_s + self.pipeline_s
-        return self.compute_s + parts + self.tensor_parallel_s + self.context_parallel_s
+        rest = self.tensor_parallel_s + self.context_parallel_s + self.optimizer_s + self.loop_s
+        return self.compute_s + parts + rest
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,6 +99,8 @@ class StepTime:
             "pipeline_s",
             "tensor_parallel_s",
             "context_parallel_s",
+            "optimizer_s",
+            "loop_s",
         )
         out = {k: getattr(self, k) for k in keys}
         return {**out, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
@@ -121,7 +129,9 @@ class Volumes:
     behind each volume (collective calls, pipeline send operations), which a calibrated machine prices
     at its latency each: the all-to-alls include the expert-count exchange (and, where the CPU expert
     layout folds the combine weights in, the weights' exchange). context_parallel: Ulysses' head
-    all-to-alls (`context_parallel_sends`), context_parallel_calls their calls.
+    all-to-alls (`context_parallel_sends`), context_parallel_calls their calls and the router-loss
+    totals' (`context_parallel_router_calls`); tensor_parallel_calls:
+    DTensor's collective calls behind `tensor_parallel`.
     """
 
     all_to_all: float = 0.0
@@ -136,6 +146,7 @@ class Volumes:
     pipeline_calls: float = 0.0
     context_parallel: float = 0.0
     context_parallel_calls: float = 0.0
+    tensor_parallel_calls: float = 0.0
 
 
 def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]) -> tuple[float, float]:
@@ -159,6 +170,22 @@ def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]
     width = (qkv + out) // layout.tp_size
     sent = passes * len(blocks) * tokens * width * layout.compute_bytes * (c - 1) / c
     return sent, 2.0 * passes * len(blocks) * max(1, layout.micro_batches)
+
+
+def context_parallel_router_calls(config: MulaConfig, layout: Layout, blocks: list[int]) -> float:
+    """Calls of an MoE model's router-loss totals over the C ranks (`ContextParallelTokens.total`: an
+    autograd all-gather of each sum, a reduce-scatter in backward for those with a gradient), per MoE
+    layer and micro-batch: the mean probabilities, z and (unless the global scope gives the frequencies)
+    the counts gathered in every forward of the layer (again when it is recomputed), the first two
+    reduce-scattered in backward. Zero without context parallelism. Their bytes (a few numbers per
+    expert) are left out."""
+    if layout.cp_size == 1 or not config.is_moe:
+        return 0.0
+    parts = parse_activation_checkpointing(layout.checkpointing)
+    forwards = 1 + bool(parts & {"moe", "full"})
+    sums = 2 + (config.aux_loss_scope != "global")
+    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
+    return float(max(1, layout.micro_batches) * moe_layers * (forwards * sums + 2))
 
 
 def _ring(numel: int, elem_bytes: int, group: int) -> float:
@@ -224,39 +251,44 @@ def _pipeline_send_count(layout: Layout, stages: tuple[int, ...]) -> int:
 
 def tensor_parallel_sends(
     config: MulaConfig, layout: Layout, blocks: list[int], first: bool, last: bool
-) -> float:
-    """Bus bytes a rank's tensor-parallel collectives move per step, for a rank holding `blocks` (and the
-    embedding when `first`, the final norm and LM head when `last`), as `strategies.tensor_parallel`
-    issues them (module docstring). Activations of one micro-batch are `tokens x hidden` elements: the
-    residual stream's and the gradients flowing into it in the parameters' dtype, the row-parallel
-    matmuls' outputs (and their gradients) in the compute dtype. An MoE block's layer routes 1/T of the
-    tokens (`strategies.tensor_parallel_moe`): without SP its output is all-gathered (compute dtype) and
-    its input's gradient too (parameters' dtype), under SP neither; its router-loss sums are all-reduced
-    every forward, and its router's and (routed and shared) experts' partial gradients once per
-    reduction round."""
+) -> tuple[float, float]:
+    """(bus bytes, calls) of a rank's tensor-parallel collectives per step, for a rank holding `blocks`
+    (and the embedding when `first`, the final norm and LM head when `last`), as
+    `strategies.tensor_parallel` issues them (module docstring). Activations of one micro-batch are
+    `tokens x hidden` elements: the residual stream's and the gradients flowing into it in the
+    parameters' dtype, the row-parallel matmuls' outputs (and their gradients) in the compute dtype. An
+    MoE block's layer routes 1/T of the tokens (`strategies.tensor_parallel_moe`): without SP its output
+    is all-gathered (compute dtype) and its input's gradient too (parameters' dtype), under SP neither;
+    its router-loss sums are all-reduced every forward (one call each), and its router's and (routed and
+    shared) experts' partial gradients once per reduction round, one call per parameter. Calls are
+    DTensor's functional collectives (tests/test_plan_volumes_tp.py counts them in a real run)."""
     t = layout.tp_size
     if t == 1:
-        return 0.0
+        return 0.0, 0.0
     parts = parse_activation_checkpointing(layout.checkpointing)
     tokens = layout.micro_batch * layout.local_seq_len  # this CP rank's slice under context parallelism
     r, b, act = layout.param_bytes, layout.compute_bytes, tokens * config.hidden_size
     ring = (t - 1) / t
-    # one QK-norm's statistics over split heads: sums of [tokens] fp32, forward and backward
-    stats = (1 if config.norm == "rmsnorm" else 2) * 2 * tokens * 4 * 2 * ring if config.qk_norm else 0.0
-    # (one QK-norm pair's forward: q and k, one sum each under RMSNorm, mean and variance under LayerNorm)
+    # one QK-norm's statistics over split heads, q and k: one sum each under RMSNorm, mean and variance
+    # under LayerNorm, [tokens] fp32, one call each, forward (and as many backward)
+    stat_calls = (1 if config.norm == "rmsnorm" else 2) * 2 if config.qk_norm else 0
+    stats = stat_calls * tokens * 4 * 2 * ring
     # the router losses' sums over the TP group: mean probabilities and z (fp32), counts (int64) unless
     # the global scope gives the frequencies
     counts = 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
     router = 2 * (4 * config.num_experts + 4 + counts) * ring
+    router_calls = 2 + (config.aux_loss_scope != "global")
     if layout.sequence_parallel:
         # all-gather of the attention and MLP inputs (r), reduce-scatter of their outputs (b), forward;
         # backward the reverse: reduce-scatter of the inputs' gradients, all-gather of the outputs'
         attn_fwd = mlp_fwd = act * (r + b) * ring
         attn, mlp = 2 * attn_fwd, 2 * mlp_fwd
+        calls_fwd = {"attn": 2, "mlp": 2, "moe": router_calls}
+        calls = {"attn": 4, "mlp": 4, "moe": router_calls}
         moe_fwd, moe = router, router  # the MoE layer takes and returns its slice of the sequence
-        outer = (
-            act * r * ring * (2 * first + 2 * last)
-        )  # embedding's reduce-scatter / LM head's gather, both ways
+        # embedding's reduce-scatter / LM head's gather, both ways
+        outer = act * r * ring * (2 * first + 2 * last)
+        outer_calls = 2 * first + 2 * last
     else:
         # all-reduce of the o_proj and down_proj outputs (forward), of the q, k, v, gate and up inputs'
         # gradients (backward)
@@ -264,32 +296,42 @@ def tensor_parallel_sends(
         attn, mlp = attn_fwd + 3 * 2 * act * r * ring, mlp_fwd + 2 * 2 * act * r * ring
         moe_fwd = act * b * ring + router  # the output's all-gather
         moe = moe_fwd + act * r * ring  # and the input gradient's
+        calls_fwd = {"attn": 1, "mlp": 1, "moe": 1 + router_calls}
+        calls = {"attn": 4, "mlp": 3, "moe": 2 + router_calls}
         outer = 2 * act * r * ring * (first + last)  # the embedding's output, the LM head input's gradient
-    total = 0.0
+        outer_calls = first + last
+    total = total_calls = 0.0
     for index in blocks:
-        is_moe = config.is_moe_layer(index)
-        block = attn + 2 * stats + (moe if is_moe else mlp)
+        mlp_kind = "moe" if config.is_moe_layer(index) else "mlp"
+        block = attn + 2 * stats + (moe if mlp_kind == "moe" else mlp)
+        n = calls["attn"] + 2 * stat_calls + calls[mlp_kind]
         # the forwards activation checkpointing runs again, with their collectives
-        if "full" in parts:
-            block += attn_fwd + stats + (moe_fwd if is_moe else mlp_fwd)
-        else:
-            block += (attn_fwd + stats) * ("attention" in parts) + moe_fwd * (is_moe and "moe" in parts)
-        total += block
+        again_attn = "full" in parts or "attention" in parts
+        again_mlp = "full" in parts or (mlp_kind == "moe" and "moe" in parts)
+        block += (attn_fwd + stats) * again_attn + (moe_fwd if mlp_kind == "moe" else mlp_fwd) * again_mlp
+        n += (calls_fwd["attn"] + stat_calls) * again_attn + calls_fwd[mlp_kind] * again_mlp
+        total, total_calls = total + block, total_calls + n
     loss = 3 * 2 * tokens * 4 * ring if last else 0.0  # max, sum of exponentials, target logit
-    out = max(1, layout.micro_batches) * (total + outer + loss)
+    m = max(1, layout.micro_batches)
+    out = m * (total + outer + loss)
+    out_calls = m * (total_calls + outer_calls + 3 * last)
     # partial gradients of weights replicated over TP, all-reduced once per reduction round (every
-    # micro-batch under the sharded optimizer, whose hooks consume each backward's gradients)
-    rounds = max(1, layout.micro_batches) if layout.shard_optimizer else 1
-    partial = 0
+    # micro-batch under the sharded optimizer, whose hooks consume each backward's gradients), one call
+    # per parameter
+    rounds = m if layout.shard_optimizer else 1
+    partial = partial_calls = 0
     if layout.sequence_parallel and config.norm == "rmsnorm":
-        partial += (2 * len(blocks) + last) * config.hidden_size  # the norm weights
+        partial_calls = 2 * len(blocks) + last  # the norm weights
+        partial += partial_calls * config.hidden_size
     moe_layers = sum(config.is_moe_layer(i) for i in blocks)
     e_local = config.num_experts // layout.ep_size
     shared = 3 * config.hidden_size * config.shared_intermediate_size if config.num_shared_experts else 0
     partial += moe_layers * (
         config.num_experts * config.hidden_size + e_local * config._expert_params() + shared
     )
-    return out + rounds * partial * 2 * r * ring
+    # the router's weight, the experts' two stacks, the shared experts' three projections
+    partial_calls += moe_layers * (3 + (3 if config.num_shared_experts else 0))
+    return out + rounds * partial * 2 * r * ring, out_calls + rounds * partial_calls
 
 
 def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
@@ -321,8 +363,9 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
         # each send carries the residual stream and, for an MoE model, the router-loss sums: two operations
         send_calls = _pipeline_send_count(layout, holds.stages) * m * (2 if config.is_moe else 1)
         send_calls = send_calls if layout.pp_size > 1 else 0
-        tp = tensor_parallel_sends(config, layout, holds.blocks, holds.first, holds.last)
+        tp, tp_calls = tensor_parallel_sends(config, layout, holds.blocks, holds.first, holds.last)
         cp, cp_calls = context_parallel_sends(config, layout, holds.blocks)
+        cp_calls += context_parallel_router_calls(config, layout, holds.blocks)
         out.append(
             Volumes(
                 a2a,
@@ -337,9 +380,21 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
                 send_calls,
                 cp,
                 cp_calls,
+                tp_calls,
             )  # fmt: skip
         )
     return out
+
+
+def _small_calls(
+    machine: Machine, kind: str, group: int, nbytes: float, calls: float, bytes_per_s: float
+) -> float:
+    """Seconds of a node-local group's functional collectives: `calls` at the calibrated functional call
+    price (`functional_call_seconds`) plus the bytes at `kind`'s bandwidth, else `kind`'s own curve."""
+    price = functional_call_seconds(machine, group)
+    if price is None:
+        return collective_seconds(machine, kind, group, False, nbytes, calls, bytes_per_s)
+    return calls * price + collective_seconds(machine, kind, group, False, nbytes, 0.0, bytes_per_s)
 
 
 def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch: int) -> StepTime:
@@ -348,18 +403,23 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     tokens = global_batch * layout.seq_len
     flops = float(config.flops_per_token(layout.seq_len)) * tokens
     peak = machine.peak_bf16_tflops * 1e12
-    # the slowest stage's share of the blocks' FLOPs (dense first blocks weigh less than MoE ones)
+    # the slowest stage's blocks (dense first blocks weigh less than MoE ones) and, on the last stage,
+    # the LM head with the loss, each at its own rate (a calibrated machine measures both)
     core = 6 * config.attention_core_width * layout.seq_len  # QK^T and AV, forward and backward
     block = [6 * config.layer_matmul_params(i) + core for i in range(config.num_layers)]
+    head = flops / tokens - sum(block)  # the LM head's FLOPs per token
+    rank_tokens = tokens / (
+        w / p
+    )  # a stage's tokens over its ranks (a TP or CP rank: 1/T or 1/C of the work)
+    cb = layout.compute_bytes
 
-    def stage_seconds(layers: list[int]) -> float:
-        base = flops / w * (sum(block[i] for i in layers) * p / sum(block))
-        extra = sum(_recompute_flops_per_token(config, layout, i) for i in layers) * tokens / (w / p)
-        return base / compute_flops_per_s(machine, layout.compute_bytes) + extra / compute_flops_per_s(
-            machine, layout.compute_bytes, forward=True
-        )
+    def stage_seconds(layers: list[int], last: bool) -> float:
+        extra = sum(_recompute_flops_per_token(config, layout, i) for i in layers)
+        seconds = sum(block[i] for i in layers) * rank_tokens / compute_flops_per_s(machine, cb)
+        seconds += extra * rank_tokens / compute_flops_per_s(machine, cb, forward=True)
+        return seconds + last * head * rank_tokens / compute_flops_per_s(machine, cb, head=True)
 
-    compute = max(stage_seconds(held.blocks) for held in layout.stage_holdings(config))
+    compute = max(stage_seconds(held.blocks, held.last) for held in layout.stage_holdings(config))
 
     intra, inter = machine.intra_node_gbps * 1e9, machine.inter_node_gbps * 1e9
     node = machine.tiles_per_node
@@ -383,7 +443,9 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     contention = machine.cross_group_slowdown(layout.dp_size / node) if spans else 1.0
     reduce_kind = "reduce_scatter" if layout.shard_optimizer else "all_reduce"
     m = max(1, layout.micro_batches)
-    backward = compute * 2 / 3 / m  # one micro-batch's backward, which a gradient reduction overlaps
+    # one micro-batch's backward, which a gradient reduction overlaps; on CPU ranks none: gloo's
+    # reductions run on the cores that compute, so they add their time
+    backward = 0.0 if layout.device_type == "cpu" else compute * 2 / 3 / m
     # ZeRO-2 reduces after every micro-batch, everything else once, during the last backward
     rounds = vol.grad_rounds
     one_round = collective_seconds(
@@ -394,17 +456,24 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     gather = collective_seconds(
         machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw, contention
     )
-    if layout.overlap_param_gather:
+    if layout.overlap_param_gather and layout.device_type != "cpu":
         gather = max(0.0, gather - compute / 3 / m)
 
     pipeline = 0.0
     if p > 1:
         sends = collective_seconds(machine, "send_recv", 2, w > node, vol.pipeline, vol.pipeline_calls, inter)
         pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + sends
-    # the TP group stays on a node's fabric; its calls are not counted (bandwidth term only)
-    tp = collective_seconds(machine, "all_reduce", layout.tp_size, False, vol.tensor_parallel, 0, intra)
-    # Ulysses' group (C ranks next to TP) stays on a node's fabric too
-    cp = collective_seconds(
-        machine, "all_to_all", layout.cp_size, False, vol.context_parallel, vol.context_parallel_calls, intra
+    # the TP and CP groups stay on a node's fabric (Ulysses' C ranks next to TP); their calls are
+    # functional collectives between pieces of compute, each at its calibrated price when measured
+    # (else the collective's own latency: the all-reduce's for TP's all-reduces, gathers and scatters)
+    tp = _small_calls(
+        machine, "all_reduce", layout.tp_size, vol.tensor_parallel, vol.tensor_parallel_calls, intra
     )
-    return StepTime(compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp, cp)
+    cp = _small_calls(
+        machine, "all_to_all", layout.cp_size, vol.context_parallel, vol.context_parallel_calls, intra
+    )
+    optimizer = update_seconds(machine, update_bytes(config, layout))
+    loop = loop_seconds(machine, layout)
+    return StepTime(
+        compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp, cp, optimizer, loop
+    )

@@ -1,0 +1,77 @@
+"""The parts of a training step that are neither the model's compute nor communication: the optimizer
+update's elementwise passes and the training loop's fixed work per step and per micro-batch.
+
+* The optimizer update (`update_bytes`): bytes its passes over memory move on the pipeline rank that
+  moves the most. The sharded AdamW (strategies/optim/) on its shard of n elements (padding included,
+  the exact flat layout of `mula.plan.memory`): the global norm reads the gradient shard (reduce dtype),
+  torch's fused AdamW reads master weights, gradient, exp_avg and exp_avg_sq and writes master,
+  exp_avg and exp_avg_sq (fp32, the gradient in its reduce dtype), the gather copies the new master
+  shard into the parameters' flat buffer (fp32 read, parameters' dtype written), and `zero_grad`
+  writes the whole gradient buffer (full buckets under ZeRO-1, the shard under ZeRO-2); with optimizer
+  offload only the buckets whose state stays on the device count (the host's update overlaps backward,
+  docs/offload.md, and is not priced). Replicated
+  torch AdamW: the same passes over every local parameter in the parameters' dtype (its gradients are
+  freed, not zeroed). Priced at the calibrated elementwise bandwidth (`mula calibrate`); a machine file
+  without one leaves the update out (it is a few milliseconds at HBM bandwidth).
+* The loop's fixed work (`loop_seconds`): what Lightning's loop, hooks, logging and `zero_grad` cost
+  per optimizer step and per micro-batch (training batch) beyond the model's forward and backward and
+  the update, measured by `mula calibrate` on a model too small to compute anything
+  (`mula.calibrate.loop`), plus the step's small collective: the all-reduce of the global gradient
+  norm and non-finite count, priced at the all-reduce's latency (the loss sums' all-reduce runs once
+  per logging interval, `log_every_n_steps`, and is left out).
+"""
+
+from __future__ import annotations
+
+from mula.config import MulaConfig
+from mula.plan.calibrated import collective_seconds
+from mula.plan.layout import Layout
+from mula.plan.machines import Machine
+from mula.plan.memory import stage_state
+
+# fused AdamW per element: master, gradient, exp_avg, exp_avg_sq read; master, exp_avg, exp_avg_sq written
+_ADAMW_FP32_WORDS = 6  # the fp32 words besides the gradient's read
+# the step's small all-reduce: the gradient norm with the non-finite count (strategies/optimizer_step.py)
+STEP_ALL_REDUCES = 1
+
+
+def update_bytes(config: MulaConfig, layout: Layout) -> float:
+    """Bytes the optimizer step's elementwise passes move on the pipeline rank that moves the most
+    (module docstring)."""
+    worst = 0.0
+    for held in layout.stage_holdings(config):
+        _, tensors, grads, device_state, _, _, _ = stage_state(
+            config, layout, tuple(held.blocks), held.first, held.last
+        )
+        if layout.shard_optimizer:
+            # fp32 master + exp_avg + exp_avg_sq of the owned shard on the device (with offload, the
+            # tail buckets': the host updates the rest during backward, docs/offload.md)
+            n = device_state // 12
+            rb = layout.reduce_bytes
+            moved = n * (rb + _ADAMW_FP32_WORDS * 4 + rb + 4 + layout.param_bytes) + grads
+        else:
+            n = tensors // layout.param_bytes
+            moved = n * (_ADAMW_FP32_WORDS + 1) * layout.param_bytes
+        worst = max(worst, float(moved))
+    return worst
+
+
+def update_seconds(machine: Machine, nbytes: float) -> float:
+    """Seconds of the update's `nbytes` at the calibrated elementwise bandwidth (0 without one)."""
+    gbps = (machine.calibration or {}).get("elementwise_gbps")
+    return nbytes / (float(gbps) * 1e9) if gbps else 0.0
+
+
+def loop_seconds(machine: Machine, layout: Layout) -> float:
+    """The training loop's fixed seconds per optimizer step: the calibrated per-step and per-micro-batch
+    work (Lightning sees one batch per step under pipeline stages, the schedule runs the micro-batches)
+    and the step's small all-reduces over the world. 0 on a machine file without the loop's calibration."""
+    loop = (machine.calibration or {}).get("loop_s")
+    if not loop:
+        return 0.0
+    batches = 1 if layout.pp_size > 1 else max(1, layout.micro_batches)
+    small = collective_seconds(
+        machine, "all_reduce", layout.world_size, layout.world_size > machine.tiles_per_node, 0.0,
+        STEP_ALL_REDUCES, machine.intra_node_gbps * 1e9,
+    )  # fmt: skip
+    return float(loop["step"]) + batches * float(loop["batch"]) + small
