@@ -11,23 +11,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+# The names of the choices and the rules of a config are mula/config_checks.py's; the names are
+# re-exported here, where the kernels import them.
+from mula.config_checks import AUX_LOSS_SCOPES as AUX_LOSS_SCOPES
+from mula.config_checks import BACKENDS as BACKENDS
+from mula.config_checks import NORMS as NORMS
+from mula.config_checks import ROUTER_SCORINGS as ROUTER_SCORINGS
+from mula.config_checks import ROUTING_MODES as ROUTING_MODES
+from mula.config_checks import check_backend_name as check_backend_name
+from mula.config_checks import check_config
 from mula.presets import PRESETS  # the named presets, data with their sources (re-exported)
-
-NORMS = ("rmsnorm", "layernorm")
-# Expert-kernel backends a recipe may name (`mula.kernels.backends` resolves them); kept here, free of
-# torch, so that reading a config never imports the kernels.
-BACKENDS = ("auto", "triton", "torch", "loop")
-# How the router's load-balancing loss counts expert frequencies, and how it picks experts.
-AUX_LOSS_SCOPES = ("micro_batch", "global")
-ROUTING_MODES = ("learned", "uniform")
-# How the router turns logits into scores (`mula.moe.router`): OLMoE/Qwen3-MoE's softmax, DeepSeek-V3's sigmoid.
-ROUTER_SCORINGS = ("softmax", "sigmoid")
-
-
-def check_backend_name(backend: str) -> None:
-    """Raise ValueError unless `backend` is one of BACKENDS."""
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown expert backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
 
 
 @dataclass
@@ -132,120 +125,7 @@ class MulaConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
-        for field in positive:
-            if int(getattr(self, field)) <= 0:
-                raise ValueError(f"MulaConfig.{field} must be positive, got {getattr(self, field)}.")
-        if self.norm not in NORMS:
-            raise ValueError(f"MulaConfig.norm must be one of {NORMS}, got {self.norm!r}.")
-        if self.head_dim is None and self.hidden_size % self.num_heads and self.kv_lora_rank is None:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
-                "set head_dim explicitly."
-            )
-        self._check_mla()
-        if self.rope_dim % 2:
-            raise ValueError(f"The RoPE width must be even, got {self.rope_dim}.")
-        if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
-            )
-        if self.qk_norm_per_head and not self.qk_norm:
-            raise ValueError("qk_norm_per_head=True needs qk_norm=True (it says how the QK-norm normalises).")
-        if self.num_experts < 0:
-            raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
-        check_backend_name(self.expert_backend)
-        self._check_routing()
-        self._check_shared_experts()
-        if self.is_moe:
-            if not 1 <= self.top_k <= self.num_experts:
-                raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}.")
-            if self.expert_intermediate_size <= 0:
-                raise ValueError(
-                    f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}."
-                )
-            if not 0 <= self.num_dense_layers < self.num_layers:
-                raise ValueError(
-                    f"num_dense_layers must be in [0, num_layers={self.num_layers}) so that at least one "
-                    f"block is MoE, got {self.num_dense_layers}."
-                )
-            if self.num_dense_layers and self.intermediate_size <= 0:
-                raise ValueError(
-                    f"intermediate_size must be positive for the dense blocks (num_dense_layers="
-                    f"{self.num_dense_layers}), got {self.intermediate_size}."
-                )
-        elif self.num_dense_layers:
-            raise ValueError(
-                f"num_dense_layers={self.num_dense_layers} needs an MoE model (num_experts > 0); every "
-                "block of a dense model is dense already, so leave it 0."
-            )
-        elif self.intermediate_size <= 0:
-            raise ValueError(
-                f"intermediate_size must be positive for a dense model, got {self.intermediate_size}."
-            )
-
-    def _check_mla(self) -> None:
-        if self.kv_lora_rank is None:
-            mla_only = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-            set_ = [f for f in mla_only if getattr(self, f)]
-            if set_:
-                raise ValueError(
-                    f"{', '.join(set_)} only apply to multi-head latent attention; set kv_lora_rank to use it."
-                )
-            return
-        sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        for field in sizes + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
-            if int(getattr(self, field)) <= 0:
-                raise ValueError(f"MulaConfig.{field} must be positive for MLA, got {getattr(self, field)}.")
-        if self.norm != "rmsnorm":
-            raise ValueError("Multi-head latent attention (kv_lora_rank) needs norm='rmsnorm', as DeepSeek.")
-        if self.qk_norm or self.num_kv_heads not in (None, self.num_heads) or self.head_dim is not None:
-            raise ValueError(
-                "Multi-head latent attention (kv_lora_rank) sets its own head widths and norms: leave "
-                "qk_norm False, num_kv_heads and head_dim None."
-            )
-
-    def _check_shared_experts(self) -> None:
-        if self.num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}.")
-        if self.num_shared_experts and not self.is_moe:
-            raise ValueError("num_shared_experts needs an MoE model (num_experts > 0).")
-        width = self.shared_expert_intermediate_size
-        if width is not None and (width <= 0 or not self.num_shared_experts):
-            raise ValueError(
-                f"shared_expert_intermediate_size={width} needs num_shared_experts > 0 and a positive width."
-            )
-
-    def _check_routing(self) -> None:
-        if not self.router_bias_update_rate >= 0.0:  # also refuses NaN
-            raise ValueError(
-                f"router_bias_update_rate must be >= 0 (0 = no bias balancing), got {self.router_bias_update_rate}."
-            )
-        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
-            raise ValueError(f"aux_loss_scope must be one of {AUX_LOSS_SCOPES}, got {self.aux_loss_scope!r}.")
-        if self.routing_mode not in ROUTING_MODES:
-            raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}.")
-        if self.router_scoring not in ROUTER_SCORINGS:
-            raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS}, got {self.router_scoring!r}.")
-        if not self.routed_scaling_factor > 0.0:  # also refuses NaN
-            raise ValueError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}.")
-        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(
-                f"Group-limited routing needs n_group >= 1 and 1 <= topk_group <= n_group, got n_group="
-                f"{self.n_group}, topk_group={self.topk_group} (1 and 1: no group limit)."
-            )
-        if self.n_group > 1 and self.is_moe:
-            per_group, kept = divmod(self.num_experts, self.n_group)
-            if kept or per_group < 2:
-                raise ValueError(
-                    f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at "
-                    "least 2 experts (a group's score is the sum of its two best)."
-                )
-            if self.top_k > self.topk_group * per_group:
-                raise ValueError(
-                    f"top_k={self.top_k} exceeds the {self.topk_group * per_group} experts that "
-                    f"topk_group={self.topk_group} groups of {per_group} hold."
-                )
+        check_config(self)  # one sentence for the first rule broken (mula/config_checks.py)
 
     # ----- resolved values ------------------------------------------------------------------
     @property

@@ -1,14 +1,14 @@
 """Hugging Face conversion of the DeepSeek-V3 family: transformers' `DeepseekV3ForCausalLM` <-> Mula.
 
-`mula.hf` dispatches here on `model_type == "deepseek_v3"` (import) and on `MulaConfig.is_mla` (export);
+`mula.hf_config` and `mula.hf_weights` dispatch here on `model_type == "deepseek_v3"` (import) and on `MulaConfig.is_mla` (export);
 everything else (files, shards, the per-expert on-disk layout, the tokenizer) is `mula.hf`'s. The state
-dict names are the OLMoE ones (`mula.hf._RENAMES`) plus, here, the router's correction bias:
+dict names are the OLMoE ones (`mula.hf_weights._RENAMES`) plus, here, the router's correction bias:
 Mula's balancing bias buffer `mlp.router.bias` is transformers' `mlp.gate.e_score_correction_bias`
 (both are added to the sigmoid scores for the top-k choice only). Attention, shared experts and the
 dense first blocks' MLP carry transformers' own names in Mula already.
 
 What Mula does not compute is refused on import in one sentence: YaRN or any other RoPE scaling (and
-its softmax `mscale`), attention biases and an activation other than SiLU (`mula.hf`'s checks for every
+its softmax `mscale`), attention biases and an activation other than SiLU (`mula.hf_config`'s checks for every
 family); here `rope_interleave=False`, fewer key/value heads than heads, no shared expert, no MoE block
 at all, or a `topk_method` other than DeepSeek-V3's `noaux_tc`. Multi-token prediction modules
 (`num_nextn_predict_layers`, the published checkpoints' `model.layers.61.*`) are not part of Mula's
@@ -32,8 +32,9 @@ def is_family(config: MulaConfig) -> bool:
 
 
 def config_from_hf(d: dict[str, Any], name: str, rope_theta: float) -> MulaConfig:
-    """MulaConfig from a transformers DeepSeek-V3 config dict (`mula.hf` has refused what no family
-    supports, e.g. RoPE scaling, and read `rope_theta`); missing keys take `DeepseekV3Config`'s defaults."""
+    """MulaConfig from a transformers DeepSeek-V3 config dict (`mula.hf_config` has refused what no
+    family supports, e.g. RoPE scaling, and read `rope_theta`); missing keys take `DeepseekV3Config`'s
+    defaults."""
     heads = d.get("num_attention_heads", 128)
     layers = d.get("num_hidden_layers", 61)
     dense = d.get("first_k_dense_replace", 3)
@@ -100,8 +101,8 @@ def check_expressible(config: MulaConfig) -> None:
 
 
 def config_to_hf(config: MulaConfig) -> dict[str, Any]:
-    """DeepSeek-V3's own config.json fields for `config` (`mula.hf.config_to_hf` adds the architecture and
-    the fields every family writes alike), every one explicit."""
+    """DeepSeek-V3's own config.json fields for `config` (`mula.hf_config.config_to_hf` adds the
+    architecture and the fields every family writes alike), every one explicit."""
     check_expressible(config)
     return {
         "intermediate_size": config.intermediate_size,

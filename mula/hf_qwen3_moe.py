@@ -2,8 +2,9 @@
 
 Only the config differs from OLMoE: the weights use the same names (`q_norm`/`k_norm` are per-head
 weights of `head_dim`, `mlp.gate` the router, per-expert or fused experts, `mlp.{gate,up,down}_proj`
-for dense blocks), so `mula.hf` converts the state dicts and files for both and dispatches the config
-here on `model_type` ("qwen3_moe") and on `qk_norm_per_head` for export.
+for dense blocks), so `mula.hf_weights` and `mula.hf` convert the state dicts and files for both, and
+`mula.hf_config` dispatches the config here on `model_type` ("qwen3_moe") and on `qk_norm_per_head`
+for export.
 
 Mapping: `head_dim` <-> `head_dim` (decoupled from hidden/heads), `moe_intermediate_size` <->
 `expert_intermediate_size`, `intermediate_size` <-> `intermediate_size` (the dense blocks' width), and
@@ -49,8 +50,8 @@ def _dense_prefix(d: dict[str, Any], layers: int) -> int:
 def config_from_hf(d: dict[str, Any], name: str, rope_theta: float) -> MulaConfig:
     """MulaConfig from a transformers Qwen3-MoE config dict; missing keys take transformers' defaults.
 
-    `rope_theta`: the plain-RoPE base `mula.hf` read (it refuses RoPE scaling, attention biases and
-    activations other than silu before calling this).
+    `rope_theta`: the plain-RoPE base `mula.hf_config` read (it refuses RoPE scaling, attention biases
+    and activations other than silu before calling this).
     """
     if d.get("use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by Mula (full causal attention only).")
@@ -99,8 +100,8 @@ def check_expressible(config: MulaConfig) -> None:
 
 
 def config_to_hf(config: MulaConfig) -> dict[str, Any]:
-    """Qwen3-MoE's own config.json fields for `config` (`mula.hf.config_to_hf` adds the architecture and
-    the fields every family writes alike; the routing and bias were checked there), every one explicit."""
+    """Qwen3-MoE's own config.json fields for `config` (`mula.hf_config.config_to_hf` adds the architecture
+    and the fields every family writes alike; the routing and bias were checked there), every one explicit."""
     check_expressible(config)
     return {
         "intermediate_size": config.intermediate_size,

@@ -1,8 +1,9 @@
 """XPUMoEStrategy: expert parallelism (+ EP-aware optimizer sharding) as a Lightning strategy.
 
 Structure follows Lightning's ModelParallelStrategy: `setup_environment` (process group, EP/EDP
-groups) -> `setup` (parallelise the LightningModule's model from the outside, build the optimizer)
--> checkpoint hooks (sharded DCP directories that reshard across layouts).
+groups) -> `setup` (parallelise the LightningModule's model from the outside: strategies/model_setup.py;
+build the optimizer) -> checkpoint hooks (sharded DCP directories that reshard across layouts:
+strategies/checkpoint_hooks.py).
 
 Per step (automatic optimisation) the strategy owns the order, in `optimizer_step`: forward with
 all-to-all dispatchers -> backward, where gradient buckets start reducing as soon as they are complete
@@ -26,17 +27,14 @@ or `trainer.strategy: xpu_moe` (E = 1).
 from __future__ import annotations
 
 from collections.abc import Generator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -46,11 +44,9 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch import Tensor
 from typing_extensions import override
 
-from mula.checkpoint.group_verify import settle
 from mula.layout_rules import check_context_parallel, check_degrees, check_experts, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
@@ -59,33 +55,24 @@ from mula.lightning_compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
-from mula.model import Mula
-from mula.moe import is_expert_param
 from mula.parallel_layout import ParallelLayout
-from strategies.context_parallel import apply_context_parallel
+from strategies.checkpoint_hooks import ShardedCheckpointHooks
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
-from strategies.devices.environments import PALSEnvironment
+from strategies.devices.environments import PALSEnvironment, launched_by_mpiexec
 from strategies.eval_forward import spread_forward
 from strategies.experts.expert_parallel import apply_expert_parallel
-from strategies.optim.grad_reduce import local_tensor
+from strategies.model_setup import materialize, split_sequences, split_tensors, sync_replicas
 from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
 from strategies.pipeline.steps import PipelineSteps
-from strategies.sharded_state import (
-    checkpoint_parts,
-    expert_mesh,
-    load_sharded,
-    model_state,
-    plain_optimizer_state,
-    rescale_loop_progress,
-    save_sharded,
-    start_save_sharded,
-)
-from strategies.tensor_parallel import TensorParallelSteps, apply_tensor_parallel
+from strategies.sharded_state import expert_mesh
+from strategies.tensor_parallel import TensorParallelSteps
 from strategies.topology import ExpertParallelTopology, topology_from_layout
 
 
-class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, ParallelStrategy):
+class XPUMoEStrategy(
+    ShardedCheckpointHooks, TensorParallelSteps, PipelineSteps, OptimizerSteps, ParallelStrategy
+):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
 
     W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
@@ -161,7 +148,7 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if cluster_environment is None and _launched_by_mpiexec():
+        if cluster_environment is None and launched_by_mpiexec():
             cluster_environment = PALSEnvironment()
         super().__init__(
             accelerator=accelerator,
@@ -362,64 +349,19 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
             self._split_into_stages(module)
         if apply_expert_parallel(module, self.topology) is None:
             check_experts(0, self.expert_parallel_size)  # a model without experts (and without a config)
-        self._materialize(module)
+        materialize(module, self.root_device)
         if self.tensor_parallel_size > 1:
-            self._split_tensors(module)
+            split_tensors(module, self.topology, self.sequence_parallel)
         if self.context_parallel_size > 1:
-            self._split_sequences(module)
+            split_sequences(module, self.topology)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._sync_replicas(module)
+        sync_replicas(module, self.topology)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _materialize(self, module: nn.Module) -> None:
-        """Meta-built model: allocate on the device and initialise with the model's own init."""
-        for child in module.children():
-            if not any(p.is_meta for p in child.parameters()):
-                continue
-            if not hasattr(child, "reset_parameters"):
-                raise ValueError(
-                    f"{type(child).__name__} was built on the meta device but has no reset_parameters()."
-                )
-            child.to_empty(device=self.root_device)
-            child.reset_parameters()
-
-    def _split_tensors(self, module: nn.Module) -> None:
-        """Split the model over this rank's TP group (once: Lightning calls setup again after fit)."""
-        model = getattr(module, "model", None)
-        if not isinstance(model, Mula):
-            raise ValueError("tensor_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
-        assert self.topology is not None
-        if not any(isinstance(p, DTensor) for p in model.parameters()):
-            apply_tensor_parallel(model, self.topology.tp_mesh, self.sequence_parallel)
-
-    def _split_sequences(self, module: nn.Module) -> None:
-        """Make the model hold this rank's slice of every sequence (Ulysses attention over its CP group)."""
-        model = getattr(module, "model", None)
-        if not isinstance(model, Mula):
-            raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
-        topo = self.topology
-        assert topo is not None
-        apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size, topo.tp_size)
-
-    @torch.no_grad()
-    def _sync_replicas(self, module: nn.Module) -> None:
-        """Make replicas identical, as DDP does: dense from rank 0, experts from EDP rank 0."""
-        topo = self.topology
-        assert topo is not None
-        if topo.world_size == 1:
-            return
-        edp_src = topo.edp_group_ranks()[0]
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if is_expert_param(name):
-                if topo.edp_size > 1:
-                    dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
-            else:  # from the first data-parallel rank of this stage (rank 0 when P = T = 1)
-                dist.broadcast(local_tensor(tensor.data), src=topo.to_global(0), group=topo.world_group)
 
     def spread_forward(self) -> Any:
         """The model's forward across this layout's ranks, for downstream evaluation (`DownstreamEval`,
@@ -464,66 +406,6 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ----- checkpoints -----------------------------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Model state with experts as global tensors (for DCP); aliases the live parameters."""
-        sharded = self._sharded_optimizer()
-        if sharded is not None:
-            sharded.wait_for_params()  # parameter all-gathers may still be in flight
-        return model_state(self.lightning_module, self._mesh)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Optimizer state in a layout DCP can reshard (addressed by parameter name)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if hasattr(optimizer, "sharded_state_dict"):
-            return optimizer.sharded_state_dict()
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        return plain_optimizer_state(optimizer, names, self._mesh, self.topology)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write a sharded checkpoint directory at `filepath` (collective)."""
-        if storage_options is not None:
-            raise TypeError(
-                "XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards)."
-            )
-        path, optimizer_states = checkpoint_parts(self, checkpoint, filepath)
-        save_sharded(path, checkpoint, optimizer_states, self.is_global_zero)
-
-    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: Any, group: Any) -> Future:
-        """`save_checkpoint` in the background (collective): staged to host memory when this returns; the
-        future completes when this rank's files are written. `group`: the writer's own gloo group."""
-        path, optimizer_states = checkpoint_parts(self, checkpoint, filepath)
-        return start_save_sharded(path, checkpoint, optimizer_states, self.is_global_zero, group)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata.
-        Checksums left pending before the process group existed are verified first (`settle`)."""
-        path = settle(Path(self.broadcast(str(checkpoint_path))))
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        meta = load_sharded(path, self.lightning_module, self._mesh, optimizers, names, weights_only)
-        trainer = self.lightning_module.trainer
-        rescale_loop_progress(meta, trainer.accumulate_grad_batches)
-        return meta
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Nothing to do: `load_checkpoint` already loaded the weights in place."""
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Nothing to do: `load_checkpoint` already loaded the optimizer state."""
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint directory (rank 0)."""
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
-
     # ----- teardown / registry -----------------------------------------------------------------
     @override
     def teardown(self) -> None:
@@ -545,8 +427,3 @@ class XPUMoEStrategy(TensorParallelSteps, PipelineSteps, OptimizerSteps, Paralle
         strategy_registry.register(
             cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True
         )
-
-
-def _launched_by_mpiexec() -> bool:
-    """mpiexec/PALS/PMI launch that no Lightning environment claims (torchrun and SLURM come first)."""
-    return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()

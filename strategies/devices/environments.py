@@ -21,7 +21,11 @@ import os
 import zlib
 from pathlib import Path
 
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from typing_extensions import override
 
 _RANK = ("PALS_RANKID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -141,3 +145,8 @@ class PALSEnvironment(ClusterEnvironment):
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         """Trainer devices x num_nodes must equal the processes mpiexec started."""
         self.set_world_size(num_devices * num_nodes)
+
+
+def launched_by_mpiexec() -> bool:
+    """mpiexec/PALS/PMI launch that no Lightning environment claims (torchrun and SLURM come first)."""
+    return PALSEnvironment.detect() and not TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()

@@ -1,0 +1,67 @@
+"""The steps of `XPUMoEStrategy.setup` that lay the LightningModule's model out on this rank.
+
+Each is applied from outside the model, in the order `setup` calls them: a meta-built model
+materialised on the device with its own init, the tensor-parallel and context-parallel splits, and the
+replicas made identical (as DDP does). Pipeline stages and expert slicing come before them
+(`strategies/pipeline/steps.py`, `strategies/experts/expert_parallel.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mula.model import Mula
+from mula.moe import is_expert_param
+from strategies.context_parallel import apply_context_parallel
+from strategies.optim.grad_reduce import local_tensor
+from strategies.tensor_parallel import apply_tensor_parallel
+from strategies.topology import ExpertParallelTopology
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Meta-built model: allocate on the device and initialise with the model's own init."""
+    for child in module.children():
+        if not any(p.is_meta for p in child.parameters()):
+            continue
+        if not hasattr(child, "reset_parameters"):
+            raise ValueError(
+                f"{type(child).__name__} was built on the meta device but has no reset_parameters()."
+            )
+        child.to_empty(device=device)
+        child.reset_parameters()
+
+
+def split_tensors(module: nn.Module, topology: ExpertParallelTopology, sequence_parallel: bool) -> None:
+    """Split the model over this rank's TP group (once: Lightning calls setup again after fit)."""
+    model = getattr(module, "model", None)
+    if not isinstance(model, Mula):
+        raise ValueError("tensor_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        apply_tensor_parallel(model, topology.tp_mesh, sequence_parallel)
+
+
+def split_sequences(module: nn.Module, topology: ExpertParallelTopology) -> None:
+    """Make the model hold this rank's slice of every sequence (Ulysses attention over its CP group)."""
+    model = getattr(module, "model", None)
+    if not isinstance(model, Mula):
+        raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
+    topo = topology
+    apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size, topo.tp_size)
+
+
+@torch.no_grad()
+def sync_replicas(module: nn.Module, topology: ExpertParallelTopology) -> None:
+    """Make replicas identical, as DDP does: dense from rank 0, experts from EDP rank 0."""
+    topo = topology
+    if topo.world_size == 1:
+        return
+    edp_src = topo.edp_group_ranks()[0]
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if is_expert_param(name):
+            if topo.edp_size > 1:
+                dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
+        else:  # from the first data-parallel rank of this stage (rank 0 when P = T = 1)
+            dist.broadcast(local_tensor(tensor.data), src=topo.to_global(0), group=topo.world_group)
