@@ -34,6 +34,8 @@ holds; the strategy, the schedule, the planner and the benchmarks all ask it.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,9 +251,7 @@ class ParallelLayout:
     def stage_blocks(self, num_layers: int) -> list[range]:
         """The global blocks of each of the P x V stages (`stage_layers`, else an even split with the
         remainder on the first stages)."""
-        counts = stage_layer_counts(num_layers, self.num_stages, self.stage_layers)
-        starts = [sum(counts[:s]) for s in range(self.num_stages)]
-        return [range(a, a + c) for a, c in zip(starts, counts)]
+        return list(_stage_runs(num_layers, self.num_stages, self.stage_layers))
 
     def experts_of(self, rank: int, num_experts: int) -> range:
         """Global indices of the experts global `rank` holds in each MoE block: its EP rank's contiguous
@@ -274,3 +274,12 @@ class ParallelLayout:
             first=0 in stages,
             last=self.num_stages - 1 in stages,
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_runs(num_layers: int, num_stages: int, stage_layers: tuple[int, ...] | None) -> tuple[range, ...]:
+    """Each stage's run of global blocks; cached because `mula plan --search` asks it of every rank of
+    every candidate layout (a 128-stage pipeline otherwise costs P^2 per question)."""
+    counts = stage_layer_counts(num_layers, num_stages, stage_layers)
+    starts = itertools.accumulate(counts, initial=0)
+    return tuple(range(a, a + c) for a, c in zip(starts, counts))

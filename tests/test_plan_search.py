@@ -91,3 +91,22 @@ def test_search_keeps_the_offloaded_optimizer_within_the_nodes_host_memory() -> 
     small = dataclasses.replace(AURORA, host_memory_per_node_gb=0.99 * least / 1e9)
     rows = search_layouts(_inputs(machine=small), limit=100_000)
     assert rows and not any(r["offload"] for r in rows)
+
+
+def test_search_tries_pipelines_as_deep_as_the_model() -> None:
+    """A 1T dense model fits a 64 GB GCD only at 16 or more stages: the search tries every power of two up
+    to one block per stage, and offers the 1T Frontier recipe's own layout (T=8 + SP, P=16, full)."""
+    frontier = load_machine("frontier")
+    trainer = {"strategy": "xpu_moe", "precision": "bf16-true", "num_nodes": 384}
+    data = {"global_batch_size": 3072, "seq_len": 2048, "micro_batch_size": 1}
+    inputs = plan_inputs(trainer, {"config": "mula-gpt-1t"}, data, machine=frontier, nodes=384)
+    layouts = candidate_layouts(inputs)
+    assert {lay.pp_size for lay in layouts} == {1, 2, 4, 8, 16, 32, 64, 128}  # 128 layers
+    recipe = [
+        lay for lay in layouts
+        if (lay.pp_size, lay.tp_size, lay.sequence_parallel, lay.checkpointing, lay.micro_batch, lay.offload)
+        == (16, 8, True, "full", 1, False) and lay.zero_stage == 1 and lay.precision == "bf16-true"
+    ]  # fmt: skip
+    assert recipe and plan_memory(inputs.config, recipe[0]).total <= inputs.device_bytes
+    shallow = [lay for lay in layouts if lay.pp_size <= 8]
+    assert all(plan_memory(inputs.config, lay).total > inputs.device_bytes for lay in shallow)

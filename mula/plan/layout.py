@@ -8,6 +8,7 @@ configuration, tests and `--search` build them directly. Its parallel part is th
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,14 +144,18 @@ class Layout:
     def stage_holdings(self, config: Any) -> list[Holdings]:
         """What a rank of each pipeline stage holds of `config` (`ParallelLayout.rank_holdings` of the
         stage's first rank; the stage's other ranks hold the same blocks and other experts)."""
-        par = self.parallel
-        return [
-            par.rank_holdings(par.rank(pp=s), config.num_layers, config.num_experts) for s in range(par.pp)
-        ]
+        return list(_stage_holdings(self.parallel, config.num_layers, config.num_experts))
 
     def replace(self, **changes: object) -> Layout:
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_holdings(par: ParallelLayout, num_layers: int, num_experts: int) -> tuple[Holdings, ...]:
+    """`Layout.stage_holdings`, cached: the planner asks it dozens of times per layout, and
+    `mula plan --search` of a 128-stage pipeline over thousands of layouts."""
+    return tuple(par.rank_holdings(par.rank(pp=s), num_layers, num_experts) for s in range(par.pp))
 
 
 def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:

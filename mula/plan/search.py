@@ -1,7 +1,7 @@
 """`mula plan --search`: the layouts that fit the device (and the node's host memory), fastest first.
 
-Varies the expert-parallel size E (divisors of the experts up to one node), pipeline stages P (1, 2, 4,
-8), the tensor-parallel size T (1, 2, 4, 8 up to one node, with and without sequence parallelism, with
+Varies the expert-parallel size E (divisors of the experts up to one node), pipeline stages P (powers of
+two up to the number of layers: a 1T dense model needs 16 or more), the tensor-parallel size T (1, 2, 4, 8 up to one node, with and without sequence parallelism, with
 or without stages: T x P layouts split each stage over its TP group), the context-parallel size C
 (Ulysses: C x T dividing a node's devices, so that both stay on its fabric, innermost in the rank order;
 the heads and the sequence split by C), the micro-batch (1, 2, 4, 8), activation checkpointing (none,
@@ -28,7 +28,6 @@ from mula.plan.step_time import step_time
 
 CHECKPOINTING: list[Any] = ["none", ["moe"], ["moe", "attention"], "full"]
 MICRO_BATCHES = (1, 2, 4, 8)
-PIPELINE = (1, 2, 4, 8)
 TENSOR = (1, 2, 4, 8)
 OFFLOAD = (False, True)
 
@@ -40,6 +39,11 @@ def _tensor_choices(inputs: PlanInputs, node: int) -> list[tuple[int, bool]]:
     return [(1, False)] + [
         (t, sp) for t in TENSOR[1:] if t <= node for sp in (False, True) if not (sp or moe) or seq % t == 0
     ]
+
+
+def _pipeline_choices(num_layers: int) -> list[int]:
+    """P to try: 1, 2, 4, ... up to one block per stage (uneven splits are `check_runnable`'s to refuse)."""
+    return [1 << i for i in range(num_layers.bit_length()) if 1 << i <= num_layers]
 
 
 def _context_choices(node: int, tp: int) -> list[int]:
@@ -61,7 +65,7 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
     ]
     for e, p, (t, sp, c), mb, ckpt, zero, precision, offload in itertools.product(
         eps,
-        PIPELINE,
+        _pipeline_choices(config.num_layers),
         tensor_context,
         MICRO_BATCHES,
         CHECKPOINTING,
