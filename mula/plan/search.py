@@ -68,7 +68,8 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
         _pipeline_choices(config.num_layers),
         tensor_context,
         MICRO_BATCHES,
-        CHECKPOINTING,
+        # a dense model has no MoE layers to recompute: ["moe"] would repeat "none" row for row
+        CHECKPOINTING if config.is_moe else [c for c in CHECKPOINTING if c != ["moe"]],
         (1, 2),
         ("bf16-true", bf16),
         OFFLOAD,
