@@ -426,15 +426,12 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     # each volume of the pipeline rank that sends the most of it
     per_rank = comm_volumes(config, layout)
     vol = Volumes(*(max(getattr(v, f) for v in per_rank) for f in Volumes.__dataclass_fields__))
-    a2a = collective_seconds(
-        machine,
-        "all_to_all",
-        e,
-        e > node,
-        vol.all_to_all,
-        vol.all_to_all_calls,
-        intra if e <= node else inter,
-    )
+    # the expert all-to-alls block between pieces of compute (count exchange, dispatch, combine), as TP's
+    # collectives do: inside a node each call costs the calibrated price of such a call
+    if e <= node:
+        a2a = _small_calls(machine, "all_to_all", e, vol.all_to_all, vol.all_to_all_calls, intra)
+    else:
+        a2a = collective_seconds(machine, "all_to_all", e, True, vol.all_to_all, vol.all_to_all_calls, inter)
     # a stage's ranks fill whole nodes before spanning more; EDP ranks are E apart, so both groups
     # leave the node once the stage does
     spans = layout.dp_size > node
@@ -461,7 +458,12 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
 
     pipeline = 0.0
     if p > 1:
-        sends = collective_seconds(machine, "send_recv", 2, w > node, vol.pipeline, vol.pipeline_calls, inter)
+        # a stage waits on each send/recv between its micro-batches' computes: on one node, at the same
+        # calibrated per-call price
+        if w > node:
+            sends = collective_seconds(machine, "send_recv", 2, True, vol.pipeline, vol.pipeline_calls, inter)
+        else:
+            sends = _small_calls(machine, "send_recv", 2, vol.pipeline, vol.pipeline_calls, intra)
         pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + sends
     # the TP and CP groups stay on a node's fabric (Ulysses' C ranks next to TP); their calls are
     # functional collectives between pieces of compute, each at its calibrated price when measured
