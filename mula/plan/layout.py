@@ -8,8 +8,8 @@ configuration, tests and `--search` build them directly. Its parallel part is th
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
