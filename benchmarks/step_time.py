@@ -320,7 +320,8 @@ How to read it.
   inverse bandwidth from its own measured curve (the calls and bytes of each layout checked against
   real runs in tests/test_plan_volumes.py and tests/test_plan_volumes_tp.py), the calls that block
   between computes inside a node (tensor- and context-parallel collectives, the expert all-to-alls,
-  pipeline sends) at the measured price of a functional collective between computes, the
+  pipeline sends) at the measured price of a functional collective between computes, a TP, CP or
+  EP rank's compute times its split's calibrated factor (mula/plan/split_compute.py), the
   pipeline bubble, the gradient reduction's overlap with the last micro-batch's backward, the
   optimizer update's bytes at the elementwise bandwidth and the training loop's fixed seconds per step
   and micro-batch (mula/plan/step_overheads.py).

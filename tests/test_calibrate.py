@@ -14,6 +14,7 @@ from mula.calibrate.fit import fit_curve
 from mula.config import MulaConfig
 from mula.plan import Layout
 from mula.plan.machines import load_machine
+from mula.plan.split_compute import split_factor
 from mula.plan.step_time import comm_volumes, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +104,13 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
     assert cal["elementwise_gbps"] > 0 and set(cal["loop_s"]) == {"step", "batch"}
     assert min(cal["loop_s"].values()) >= 0 and cal["loop_s"]["step"] + cal["loop_s"]["batch"] > 0
     assert set(cal["functional_call_s"]) == {2} and cal["functional_call_s"][2] >= 0  # the TP/CP call price
+    # the small model whole and split as the strategy splits it, per dtype, kind and group size
+    for dtype in ("float32", "bfloat16"):
+        splits = cal["split_training_s"][dtype]
+        assert set(splits) == {"tp", "tp_sp", "cp", "ep"}
+        for kind, sized in splits.items():
+            assert sized[2]["whole"] > 0 and sized[2]["split"] > 0 and sized[2]["seq_len"] == 64
+            assert split_factor(machine, kind, 2, 4 if dtype == "float32" else 2) >= 1.0
     plan = _mula("plan", "-c", str(ROOT / "recipes/mula-tiny-moe.yaml"), "--trainer.devices=2",
                  "--trainer.strategy=strategies.XPUMoEStrategy", "--trainer.strategy.init_args.expert_parallel_size=2",
                  f"--machine={out}", cwd=ROOT)  # fmt: skip

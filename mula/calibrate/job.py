@@ -25,6 +25,7 @@ from mula.calibrate.measure import (
     time_collective,
     training_tflops,
 )
+from mula.calibrate.splits import split_training_seconds, splits_for
 from mula.config import MulaConfig
 
 
@@ -106,12 +107,13 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
         )
         bar.update(1)
     local["elementwise_gbps"] = elementwise_gbps(device, 1 << 24, settings.reps)
-    local["loop_s"] = loop_seconds()
+    local["loop_s"] = loop_seconds(config)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, local)
 
     curves: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     calls: dict[int, float] = {}  # a functional collective's seconds between computes, per group size
+    splits: dict[str, dict[str, dict[int, dict[str, float]]]] = {}  # dtype -> kind -> group size -> times
     for scope, sized in groups.items():
         for g, ranks in sized.items():
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
@@ -131,21 +133,35 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
                 dist.barrier()
                 bar.update(1)
             if scope == "intra" and rank in ranks:  # TP and CP groups stay in a node
-                seconds = functional_call_seconds(group, device, settings.reps)
+                seconds = functional_call_seconds(group, device, 3 * settings.reps)
                 if rank == ranks[0]:
                     calls[g] = seconds
+                # the model split over the group as the strategy splits it (mula.calibrate.splits)
+                for dtype_name in DTYPES:
+                    for kind in splits_for(config, g, settings.seq_len):
+                        measured = split_training_seconds(
+                            config, kind, settings.micro_batch, settings.seq_len, getattr(torch, dtype_name),
+                            device, group, ranks.index(rank), g, 3 * settings.reps,
+                        )  # fmt: skip
+                        if rank == ranks[0]:
+                            splits.setdefault(dtype_name, {}).setdefault(kind, {})[g] = measured
             dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (curves, calls))
+    dist.all_gather_object(gathered, (curves, calls, splits))
     bar.close()
     if rank == 0:
         merged: dict[str, Any] = {}
-        functional = {g: s for _, sized_calls in gathered for g, s in sized_calls.items()}
-        for part, _ in gathered:
+        functional = {g: s for _, sized_calls, _ in gathered for g, s in sized_calls.items()}
+        split_s: dict[str, Any] = {}
+        for _, _, part in gathered:
+            for dtype_name, kinds in part.items():
+                for kind, sized in kinds.items():
+                    split_s.setdefault(dtype_name, {}).setdefault(kind, {}).update(sized)
+        for part, _, _ in gathered:
             for scope, kinds in part.items():
                 for kind, sized in kinds.items():
                     merged.setdefault(scope, {}).setdefault(kind, {}).update(sized)
-        _write(settings, every, merged, functional, hosts, backend, device, shapes, counts)
+        _write(settings, every, merged, functional, split_s, hosts, backend, device, shapes, counts)
 
 
 def _bar(total: int, enabled: bool) -> Any:
@@ -159,6 +175,7 @@ def _write(
     every: list[dict[str, Any]],
     curves: dict[str, Any],
     functional: dict[int, float],
+    splits: dict[str, Any],
     hosts: list[str],
     backend: str,
     device: torch.device,
@@ -209,10 +226,21 @@ def _write(
         # per group size inside a node: a small functional collective's seconds between computes (the
         # tensor- and context-parallel calls' price, mula.calibrate.measure.functional_call_seconds)
         "functional_call_s": {g: round(s, 7) for g, s in sorted(functional.items())},
+        # per dtype, split kind and group size inside a node: one micro-batch's forward + backward of the
+        # small model whole and split as the strategy splits it (mula.calibrate.splits; the planner's
+        # compute factor of a TP or CP rank, mula.plan.split_compute)
+        "split_training_s": {
+            d: {k: {g: _rounded(m) for g, m in sorted(sized.items())} for k, sized in kinds.items()}
+            for d, kinds in splits.items()
+        },
         "collectives": curves,
     }
     write_machine_file(settings, machine, calibration)
     print(f"mula: wrote {settings.output} (fit error of the curves up to {100 * max(errors):.0f} %)")
+
+
+def _rounded(measured: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 7) if isinstance(v, float) else v for k, v in measured.items()}
 
 
 def _device_memory_gb(device: torch.device, per_node: int) -> float:

@@ -47,21 +47,25 @@ def _best_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return min(times)
 
 
-def _busy_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """The median time of `fn` with every rank of the job running it at once (a barrier before each
-    repetition): a rate for ranks that share the device's memory, caches or cores, as training's do.
-    The median, not the best: the best is a repetition the other ranks happened not to disturb."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(reps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
+def busy_times(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int) -> dict[str, float]:
+    """The median time of each of `fns` with every rank of the job running it at once (a barrier before
+    each repetition): rates for ranks that share the device's memory, caches or cores, as training's do.
+    The median, not the best: the best is a repetition the other ranks happened not to disturb. The
+    functions take turns (one repetition of each), so that a drift of the host's speed during the
+    measurement moves them all alike and their differences stay right."""
+    for fn in fns.values():
         fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def matmul_shapes(config: MulaConfig, tokens: int) -> dict[str, tuple[int, int, int]]:
@@ -198,6 +202,11 @@ def time_collective(
     return points
 
 
+def small_model_config(config: MulaConfig) -> MulaConfig:
+    """The small model the training measurements time: the dense first blocks and two more."""
+    return dataclasses.replace(config, num_layers=min(config.num_layers, config.num_dense_layers + 2))
+
+
 def training_tflops(
     config: MulaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, reps: int
 ) -> dict[str, float]:
@@ -207,11 +216,11 @@ def training_tflops(
     `head_step` / `head_forward` of the rest (final norm, LM head and loss, at the LM head's FLOPs).
     The rest is timed on its own (on hidden states); a model of two blocks past the dense ones less the
     rest gives the blocks (the embedding lookup, no matmul, rides with them). Every rank of the job
-    times together (`_busy_time`)."""
+    times together (`busy_times`)."""
     from mula.model import Mula
 
     tokens = micro_batch * seq_len
-    small = dataclasses.replace(config, num_layers=min(config.num_layers, config.num_dense_layers + 2))
+    small = small_model_config(config)
     torch.manual_seed(0)
     model = Mula(small).to(device=device, dtype=dtype)
     ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
@@ -229,18 +238,20 @@ def training_tflops(
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
     def step(fn=loss) -> None:
+        # the gradients accumulate, as over a step's micro-batches (adding into them costs a pass more
+        # than writing fresh ones)
         fn().backward()
-        model.zero_grad(set_to_none=True)
         hidden.grad = None
 
     # the forward as activation checkpointing reruns it: recording for backward (its graph and saved
     # tensors), not under no_grad
-    seconds = {
-        "forward": _busy_time(loss, device, reps),
-        "head_forward": _busy_time(head_loss, device, reps),
-        "step": _busy_time(step, device, reps),
-        "head_step": _busy_time(lambda: step(head_loss), device, reps),
-    }
+    # the blocks' rate is a difference of two timings: interleaved, and 3x the repetitions, so that
+    # neither the host's drift nor one disturbed repetition moves it
+    seconds = busy_times(
+        {"forward": loss, "head_forward": head_loss, "step": step, "head_step": lambda: step(head_loss)},
+        device,
+        3 * reps,
+    )
     core = 6 * config.attention_core_width * seq_len
     blocks = sum(6 * config.layer_matmul_params(i) + core for i in range(small.num_layers)) * tokens
     head = 6 * config.vocab_size * config.hidden_size * tokens
@@ -256,7 +267,7 @@ def training_tflops(
 
 
 def functional_call_seconds(
-    group: Any, device: torch.device, reps: int, calls: int = 16, numel: int = 4096, width: int = 256
+    group: Any, device: torch.device, reps: int, calls: int = 32, numel: int = 4096, width: int = 256
 ) -> float:
     """Seconds one small functional all-reduce (torch's `_c10d_functional` ops, as DTensor and Ulysses
     issue them: launched, then waited on) adds between two pieces of compute: a loop of `calls` (matmul,

@@ -87,3 +87,14 @@ def functional_call_seconds(machine: Machine, group: int) -> float | None:
         return None
     nearest = min(sized, key=lambda g: abs(math.log2(int(g)) - math.log2(group)))
     return float(sized[nearest])
+
+
+def node_calls_seconds(
+    machine: Machine, kind: str, group: int, nbytes: float, calls: float, bytes_per_s: float
+) -> float:
+    """Seconds of a node-local group's functional collectives: `calls` at the calibrated functional call
+    price (`functional_call_seconds`) plus the bytes at `kind`'s bandwidth, else `kind`'s own curve."""
+    price = functional_call_seconds(machine, group)
+    if price is None:
+        return collective_seconds(machine, kind, group, False, nbytes, calls, bytes_per_s)
+    return calls * price + collective_seconds(machine, kind, group, False, nbytes, 0.0, bytes_per_s)

@@ -46,11 +46,18 @@ from dataclasses import dataclass
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
 from mula.flat_buffers import plan_buckets
-from mula.plan.calibrated import collective_seconds, compute_flops_per_s, functional_call_seconds
+from mula.plan.calibrated import collective_seconds, compute_flops_per_s, node_calls_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import optimizer_entries, stage_params
 from mula.plan.parameters import model_parameters
+from mula.plan.split_compute import layout_split_factor
+from mula.plan.split_volumes import (
+    context_parallel_router_calls,
+    context_parallel_sends,
+    expert_all_to_all_sends,
+    tensor_parallel_sends,
+)
 from mula.plan.step_overheads import loop_seconds, update_bytes, update_seconds
 
 
@@ -149,45 +156,6 @@ class Volumes:
     tensor_parallel_calls: float = 0.0
 
 
-def context_parallel_sends(config: MulaConfig, layout: Layout, blocks: list[int]) -> tuple[float, float]:
-    """(bus bytes, calls) of Ulysses' all-to-alls one rank makes per step over its C ranks
-    (strategies/context_parallel.py): per attention layer and micro-batch, q, k and v of its S/C tokens
-    (its TP rank's heads) in one message and the output in another, (C-1)/C of each sent, forward, backward, and forward again
-    when attention is recomputed. Zero without context parallelism."""
-    c = layout.cp_size
-    if c == 1:
-        return 0.0, 0.0
-    parts = parse_activation_checkpointing(layout.checkpointing)
-    passes = 2 + (1 if parts & {"attention", "full"} else 0)  # forward, backward, recomputed forward
-    if config.is_mla:  # q, k, v zero-padded to one width, one key per query head
-        width = max(config.qk_head_size, config.v_head_size)
-        qkv, out = 3 * config.num_heads * width, config.num_heads * width
-    else:
-        qkv = (config.num_heads + 2 * config.kv_heads) * config.head_size
-        out = config.num_heads * config.head_size
-    tokens = max(1, layout.micro_batches) * layout.micro_batch * layout.local_seq_len
-    # under tensor parallelism each TP rank exchanges its 1/T of the heads over its CP group
-    width = (qkv + out) // layout.tp_size
-    sent = passes * len(blocks) * tokens * width * layout.compute_bytes * (c - 1) / c
-    return sent, 2.0 * passes * len(blocks) * max(1, layout.micro_batches)
-
-
-def context_parallel_router_calls(config: MulaConfig, layout: Layout, blocks: list[int]) -> float:
-    """Calls of an MoE model's router-loss totals over the C ranks (`ContextParallelTokens.total`: an
-    autograd all-gather of each sum, a reduce-scatter in backward for those with a gradient), per MoE
-    layer and micro-batch: the mean probabilities, z and (unless the global scope gives the frequencies)
-    the counts gathered in every forward of the layer (again when it is recomputed), the first two
-    reduce-scattered in backward. Zero without context parallelism. Their bytes (a few numbers per
-    expert) are left out."""
-    if layout.cp_size == 1 or not config.is_moe:
-        return 0.0
-    parts = parse_activation_checkpointing(layout.checkpointing)
-    forwards = 1 + bool(parts & {"moe", "full"})
-    sums = 2 + (config.aux_loss_scope != "global")
-    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
-    return float(max(1, layout.micro_batches) * moe_layers * (forwards * sums + 2))
-
-
 def _ring(numel: int, elem_bytes: int, group: int) -> float:
     """Bus bytes of one reduce-scatter or all-gather of `numel` elements over `group` ranks."""
     return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
@@ -249,114 +217,15 @@ def _pipeline_send_count(layout: Layout, stages: tuple[int, ...]) -> int:
     return sum((s < last) + (s > 0) for s in stages)
 
 
-def tensor_parallel_sends(
-    config: MulaConfig, layout: Layout, blocks: list[int], first: bool, last: bool
-) -> tuple[float, float]:
-    """(bus bytes, calls) of a rank's tensor-parallel collectives per step, for a rank holding `blocks`
-    (and the embedding when `first`, the final norm and LM head when `last`), as
-    `strategies.tensor_parallel` issues them (module docstring). Activations of one micro-batch are
-    `tokens x hidden` elements: the residual stream's and the gradients flowing into it in the
-    parameters' dtype, the row-parallel matmuls' outputs (and their gradients) in the compute dtype. An
-    MoE block's layer routes 1/T of the tokens (`strategies.tensor_parallel_moe`): without SP its output
-    is all-gathered (compute dtype) and its input's gradient too (parameters' dtype), under SP neither;
-    its router-loss sums are all-reduced every forward (one call each), and its router's and (routed and
-    shared) experts' partial gradients once per reduction round, one call per parameter. Calls are
-    DTensor's functional collectives (tests/test_plan_volumes_tp.py counts them in a real run)."""
-    t = layout.tp_size
-    if t == 1:
-        return 0.0, 0.0
-    parts = parse_activation_checkpointing(layout.checkpointing)
-    tokens = layout.micro_batch * layout.local_seq_len  # this CP rank's slice under context parallelism
-    r, b, act = layout.param_bytes, layout.compute_bytes, tokens * config.hidden_size
-    ring = (t - 1) / t
-    # one QK-norm's statistics over split heads, q and k: one sum each under RMSNorm, mean and variance
-    # under LayerNorm, [tokens] fp32, one call each, forward (and as many backward)
-    stat_calls = (1 if config.norm == "rmsnorm" else 2) * 2 if config.qk_norm else 0
-    stats = stat_calls * tokens * 4 * 2 * ring
-    # the router losses' sums over the TP group: mean probabilities and z (fp32), counts (int64) unless
-    # the global scope gives the frequencies
-    counts = 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
-    router = 2 * (4 * config.num_experts + 4 + counts) * ring
-    router_calls = 2 + (config.aux_loss_scope != "global")
-    if layout.sequence_parallel:
-        # all-gather of the attention and MLP inputs (r), reduce-scatter of their outputs (b), forward;
-        # backward the reverse: reduce-scatter of the inputs' gradients, all-gather of the outputs'
-        attn_fwd = mlp_fwd = act * (r + b) * ring
-        attn, mlp = 2 * attn_fwd, 2 * mlp_fwd
-        calls_fwd = {"attn": 2, "mlp": 2, "moe": router_calls}
-        calls = {"attn": 4, "mlp": 4, "moe": router_calls}
-        moe_fwd, moe = router, router  # the MoE layer takes and returns its slice of the sequence
-        # embedding's reduce-scatter / LM head's gather, both ways
-        outer = act * r * ring * (2 * first + 2 * last)
-        outer_calls = 2 * first + 2 * last
-    else:
-        # all-reduce of the o_proj and down_proj outputs (forward), of the q, k, v, gate and up inputs'
-        # gradients (backward)
-        attn_fwd = mlp_fwd = 2 * act * b * ring
-        attn, mlp = attn_fwd + 3 * 2 * act * r * ring, mlp_fwd + 2 * 2 * act * r * ring
-        moe_fwd = act * b * ring + router  # the output's all-gather
-        moe = moe_fwd + act * r * ring  # and the input gradient's
-        calls_fwd = {"attn": 1, "mlp": 1, "moe": 1 + router_calls}
-        calls = {"attn": 4, "mlp": 3, "moe": 2 + router_calls}
-        outer = 2 * act * r * ring * (first + last)  # the embedding's output, the LM head input's gradient
-        outer_calls = first + last
-    total = total_calls = 0.0
-    for index in blocks:
-        mlp_kind = "moe" if config.is_moe_layer(index) else "mlp"
-        block = attn + 2 * stats + (moe if mlp_kind == "moe" else mlp)
-        n = calls["attn"] + 2 * stat_calls + calls[mlp_kind]
-        # the forwards activation checkpointing runs again, with their collectives
-        again_attn = "full" in parts or "attention" in parts
-        again_mlp = "full" in parts or (mlp_kind == "moe" and "moe" in parts)
-        block += (attn_fwd + stats) * again_attn + (moe_fwd if mlp_kind == "moe" else mlp_fwd) * again_mlp
-        n += (calls_fwd["attn"] + stat_calls) * again_attn + calls_fwd[mlp_kind] * again_mlp
-        total, total_calls = total + block, total_calls + n
-    loss = 3 * 2 * tokens * 4 * ring if last else 0.0  # max, sum of exponentials, target logit
-    m = max(1, layout.micro_batches)
-    out = m * (total + outer + loss)
-    out_calls = m * (total_calls + outer_calls + 3 * last)
-    # partial gradients of weights replicated over TP, all-reduced once per reduction round (every
-    # micro-batch under the sharded optimizer, whose hooks consume each backward's gradients), one call
-    # per parameter
-    rounds = m if layout.shard_optimizer else 1
-    partial = partial_calls = 0
-    if layout.sequence_parallel and config.norm == "rmsnorm":
-        partial_calls = 2 * len(blocks) + last  # the norm weights
-        partial += partial_calls * config.hidden_size
-    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
-    e_local = config.num_experts // layout.ep_size
-    shared = 3 * config.hidden_size * config.shared_intermediate_size if config.num_shared_experts else 0
-    partial += moe_layers * (
-        config.num_experts * config.hidden_size + e_local * config._expert_params() + shared
-    )
-    # the router's weight, the experts' two stacks, the shared experts' three projections
-    partial_calls += moe_layers * (3 + (3 if config.num_shared_experts else 0))
-    return out + rounds * partial * 2 * r * ring, out_calls + rounds * partial_calls
-
-
 def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     """Bytes each pipeline rank (one entry per rank of the pipeline, the first first) sends per step."""
     params = model_parameters(config, tuple(layout.no_decay))
     stages = layout.stage_holdings(config)
-    e, m = layout.ep_size, max(1, layout.micro_batches)
-    rank_tokens = m * layout.micro_batch * layout.local_seq_len  # tokens one rank of a stage processes
-    recompute = parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"}
-    passes = 4 + (2 if recompute else 0)
-    row = config.top_k * config.hidden_size * layout.compute_bytes
+    m = max(1, layout.micro_batches)
     rounds = m if layout.shard_optimizer and layout.zero_stage == 2 else 1
-    # messages per MoE layer and micro-batch: the row exchanges, one expert-count exchange per forward
-    # of the dispatch, and on CPU (the padded expert layout folds the combine weights into the experts)
-    # the weights' exchange in each forward and once backward
-    forwards = passes // 2 - 1
-    a2a_messages = passes + forwards + ((forwards + 1) if layout.device_type == "cpu" else 0)
     out = []
     for holds in stages:
-        a2a = a2a_calls = 0.0
-        if config.is_moe and e > 1:
-            moe_layers = sum(config.is_moe_layer(i) for i in holds.blocks)  # dense first blocks send nothing
-            # under TP each rank routes 1/T of its micro-batches' tokens
-            a2a = passes * moe_layers * rank_tokens // layout.tp_size * row * (e - 1) / e
-            a2a_calls = a2a_messages * moe_layers * m
+        a2a, a2a_calls = expert_all_to_all_sends(config, layout, holds.blocks)
         held = stage_params(params, holds.blocks, holds.first, holds.last)
         reduce, gather, reduce_calls, gather_calls = _optimizer_volumes(held, layout)
         sends = _pipeline_sends(config, layout, holds.stages)
@@ -386,17 +255,6 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     return out
 
 
-def _small_calls(
-    machine: Machine, kind: str, group: int, nbytes: float, calls: float, bytes_per_s: float
-) -> float:
-    """Seconds of a node-local group's functional collectives: `calls` at the calibrated functional call
-    price (`functional_call_seconds`) plus the bytes at `kind`'s bandwidth, else `kind`'s own curve."""
-    price = functional_call_seconds(machine, group)
-    if price is None:
-        return collective_seconds(machine, kind, group, False, nbytes, calls, bytes_per_s)
-    return calls * price + collective_seconds(machine, kind, group, False, nbytes, 0.0, bytes_per_s)
-
-
 def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch: int) -> StepTime:
     """Predicted step time of training `config` with `layout` on `machine` at `global_batch` sequences."""
     w, p, e = layout.world_size, layout.pp_size, layout.ep_size
@@ -413,11 +271,15 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     )  # a stage's tokens over its ranks (a TP or CP rank: 1/T or 1/C of the work)
     cb = layout.compute_bytes
 
+    # a TP or CP rank computes its share at the split's calibrated cost (mula.plan.split_compute)
+    split = layout_split_factor(machine, layout)
+
     def stage_seconds(layers: list[int], last: bool) -> float:
         extra = sum(_recompute_flops_per_token(config, layout, i) for i in layers)
         seconds = sum(block[i] for i in layers) * rank_tokens / compute_flops_per_s(machine, cb)
         seconds += extra * rank_tokens / compute_flops_per_s(machine, cb, forward=True)
-        return seconds + last * head * rank_tokens / compute_flops_per_s(machine, cb, head=True)
+        seconds += last * head * rank_tokens / compute_flops_per_s(machine, cb, head=True)
+        return split * seconds
 
     compute = max(stage_seconds(held.blocks, held.last) for held in layout.stage_holdings(config))
 
@@ -429,7 +291,7 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     # the expert all-to-alls block between pieces of compute (count exchange, dispatch, combine), as TP's
     # collectives do: inside a node each call costs the calibrated price of such a call
     if e <= node:
-        a2a = _small_calls(machine, "all_to_all", e, vol.all_to_all, vol.all_to_all_calls, intra)
+        a2a = node_calls_seconds(machine, "all_to_all", e, vol.all_to_all, vol.all_to_all_calls, intra)
     else:
         a2a = collective_seconds(machine, "all_to_all", e, True, vol.all_to_all, vol.all_to_all_calls, inter)
     # a stage's ranks fill whole nodes before spanning more; EDP ranks are E apart, so both groups
@@ -463,15 +325,15 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
         if w > node:
             sends = collective_seconds(machine, "send_recv", 2, True, vol.pipeline, vol.pipeline_calls, inter)
         else:
-            sends = _small_calls(machine, "send_recv", 2, vol.pipeline, vol.pipeline_calls, intra)
+            sends = node_calls_seconds(machine, "send_recv", 2, vol.pipeline, vol.pipeline_calls, intra)
         pipeline = (p - 1) / (layout.pp_virtual_stages * m) * (compute + a2a) + sends
     # the TP and CP groups stay on a node's fabric (Ulysses' C ranks next to TP); their calls are
     # functional collectives between pieces of compute, each at its calibrated price when measured
     # (else the collective's own latency: the all-reduce's for TP's all-reduces, gathers and scatters)
-    tp = _small_calls(
+    tp = node_calls_seconds(
         machine, "all_reduce", layout.tp_size, vol.tensor_parallel, vol.tensor_parallel_calls, intra
     )
-    cp = _small_calls(
+    cp = node_calls_seconds(
         machine, "all_to_all", layout.cp_size, vol.context_parallel, vol.context_parallel_calls, intra
     )
     optimizer = update_seconds(machine, update_bytes(config, layout))
