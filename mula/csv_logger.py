@@ -9,42 +9,65 @@ is written beside the old one and renamed over it (`mula/checkpoint/atomic.py`),
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
-from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.loggers.logger import rank_zero_experiment
+from fsspec.utils import get_protocol
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from mula.checkpoint.atomic import atomic_write
 
 
 class AtomicExperimentWriter(ExperimentWriter):
-    """Lightning's experiment writer whose header rewrite replaces `metrics.csv` atomically."""
+    """Lightning's experiment writer whose header rewrite replaces `metrics.csv` atomically (on a local
+    filesystem; object stores replace a whole object when it is closed: already all-or-nothing)."""
 
     @override
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        if not isinstance(self._fs, LocalFileSystem):
-            # object stores replace a whole object when it is closed: already all-or-nothing
-            super()._rewrite_with_new_header(fieldnames)
+    def save(self) -> None:
+        """Lightning's `save` (the same file, byte for byte) with the header rewrite made atomic."""
+        if not self.metrics or get_protocol(self.metrics_file_path) != "file":
+            super().save()
             return
-        with open(self.metrics_file_path, newline="") as file:
-            rows = list(csv.DictReader(file))
-        with atomic_write(self.metrics_file_path) as partial, open(partial, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(rows)
+        keys = sorted(set(self.metrics_keys).union(*self.metrics))
+        path = Path(self.metrics_file_path)
+        exists = path.is_file()
+        if exists and keys != self.metrics_keys:  # a new column: every row again, under the wider header
+            with open(path, newline="") as file:
+                rows = list(csv.DictReader(file))
+            with atomic_write(path) as partial, open(partial, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(rows)
+        self.metrics_keys[:] = keys
+        with open(path, "a" if exists else "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=keys)
+            if not exists:
+                writer.writeheader()
+            writer.writerows(self.metrics)
+        self.metrics = []
 
 
 class CSVLogger(LightningCSVLogger):
     """`lightning.pytorch.loggers.CSVLogger` (same arguments, same files) that never empties `metrics.csv`
-    when the process dies while a new metric's column is being added."""
+    when the process dies while a new metric's column is being added. Its writer is kept in its own
+    attribute, so no private Lightning name is read (mula/lightning_compat.py)."""
 
     @property
     @override
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = AtomicExperimentWriter(log_dir=self.log_dir)
-        return self._experiment
+        writer = getattr(self, "_atomic_writer", None)
+        if writer is None:
+            writer = self._atomic_writer = AtomicExperimentWriter(log_dir=self.log_dir)  # makes the directory
+        return writer
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Write what is buffered, as Lightning's does (nothing where no writer was made: a launcher's
+        main process)."""
+        if getattr(self, "_atomic_writer", None) is not None:
+            self.save()
