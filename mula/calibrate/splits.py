@@ -1,11 +1,12 @@
-"""What `mula calibrate` times of the tensor- and context-parallel splits: the same small model whole and
-split by the strategy's own functions over a group of a node, forward + backward of one micro-batch,
-interleaved (`mula.plan.split_compute` turns the pair into the split's compute factor).
+"""What `mula calibrate` times of the tensor-, context- and expert-parallel splits: the same small model
+whole and split by the strategy's own functions over a group of a node, forward + backward of one
+micro-batch, interleaved (`mula.plan.split_compute` turns the pair into the split's compute factor).
 
 The split functions are the strategy's (`strategies.tensor_parallel.apply_tensor_parallel`,
 `strategies.context_parallel.apply_context_parallel`, and `apply_expert_parallel` for the experts:
-there each rank keeps its own tokens, and the split's cost is its all-to-alls and permutations), named here as a recipe names its strategy:
-`mula` imports no strategy module, it resolves these names when it measures.
+there each rank keeps its own tokens, and the split's cost is its all-to-alls and permutations), named
+here as a recipe names its strategy: `mula` imports no strategy module, it resolves these names when it
+measures.
 """
 
 from __future__ import annotations
