@@ -3,7 +3,8 @@
 Lightning's CSV writer rewrites `metrics.csv` in place whenever a metric appears for the first time (the
 header grows): it truncates the file, then writes every row back. A run killed between the two (SIGKILL,
 a node failure, the hang watchdog) loses every row logged so far, evaluations included. Here the new file
-is written beside the old one and renamed over it (`mula/checkpoint/atomic.py`), so a reader sees either the old rows or all of them.
+is written beside the old one and renamed over it (`mula/checkpoint/atomic.py`), so a reader sees either
+the old rows or all of them.
 """
 
 from __future__ import annotations

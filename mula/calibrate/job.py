@@ -150,18 +150,20 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
     dist.all_gather_object(gathered, (curves, calls, splits))
     bar.close()
     if rank == 0:
-        merged: dict[str, Any] = {}
         functional = {g: s for _, sized_calls, _ in gathered for g, s in sized_calls.items()}
-        split_s: dict[str, Any] = {}
-        for _, _, part in gathered:
-            for dtype_name, kinds in part.items():
-                for kind, sized in kinds.items():
-                    split_s.setdefault(dtype_name, {}).setdefault(kind, {}).update(sized)
-        for part, _, _ in gathered:
-            for scope, kinds in part.items():
-                for kind, sized in kinds.items():
-                    merged.setdefault(scope, {}).setdefault(kind, {}).update(sized)
+        merged = _merge(part for part, _, _ in gathered)  # scope -> collective -> group size -> curve
+        split_s = _merge(part for _, _, part in gathered)  # dtype -> split kind -> group size -> times
         _write(settings, every, merged, functional, split_s, hosts, backend, device, shapes, counts)
+
+
+def _merge(parts: Any) -> dict[str, Any]:
+    """Each group's first rank's {a: {b: {group size: entry}}}, merged into one."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for a, inner in part.items():
+            for b, sized in inner.items():
+                merged.setdefault(a, {}).setdefault(b, {}).update(sized)
+    return merged
 
 
 def _bar(total: int, enabled: bool) -> Any:

@@ -8,9 +8,15 @@ assumed `compute_mfu` (mula.plan.step_time).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from mula.calibrate.fit import Curve
 from mula.plan.machines import Machine
+
+
+def nearest_group(sized: dict, group: int) -> Any:
+    """The key of `sized` (measurements per group size) nearest `group` in log2."""
+    return min(sized, key=lambda g: abs(math.log2(int(g)) - math.log2(group)))
 
 
 def curve(machine: Machine, kind: str, group: int, inter: bool) -> Curve | None:
@@ -25,8 +31,7 @@ def curve(machine: Machine, kind: str, group: int, inter: bool) -> Curve | None:
     sized = sized or (scopes.get("intra") or {}).get(kind)
     if not sized:
         return None
-    nearest = min(sized, key=lambda g: abs(math.log2(int(g)) - math.log2(max(group, 2))))
-    entry = sized[nearest]
+    entry = sized[nearest_group(sized, max(group, 2))]
     return Curve(entry["alpha_s"], entry["beta_s_per_byte"], entry.get("max_error", 0.0))
 
 
@@ -85,8 +90,7 @@ def functional_call_seconds(machine: Machine, group: int) -> float | None:
     sized = (machine.calibration or {}).get("functional_call_s")
     if not sized or group <= 1:
         return None
-    nearest = min(sized, key=lambda g: abs(math.log2(int(g)) - math.log2(group)))
-    return float(sized[nearest])
+    return float(sized[nearest_group(sized, group)])
 
 
 def node_calls_seconds(

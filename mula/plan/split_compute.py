@@ -1,22 +1,21 @@
-"""What splitting a model over tensor- or context-parallel ranks costs its compute, from a calibration.
+"""What splitting a model over tensor-, context- or expert-parallel ranks costs its compute, from a
+calibration.
 
 A rank of a T-way tensor-parallel group computes 1/T of every matmul, but at a lower rate than the whole
 model's: smaller matmuls, DTensor's work on every operation (sharding rules, redistributions, the
 wrappers around each functional collective) and the layers it does not split. Ulysses (C-way context
 parallelism) packs and unpacks q, k, v and the output around its all-to-alls. Expert parallelism keeps
 each rank's tokens but permutes them around its all-to-alls, whose calls block between computes.
-`mula calibrate` times
-the same small model (`mula.calibrate.splits`) whole and split by the strategy's own functions on each
-group size of a node, forward + backward interleaved (`split_training_s`). Their ratio less the split's
-collectives, priced as the planner prices them (`mula.plan.split_volumes`, `node_calls_seconds`), is
-the split's compute factor:
+`mula calibrate` times the same small model (`mula.calibrate.splits`) whole and split by the strategy's
+own functions on each group size of a node, forward + backward interleaved (`split_training_s`). Their
+ratio less the split's collectives, priced as the planner prices them (`mula.plan.split_volumes`,
+`node_calls_seconds`), is the split's compute factor:
 
     factor = (split seconds - its collectives' seconds) / (whole seconds / share)
 
 where share is the group size for TP and CP (a rank computes 1/T or 1/C of the micro-batch) and 1 for
-experts (a rank computes its own micro-batch).
-
-and `mula.plan.step_time` multiplies a split rank's compute by it. At least 1: a split never makes a
+experts (a rank computes its own micro-batch); `mula.plan.step_time` multiplies a split rank's compute
+by it. At least 1: a split never makes a
 rank's share cheaper than its share of the whole (a measured factor below 1 means the collectives were
 priced higher than they cost, and the prediction keeps that error rather than hiding it here). A layout
 with several splits multiplies their factors. Without a calibration (or one measured without splits,
@@ -26,10 +25,9 @@ or at another dtype) the factor is 1.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from mula.config import MulaConfig
-from mula.plan.calibrated import node_calls_seconds
+from mula.plan.calibrated import nearest_group, node_calls_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.split_volumes import (
@@ -40,13 +38,6 @@ from mula.plan.split_volumes import (
 )
 
 SPLIT_KINDS = ("tp", "tp_sp", "cp", "ep")  # tensor parallel, with sequence parallelism, Ulysses, experts
-
-
-def _nearest(sized: dict, group: int) -> tuple[int, dict] | None:
-    if not sized:
-        return None
-    g = min(sized, key=lambda k: abs(math.log2(int(k)) - math.log2(group)))
-    return int(g), sized[g]
 
 
 def _collective_seconds(machine: Machine, kind: str, group: int, measured: dict, dtype: str) -> float:
@@ -83,10 +74,11 @@ def split_factor(machine: Machine, kind: str, group: int, compute_bytes: int) ->
         return 1.0
     cal = machine.calibration or {}
     dtype = "bfloat16" if compute_bytes == 2 else "float32"
-    found = _nearest((cal.get("split_training_s") or {}).get(dtype, {}).get(kind, {}), group)
-    if found is None:
+    sized = (cal.get("split_training_s") or {}).get(dtype, {}).get(kind, {})
+    if not sized:
         return 1.0
-    g, measured = found
+    key = nearest_group(sized, group)
+    measured, g = sized[key], int(key)
     own = float(measured["split"]) - _collective_seconds(machine, kind, g, measured, dtype)
     share = 1 if kind == "ep" else g
     return max(1.0, own / (float(measured["whole"]) / share))
