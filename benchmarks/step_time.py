@@ -1,9 +1,9 @@
 """The planner's step time (`mula.plan.step_time`) against measured step times on this CPU host.
 
-First `mula calibrate --devices 2` measures this host at the benchmark model's shapes (training rates
+Every round first runs `mula calibrate --devices 2` on this host at the benchmark model's shapes (training rates
 per rank with both ranks busy, elementwise bandwidth, the training loop's fixed work, and every
-collective's latency and bandwidth over message sizes; or `--calibration FILE` reads a machine file it
-wrote). The planner prices each layout with it (`mula.plan.step_time.step_time`): compute at the
+collective's latency and bandwidth over message sizes; or `--calibration FILE` reads one machine file it
+wrote for all rounds). The planner prices each layout of the round with it (`mula.plan.step_time.step_time`): compute at the
 measured rates, each collective by its own alpha + beta * bytes curve times the calls the layout makes
 (`comm_volumes`' `*_calls`, checked against real runs in tests/test_plan_volumes*.py), the optimizer
 update and the loop's fixed seconds.
@@ -21,9 +21,10 @@ Trainer and XPUMoEStrategy as `mula fit` trains (a step: from one optimizer step
                   sequence parallelism;
   C=2             Ulysses context parallelism (each rank holds half of every sequence).
 
-Each row: the planner's prediction (`step_time` with the measured machine), the measured seconds
-per step (slowest rank, median of the steps of each round; median [min-max] over rounds) and
-measured / predicted (median [min-max] over rounds), and the predicted parts. Benchmarks print
+Each row: the planner's prediction (`step_time` with each round's calibration; median [min-max] over
+rounds), the measured seconds per step (slowest rank, median of the steps of each round; median
+[min-max] over rounds) and measured / predicted (each round's measurement over its own prediction;
+median [min-max] over rounds), and the predicted parts (of the median round). Benchmarks print
 tables and never assert.
 
     python benchmarks/step_time.py --doc docs/benchmarks.md
@@ -50,6 +51,7 @@ from mula.calibrate.command import calibrate
 from mula.layout_rules import micro_batches_per_step
 from mula.module import MulaLightningModule
 from mula.plan import Layout
+from mula.plan.grad_reduction import overhead_per_byte
 from mula.plan.layout import check_runnable
 from mula.plan.machines import Machine, load_machine
 from mula.plan.step_time import step_time
@@ -212,23 +214,34 @@ def layout_of(case: Case, spec: Spec) -> Layout:
     )  # fmt: skip
 
 
-def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machine: Machine) -> str:
-    """Markdown table: predicted and measured seconds per step, their ratio per round, predicted parts."""
+def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machines: list[Machine]) -> str:
+    """Markdown table: predicted and measured seconds per step, their ratio per round (each round's
+    measurement over the prediction with that round's calibration), the predicted parts (the median
+    round's)."""
     lines = [
-        "| layout | predicted s/step | measured s/step (median [min-max] of rounds) | measured / predicted | "
-        "predicted compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms |",
+        "| layout | predicted s/step (median [min-max] of rounds) | measured s/step (median [min-max] of rounds) | "
+        "measured / predicted | predicted compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms |",
         "|---|---|---|---|---|",
     ]
     cases = {c.name: c for c in spec.cases}
     for name, rs in by_case(rows).items():
-        t = step_time(config, layout_of(cases[name], spec), machine, spec.global_batch)
+        layout = layout_of(cases[name], spec)
+        times = [
+            step_time(config, layout, machines[r["round"] % len(machines)], spec.global_batch) for r in rs
+        ]
+        predicted = [t.step_time_s for t in times]
+        middle = times[predicted.index(statistics.median_low(predicted))]
         measured = [r["step_s"] for r in rs]
-        parts = " / ".join(f"{1e3 * getattr(t, k):.0f}" for k in PARTS)
+        parts = " / ".join(f"{1e3 * getattr(middle, k):.0f}" for k in PARTS)
         lines.append(
-            f"| {name} | {t.step_time_s:.3f} | {statistics.median(measured):.3f} [{min(measured):.3f}-"
-            f"{max(measured):.3f}] | {spread([m / t.step_time_s for m in measured])} | {parts} |"
+            f"| {name} | {_range(predicted)} | {_range(measured)} | "
+            f"{spread([m / p for m, p in zip(measured, predicted)])} | {parts} |"
         )
     return "\n".join(lines)
+
+
+def _range(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def main(
@@ -249,8 +262,9 @@ def main(
     calibration: str | None = None,
     cases: list[str] | None = None,
 ) -> str:
-    """Calibrate the host (`mula calibrate`, or read `calibration`, a machine file it wrote), then run every
-    layout in `rounds` interleaved rounds in one 2-process job (`cases`: only the rows of these names)."""
+    """In each of `rounds` interleaved rounds, calibrate the host (`mula calibrate`; or read `calibration`, a
+    machine file it wrote, once for all rounds), then run every layout in one 2-process job per world size
+    (`cases`: only the rows of these names)."""
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}.")
     overrides = dict(
@@ -266,34 +280,48 @@ def main(
     for case in chosen:  # refuse, before any process starts, a case the strategy would refuse
         check_runnable(config, layout_of(case, spec), global_batch)
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread per rank
-    machine_file = Path(calibration) if calibration else Path(tempfile.mkdtemp()) / "this-host.yaml"
-    if not calibration:  # `mula calibrate` on this host, at this model's shapes
-        calibrate(output=str(machine_file), devices=2, model="mula-tiny-moe", overrides=overrides,
-                  seq_len=seq_len, micro_batch=micro_batch, progress=False)  # fmt: skip
-    machine = load_machine(str(machine_file))
+    machines: list[Machine] = [load_machine(calibration)] if calibration else []
     rows = []
-    for _ in range(rounds):  # interleaved rounds: drift hits every layout; each world size its own job
+    for r in range(rounds):  # interleaved rounds: drift hits every layout; each world size its own job
+        if not calibration:  # `mula calibrate` on this host, at this model's shapes, every round: a host
+            # whose speed drifts between rounds moves the prediction and the measurement alike
+            machine_file = Path(tempfile.mkdtemp()) / "this-host.yaml"
+            calibrate(output=str(machine_file), devices=2, model="mula-tiny-moe", overrides=overrides,
+                      seq_len=seq_len, micro_batch=micro_batch, progress=False)  # fmt: skip
+            machines.append(load_machine(str(machine_file)))
         for world in sorted({c.world for c in chosen}):
             same = [c for c in chosen if c.world == world]
-            rows += run_gloo(_measure, world, dataclasses.replace(spec, cases=same))[0]
+            rows += [
+                {**row, "round": r}
+                for row in run_gloo(_measure, world, dataclasses.replace(spec, cases=same))[0]
+            ]
+    machine = machines[0]
     cal = machine.calibration or {}
     rates = cal.get("training_tflops", {}).get(str(DTYPES[precision]).removeprefix("torch."), {})
     loop = cal.get("loop_s", {})
     calls = cal.get("functional_call_s", {}).get(2, 0.0)
+    dtype = str(DTYPES[precision]).removeprefix("torch.")
+    reducer = [
+        1e9 * overhead_per_byte(machine, sized[2], stage, 2, dtype) if 2 in sized else 0.0
+        for stage, sized in sorted(cal.get("grad_reduction_s", {}).get(dtype, {}).items())
+    ]
     header = (
         f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
         f"(FFN {expert_intermediate_size}, uniform routing), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M "
         f"parameters, {precision}; global batch {global_batch} x {seq_len} tokens in micro-batches of {micro_batch}; "
         f"2 gloo processes on {os.cpu_count()} CPU cores, 1 torch thread each; median of {steps} optimizer steps "
         f"after {warmup} warm-up steps, {rounds} interleaved rounds.\n\n"
-        f"Machine: `mula calibrate --devices 2` on this host (measured {cal.get('measured_at')}): a block's "
+        f"Machine: `mula calibrate --devices 2` on this host before every round; the first round's (measured "
+        f"{cal.get('measured_at')}): a block's "
         f"forward + backward at {1e3 * rates.get('step', 0):.1f} GFLOP/s per rank ({precision}), the LM head's "
         f"at {1e3 * rates.get('head_step', 0):.1f}; elementwise {cal.get('elementwise_gbps', 0):.1f} GB/s; the "
         f"loop's fixed {1e3 * loop.get('step', 0):.1f} ms per step and {1e3 * loop.get('batch', 0):.1f} ms per "
-        f"micro-batch; a functional collective {1e3 * calls:.2f} ms between computes; every collective priced "
+        f"micro-batch; a functional collective {1e3 * calls:.2f} ms between computes; the sharded optimizer's "
+        f"reducer {' / '.join(f'{r:.3f}' for r in reducer)} ns per bucket byte and micro-batch beyond its "
+        f"collectives (ZeRO-1 / ZeRO-2); every collective priced "
         f"by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
     )
-    text = header + "\n\n" + table(rows, config, spec, machine)
+    text = header + "\n\n" + table(rows, config, spec, machines)
     print(text)
     if doc is not None:
         write_section(Path(doc), SECTION, _doc_section(text))
@@ -304,7 +332,9 @@ def _doc_section(result: str) -> str:
     return f"""{SECTION}
 
 The planner's step time (`mula plan`'s `step_time_s`) against measured steps on this CPU host, priced
-with a machine file `mula calibrate --devices 2` measured on it at the benchmark model's shapes. Made with:
+with a machine file `mula calibrate --devices 2` measured on it at the benchmark model's shapes before
+each round (this shared host's speed drifts by 10 % and more between minutes: a calibration made once
+would price later rounds at another speed than they ran). Made with:
 
     .venv/bin/python benchmarks/step_time.py --doc docs/benchmarks.md
 
@@ -314,19 +344,22 @@ with a machine file `mula calibrate --devices 2` measured on it at the benchmark
 
 How to read it.
 
-- Every row is a prediction: compute at the calibrated training rates (a block's, and the embedding,
-  LM head and loss's on the last stage; whole forward + backward passes of a micro-batch with both
-  ranks busy; the forward rate for recomputation), each collective as calls x latency + bus bytes x
-  inverse bandwidth from its own measured curve (the calls and bytes of each layout checked against
-  real runs in tests/test_plan_volumes.py and tests/test_plan_volumes_tp.py), the calls that block
-  between computes inside a node (tensor- and context-parallel collectives, the expert all-to-alls,
-  pipeline sends) at the measured price of a functional collective between computes, a TP, CP or
-  EP rank's compute times its split's calibrated factor (mula/plan/split_compute.py), the
-  pipeline bubble, the gradient reduction's overlap with the last micro-batch's backward, the
-  optimizer update's bytes at the elementwise bandwidth and the training loop's fixed seconds per step
-  and micro-batch (mula/plan/step_overheads.py).
+- Every row is a prediction: compute at the calibrated training rates (a block's, from the small
+  model against one with two more blocks, so a block pays what it pays inside a deep model; and the
+  rest's -- embedding, LM head and loss -- on the last stage; whole forward + backward passes of a
+  micro-batch with both ranks busy; the forward rate for recomputation), each collective as calls x
+  latency + bus bytes x inverse bandwidth from its own measured curve (the calls and bytes of each
+  layout checked against real runs in tests/test_plan_volumes.py and tests/test_plan_volumes_tp.py),
+  the calls that block between computes inside a node (tensor- and context-parallel collectives, the
+  expert all-to-alls, pipeline sends) at the measured price of a functional collective between
+  computes, a TP, CP or EP rank's compute times its split's calibrated factor
+  (mula/plan/split_compute.py), the pipeline bubble, the gradient reduction's overlap with the last
+  micro-batch's backward, the sharded optimizer's reducer's own work per bucket byte and micro-batch
+  beyond its collectives (calibrated with the strategy's optimizer reducing, updating and gathering,
+  mula/plan/grad_reduction.py), the optimizer update's bytes at the elementwise bandwidth and the
+  training loop's fixed seconds per step and micro-batch (mula/plan/step_overheads.py).
 - A ratio above 1 is time the model leaves out; below 1, time it counts that the step does not spend.
-  The calibration and the benchmark run back to back, so both see the same load.
+  Each round's calibration and its layouts run back to back, so both see the same load.
 """
 
 

@@ -75,7 +75,10 @@ multiprocessing.set_forkserver_preload(
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # rendezvous through a file of this launch, not the port: a port found free can be taken by another
+    # process (a previous test's closing connections) before rank 0 binds it ("Connection reset by peer")
+    store = Path(out_dir) / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")

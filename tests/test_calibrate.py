@@ -9,10 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from dist_helpers import run_distributed
 
 from mula.calibrate.fit import fit_curve
+from mula.calibrate.job import cpu_threads_per_rank
+from mula.calibrate.measure import busy_times
 from mula.config import MulaConfig
 from mula.plan import Layout
+from mula.plan.grad_reduction import overhead_per_byte
 from mula.plan.machines import load_machine
 from mula.plan.split_compute import split_factor
 from mula.plan.step_time import comm_volumes, step_time
@@ -92,6 +97,7 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
     machine = load_machine(str(out))
     cal = machine.calibration
     assert cal["world_size"] == 2 and cal["nodes"] == 1 and cal["backend"] == "gloo"
+    assert cal["threads_per_rank"] == 1  # OMP_NUM_THREADS=1 in the environment is kept
     for kind in ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv"):
         entry = cal["collectives"]["intra"][kind][2]
         assert entry["alpha_s"] >= 0 and entry["beta_s_per_byte"] >= 0 and len(entry["points"]) >= 5
@@ -111,6 +117,14 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
         for kind, sized in splits.items():
             assert sized[2]["whole"] > 0 and sized[2]["split"] > 0 and sized[2]["seq_len"] == 64
             assert split_factor(machine, kind, 2, 4 if dtype == "float32" else 2) >= 1.0
+        # the small model's step without a reducer and with the strategy's sharded AdamW at each ZeRO stage
+        stages = cal["grad_reduction_s"][dtype]
+        assert set(stages) == {1, 2}
+        for stage, sized in stages.items():
+            measured = sized[2]
+            assert measured["plain"] > 0 and measured["reduced"] > 0 and measured["micro_batches"] == 2
+            assert measured["bucket_bytes"] > 0 and measured["seq_len"] == 64
+            assert overhead_per_byte(machine, measured, stage, 2, dtype) >= 0.0
     plan = _mula("plan", "-c", str(ROOT / "recipes/mula-tiny-moe.yaml"), "--trainer.devices=2",
                  "--trainer.strategy=strategies.XPUMoEStrategy", "--trainer.strategy.init_args.expert_parallel_size=2",
                  f"--machine={out}", cwd=ROOT)  # fmt: skip
@@ -150,3 +164,33 @@ def test_matmul_shapes_follow_the_attention_and_expert_kinds():
     assert {"q_a", "q_b", "kv_a", "kv_b", "shared_up", "mlp_up"} <= set(mla) and "qkv" not in mla
     assert {"qkv", "expert_up"} <= set(matmul_shapes(MulaConfig.from_name("mula-tiny-moe"), 64))
     assert "expert_up" not in matmul_shapes(MulaConfig.from_name("mula-tiny-dense"), 64)
+
+
+def _busy_in_a_subgroup(rank: int, world: int) -> dict[str, float] | None:
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])  # every rank creates it; only its ranks time
+    out = None
+    if rank in (0, 1):
+        # rank 0 is the slow one: each repetition counts at its time on both ranks
+        out = busy_times(
+            {"nap": lambda: time.sleep(0.02 if rank == 0 else 0.0)}, torch.device("cpu"), 3, group
+        )
+    dist.barrier()  # the ranks outside the group meet the others here, not inside busy_times
+    return out
+
+
+def test_busy_times_runs_in_a_group_of_the_job_and_counts_the_slowest_rank():
+    results = run_distributed(_busy_in_a_subgroup, 4)
+    assert results[2] is None and results[3] is None
+    assert results[0]["nap"] >= 0.02 and results[1]["nap"] >= 0.02
+
+
+def test_cpu_ranks_share_the_host_cores_as_lightning_sets_them(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert cpu_threads_per_rank(4) == 4 and cpu_threads_per_rank(32) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins
+    assert cpu_threads_per_rank(4) is None

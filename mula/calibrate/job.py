@@ -25,6 +25,7 @@ from mula.calibrate.measure import (
     time_collective,
     training_tflops,
 )
+from mula.calibrate.reduction import reduction_seconds
 from mula.calibrate.splits import split_training_seconds, splits_for
 from mula.config import MulaConfig
 
@@ -86,9 +87,22 @@ def run_rank(rank: int, world: int, settings: Settings, local_rank: int | None =
         dist.destroy_process_group()
 
 
+def cpu_threads_per_rank(ranks_on_host: int) -> int | None:
+    """The torch threads of a CPU rank as Lightning's launchers set them for `mula fit`: the host's cores
+    shared by its ranks, unless OMP_NUM_THREADS says otherwise (None: leave torch's setting). Torch's
+    default, every core for every rank, would oversubscribe the host and time it several times slower
+    than training runs (this repository's example file once came out 3x too slow that way)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
+
+
 def _measure(rank: int, world: int, device: torch.device, backend: str, settings: Settings) -> None:
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())  # ranks on one host share a node's fabric
+    threads = cpu_threads_per_rank(hosts.count(hosts[rank])) if device.type == "cpu" else None
+    if threads is not None:
+        torch.set_num_threads(threads)
     groups = _groups(hosts)
     config = MulaConfig.from_name(settings.model, **settings.overrides)
     shapes = matmul_shapes(config, settings.micro_batch * settings.seq_len)
@@ -108,12 +122,14 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
         bar.update(1)
     local["elementwise_gbps"] = elementwise_gbps(device, 1 << 24, settings.reps)
     local["loop_s"] = loop_seconds(config)
+    local["threads"] = torch.get_num_threads()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, local)
 
     curves: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     calls: dict[int, float] = {}  # a functional collective's seconds between computes, per group size
     splits: dict[str, dict[str, dict[int, dict[str, float]]]] = {}  # dtype -> kind -> group size -> times
+    reductions: dict[str, dict[int, dict[int, dict[str, float]]]] = {}  # dtype -> ZeRO stage -> group size
     for scope, sized in groups.items():
         for g, ranks in sized.items():
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
@@ -145,15 +161,26 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
                         )  # fmt: skip
                         if rank == ranks[0]:
                             splits.setdefault(dtype_name, {}).setdefault(kind, {})[g] = measured
+                    # the sharded optimizer's reduction over the group (mula.calibrate.reduction)
+                    by_stage = reduction_seconds(
+                        config, settings.micro_batch, settings.seq_len, getattr(torch, dtype_name), device,
+                        group, ranks.index(rank), g, 3 * settings.reps,
+                    )  # fmt: skip
+                    if rank == ranks[0]:
+                        for stage, measured in by_stage.items():
+                            reductions.setdefault(dtype_name, {}).setdefault(stage, {})[g] = measured
             dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (curves, calls, splits))
+    dist.all_gather_object(gathered, (curves, calls, splits, reductions))
     bar.close()
     if rank == 0:
-        functional = {g: s for _, sized_calls, _ in gathered for g, s in sized_calls.items()}
-        merged = _merge(part for part, _, _ in gathered)  # scope -> collective -> group size -> curve
-        split_s = _merge(part for _, _, part in gathered)  # dtype -> split kind -> group size -> times
-        _write(settings, every, merged, functional, split_s, hosts, backend, device, shapes, counts)
+        functional = {g: s for _, sized_calls, _, _ in gathered for g, s in sized_calls.items()}
+        merged = _merge(part[0] for part in gathered)  # scope -> collective -> group size -> curve
+        split_s = _merge(part[2] for part in gathered)  # dtype -> split kind -> group size -> times
+        reduction_s = _merge(part[3] for part in gathered)  # dtype -> ZeRO stage -> group size -> times
+        _write(
+            settings, every, merged, functional, split_s, reduction_s, hosts, backend, device, shapes, counts
+        )
 
 
 def _merge(parts: Any) -> dict[str, Any]:
@@ -178,6 +205,7 @@ def _write(
     curves: dict[str, Any],
     functional: dict[int, float],
     splits: dict[str, Any],
+    reductions: dict[str, Any],
     hosts: list[str],
     backend: str,
     device: torch.device,
@@ -209,6 +237,7 @@ def _write(
         "world_size": len(hosts),
         "nodes": nodes,
         "backend": backend,
+        "threads_per_rank": min(r["threads"] for r in every),  # torch's intra-op threads on each rank
         "torch": str(torch.__version__),
         "model": settings.model,
         "overrides": settings.overrides,
@@ -234,6 +263,13 @@ def _write(
         "split_training_s": {
             d: {k: {g: _rounded(m) for g, m in sorted(sized.items())} for k, sized in kinds.items()}
             for d, kinds in splits.items()
+        },
+        # per dtype, ZeRO stage and group size inside a node: a step of two micro-batches of the small
+        # model without a reducer and with the sharded optimizer reducing over the group
+        # (mula.calibrate.reduction; the reducer's own work, mula.plan.grad_reduction)
+        "grad_reduction_s": {
+            d: {z: {g: _rounded(m) for g, m in sorted(sized.items())} for z, sized in sorted(stages.items())}
+            for d, stages in reductions.items()
         },
         "collectives": curves,
     }

@@ -4,8 +4,7 @@ optimizer step and per micro-batch beyond the model's forward and backward and t
 A model too small to compute anything (one block of width 16, 8 tokens; of the calibrated model's kind:
 an MoE block with its experts and top-k for an MoE model, whose every micro-batch also adds its expert
 counts and logs its load imbalance) trains a few optimizer steps with `MulaLightningModule` under
-Lightning's Trainer, once with one micro-batch per step and once with
-`ACCUMULATE`; the same model's forward + backward and optimizer step, timed by hand, are taken off. Two
+Lightning's Trainer, with one micro-batch per step and with `ACCUMULATE`, `ROUNDS` times each in turns; the same model's forward + backward and optimizer step, timed by hand, are taken off. Two
 points give the two costs: per micro-batch (the slope) and per step (the rest).
 """
 
@@ -22,6 +21,7 @@ import torch
 from mula.config import MulaConfig
 
 ACCUMULATE = 3  # micro-batches per step of the second run
+ROUNDS = 3  # runs of each, in turns
 _TINY = dict(
     vocab_size=64, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32, max_position_embeddings=16
 )
@@ -122,8 +122,13 @@ def loop_seconds(config: MulaConfig | None = None, steps: int = 8) -> dict[str, 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's hints about workers and loggers
-            one = _lightning_step_s(1, steps, name, overrides)
-            many = _lightning_step_s(ACCUMULATE, steps, name, overrides)
+            # in turns, the median of each: one disturbed run (a neighbour's burst on a shared host) would
+            # otherwise land whole in the per-step cost
+            ones, manys = [], []
+            for _ in range(ROUNDS):
+                ones.append(_lightning_step_s(1, steps, name, overrides))
+                manys.append(_lightning_step_s(ACCUMULATE, steps, name, overrides))
+            one, many = statistics.median(ones), statistics.median(manys)
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)

@@ -47,12 +47,16 @@ def _best_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return min(times)
 
 
-def busy_times(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int) -> dict[str, float]:
-    """The median time of each of `fns` with every rank of the job running it at once (a barrier before
-    each repetition): rates for ranks that share the device's memory, caches or cores, as training's do.
-    The median, not the best: the best is a repetition the other ranks happened not to disturb. The
-    functions take turns (one repetition of each), so that a drift of the host's speed during the
-    measurement moves them all alike and their differences stay right."""
+def busy_times(
+    fns: dict[str, Callable[[], Any]], device: torch.device, reps: int, group: Any = None
+) -> dict[str, float]:
+    """The median time of each of `fns` with every rank of `group` (default: the job) running it at once
+    (a barrier before each repetition): rates for ranks that share the device's memory, caches or cores,
+    as training's do. Each repetition counts at its slowest rank's time, as a training step ends when its
+    slowest rank does; the median, not the best: the best is a repetition the other ranks happened not to
+    disturb. The functions take turns (one repetition of each), so that a drift of the host's speed during
+    the measurement moves them all alike and their differences stay right. Every rank of `group` must
+    call it; the others must not."""
     for fn in fns.values():
         fn()
     synchronize(device)
@@ -60,11 +64,15 @@ def busy_times(fns: dict[str, Callable[[], Any]], device: torch.device, reps: in
     for _ in range(reps):
         for name, fn in fns.items():
             if dist.is_initialized():
-                dist.barrier()
+                dist.barrier(group=group)
             start = time.perf_counter()
             fn()
             synchronize(device)
             times[name].append(time.perf_counter() - start)
+    if dist.is_initialized():
+        slowest = torch.tensor(list(times.values()), dtype=torch.float64).to(device)  # gloo: host tensors
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        times = dict(zip(times, slowest.cpu().tolist()))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -202,6 +210,9 @@ def time_collective(
     return points
 
 
+EXTRA_BLOCKS = 2  # the deeper model's blocks beyond the small model's: their difference prices a block
+
+
 def small_model_config(config: MulaConfig) -> MulaConfig:
     """The small model the training measurements time: the dense first blocks and two more."""
     return dataclasses.replace(config, num_layers=min(config.num_layers, config.num_dense_layers + 2))
@@ -213,56 +224,61 @@ def training_tflops(
     """The model's effective TFLOP/s on one micro-batch, counted with `MulaConfig.flops_per_token`'s
     terms, so everything that is not a matmul (norms, rotary, softmax, routing, permutation, the loss) is
     in the rate: `step` (forward + backward) and `forward` (a third of the FLOPs) of the blocks, and
-    `head_step` / `head_forward` of the rest (final norm, LM head and loss, at the LM head's FLOPs).
-    The rest is timed on its own (on hidden states); a model of two blocks past the dense ones less the
-    rest gives the blocks (the embedding lookup, no matmul, rides with them). Every rank of the job
-    times together (`busy_times`)."""
+    `head_step` / `head_forward` of the rest (embedding, final norm, LM head and loss, at the LM head's
+    FLOPs).
+
+    Two depths are timed: the small model (`small_model_config`) and the same with `EXTRA_BLOCKS` more.
+    Their difference is what a block costs inside a deep model (its saved activations read back after
+    the blocks above it ran, not while the cache still holds them, as a shallow model's are); the small
+    model less its blocks at that cost is the rest. On this repository's CPU host a block measured this
+    way costs about 10 % more than the small model less the rest timed alone, and a deep model's time
+    follows the line of the two depths (2 to 8 blocks within a few percent). On a host too loaded to
+    tell the depths apart, both at the small model's whole rate. Every rank of the job times together
+    (`busy_times`)."""
     from mula.model import Mula
 
     tokens = micro_batch * seq_len
     small = small_model_config(config)
+    deep_config = dataclasses.replace(small, num_layers=small.num_layers + EXTRA_BLOCKS)
     torch.manual_seed(0)
     model = Mula(small).to(device=device, dtype=dtype)
+    deep = Mula(deep_config).to(device=device, dtype=dtype)
     ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
-    hidden = torch.randn(
-        micro_batch, seq_len, small.hidden_size, device=device, dtype=dtype, requires_grad=True
-    )
 
-    def loss() -> torch.Tensor:
-        out = model(ids[:, :-1])
+    def loss(net: Any) -> torch.Tensor:
+        out = net(ids[:, :-1])
         ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
         return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
 
-    def head_loss() -> torch.Tensor:
-        logits = model.lm_head(model.norm(hidden))
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-
-    def step(fn=loss) -> None:
+    def step(net: Any) -> None:
         # the gradients accumulate, as over a step's micro-batches (adding into them costs a pass more
         # than writing fresh ones)
-        fn().backward()
-        hidden.grad = None
+        loss(net).backward()
 
     # the forward as activation checkpointing reruns it: recording for backward (its graph and saved
     # tensors), not under no_grad
     # the blocks' rate is a difference of two timings: interleaved, and 3x the repetitions, so that
     # neither the host's drift nor one disturbed repetition moves it
     seconds = busy_times(
-        {"forward": loss, "head_forward": head_loss, "step": step, "head_step": lambda: step(head_loss)},
+        {
+            "forward": lambda: loss(model), "deep_forward": lambda: loss(deep),
+            "step": lambda: step(model), "deep_step": lambda: step(deep),
+        },
         device,
         3 * reps,
-    )
+    )  # fmt: skip
     core = 6 * config.attention_core_width * seq_len
-    blocks = sum(6 * config.layer_matmul_params(i) + core for i in range(small.num_layers)) * tokens
+    flops = [(6 * config.layer_matmul_params(i) + core) * tokens for i in range(deep_config.num_layers)]
+    blocks, extra = sum(flops[: small.num_layers]), sum(flops[small.num_layers :])
     head = 6 * config.vocab_size * config.hidden_size * tokens
     out = {}
     for name, third in (("step", 1), ("forward", 3)):
-        whole = (blocks + head) / third / seconds[name]
-        rest, body = seconds["head_" + name], seconds[name] - seconds["head_" + name]
-        # a loaded host can leave the blocks no time of their own: then both at the whole model's rate
-        ok = body > 0
-        out[name] = (blocks / third / body if ok else whole) / 1e12
-        out["head_" + name] = (head / third / rest if ok else whole) / 1e12
+        deeper = seconds["deep_" + name] - seconds[name]
+        rest = seconds[name] - deeper * blocks / extra if deeper > 0 else 0.0
+        if rest > 0:
+            out[name], out["head_" + name] = extra / third / deeper / 1e12, head / third / rest / 1e12
+        else:  # a loaded host can leave the extra blocks no time of their own: all at the whole rate
+            out[name] = out["head_" + name] = (blocks + head) / third / seconds[name] / 1e12
     return out
 
 

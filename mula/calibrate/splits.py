@@ -31,7 +31,8 @@ APPLY = {
 }
 
 
-def _resolve(name: str) -> Callable[..., Any]:
+def resolve_name(name: str) -> Callable[..., Any]:
+    """The strategy function or class "module:attribute" names, imported when it is measured."""
     module, attr = name.split(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -88,16 +89,16 @@ def split_training_seconds(
         from torch.distributed.tensor.parallel import loss_parallel
 
         mesh = DeviceMesh.from_group(group, device.type)
-        _resolve(APPLY["tp"])(split, mesh, sequence_parallel=kind == "tp_sp")
+        resolve_name(APPLY["tp"])(split, mesh, sequence_parallel=kind == "tp_sp")
         context = loss_parallel
     elif kind == "cp":
-        _resolve(APPLY["cp"])(split, group, group_rank, group_size)
+        resolve_name(APPLY["cp"])(split, group, group_rank, group_size)
     else:
-        topology = _resolve(APPLY["ep_topology"])(
+        topology = resolve_name(APPLY["ep_topology"])(
             world_size=group_size, rank=group_rank, ep_size=group_size, edp_size=1, ep_rank=group_rank,
             edp_rank=0, ep_group=group,
         )  # fmt: skip
-        _resolve(APPLY["ep"])(split, topology)
+        resolve_name(APPLY["ep"])(split, topology)
 
     def step(model: Any) -> None:
         shard = model.sequence_shard
@@ -109,5 +110,5 @@ def split_training_seconds(
             loss = ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
             loss.backward()  # the gradients accumulate, as over a step's micro-batches
 
-    seconds = busy_times({"whole": lambda: step(whole), "split": lambda: step(split)}, device, reps)
+    seconds = busy_times({"whole": lambda: step(whole), "split": lambda: step(split)}, device, reps, group)
     return {**seconds, "num_layers": small.num_layers, "micro_batch": micro_batch, "seq_len": seq_len}

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
-from mula.flat_buffers import plan_buckets
 from mula.plan.calibrated import collective_seconds, compute_flops_per_s, node_calls_seconds
+from mula.plan.grad_reduction import bucket_bytes, optimizer_volumes, reduction_overhead_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
-from mula.plan.memory import optimizer_entries, stage_params
+from mula.plan.memory import stage_params
 from mula.plan.parameters import model_parameters
 from mula.plan.split_compute import layout_split_factor
 from mula.plan.split_volumes import (
@@ -138,7 +138,9 @@ class Volumes:
     layout folds the combine weights in, the weights' exchange). context_parallel: Ulysses' head
     all-to-alls (`context_parallel_sends`), context_parallel_calls their calls and the router-loss
     totals' (`context_parallel_router_calls`); tensor_parallel_calls:
-    DTensor's collective calls behind `tensor_parallel`.
+    DTensor's collective calls behind `tensor_parallel`; grad_bucket_bytes: the gradient bytes the
+    sharded optimizer's buckets take (`mula.plan.grad_reduction.bucket_bytes`), which its reducer writes
+    every micro-batch.
     """
 
     all_to_all: float = 0.0
@@ -154,47 +156,7 @@ class Volumes:
     context_parallel: float = 0.0
     context_parallel_calls: float = 0.0
     tensor_parallel_calls: float = 0.0
-
-
-def _ring(numel: int, elem_bytes: int, group: int) -> float:
-    """Bus bytes of one reduce-scatter or all-gather of `numel` elements over `group` ranks."""
-    return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
-
-
-def _optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int]:
-    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, and the
-    collective calls behind each (per round)."""
-    if not layout.shard_optimizer:
-        # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
-        # in the parameters' dtype, bucketed as the sharded optimizer would bucket it (grad_sync.py)
-        entries = optimizer_entries(params, layout)
-        dense = sum(e.numel for e in entries if e.domain == "dense")
-        expert = sum(e.numel for e in entries if e.domain == "expert")
-        pb = layout.param_bytes
-        groups = {"dense": layout.dp_size, "expert": layout.edp_size}
-        calls = sum(b.group_size > 1 for b in plan_buckets(entries, groups, layout.bucket_numel, 1))
-        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0, calls, 0
-    # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
-    # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
-    dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
-    buckets = plan_buckets(
-        optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel,
-        layout.align,
-    )  # fmt: skip
-    reduce = gather = 0.0
-    reduce_calls = gather_calls = 0
-    for b in buckets:
-        # gloo has no reduce-scatter / all-gather: "rooted" runs one reduce / broadcast per shard
-        shards = 0 if b.group_size == 1 else b.group_size if layout.collectives == "rooted" else 1
-        gather_calls += shards
-        if b.domain == "dense" and not layout.ep_aware:
-            reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.dp_size)
-            reduce_calls += layout.dp_size > 1  # one all-reduce over the stage
-        else:
-            reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
-            reduce_calls += shards
-        gather += _ring(b.numel, layout.param_bytes, b.group_size)
-    return reduce, gather, reduce_calls, gather_calls
+    grad_bucket_bytes: float = 0.0
 
 
 def _pipeline_sends(config: MulaConfig, layout: Layout, stages: tuple[int, ...]) -> float:
@@ -227,7 +189,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     for holds in stages:
         a2a, a2a_calls = expert_all_to_all_sends(config, layout, holds.blocks)
         held = stage_params(params, holds.blocks, holds.first, holds.last)
-        reduce, gather, reduce_calls, gather_calls = _optimizer_volumes(held, layout)
+        reduce, gather, reduce_calls, gather_calls = optimizer_volumes(held, layout)
         sends = _pipeline_sends(config, layout, holds.stages)
         # each send carries the residual stream and, for an MoE model, the router-loss sums: two operations
         send_calls = _pipeline_send_count(layout, holds.stages) * m * (2 if config.is_moe else 1)
@@ -250,6 +212,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
                 cp,
                 cp_calls,
                 tp_calls,
+                bucket_bytes(held, layout),
             )  # fmt: skip
         )
     return out
@@ -312,6 +275,8 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
         contention,
     )  # fmt: skip
     grad_sync = rounds * max(0.0, one_round - backward)
+    # the reducer's own work around its collectives: bucket copies, ZeRO-2's fresh buffers and landings
+    grad_sync += reduction_overhead_seconds(machine, layout, vol.grad_bucket_bytes)
     gather = collective_seconds(
         machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw, contention
     )

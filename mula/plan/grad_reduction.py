@@ -1,0 +1,136 @@
+"""The sharded optimizer's gradient reduction in a step: the volumes of its collectives per round (the
+flat buckets as strategies/optim/grad_reduce.py lays them out) and the reducer's own work beyond them.
+
+The collectives' curves price what the reduce-scatters and all-gathers move. Around them the reducer
+works on every micro-batch: it copies each gradient (scaled) into its bucket or adds it to what the
+bucket holds, under ZeRO-2 into a bucket buffer allocated afresh every round, whose shard then lands by
+an add, and a reduction in flight slows the backward it runs beside (gloo reduces on the cores that
+compute). `mula calibrate` times it (`mula.calibrate.reduction`): a small model's step of two
+micro-batches without an optimizer and with the strategy's sharded AdamW at each ZeRO stage over a
+group of a node (reducing, updating and gathering, as between two training steps). The difference less
+what the planner prices of it -- the reduction's and the gather's collectives and the update's bytes --
+per bucket byte and micro-batch, is the reducer's overhead:
+
+    overhead per byte = (reduced seconds - plain seconds - rounds * one round's reduction
+                         - the gather - the update) / (micro-batches * bucket bytes)
+
+`reduction_overhead_seconds` charges a layout that many seconds per byte of its buckets and
+micro-batch, at its ZeRO stage and the nearest measured group size (at least 0: where a device overlaps
+the reduction with backward, the overlap already appears in the measurement, and a negative remainder
+is the collectives' pricing error, kept rather than hidden here). Without a calibration (or one
+measured without it, or at another dtype) the overhead is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mula.config import MulaConfig
+from mula.flat_buffers import plan_buckets
+from mula.plan.calibrated import collective_seconds, nearest_group
+from mula.plan.layout import Layout
+from mula.plan.machines import Machine
+from mula.plan.memory import optimizer_entries, stage_params
+from mula.plan.parameters import model_parameters
+from mula.plan.step_overheads import update_bytes, update_seconds
+
+
+def _ring(numel: int, elem_bytes: int, group: int) -> float:
+    """Bus bytes of one reduce-scatter or all-gather of `numel` elements over `group` ranks."""
+    return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
+
+
+def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int]:
+    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, and the
+    collective calls behind each (per round)."""
+    if not layout.shard_optimizer:
+        # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
+        # in the parameters' dtype, bucketed as the sharded optimizer would bucket it (grad_sync.py)
+        entries = optimizer_entries(params, layout)
+        dense = sum(e.numel for e in entries if e.domain == "dense")
+        expert = sum(e.numel for e in entries if e.domain == "expert")
+        pb = layout.param_bytes
+        groups = {"dense": layout.dp_size, "expert": layout.edp_size}
+        calls = sum(b.group_size > 1 for b in plan_buckets(entries, groups, layout.bucket_numel, 1))
+        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0, calls, 0
+    # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
+    # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
+    buckets = sharded_buckets(params, layout)
+    reduce = gather = 0.0
+    reduce_calls = gather_calls = 0
+    for b in buckets:
+        # gloo has no reduce-scatter / all-gather: "rooted" runs one reduce / broadcast per shard
+        shards = 0 if b.group_size == 1 else b.group_size if layout.collectives == "rooted" else 1
+        gather_calls += shards
+        if b.domain == "dense" and not layout.ep_aware:
+            reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.dp_size)
+            reduce_calls += layout.dp_size > 1  # one all-reduce over the stage
+        else:
+            reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
+            reduce_calls += shards
+        gather += _ring(b.numel, layout.param_bytes, b.group_size)
+    return reduce, gather, reduce_calls, gather_calls
+
+
+def sharded_buckets(params: list, layout: Layout) -> list:
+    """The sharded optimizer's flat buckets of a rank holding `params` (strategies.optim.grad_reduce's
+    domains: dense sharded over the stage's ranks, or over EDP when EP-unaware; experts over EDP)."""
+    dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
+    return plan_buckets(
+        optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel,
+        layout.align,
+    )  # fmt: skip
+
+
+def bucket_bytes(params: list, layout: Layout) -> float:
+    """Gradient bytes the sharded optimizer's buckets of a rank holding `params` take (padding included,
+    in the reduction's dtype): what its reducer writes every micro-batch. 0 for replicated AdamW."""
+    if not layout.shard_optimizer:
+        return 0.0
+    return float(sum(b.numel for b in sharded_buckets(params, layout)) * layout.reduce_bytes)
+
+
+def reduction_overhead_seconds(machine: Machine, layout: Layout, nbytes: float) -> float:
+    """The reducer's own seconds per step beyond its collectives (module docstring) for a rank whose
+    buckets hold `nbytes`: the calibrated seconds per byte and micro-batch at the layout's ZeRO stage
+    and nearest measured group size, times the step's micro-batches. 0 without a data-parallel group, a
+    sharded optimizer or a measurement."""
+    if not layout.shard_optimizer or layout.dp_size <= 1 or nbytes <= 0:
+        return 0.0
+    cal = machine.calibration or {}
+    dtype = "bfloat16" if layout.compute_bytes == 2 else "float32"
+    sized = (cal.get("grad_reduction_s") or {}).get(dtype, {}).get(layout.zero_stage, {})
+    if not sized:
+        return 0.0
+    key = nearest_group(sized, layout.dp_size)
+    per_byte = overhead_per_byte(machine, sized[key], layout.zero_stage, int(key), dtype)
+    return per_byte * max(1, layout.micro_batches) * nbytes
+
+
+def overhead_per_byte(machine: Machine, measured: dict, zero_stage: int, group: int, dtype: str) -> float:
+    """Seconds per bucket byte and micro-batch of the reducer's own work, from one measurement of
+    `mula.calibrate.reduction` (module docstring), at least 0."""
+    cal = machine.calibration or {}
+    config = dataclasses.replace(
+        MulaConfig.from_name(cal["model"], **(cal.get("overrides") or {})),
+        num_layers=int(measured["num_layers"]),
+    )
+    m = int(measured["micro_batches"])
+    layout = Layout(
+        world_size=group, micro_batch=int(measured["micro_batch"]), seq_len=int(measured["seq_len"]),
+        micro_batches=m, precision="bf16-true" if dtype == "bfloat16" else "32-true", shard_optimizer=True,
+        zero_stage=zero_stage, collectives="native", device_type=machine.device_type,
+    )  # fmt: skip
+    held = stage_params(
+        model_parameters(config, tuple(layout.no_decay)), list(range(config.num_layers)), True, True
+    )
+    reduce, gather, reduce_calls, gather_calls = optimizer_volumes(held, layout)
+    rounds = m if zero_stage == 2 else 1
+    intra = machine.intra_node_gbps * 1e9
+    one_round = collective_seconds(machine, "reduce_scatter", group, False, reduce, reduce_calls, intra)
+    priced = rounds * one_round + collective_seconds(
+        machine, "all_gather", group, False, gather, gather_calls, intra
+    )
+    priced += update_seconds(machine, update_bytes(config, layout))
+    own = float(measured["reduced"]) - float(measured["plain"]) - priced
+    return max(0.0, own) / (m * float(measured["bucket_bytes"]))
