@@ -1,18 +1,20 @@
 """What `mula calibrate` times of the sharded optimizer's gradient reduction beyond its collectives: the
 same small model's step of two micro-batches, forward + backward, without an optimizer and with the
 strategy's own sharded AdamW reducing its gradients over a group of a node, updating its shard and
-gathering the parameters, at ZeRO-1 and ZeRO-2, timed in turns (`busy_times`; `mula.plan.step_overheads.reduction_overhead_seconds` turns the pair into seconds per bucket
-byte and micro-batch).
+gathering the parameters, at ZeRO-1 and ZeRO-2, timed in turns (`busy_times`;
+`mula.plan.grad_reduction.reduction_overhead_seconds` turns the pair into seconds per bucket byte and
+micro-batch).
 
 What the collectives' curves do not price is the reducer's own work around them: every micro-batch's
 gradients copied (scaled) into the flat buckets or added to what they hold, ZeRO-2's bucket buffers
 allocated afresh every round and its shards landed by an add, and the slowdown a reduction in flight
-causes the backward it runs beside (on CPU ranks gloo reduces on the cores that compute). The update and the gather are in the step, as in training, because what comes between two
-steps' backward passes changes their cost: on this repository's CPU host ZeRO-2's reduction costs
-about 10 ms more per step of the benchmark model once the optimizer steps between rounds (its fresh
-bucket buffers no longer come back from the allocator already mapped). The optimizer
-is the strategy's (`strategies.optim.sharded_optimizer.EPShardedAdamW`), named here as a recipe names its
-strategy: `mula` imports no strategy module, it resolves these names when it measures.
+causes the backward it runs beside (on CPU ranks gloo reduces on the cores that compute). The update
+and the gather are in the step, as in training, because what runs between two steps' backward passes
+changes their cost: on this repository's CPU host, the optimizer stepping between rounds adds 8 ms to
+the small model's ZeRO-1 step and 14-21 ms to its ZeRO-2 step, where the update and gather alone
+account for about 8. The optimizer is the strategy's
+(`strategies.optim.sharded_optimizer.EPShardedAdamW`), named here as a recipe names its strategy:
+`mula` imports no strategy module, it resolves these names when it measures.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def reduction_seconds(
     micro-batches' forward + backward of the small model (`small_model_config`) on this rank without an
     optimizer ("plain") and with the sharded AdamW of that ZeRO stage reducing over `group` (this rank its
     `group_rank`-th of `group_size`, native collectives), updating and gathering ("reduced"), the stages in
-    turns (`busy_times`: each repetition from `zero_grad` on, at the group's slowest rank). With the gradient bytes its
-    buckets hold and the small model's shape, which the planner needs to price the reduction's own
-    collectives. Every rank of `group` must call it."""
+    turns (`busy_times`: each repetition from `zero_grad` on, at the group's slowest rank). With the
+    gradient bytes its buckets hold and the small model's shape, which the planner needs to price the
+    reduction's own collectives, the gather and the update. Every rank of `group` must call it."""
     from mula.model import Mula
 
     small = small_model_config(config)
