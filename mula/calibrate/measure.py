@@ -228,13 +228,12 @@ def training_tflops(
     FLOPs).
 
     Two depths are timed: the small model (`small_model_config`) and the same with `EXTRA_BLOCKS` more.
-    Their difference is what a block costs inside a deep model (its saved activations read back after
-    the blocks above it ran, not while the cache still holds them, as a shallow model's are); the small
-    model less its blocks at that cost is the rest. On this repository's CPU host a block measured this
-    way costs about 10 % more than the small model less the rest timed alone, and a deep model's time
-    follows the line of the two depths (2 to 8 blocks within a few percent). On a host too loaded to
-    tell the depths apart, both at the small model's whole rate. Every rank of the job times together
-    (`busy_times`)."""
+    Their difference is what a block costs; the small model less its blocks at that cost is the rest.
+    Timing the rest alone (on hidden states) instead priced a 4-block model about 10 % under its time on
+    this repository's CPU host: inside the model the rest costs about twice what it costs alone, while
+    a block's cost is flat from 2 to 8 blocks, so a model's time follows the line of the two depths. On
+    a host too loaded to tell the depths apart, both at the small model's whole rate. Every rank of the
+    job times together (`busy_times`)."""
     from mula.model import Mula
 
     tokens = micro_batch * seq_len
