@@ -1,12 +1,13 @@
 """The planner's step time (`mula.plan.step_time`) against measured step times on this CPU host.
 
-Every round first runs `mula calibrate --devices 2` on this host at the benchmark model's shapes (training rates
-per rank with both ranks busy, elementwise bandwidth, the training loop's fixed work, and every
-collective's latency and bandwidth over message sizes; or `--calibration FILE` reads one machine file it
-wrote for all rounds). The planner prices each layout of the round with it (`mula.plan.step_time.step_time`): compute at the
-measured rates, each collective by its own alpha + beta * bytes curve times the calls the layout makes
-(`comm_volumes`' `*_calls`, checked against real runs in tests/test_plan_volumes*.py), the optimizer
-update and the loop's fixed seconds.
+Every round first runs `mula calibrate --devices 2` on this host at the benchmark model's shapes
+(training rates per rank with both ranks busy, elementwise bandwidth, the training loop's fixed work,
+the sharded optimizer's reducer, and every collective's latency and bandwidth over message sizes; or
+`--calibration FILE` reads one machine file it wrote for all rounds). The planner prices each layout of
+the round with it (`mula.plan.step_time.step_time`): compute at the measured rates, each collective by
+its own alpha + beta * bytes curve times the calls the layout makes (`comm_volumes`' `*_calls`, checked
+against real runs in tests/test_plan_volumes*.py), the reducer's own work, the optimizer update and the
+loop's fixed seconds.
 
 Then, in interleaved rounds (every layout once per round), a small MoE (uniform routing, the model's
 balanced-routing assumption) trains full optimizer steps of one global batch -- forward, backward,
@@ -297,10 +298,10 @@ def main(
             ]
     machine = machines[0]
     cal = machine.calibration or {}
-    rates = cal.get("training_tflops", {}).get(str(DTYPES[precision]).removeprefix("torch."), {})
+    dtype = str(DTYPES[precision]).removeprefix("torch.")
+    rates = cal.get("training_tflops", {}).get(dtype, {})
     loop = cal.get("loop_s", {})
     calls = cal.get("functional_call_s", {}).get(2, 0.0)
-    dtype = str(DTYPES[precision]).removeprefix("torch.")
     reducer = [
         1e9 * overhead_per_byte(machine, sized[2], stage, 2, dtype) if 2 in sized else 0.0
         for stage, sized in sorted(cal.get("grad_reduction_s", {}).get(dtype, {}).items())

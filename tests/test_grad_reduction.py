@@ -10,7 +10,7 @@ import pytest
 from mula.config import MulaConfig
 from mula.plan import Layout
 from mula.plan.grad_reduction import (
-    bucket_bytes,
+    optimizer_volumes,
     overhead_per_byte,
     reduction_overhead_seconds,
     sharded_buckets,
@@ -102,7 +102,7 @@ def test_step_time_adds_the_overhead_of_the_rank_buckets_to_the_gradient_reducti
     )
     with_it, without = _machine(MEASURED), _machine(None)
     held = stage_params(model_parameters(config, tuple(layout.no_decay)), range(4), True, True)
-    nbytes = bucket_bytes(held, layout)
+    nbytes = optimizer_volumes(held, layout)[4]
     # the padded buckets in the reduction's dtype (fp32)
     assert nbytes == sum(b.numel for b in sharded_buckets(held, layout)) * 4 > 0
     added = (
@@ -110,4 +110,4 @@ def test_step_time_adds_the_overhead_of_the_rank_buckets_to_the_gradient_reducti
     )
     assert added == pytest.approx(reduction_overhead_seconds(with_it, layout, nbytes)) and added > 0
     # replicated AdamW's buckets are not the sharded reducer's
-    assert bucket_bytes(held, dataclasses.replace(layout, shard_optimizer=False)) == 0.0
+    assert optimizer_volumes(held, dataclasses.replace(layout, shard_optimizer=False))[4] == 0.0

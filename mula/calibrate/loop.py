@@ -4,8 +4,9 @@ optimizer step and per micro-batch beyond the model's forward and backward and t
 A model too small to compute anything (one block of width 16, 8 tokens; of the calibrated model's kind:
 an MoE block with its experts and top-k for an MoE model, whose every micro-batch also adds its expert
 counts and logs its load imbalance) trains a few optimizer steps with `MulaLightningModule` under
-Lightning's Trainer, with one micro-batch per step and with `ACCUMULATE`, `ROUNDS` times each in turns; the same model's forward + backward and optimizer step, timed by hand, are taken off. Two
-points give the two costs: per micro-batch (the slope) and per step (the rest).
+Lightning's Trainer, with one micro-batch per step and with `ACCUMULATE`, `ROUNDS` times each in turns;
+the same model's forward + backward and optimizer step, timed by hand, are taken off. Two points give
+the two costs: per micro-batch (the slope) and per step (the rest).
 """
 
 from __future__ import annotations

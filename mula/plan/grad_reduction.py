@@ -40,9 +40,11 @@ def _ring(numel: int, elem_bytes: int, group: int) -> float:
     return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
 
 
-def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int]:
-    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, and the
-    collective calls behind each (per round)."""
+def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int, float]:
+    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, the
+    collective calls behind each (per round), and the gradient bytes the sharded optimizer's buckets take
+    (padding included, in the reduction's dtype: what its reducer writes every micro-batch; 0 for
+    replicated AdamW), from one plan of the buckets."""
     if not layout.shard_optimizer:
         # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
         # in the parameters' dtype, bucketed as the sharded optimizer would bucket it (grad_sync.py)
@@ -52,7 +54,7 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
         pb = layout.param_bytes
         groups = {"dense": layout.dp_size, "expert": layout.edp_size}
         calls = sum(b.group_size > 1 for b in plan_buckets(entries, groups, layout.bucket_numel, 1))
-        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0, calls, 0
+        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0, calls, 0, 0.0
     # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
     # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
     buckets = sharded_buckets(params, layout)
@@ -69,7 +71,8 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
             reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
             reduce_calls += shards
         gather += _ring(b.numel, layout.param_bytes, b.group_size)
-    return reduce, gather, reduce_calls, gather_calls
+    held = float(sum(b.numel for b in buckets) * layout.reduce_bytes)
+    return reduce, gather, reduce_calls, gather_calls, held
 
 
 def sharded_buckets(params: list, layout: Layout) -> list:
@@ -80,14 +83,6 @@ def sharded_buckets(params: list, layout: Layout) -> list:
         optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel,
         layout.align,
     )  # fmt: skip
-
-
-def bucket_bytes(params: list, layout: Layout) -> float:
-    """Gradient bytes the sharded optimizer's buckets of a rank holding `params` take (padding included,
-    in the reduction's dtype): what its reducer writes every micro-batch. 0 for replicated AdamW."""
-    if not layout.shard_optimizer:
-        return 0.0
-    return float(sum(b.numel for b in sharded_buckets(params, layout)) * layout.reduce_bytes)
 
 
 def reduction_overhead_seconds(machine: Machine, layout: Layout, nbytes: float) -> float:
@@ -124,7 +119,7 @@ def overhead_per_byte(machine: Machine, measured: dict, zero_stage: int, group: 
     held = stage_params(
         model_parameters(config, tuple(layout.no_decay)), list(range(config.num_layers)), True, True
     )
-    reduce, gather, reduce_calls, gather_calls = optimizer_volumes(held, layout)
+    reduce, gather, reduce_calls, gather_calls, _ = optimizer_volumes(held, layout)
     rounds = m if zero_stage == 2 else 1
     intra = machine.intra_node_gbps * 1e9
     one_round = collective_seconds(machine, "reduce_scatter", group, False, reduce, reduce_calls, intra)

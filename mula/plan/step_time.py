@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from mula.activation_checkpointing import parse_activation_checkpointing
 from mula.config import MulaConfig
 from mula.plan.calibrated import collective_seconds, compute_flops_per_s, node_calls_seconds
-from mula.plan.grad_reduction import bucket_bytes, optimizer_volumes, reduction_overhead_seconds
+from mula.plan.grad_reduction import optimizer_volumes, reduction_overhead_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import stage_params
@@ -139,7 +139,7 @@ class Volumes:
     all-to-alls (`context_parallel_sends`), context_parallel_calls their calls and the router-loss
     totals' (`context_parallel_router_calls`); tensor_parallel_calls:
     DTensor's collective calls behind `tensor_parallel`; grad_bucket_bytes: the gradient bytes the
-    sharded optimizer's buckets take (`mula.plan.grad_reduction.bucket_bytes`), which its reducer writes
+    sharded optimizer's buckets take (`mula.plan.grad_reduction.optimizer_volumes`), which its reducer writes
     every micro-batch.
     """
 
@@ -189,7 +189,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     for holds in stages:
         a2a, a2a_calls = expert_all_to_all_sends(config, layout, holds.blocks)
         held = stage_params(params, holds.blocks, holds.first, holds.last)
-        reduce, gather, reduce_calls, gather_calls = optimizer_volumes(held, layout)
+        reduce, gather, reduce_calls, gather_calls, bucket_bytes = optimizer_volumes(held, layout)
         sends = _pipeline_sends(config, layout, holds.stages)
         # each send carries the residual stream and, for an MoE model, the router-loss sums: two operations
         send_calls = _pipeline_send_count(layout, holds.stages) * m * (2 if config.is_moe else 1)
@@ -212,7 +212,7 @@ def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
                 cp,
                 cp_calls,
                 tp_calls,
-                bucket_bytes(held, layout),
+                bucket_bytes,
             )  # fmt: skip
         )
     return out
