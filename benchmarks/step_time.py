@@ -22,11 +22,14 @@ Trainer and XPUMoEStrategy as `mula fit` trains (a step: from one optimizer step
                   sequence parallelism;
   C=2             Ulysses context parallelism (each rank holds half of every sequence).
 
-Each row: the planner's prediction (`step_time` with each round's calibration; median [min-max] over
-rounds), the measured seconds per step (slowest rank, median of the steps of each round; median
-[min-max] over rounds) and measured / predicted (each round's measurement over its own prediction;
-median [min-max] over rounds), and the predicted parts (of the median round). Benchmarks print
-tables and never assert.
+Each row: the planner's prediction (`step_time`) with each round's calibration as written, and with its
+training rates (`mula.calibrate.measure.training_tflops`, the calibration's largest term) timed again
+by the layout's own job just before the layout trains (this shared host's speed moves by up to 25 %
+within a minute, so a calibration made a minute or two before prices the layout at another speed than
+it runs); the measured seconds per step (slowest rank, median of the steps of each round); measured /
+predicted for each prediction (each round's measurement over its own prediction); all as median
+[min-max] over rounds; and the parts of the re-timed prediction (of the median round). Benchmarks
+print tables and never assert.
 
     python benchmarks/step_time.py --doc docs/benchmarks.md
 """
@@ -49,6 +52,8 @@ from rounds import by_case, run_gloo, spread
 
 from mula import MulaConfig
 from mula.calibrate.command import calibrate
+from mula.calibrate.measure import training_tflops
+from mula.host_allocator import reuse_freed_host_memory
 from mula.layout_rules import micro_batches_per_step
 from mula.module import MulaLightningModule
 from mula.plan import Layout
@@ -64,6 +69,8 @@ PARTS = (
     "context_parallel_s", "optimizer_s", "loop_s",
 )  # fmt: skip
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
+CPU = torch.device("cpu")
+RATE_REPS = 5  # `mula calibrate`'s repetitions (training_tflops times 3x as many)
 
 
 @dataclasses.dataclass
@@ -194,13 +201,26 @@ def _run_case(case: Case, spec: Spec, rank: int) -> list[float] | None:
 
 def _measure(rank: int, world: int, spec: Spec) -> list[dict[str, Any]] | None:
     """Rank 0: the median step time of each case of `world` ranks (a one-process job for the 1-rank case:
-    a Trainer of one device in a job of two would meet the other rank's collectives)."""
+    a Trainer of one device in a job of two would meet the other rank's collectives), and the training
+    rates `mula calibrate` measures, timed again by the same job just before the case."""
+    reuse_freed_host_memory()  # as `mula fit` sets a CPU rank, before the rates are timed here
+    config = MulaConfig.from_name("mula-tiny-moe", **spec.overrides)
     rows = []
     for case in spec.cases:
+        rates = training_tflops(
+            config, spec.micro_batch, spec.seq_len, DTYPES[spec.precision], CPU, RATE_REPS
+        )
         times = _run_case(case, spec, rank)
         if rank == 0:
-            rows.append({"case": case.name, "step_s": statistics.median(times)})
+            rows.append({"case": case.name, "step_s": statistics.median(times), "training_tflops": rates})
     return rows if rank == 0 else None
+
+
+def with_rates(machine: Machine, dtype: str, rates: dict[str, float]) -> Machine:
+    """`machine` with its training rates in `dtype` replaced by `rates`."""
+    cal = machine.calibration or {}
+    training = {**cal.get("training_tflops", {}), dtype: rates}
+    return dataclasses.replace(machine, calibration={**cal, "training_tflops": training})
 
 
 def layout_of(case: Case, spec: Spec) -> Layout:
@@ -216,27 +236,35 @@ def layout_of(case: Case, spec: Spec) -> Layout:
 
 
 def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machines: list[Machine]) -> str:
-    """Markdown table: predicted and measured seconds per step, their ratio per round (each round's
-    measurement over the prediction with that round's calibration), the predicted parts (the median
-    round's)."""
+    """Markdown table: predicted seconds per step with each round's calibration as written and with its
+    training rates timed again just before the layout, the measured seconds, the ratio of each round's
+    measurement to each prediction, and the parts of the second prediction (the median round's)."""
     lines = [
-        "| layout | predicted s/step (median [min-max] of rounds) | measured s/step (median [min-max] of rounds) | "
-        "measured / predicted | predicted compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms |",
-        "|---|---|---|---|---|",
+        "| layout | predicted s/step, the round's calibration | predicted s/step, rates re-timed before the layout "
+        "| measured s/step | measured / predicted, calibration | measured / predicted, re-timed | "
+        "predicted (re-timed) compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     cases = {c.name: c for c in spec.cases}
+    dtype = str(DTYPES[spec.precision]).removeprefix("torch.")
     for name, rs in by_case(rows).items():
         layout = layout_of(cases[name], spec)
-        times = [
-            step_time(config, layout, machines[r["round"] % len(machines)], spec.global_batch) for r in rs
+        machine = [machines[r["round"] % len(machines)] for r in rs]
+        calibrated = [
+            step_time(config, layout, m, spec.global_batch).step_time_s for m, r in zip(machine, rs)
         ]
-        predicted = [t.step_time_s for t in times]
-        middle = times[predicted.index(statistics.median_low(predicted))]
+        times = [
+            step_time(config, layout, with_rates(m, dtype, r["training_tflops"]), spec.global_batch)
+            for m, r in zip(machine, rs)
+        ]
+        retimed = [t.step_time_s for t in times]
+        middle = times[retimed.index(statistics.median_low(retimed))]
         measured = [r["step_s"] for r in rs]
         parts = " / ".join(f"{1e3 * getattr(middle, k):.0f}" for k in PARTS)
         lines.append(
-            f"| {name} | {_range(predicted)} | {_range(measured)} | "
-            f"{spread([m / p for m, p in zip(measured, predicted)])} | {parts} |"
+            f"| {name} | {_range(calibrated)} | {_range(retimed)} | {_range(measured)} | "
+            f"{spread([m / p for m, p in zip(measured, calibrated)])} | "
+            f"{spread([m / p for m, p in zip(measured, retimed)])} | {parts} |"
         )
     return "\n".join(lines)
 
@@ -334,8 +362,11 @@ def _doc_section(result: str) -> str:
 
 The planner's step time (`mula plan`'s `step_time_s`) against measured steps on this CPU host, priced
 with a machine file `mula calibrate --devices 2` measured on it at the benchmark model's shapes before
-each round (this shared host's speed drifts by 10 % and more between minutes: a calibration made once
-would price later rounds at another speed than they ran). Made with:
+each round, as written, and with its training rates timed again (by the calibration's own function)
+in each layout's job just before the layout trains. This shared host's speed moves by up to 25 %
+within a minute (the same script, run back to back: 173 ms, then 217 ms 40 s later), so a
+calibration made a minute or two before a layout can price it at another speed than it runs; the
+re-timed column takes the host's drift out and leaves the model's own error. Made with:
 
     .venv/bin/python benchmarks/step_time.py --doc docs/benchmarks.md
 
@@ -360,7 +391,10 @@ How to read it.
   mula/plan/grad_reduction.py), the optimizer update's bytes at the elementwise bandwidth and the
   training loop's fixed seconds per step and micro-batch (mula/plan/step_overheads.py).
 - A ratio above 1 is time the model leaves out; below 1, time it counts that the step does not spend.
-  Each round's calibration and its layouts run back to back, so both see the same load.
+- Every process here, the calibration's, the training's and the re-timing's, runs with glibc's malloc
+  thresholds fixed (`mula.host_allocator`, which `mula fit` and `mula calibrate` set on CPU ranks).
+  With glibc's defaults a process page-faulted 3,500 to 9,000 times per step, or 50 times, depending
+  on what it had freed before, so the calibration's rates depended on what it measured first.
 """
 
 

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from mula.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
 from mula.config import MulaConfig, resolve_config
+from mula.host_allocator import reuse_freed_host_memory
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.model import Mula, parse_activation_checkpointing
 from mula.moe import iter_moe_layers
@@ -180,7 +181,10 @@ class MulaLightningModule(L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        """Compile the blocks (`model.compile`) after the strategy's setup."""
+        """Compile the blocks (`model.compile`) after the strategy's setup; on a CPU device, keep the
+        host memory a step frees for the next (`mula.host_allocator`)."""
+        if self.device.type == "cpu":
+            reuse_freed_host_memory()
         self._compile_model()
 
     @override

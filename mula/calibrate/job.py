@@ -28,6 +28,7 @@ from mula.calibrate.measure import (
 from mula.calibrate.reduction import reduction_seconds
 from mula.calibrate.splits import split_training_seconds, splits_for
 from mula.config import MulaConfig
+from mula.host_allocator import reuse_freed_host_memory
 
 
 def _device_and_backend(backend: str, local_rank: int) -> tuple[torch.device, str]:
@@ -103,6 +104,8 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
     threads = cpu_threads_per_rank(hosts.count(hosts[rank])) if device.type == "cpu" else None
     if threads is not None:
         torch.set_num_threads(threads)
+    if device.type == "cpu":  # as `mula fit` trains on CPU: what a step frees stays for the next
+        reuse_freed_host_memory()
     groups = _groups(hosts)
     config = MulaConfig.from_name(settings.model, **settings.overrides)
     shapes = matmul_shapes(config, settings.micro_batch * settings.seq_len)
