@@ -250,9 +250,7 @@ def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machines: 
     for name, rs in by_case(rows).items():
         layout = layout_of(cases[name], spec)
         machine = [machines[r["round"] % len(machines)] for r in rs]
-        calibrated = [
-            step_time(config, layout, m, spec.global_batch).step_time_s for m, r in zip(machine, rs)
-        ]
+        calibrated = [step_time(config, layout, m, spec.global_batch).step_time_s for m in machine]
         times = [
             step_time(config, layout, with_rates(m, dtype, r["training_tflops"]), spec.global_batch)
             for m, r in zip(machine, rs)
