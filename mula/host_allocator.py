@@ -8,11 +8,12 @@ zeroed again the next time: a training step allocates and frees the same activat
 micro-batch, so it pays that every micro-batch. glibc raises both thresholds by itself when a large
 mapped block is freed, so how often a process faults depends on what it happened to free before: on
 this repository's CPU host, the same forward + backward took from 3,500 to 9,000 page faults a step in
-one process and 50 in another that had freed a 16 MB matrix first, and ran 5-10 % slower. The
+one process and 50 in another that had freed a 16 MB matrix first, and ran 2-9 % slower. The
 training rates `mula calibrate` measures would then depend on what the calibration ran before them.
 
 `reuse_freed_host_memory` fixes both thresholds (blocks up to 32 MiB from the heap; a free heap top
-kept up to 1 GiB), as PyTorch's and Intel's CPU tuning guides get by preloading jemalloc or tcmalloc.
+kept up to 1 GiB): the reuse that PyTorch's and Intel's CPU tuning guides get by preloading jemalloc or
+tcmalloc.
 The cost is memory a process keeps after its peak, which a training step reaches again every step.
 `mula fit` applies it on CPU devices (`MulaLightningModule.on_fit_start`), and `mula calibrate` on its
 CPU ranks, so that the two run alike. Nothing changes where the allocator is not glibc's or the user
