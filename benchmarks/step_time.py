@@ -224,13 +224,14 @@ def with_rates(machine: Machine, dtype: str, rates: dict[str, float]) -> Machine
 
 
 def layout_of(case: Case, spec: Spec) -> Layout:
-    """The planner's layout of a case."""
+    """The planner's layout of a case (one process trains with torch's AdamW, as a one-device `mula fit`
+    without XPUMoEStrategy does; two with the strategy's sharded AdamW)."""
     dp = case.world // (case.pp * case.tp * case.cp)
     return Layout(
         world_size=case.world, ep_size=case.ep, pp_size=case.pp, pp_schedule=case.schedule,
         micro_batch=spec.micro_batch, seq_len=spec.seq_len,
         micro_batches=micro_batches_per_step(spec.global_batch, dp, spec.micro_batch), precision=spec.precision,
-        checkpointing=case.checkpointing, shard_optimizer=True, zero_stage=case.zero, collectives="native",
+        checkpointing=case.checkpointing, shard_optimizer=case.world > 1, zero_stage=case.zero, collectives="native",
         tp_size=case.tp, sequence_parallel=case.sp, cp_size=case.cp,
     )  # fmt: skip
 

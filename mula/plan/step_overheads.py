@@ -10,8 +10,12 @@ update's elementwise passes and the training loop's fixed work per step and per 
   writes the whole gradient buffer (full buckets under ZeRO-1, the shard under ZeRO-2); with optimizer
   offload only the buckets whose state stays on the device count (the host's update overlaps backward,
   docs/offload.md, and is not priced). Replicated
-  torch AdamW: the same passes over every local parameter in the parameters' dtype (its gradients are
-  freed, not zeroed). Priced at the calibrated elementwise bandwidth (`mula calibrate`); a machine file
+  torch AdamW (`shard_optimizer: false`, and a one-device run without XPUMoEStrategy) is not fused:
+  torch's default is its single-tensor loop on CPU and its foreach kernels on CUDA and XPU, the same
+  eight passes over every local parameter in the parameters' dtype, 20 words an element (decoupled
+  decay: parameter read and written; exp_avg's lerp: 3; exp_avg_sq's mul and addcmul: 2 + 3; the
+  denominator's sqrt, division and eps: 2 + 2 + 2; the parameter's addcdiv: 4); its gradients are
+  freed, not zeroed. Priced at the calibrated elementwise bandwidth (`mula calibrate`); a machine file
   without one leaves the update out (it is a few milliseconds at HBM bandwidth).
 * The loop's fixed work (`loop_seconds`): what Lightning's loop, hooks, logging and `zero_grad` cost
   per optimizer step and per micro-batch (training batch) beyond the model's forward and backward and
@@ -31,6 +35,7 @@ from mula.plan.memory import stage_state
 
 # fused AdamW per element: master, gradient, exp_avg, exp_avg_sq read; master, exp_avg, exp_avg_sq written
 _ADAMW_FP32_WORDS = 6  # the fp32 words besides the gradient's read
+_TORCH_ADAMW_WORDS = 20  # torch.optim.AdamW's eight unfused passes per element (module docstring)
 # the step's small all-reduce: the gradient norm with the non-finite count (strategies/optimizer_step.py)
 STEP_ALL_REDUCES = 1
 
@@ -51,7 +56,7 @@ def update_bytes(config: MulaConfig, layout: Layout) -> float:
             moved = n * (rb + _ADAMW_FP32_WORDS * 4 + rb + 4 + layout.param_bytes) + grads
         else:
             n = tensors // layout.param_bytes
-            moved = n * (_ADAMW_FP32_WORDS + 1) * layout.param_bytes
+            moved = n * _TORCH_ADAMW_WORDS * layout.param_bytes
         worst = max(worst, float(moved))
     return worst
 
