@@ -13,11 +13,11 @@ training rates `mula calibrate` measures would then depend on what the calibrati
 
 `reuse_freed_host_memory` fixes both thresholds (blocks up to 32 MiB from the heap; a free heap top
 kept up to 1 GiB): the reuse that PyTorch's and Intel's CPU tuning guides get by preloading jemalloc or
-tcmalloc.
-The cost is memory a process keeps after its peak, which a training step reaches again every step.
-`mula fit` applies it on CPU devices (`MulaLightningModule.on_fit_start`), and `mula calibrate` on its
-CPU ranks, so that the two run alike. Nothing changes where the allocator is not glibc's or the user
-has chosen one (LD_PRELOAD of another malloc, or glibc's malloc tunables in GLIBC_TUNABLES).
+tcmalloc. The cost is memory a process keeps after its peak, which a training step reaches again
+every step. `mula fit` applies it on CPU devices (`MulaLightningModule.on_fit_start`), and
+`mula calibrate` on its CPU ranks, so that the two run alike. Nothing changes where the allocator is
+not glibc's or the user has chosen one (LD_PRELOAD of another malloc, or glibc's malloc tunables in
+GLIBC_TUNABLES).
 """
 
 from __future__ import annotations
