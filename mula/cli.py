@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
 from mula.config import MulaConfig
+from mula.constructor_refusals import constructor_refusals
 from mula.data import MulaDataModule
 from mula.entry import main as entry_main
 from mula.kernels.backends import resolve_backend
@@ -129,6 +130,13 @@ class MulaCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Name the W&B run after its run directory unless the recipe names it."""
         name_wandb_run(self.config[self.subcommand].trainer)
+
+    @override
+    def instantiate_classes(self) -> None:
+        """LightningCLI's instantiation, with a sentence a recipe's class (the strategy, a callback) raises in
+        its constructor reported as that sentence alone (`mula.constructor_refusals`)."""
+        with constructor_refusals():
+            super().instantiate_classes()
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:

@@ -24,13 +24,14 @@ def import_hf(hf_dir: str, output: str) -> None:
 
     Args:
         hf_dir: Directory with config.json and the weights (*.safetensors or pytorch_model*.bin).
-        output: Mula weights file to write (.pt); it must not exist yet. Train from it with
+        output: Mula weights file to write (any name; .pt by convention); it must not exist yet. Train from it with
             `--model.init_weights=<output>`.
     """
     from mula.hf import import_hf as _import_hf
+    from mula.units import format_count
 
     model = _import_hf(hf_dir, output)
-    print(f"mula: wrote {output} ({model.config.name}, {model.config.num_params() / 1e9:.2f}B parameters)")
+    print(f"mula: wrote {output} ({model.config.name}, {format_count(model.config.num_params())} parameters)")
 
 
 def export_hf(

@@ -15,6 +15,7 @@ import yaml
 
 BACKENDS = ("auto", "gloo", "nccl", "xccl")
 DTYPES = ("float32", "bfloat16")
+DEFAULT_SEQ_LEN = 2048  # tokens per sequence timed when the model allows as many
 
 
 @dataclass
@@ -52,7 +53,7 @@ def calibrate(
     name: str | None = None,
     model: str = "mula-tiny-moe",
     overrides: dict[str, Any] | None = None,
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     micro_batch: int = 1,
     backend: str = "auto",
     quick: bool = False,
@@ -74,7 +75,8 @@ def calibrate(
         name: The machine's name in the file (default: the output file's stem).
         model: The preset whose matmul shapes are timed (the model you will train).
         overrides: MulaConfig fields changed from the preset (as a recipe's `model.overrides`).
-        seq_len: Tokens per sequence of those shapes.
+        seq_len: Tokens per sequence of those shapes (default: 2048, or the model's
+            max_position_embeddings when it is smaller).
         micro_batch: Sequences per micro-batch of those shapes.
         backend: auto (nccl on CUDA, xccl on XPU, else gloo), gloo, nccl or xccl.
         quick: Fewer message sizes (up to 4 MiB) and repetitions.
@@ -99,7 +101,15 @@ def calibrate(
         raise ValueError(f"cannot write {output}: {parent} is not a writable directory.")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    MulaConfig.from_name(model, **(overrides or {}))  # an unknown preset or field is refused here
+    config = MulaConfig.from_name(model, **(overrides or {}))  # an unknown preset or field is refused here
+    positions = config.max_position_embeddings
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, positions)
+    elif not 0 < seq_len <= positions:
+        raise ValueError(
+            f"--seq_len {seq_len} does not fit {model}, whose max_position_embeddings is {positions}; "
+            f"give a sequence length from 1 to {positions}."
+        )
     env = launcher_environment()
     if env is not None and devices is not None:
         raise ValueError(

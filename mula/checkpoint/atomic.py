@@ -135,6 +135,19 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` into the file ``path``, whatever its name.
+
+    Written through an open file: given a path, torch's writer names the archive inside after the file's
+    stem and refuses an empty one, which every hidden temporary of a name without an extension has
+    (``.tmp-olmoe-weights``).
+    """
+    import torch
+
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` so that readers see either the old or the complete new content."""
     with atomic_write(path) as tmp:

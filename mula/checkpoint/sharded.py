@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from mula.checkpoint.atomic import atomic_write
+from mula.checkpoint.atomic import atomic_write, save_torch
 from mula.checkpoint.staging import HostStager
 
 SHARDED_META_FILE = "meta.pt"  # the non-tensor part (Lightning's own name for it)
@@ -55,7 +55,7 @@ def write_sharded_checkpoint(
     if is_global_zero:
         try:
             with atomic_write(path / SHARDED_META_FILE) as tmp:
-                torch.save(meta, tmp)
+                save_torch(meta, tmp)
         except Exception as err:  # re-raised after the barrier, which the other ranks are waiting in
             error = err
     if dist.is_initialized():
@@ -174,5 +174,5 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, v
     checkpoint = read_sharded_checkpoint(path)
     output.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(output) as tmp:
-        torch.save(checkpoint, tmp)
+        save_torch(checkpoint, tmp)
     return output

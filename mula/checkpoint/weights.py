@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mula.checkpoint.atomic import atomic_write
+from mula.checkpoint.atomic import atomic_write, save_torch
 from mula.checkpoint.manifest import WEIGHTS_REASON, build_manifest, manifest_path, write_manifest
 from mula.checkpoint.reading import verify_for_reading
 from mula.checkpoint.sharded import (
@@ -45,7 +45,7 @@ def save_weights(model: Mula, path: str | os.PathLike) -> None:
     payload = {"format": FORMAT, "config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}
     manifest_path(path).unlink(missing_ok=True)
     with atomic_write(path) as tmp:
-        torch.save(payload, tmp)
+        save_torch(payload, tmp)
     write_manifest(path, build_manifest(path, step=0, reason=WEIGHTS_REASON))
 
 

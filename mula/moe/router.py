@@ -47,10 +47,16 @@ def limit_to_groups(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
     """
     n, e = choice.shape
     grouped = choice.view(n, n_group, e // n_group)
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, n_group]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool)
-    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    scores = group_scores(choice, n_group)
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    keep.scatter_(1, scores.topk(topk_group, dim=-1).indices, True)
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, e)
+
+
+def group_scores(choice: Tensor, n_group: int) -> Tensor:
+    """[N, n_group]: each of the `n_group` contiguous groups' score, the sum of its two highest entries."""
+    n, e = choice.shape
+    return choice.view(n, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)
 
 
 class Router(nn.Module):
@@ -117,24 +123,30 @@ class Router(nn.Module):
             state_dict[prefix + "bias"] = torch.zeros_like(self.bias, device="cpu")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def scores(self, logits: Tensor) -> Tensor:
+        """The experts' scores [N, E] (fp32): softmax or sigmoid of the router's logits."""
+        return logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
+
+    def choice(self, scores: Tensor) -> Tensor:
+        """What top-k picks from (no gradient): the scores, plus the balancing bias, limited to each token's
+        best groups (`limit_to_groups`)."""
+        choice = scores.detach() if self.bias is None else scores.detach() + self.bias
+        if self.n_group > 1:
+            choice = limit_to_groups(choice, self.n_group, self.topk_group)
+        return choice
+
     def forward(self, x: Tensor) -> RouterOutput:
         """x: [N, H] -> routing for each of the N tokens."""
         logits = F.linear(x, self.weight).float()
-        if self.scoring == "softmax":
-            scores = probs = logits.softmax(dim=-1)
-        else:
-            scores = logits.sigmoid()
-            probs = scores / scores.sum(dim=-1, keepdim=True)
+        scores = self.scores(logits)
+        probs = scores if self.scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         if self.mode == "uniform":
             n = scores.shape[0]
             flat = torch.arange(n * self.top_k, device=scores.device) % self.num_experts
             topk_idx = flat.view(n, self.top_k)
         else:
-            # the choice has no gradient; the weights below take the scores' (as torch.topk's values)
-            choice = scores.detach() if self.bias is None else scores.detach() + self.bias
-            if self.n_group > 1:
-                choice = limit_to_groups(choice, self.n_group, self.topk_group)
-            topk_idx = torch.topk(choice, self.top_k, dim=-1).indices
+            # the weights below take the scores' gradient (as torch.topk's values), the choice none
+            topk_idx = torch.topk(self.choice(scores), self.top_k, dim=-1).indices
         topk_weight = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             # + 1e-20 as DeepSeek-V3 (tiny sigmoid scores); it rounds away against softmax top-k sums

@@ -1,0 +1,203 @@
+"""The one rule by which a parallel or compiled training run equals its one-process reference (test helper).
+
+Two correct runs that add the same numbers in another order (two ranks' partial gradient sums against
+one process's, a fused kernel against eager) differ by rounding, and how they round depends on the host
+(Intel and AMD CPUs round differently). Two mechanisms can turn that rounding into differences far
+above it; the rule removes them by construction instead of widening allowances until one host passes:
+
+1. **AdamW's epsilon.** The update lr * m / (sqrt(v) + eps) moves a weight by at most about 2 lr / eps
+   per unit of gradient error. Summation order changes a summed gradient here by up to ~1e-9; with the
+   recipes' eps of 1e-8 that is a few percent of a whole step for an element whose summed gradient is
+   near zero, and which elements those are depends on the host. Every equality run trains with
+   `ADAMW_EPS` = 1e-5: the same rounding then moves a weight by at most 2 * 1e-2 * 1e-9 / 1e-5 = 2e-6
+   per step at the tests' lr of 1e-2, far inside `WEIGHT_ATOL` over the few steps a test takes, while a
+   gradient element above ~1e-4 (nearly every one) is updated as with 1e-8.
+2. **Near-tied top-k choices.** Once the weights differ by rounding, the router's scores differ by
+   ~1e-7, and a token whose k-th and (k+1)-th choices are that close picks another expert in one of the
+   runs; that single token then moves its two experts' weights by up to a whole step, and the change
+   spreads. No tie-break or choice of inputs removes near ties from a continuous router (any decision
+   rule has a boundary), and a few thousand decisions per test make one likely now and then, on some host.
+   So the rule detects them: `RoutingRecord` keeps each step's global expert counts, and in the
+   reference how many choices of each step and MoE layer were within `FLIP_MARGIN` of a tie (the expert
+   ranking's or, with group-limited routing, the groups'; `NearTies` for a plain training loop). The runs are compared step by step up to the
+   first step whose counts differ. That step must be explainable as top-k flips: no more choices moved
+   than the reference had near ties in that layer and step, else it is a bug;
+   from that step on, nothing more is compared, and a warning says so.
+
+What is compared (`assert_same_training`): the losses and gradient norms of every compared step (and
+any other per-step series the test records) within `LOSS_RTOL`, and, when the whole run was compared,
+the weights within `WEIGHT_ATOL` (`assert_same_weights`: non-expert weights whole, expert weights as the
+rank's slice of the reference's, router biases included).
+
+`seeded(n)` moves every seed a test draws by `MULA_TEST_SEED` (default 0), so the same files can be run
+at other seeds: `MULA_TEST_SEED=3 pytest tests/test_qwen3_moe_parallel.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch import Tensor
+
+from mula.lightning_compat import ends_optimizer_step
+from mula.moe.router import Router, group_scores
+
+ADAMW_EPS = 1e-5
+LOSS_RTOL = 1e-5  # per-step losses and gradient norms (relative)
+WEIGHT_ATOL = 1e-4  # weights after the last step (absolute)
+# a reference decision this close to a tie (in score units) may flip once the weights differ by rounding:
+# the scores of two runs were measured ~1e-7 apart after a few steps, ~1e-6 with eps=1e-8
+FLIP_MARGIN = 1e-4
+
+
+def seeded(seed: int) -> int:
+    """`seed` moved by the suite's seed knob `MULA_TEST_SEED` (0: the seeds as written)."""
+    return seed + 7919 * int(os.environ.get("MULA_TEST_SEED", "0"))
+
+
+def flippable_choices(router: Router, logits: Tensor) -> int:
+    """How many expert choices of these tokens could flip: one for each token whose k-th and (k+1)-th
+    experts are within `FLIP_MARGIN` of each other, and, with group-limited routing, top_k for each token
+    whose last group kept and first group left out are (its whole choice may move)."""
+    scores = router.scores(logits.float())
+    top = router.choice(scores).topk(min(router.top_k + 1, scores.shape[-1]), dim=-1).values
+    near = 0
+    if top.shape[-1] > router.top_k:
+        gap = top[:, router.top_k - 1] - top[:, router.top_k]
+        near += int((torch.isfinite(gap) & (gap < FLIP_MARGIN)).sum())
+    if router.n_group > 1 and router.topk_group < router.n_group:
+        before = scores.detach() if router.bias is None else scores.detach() + router.bias
+        groups = group_scores(before, router.n_group).topk(router.topk_group + 1, dim=-1).values
+        near += router.top_k * int((groups[:, -2] - groups[:, -1] < FLIP_MARGIN).sum())
+    return near
+
+
+class NearTies:
+    """Counts, per optimizer step and MoE layer, the expert choices of a model's training forwards that
+    were within `FLIP_MARGIN` of a tie (`flippable_choices`), through a forward hook on every router.
+
+    `step()` tells the hooks which step a forward belongs to; `per_step(steps)` gives [MoE layers]
+    counts for steps 0..steps-1. For a plain training loop; Lightning runs use `RoutingRecord`.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, step: Callable[[], int]) -> None:
+        self.layers = config.num_moe_layers
+        self._ties: dict[int, Tensor] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, Router):
+                module.register_forward_hook(self._hook(step, config.moe_layer_row(int(name.split(".")[1]))))
+
+    def _hook(self, step: Callable[[], int], row: int):
+        def count(router: Router, args: Any, out: Any) -> None:
+            if torch.is_grad_enabled():  # not a validation forward
+                ties = self._ties.setdefault(step(), torch.zeros(self.layers, dtype=torch.long))
+                ties[row] += flippable_choices(router, out.logits.detach())
+
+        return count
+
+    def at(self, step: int) -> Tensor:
+        """[MoE layers] near ties of `step` (0-based)."""
+        return self._ties.get(step, torch.zeros(self.layers, dtype=torch.long))
+
+
+class RoutingRecord(L.Callback):
+    """Each optimizer step's global expert counts, and in a reference run its near ties.
+
+    `counts[s]`: step s's [MoE layers, E] tokens per expert over the whole global batch
+    (`MulaLightningModule.step_expert_counts`, the same on every rank). With `near_ties=True` (a
+    one-process reference), `near_ties[s]`: [MoE layers] the expert choices of step s that were within
+    `FLIP_MARGIN` of a tie (`NearTies`). `as_dict()` is what `assert_same_training` reads.
+    """
+
+    def __init__(self, near_ties: bool = False) -> None:
+        self.counts: list[Tensor] = []
+        self.near_ties: list[Tensor] | None = [] if near_ties else None
+        self._watch: NearTies | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.near_ties is not None and pl_module.config.is_moe:
+            self._watch = NearTies(pl_module.model, pl_module.config, lambda: trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not ends_optimizer_step(trainer):
+            return
+        counts = getattr(pl_module, "step_expert_counts", None)
+        if counts is not None:
+            self.counts.append(counts.detach().cpu().clone())
+        if self._watch is not None:
+            self.near_ties.append(self._watch.at(trainer.global_step - 1))  # the step that just ended
+
+    def as_dict(self) -> dict[str, Any]:
+        """{"counts": [...], "near_ties": [...] or None}."""
+        return {"counts": self.counts, "near_ties": self.near_ties}
+
+
+def compared_steps(
+    run: Mapping[str, Any], ref: Mapping[str, Any], first_step: int = 0, what: str = ""
+) -> int:
+    """How many of `run`'s steps (which are the reference's steps first_step, first_step + 1, ...) the rule
+    compares: all of them, or those before its first top-k flip, after checking that it is one."""
+    steps = len(run["losses"])
+    counts, ref_counts = run.get("counts") or [], ref.get("counts") or []
+    if not counts:  # a dense model, or a test that records no routing
+        return steps
+    assert len(counts) == steps, f"{what}: {len(counts)} steps of expert counts for {steps} losses"
+    for s, mine in enumerate(counts):
+        theirs = ref_counts[first_step + s]
+        if torch.equal(mine, theirs):
+            continue
+        moved = (mine - theirs).abs().sum(-1) // 2  # choices that went to another expert, per layer
+        near = ref["near_ties"][first_step + s]
+        assert bool((moved <= near).all()), (
+            f"{what}: step {first_step + s + 1} sent {moved.tolist()} choices per MoE layer to other experts "
+            f"than the reference, which had only {near.tolist()} choices within {FLIP_MARGIN} of a tie there: "
+            "not a top-k flip"
+        )
+        warnings.warn(
+            f"{what}: a near-tied top-k choice flipped at step {first_step + s + 1} ({moved.tolist()} choices "
+            f"per MoE layer); compared steps {first_step + 1}-{first_step + s} only",
+            stacklevel=3,
+        )
+        return s
+    return steps
+
+
+def assert_same_training(
+    run: Mapping[str, Any],
+    ref: Mapping[str, Any],
+    *,
+    first_step: int = 0,
+    series: Sequence[str] = ("losses", "norms"),
+    what: str = "",
+) -> bool:
+    """`run`'s per-step `series` (each a list of floats, one per step; a missing one is skipped) equal the
+    reference's within `LOSS_RTOL` for every step the rule compares (`compared_steps`). Returns whether
+    that was every step, i.e. whether the weights after the last step must match too."""
+    n = compared_steps(run, ref, first_step, what)
+    for key in series:
+        if key not in run or run[key] is None:
+            continue
+        mine = torch.tensor(run[key][:n], dtype=torch.float64)
+        theirs = torch.tensor(ref[key][first_step : first_step + n], dtype=torch.float64)
+        torch.testing.assert_close(
+            mine, theirs, rtol=LOSS_RTOL, atol=0, msg=lambda m, k=key: f"{what} {k}: {m}"
+        )
+    return n == len(run["losses"])
+
+
+def assert_same_weights(
+    mine: Mapping[str, Tensor], want: Mapping[str, Tensor], names: Iterable[str] | None = None, what: str = ""
+) -> None:
+    """Every tensor of `mine` (or of `names`) within `WEIGHT_ATOL` of `want`'s (same keys, aligned by the
+    caller: a rank's expert slice against the same experts of the reference)."""
+    keys = list(names) if names is not None else list(mine)
+    assert set(keys) <= set(want), (what, sorted(set(keys) - set(want)))
+    for name in keys:
+        torch.testing.assert_close(
+            mine[name], want[name], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )

@@ -1,0 +1,113 @@
+"""The suite's equality rule (tests/equality.py) tells a near-tied top-k flip from a routing bug.
+
+Three one-process runs of test_strategy.py's tiny MoE against the same reference: the same run again is
+compared whole; a run in which one near-tied choice of step 2 goes to its runner-up (what rounding does
+to a near tie in a parallel run) is compared up to step 1, with a warning; a run in which many clear
+choices of step 2 go elsewhere (what a routing bug does) fails the rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import cpu_trainer
+from equality import FLIP_MARGIN, RoutingRecord, assert_same_training
+from test_strategy import MICROS_PER_STEP, STEPS, _module, _StepBatches, _StepLosses
+
+from mula.moe.router import Router, RouterOutput
+
+
+class _Reroute:
+    """In step 2's training forwards (`once`: only the first with a match), send each token matching `pick`
+    from its k-th expert to its (k+1)-th instead. `pick(gap, runner_up)` chooses tokens from the
+    gaps between their k-th and (k+1)-th choices and the (k+1)-th experts' indices."""
+
+    def __init__(self, pick, once: bool) -> None:
+        self.pick, self.once = pick, once
+        self.moved = 0
+
+    def install(self, trainer, model) -> None:
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.register_forward_hook(self._hook(trainer))
+
+    def _hook(self, trainer):
+        def reroute(router: Router, args, out: RouterOutput):
+            if (self.once and self.moved) or trainer.global_step != 1 or not torch.is_grad_enabled():
+                return None
+            assert router.scoring == "softmax" and not router.norm_topk_prob and router.scaling_factor == 1.0
+            top = router.choice(router.scores(out.logits)).topk(router.top_k + 1, dim=-1)
+            tokens = self.pick(top.values[:, -2] - top.values[:, -1], top.indices[:, -1]).nonzero().flatten()
+            if tokens.numel() == 0:
+                return None
+            idx = out.topk_idx.clone()
+            for t in tokens.tolist():
+                idx[t][idx[t] == top.indices[t, -2]] = top.indices[t, -1]
+            self.moved += tokens.numel()
+            return RouterOutput(out.logits, out.probs, idx, out.probs.gather(1, idx))
+
+        return reroute
+
+
+def _run(reroute: _Reroute | None, near_ties: bool = False) -> dict:
+    import lightning.pytorch as L
+
+    loader = _StepBatches(0, 1, STEPS)
+    routing = RoutingRecord(near_ties=near_ties)
+    losses = _StepLosses(loader, routing)
+
+    class Install(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            if reroute is not None:
+                reroute.install(trainer, pl_module.model)
+
+    trainer = cpu_trainer(
+        1, None, max_steps=STEPS, accumulate_grad_batches=MICROS_PER_STEP, callbacks=[losses, routing, Install()],
+        gradient_clip_val=0.5,
+    )  # fmt: skip
+    trainer.fit(_module(), loader)
+    return losses.record()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return _run(None, near_ties=True)
+
+
+def test_the_same_run_is_compared_whole(reference) -> None:
+    assert reference["near_ties"] and all(t.shape == (2,) for t in reference["near_ties"])
+    assert assert_same_training(_run(None), reference, what="again")
+
+
+def test_a_near_tied_flip_is_compared_up_to_its_step(reference) -> None:
+    flip = _Reroute(lambda gap, runner_up: _first(gap < FLIP_MARGIN), once=True)
+    run = _run(flip)
+    assert flip.moved == 1, "no near tie at step 2 to flip: choose another seed"
+    assert run["counts"][1].ne(reference["counts"][1]).any()  # the flip shows in the counts
+    assert run["losses"][0] == reference["losses"][0] and run["losses"][1:] != reference["losses"][1:]
+    with pytest.warns(UserWarning, match="flipped at step 2"):
+        assert not assert_same_training(run, reference, what="near tie")
+
+
+def test_a_routing_bug_is_not_excused(reference) -> None:
+    # clear choices (100 x the margin) moved to one expert, as a bug would, not both ways as near ties do
+    bug = _Reroute(_clear_choices_to_one_expert, once=False)
+    run = _run(bug)
+    assert bug.moved > 1
+    with pytest.raises(AssertionError, match="not a top-k flip"):
+        assert_same_training(run, reference, what="bug")
+
+
+def _clear_choices_to_one_expert(gap: torch.Tensor, runner_up: torch.Tensor) -> torch.Tensor:
+    """The tokens choosing clearly (100 x the flip margin) whose runner-up is the most common one."""
+    clear = gap > 100 * FLIP_MARGIN
+    return clear & (runner_up == runner_up[clear].mode().values)
+
+
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` with only its first True kept."""
+    out = torch.zeros_like(mask)
+    hits = mask.nonzero().flatten()
+    if hits.numel():
+        out[hits[0]] = True
+    return out
