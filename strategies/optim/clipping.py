@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from strategies.optim.norms import square_sum
 from strategies.topology import reduce_over_stages
 
 
@@ -63,13 +64,13 @@ class ShardClipping:
             if inf:
                 parts.append(g.abs().max() if g.numel() else g.new_zeros(()))
             else:
-                sq = torch.dot(g, g)
+                sq = square_sum(g)  # not one fp32 dot over the shard (strategies/optim/norms.py)
                 if name == "dense" and not self.options.ep_aware:
                     sq = sq / self.topology.ep_size  # each dense element is held by E ranks
                 parts.append(sq)
         for lo, hi in self._tp_split_ranges:  # TP-split elements: summed over the TP group below
             g = self.shard_grad[lo:hi].float()
-            split.append(g.abs().max() if inf else torch.dot(g, g))
+            split.append(g.abs().max() if inf else square_sum(g))
         local = torch.stack(parts).max() if inf else torch.stack(parts).sum()
         zero = local.new_zeros(())
         split_part = (torch.stack(split).max() if inf else torch.stack(split).sum()) if split else zero

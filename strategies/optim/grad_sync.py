@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from mula.moe import is_expert_param
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, laid_out_grad, local_tensor, param_entry
+from strategies.optim.norms import square_sum
 from strategies.topology import ExpertParallelTopology, reduce_over_stages
 
 
@@ -150,5 +151,5 @@ def clip_grad_norm_(
 def _sum_sq(grads: list[Tensor], device: torch.device) -> Tensor:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
-        total += g.detach().float().pow(2).sum()
+        total += square_sum(g)  # no temporary the size of the gradient (strategies/optim/norms.py)
     return total
