@@ -75,10 +75,11 @@ class OptimizerSteps:
                     "build it that way or use shard_optimizer=False."
                 )
             return
-        # A pipeline step's backward passes interleave with forwards: reduce once after all of them.
-        overlap = self.overlap_grad_reduce and self._pipeline is None
+        # (with pipeline stages the buckets launch in each stage's last backward: `last_backward_sync`)
         assert self.topology is not None
-        self._grad_sync = GradientSynchronizer(self._trainable(), self.topology, self.bucket_size_mb, overlap)
+        self._grad_sync = GradientSynchronizer(
+            self._trainable(), self.topology, self.bucket_size_mb, self.overlap_grad_reduce
+        )
 
     # ----- the training step -----------------------------------------------------------------
     @property
@@ -104,6 +105,25 @@ class OptimizerSteps:
         finally:
             if self._grad_sync is not None:
                 self._grad_sync.enabled = True
+
+    @contextmanager
+    def last_backward_sync(self) -> Generator[None, None, None]:
+        """Inside `block_backward_sync`: the backward run in this block is the step's last for the
+        parameters it reaches (a pipeline stage's last micro-batch), so their buckets start reducing as
+        they complete, as in the last backward of a step without stages, and an offloaded optimizer's
+        host updates start with them (`strategies.optim.offload`)."""
+        sharded = self._sharded_optimizer()
+        if sharded is not None:
+            before, sharded.reducer.sync = sharded.reducer.sync, True
+        elif self._grad_sync is not None:
+            before, self._grad_sync.enabled = self._grad_sync.enabled, True
+        try:
+            yield
+        finally:
+            if sharded is not None:
+                sharded.reducer.sync = before
+            elif self._grad_sync is not None:
+                self._grad_sync.enabled = before
 
     @override
     def optimizer_step(

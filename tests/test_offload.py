@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as L
 import pytest
@@ -24,12 +25,14 @@ from test_optimizer_step import BAD_STEP, OVERRIDES, _InfGradient  # an inf expe
 
 from mula.config import resolve_config
 from mula.module import MulaLightningModule
+from mula.parallel_layout import ParallelLayout
 from mula.plan import Layout, plan_memory
 from mula.sharding_options import ShardingOptions
 from strategies import XPUMoEStrategy
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 
 MICRO, SEQ, STEPS, CLIP, RESUME = 2, 16, 20, 1.45, 10
+MICROS, STAGE_CLIP = 2, 0.95  # pipeline micro-batches per step; a clip that the larger batch's norms cross
 
 
 class _Batches:
@@ -61,21 +64,44 @@ class _Record(L.Callback):
         self.losses[step] = float(outputs["loss"])
 
 
+class _StageBatches:
+    """With P pipeline stages: the whole step's batch of rank `rank`'s data-parallel index, MICROS
+    micro-batches of MICRO sequences (every stage of a pipeline reads the same rows)."""
+
+    def __init__(self, layout: ParallelLayout, rank: int) -> None:
+        c = layout.coordinates(rank)
+        self.dp, self.dp_size = c.edp * layout.ep + c.ep, layout.dp_size
+
+    def __iter__(self):
+        rows = MICROS * MICRO
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 + step)
+            batch = torch.randint(0, OVERRIDES["vocab_size"], (self.dp_size * rows, SEQ + 1), generator=g)
+            yield batch[self.dp * rows : (self.dp + 1) * rows]
+
+
 def _fit(
-    world: int, rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None, tail: int = 0
-) -> dict:
+    world: int, rank: int, offload: bool, precision: str = "32-true", save_dir=None, ckpt=None, tail: int = 0,
+    stages: int = 1, clip: float = CLIP,
+) -> dict:  # fmt: skip
     options = {"offload": offload, "bucket_numel": 4096, "offload_tail_buckets": tail}
-    strategy = XPUMoEStrategy(expert_parallel_size=2, optimizer_options=options)
+    strategy = XPUMoEStrategy(
+        expert_parallel_size=2, optimizer_options=options, pipeline_parallel_size=stages
+    )
+    batches: Any = _Batches(world, rank, 0 if ckpt is None else RESUME)
+    if stages > 1:
+        strategy.pipeline_microbatches = MICROS
+        batches = _StageBatches(ParallelLayout(world_size=world, ep=2, pp=stages), rank)
     record = _Record()
     trainer = cpu_trainer(
         world, strategy, max_steps=STEPS, accumulate_grad_batches=1, callbacks=[_InfGradient(), record], save_dir=save_dir,
-        gradient_clip_val=CLIP, precision=precision,
+        gradient_clip_val=clip, precision=precision,
     )  # fmt: skip
     torch.manual_seed(0)
     module = MulaLightningModule(
         "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, warmup_steps=1, decay_steps=20
     )
-    trainer.fit(module, _Batches(world, rank, 0 if ckpt is None else RESUME), ckpt_path=ckpt)
+    trainer.fit(module, batches, ckpt_path=ckpt)
     opt = trainer.optimizers[0]
     return {
         "params": record.params,
@@ -213,6 +239,33 @@ def test_offload_on_4_ranks_matches_the_update_after_backward() -> None:
                 assert torch.equal(value, on["params"][step][name]), f"rank {rank} step {step}: {name}"
         clipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 > CLIP]
         assert on["metrics"]["optim/offload_rollbacks"] == len(clipped) + 1
+
+
+def _run_stages(rank: int, world: int) -> dict:
+    import warnings
+
+    lightning_env(rank, world)
+    warnings.simplefilter("ignore")
+    return {f"{o}": _fit(world, rank, o == "on", stages=2, clip=STAGE_CLIP) for o in ("off", "on")}
+
+
+def test_offload_under_pipeline_stages_overlaps_the_schedule_and_matches_the_update_after_backward() -> None:
+    """W=4, P=2, E=2 (1F1B, 2 micro-batches): each stage's buckets reduce, and their host updates start,
+    in the stage's last backward of the step, while the schedule goes on (`optim/offload_speculated`);
+    the weights are bitwise those of the update after backward, one rollback per clipped or skipped step."""
+    for rank, out in enumerate(run_distributed(_run_stages, 4)):
+        off, on = out["off"], out["on"]
+        assert off["losses"] == on["losses"], f"rank {rank}"
+        for step, params in off["params"].items():
+            for name, value in params.items():
+                assert torch.equal(value, on["params"][step][name]), f"rank {rank} step {step}: {name}"
+        clipped = [s for s, n in off["norms"].items() if math.isfinite(n) and n + 1e-6 > STAGE_CLIP]
+        assert clipped and len(clipped) < STEPS - 1, (
+            f"{STAGE_CLIP} must clip some steps, not all: {off['norms']}"
+        )
+        assert on["metrics"]["optim/offload_rollbacks"] == len(clipped) + 1
+        # every step speculated on every bucket of the rank's stage during the schedule
+        assert on["metrics"]["optim/offload_speculated"] == STEPS * on["buckets"], (rank, on["metrics"])
 
 
 def _one_process_run(offload: bool) -> list[torch.Tensor]:

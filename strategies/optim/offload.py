@@ -2,7 +2,8 @@
 
 With ``optimizer_options.offload: true`` the fp32 master weights and Adam moments of ``EPShardedAdamW``
 live in (pinned) host memory. ``HostUpdate`` starts a bucket's host update as soon as that bucket's
-gradient reduction is launched in the step's last backward: one host worker thread waits for the
+gradient reduction is launched in the step's last backward (with pipeline stages: in the last backward
+of the bucket's stage, while the schedule goes on): one host worker thread waits for the
 reduction, copies the bucket's gradient shard to host memory and runs the vectorised AdamW on it
 (``adamw.update_runs``: torch's fused CPU kernel), while the device goes on with backward. It first
 saves the slices of master / exp_avg / exp_avg_sq it is about to change (preallocated host buffers).
@@ -86,6 +87,7 @@ class HostUpdate:
         self._relaunched: set[int] = set()  # those buckets
         self._clip: Tensor | None = None  # the clip coefficient applied to host_grad this round
         self.rollbacks = 0
+        self.speculated = 0  # bucket updates started during backward, over the run
         reducer.on_launch = self.on_launch if speculate else None
 
     # ----- backward: speculation ---------------------------------------------------------------
@@ -103,6 +105,7 @@ class HostUpdate:
             torch.add(self.step_count, 1, out=self._spec_step)
         self._landed[index] = threading.Event()
         self._pending[index] = self._pool.submit(self._speculate, index)
+        self.speculated += 1
 
     def order_device(self) -> None:
         """Before the main thread reads the gradient shard (the norm): the worker may have landed a

@@ -77,7 +77,7 @@ class ShardReporting:
         optim/grad_buffer_bytes, optim/step_ms (host wall time of the last ``step()``),
         optim/grad_norm (last computed), mem/host_optimizer_bytes and mem/device_optimizer_bytes (where
         the state lives), and with offload optim/offload_rollbacks (steps whose speculative host update
-        was undone)."""
+        was undone) and optim/offload_speculated (bucket updates started during backward, over the run)."""
         out = {
             "mem/host_optimizer_bytes": float(self.host_bytes()),
             "mem/device_optimizer_bytes": float(self.device_state_bytes()),
@@ -91,4 +91,5 @@ class ShardReporting:
             out["optim/grad_norm"] = float(self._p.last_norm)
         if self._host is not None:
             out["optim/offload_rollbacks"] = float(self._host.rollbacks)
+            out["optim/offload_speculated"] = float(self._host.speculated)
         return out

@@ -19,6 +19,7 @@ micro-batch over the same stage modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,23 @@ _SCHEDULE_CLASSES = {
 }
 
 
+class _StepStage(PipelineStage):
+    """A `PipelineStage` whose last backward of the step runs inside `last_backward_sync()`: the schedule
+    knows which micro-batch's backward is a stage's last (`last_backward`, torch's hook for a data-parallel
+    wrapper's gradient sync), so the stage's gradient buckets reduce while the other micro-batches and
+    stages still run backward, and the offloaded optimizer's host updates start then too."""
+
+    def __init__(self, *args: Any, last_backward_sync: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_backward_sync = last_backward_sync
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("last_backward", False):
+            return super().backward_one_chunk(*args, **kwargs)
+        with self._last_backward_sync():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
 class PipelineRunner:
     """This rank's pipeline stages of `module.model` (already split) and the schedule that runs them.
 
@@ -56,6 +74,9 @@ class PipelineRunner:
         sequence_parallel: the stages' modules are (or will be) split over the TP group with sequence
             parallelism (`strategies.tensor_parallel.apply_tensor_parallel`): the hidden state sent
             between stages is then each rank's 1/T of the sequence.
+        last_backward_sync: a context manager factory run around each stage's last backward of the step
+            (the strategy's `last_backward_sync`: gradient reduction and the offloaded update start there);
+            None: every backward only accumulates and the strategy reduces after the schedule.
     """
 
     def __init__(
@@ -64,6 +85,7 @@ class PipelineRunner:
         topology: ExpertParallelTopology,
         device: torch.device,
         sequence_parallel: bool = False,
+        last_backward_sync: Callable[[], Any] | None = None,
     ) -> None:
         layout = topology.layout
         if layout is None:
@@ -71,6 +93,7 @@ class PipelineRunner:
         self.module, self.topology, self.layout, self.device = module, topology, layout, device
         self.schedule_name = layout.schedule
         self.sequence_parallel = sequence_parallel
+        self.last_backward_sync = last_backward_sync
         self.num_stages = layout.num_stages
         model = module.model
         holdings = topology.holdings(model.config)
@@ -208,15 +231,10 @@ class PipelineRunner:
                 self.module.model.sequence_shard
             )  # set by context parallelism after the split
             inputs, outputs = mod.example_io(micro_batch, seq_len, dtype, dtype)
-            stages.append(
-                PipelineStage(
-                    mod,
-                    stage_id,
-                    self.num_stages,
-                    self.device,
-                    input_args=inputs,
-                    output_args=outputs,
-                    group=self.topology.pp_group,
-                )
-            )
+            args = (mod, stage_id, self.num_stages, self.device)
+            kwargs = {"input_args": inputs, "output_args": outputs, "group": self.topology.pp_group}
+            if self.last_backward_sync is None:
+                stages.append(PipelineStage(*args, **kwargs))
+            else:
+                stages.append(_StepStage(*args, last_backward_sync=self.last_backward_sync, **kwargs))
         return stages

@@ -2,8 +2,10 @@
 
 With P > 1 each optimizer step is one `PipelineRunner.step` inside `training_step`: the data module
 hands over the step's whole per-rank batch (`consumes_whole_step`; Lightning accumulates nothing),
-the schedule runs every forward and backward with gradient communication held back, and the
-strategy's `backward` only runs the hooks around backward; `optimizer_step` then reduces, checks,
+the schedule runs every forward and backward with gradient communication held back but for each
+stage's last backward of the step, where its buckets start reducing (`last_backward_sync`: overlapped
+with the rest of the schedule, the offloaded optimizer's host update with it), and the strategy's
+`backward` only runs the hooks around backward; `optimizer_step` then reduces, checks,
 clips, updates and zeroes as for any step. Gradients are zero when the schedule starts (the previous
 step ended by zeroing them; Lightning's own zeroing between `training_step` and `backward` is not
 done, see `XPUMoEStrategy.zeroes_grads_after_step`). The returned loss is the step's global mean on
@@ -28,7 +30,7 @@ class PipelineSteps:
 
     Expects the host strategy to set `topology` (built from its `ParallelLayout`),
     `pipeline_parallel_size`, `pipeline_microbatches`, `sequence_parallel`, `_pipeline` (None) and to provide
-    `block_backward_sync`.
+    `block_backward_sync` and `last_backward_sync`.
     """
 
     _pipeline: PipelineRunner | None
@@ -50,7 +52,9 @@ class PipelineSteps:
         if self._pipeline is not None:
             return  # Lightning calls setup again for validate/test after fit
         split_model(model, topo.holdings(model.config))
-        self._pipeline = PipelineRunner(module, topo, self.root_device, self.sequence_parallel)
+        self._pipeline = PipelineRunner(
+            module, topo, self.root_device, self.sequence_parallel, last_backward_sync=self.last_backward_sync
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
