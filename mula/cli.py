@@ -128,8 +128,11 @@ class MulaCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        """Name the W&B run after its run directory unless the recipe names it."""
-        name_wandb_run(self.config[self.subcommand].trainer)
+        """Name the W&B run after its run directory unless the recipe names it; a strategy given as a class
+        path alone (`--trainer.strategy=strategies.XPUMoEStrategy`) is that class with its defaults."""
+        trainer = self.config[self.subcommand].trainer
+        name_wandb_run(trainer)
+        strategy_class_path(trainer)
 
     @override
     def instantiate_classes(self) -> None:
@@ -326,6 +329,19 @@ def name_wandb_run(trainer_config: Any) -> None:
         is_wandb = isinstance(cls, type) and issubclass(cls, WandbLogger)
         if is_wandb and init_args is not None and init_args.get("name") is None:
             init_args.name = os.path.basename(os.path.normpath(run_dir(trainer_config.default_root_dir)))
+
+
+def strategy_class_path(trainer_config: Any) -> None:
+    """Turn `trainer_config.strategy` given as a dotted path to a `Strategy` class into that class with
+    its defaults: jsonargparse keeps such a string as a string (the Trainer's `strategy` is `str |
+    Strategy`), and Lightning would then look it up as a registered strategy name and fail."""
+    from lightning.pytorch.strategies import Strategy
+
+    name = trainer_config.get("strategy")
+    if isinstance(name, str) and "." in name:
+        cls = pydoc.locate(name)
+        if isinstance(cls, type) and issubclass(cls, Strategy):
+            trainer_config.strategy = Namespace(class_path=name, init_args=Namespace())
 
 
 def check_expert_backend(config: MulaConfig, trainer: L.Trainer) -> None:

@@ -26,43 +26,24 @@ def check_degrees(ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1
 
 def check_world(world_size: int, ep_size: int, pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
     """Refuse W ranks that cannot hold P stages of E-rank expert-parallel groups of C-rank context-parallel
-    groups of T-rank tensor-parallel groups (one sentence naming the numbers)."""
+    groups of T-rank tensor-parallel groups (one sentence naming the sizes that are not 1)."""
     if world_size < 1:
         raise ValueError(f"The world size must be at least 1, got {world_size}.")
-    if cp_size > 1:
-        if world_size % (cp_size * tp_size * ep_size * pp_size) != 0:
-            raise ValueError(
-                f"The world size {world_size} is not divisible by context_parallel_size={cp_size} x "
-                f"tensor_parallel_size={tp_size} x expert_parallel_size={ep_size} x pipeline_parallel_size="
-                f"{pp_size} = {cp_size * tp_size * ep_size * pp_size}; choose sizes whose product divides "
-                "the number of ranks."
-            )
-        return
-    if tp_size > 1:
-        if world_size % (tp_size * ep_size * pp_size) != 0:
-            raise ValueError(
-                f"The world size {world_size} is not divisible by tensor_parallel_size={tp_size} x "
-                f"expert_parallel_size={ep_size} x pipeline_parallel_size={pp_size} = "
-                f"{tp_size * ep_size * pp_size}; choose sizes whose product divides the number of ranks."
-            )
-        return
-    if pp_size > 1:
-        if world_size % (pp_size * ep_size) != 0:
-            raise ValueError(
-                f"The world size {world_size} is not divisible by pipeline_parallel_size={pp_size} x "
-                f"expert_parallel_size={ep_size} = {pp_size * ep_size}; choose sizes whose product divides "
-                "the number of ranks."
-            )
-        return
-    if ep_size > world_size:
+    if ep_size > world_size and pp_size == tp_size == cp_size == 1:
         raise ValueError(
             f"expert_parallel_size={ep_size} is larger than the world size {world_size}; "
             f"use at most {world_size} ranks per expert-parallel group."
         )
-    if world_size % ep_size != 0:
+    sizes = [(name, size) for name, size in (("context_parallel_size", cp_size), ("tensor_parallel_size", tp_size),
+             ("pipeline_parallel_size", pp_size), ("expert_parallel_size", ep_size)) if size > 1]  # fmt: skip
+    product = cp_size * tp_size * pp_size * ep_size
+    if world_size % product:
+        named = " x ".join(f"{name}={size}" for name, size in sizes)
+        if len(sizes) > 1:
+            named += f" = {product}"
         raise ValueError(
-            f"The world size {world_size} is not divisible by expert_parallel_size={ep_size}; "
-            "choose an expert-parallel size that divides the number of ranks."
+            f"The world size {world_size} is not divisible by {named}; choose "
+            f"{'sizes whose product divides' if len(sizes) > 1 else 'a size that divides'} the number of ranks."
         )
 
 
@@ -122,8 +103,7 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, pp_size:
     if tp_size > 1 and pp_size > 1:
         raise ValueError(
             f"context_parallel_size={cp_size} is not yet available with tensor_parallel_size={tp_size} and "
-            f"pipeline_parallel_size={pp_size} together (each pair composes, all three are untested); drop "
-            "one of the three."
+            f"pipeline_parallel_size={pp_size} together (each pair is); drop one of the three."
         )
     if config is None:
         return

@@ -6,6 +6,7 @@ Torch-free, so that the optimizer and the planner (`mula plan`, which reads a re
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -110,10 +111,13 @@ class ShardingOptions:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ShardingOptions:
         """Build from keyword arguments, naming any unknown one."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"Unknown EPShardedAdamW option(s) {unknown}; known options are {sorted(known)}."
-            )
+        known = [f.name for f in fields(cls)]
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"Unknown EPShardedAdamW option {name!r}{hint}; the options are the fields of "
+                    "mula.sharding_options.ShardingOptions."
+                )
         return cls(**kwargs)

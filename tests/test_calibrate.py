@@ -143,7 +143,10 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
         (["--devices", "2", "--output", "/nonexistent/dir/m.yaml"], "is not a writable directory"),
         (["--devices", "2", "--output", "m.txt"], "must be a .yaml file"),
         (["--devices", "2", "--model", "no-such-model"], "no-such-model"),
-        (["--devices", "2", "--seq_len", "2048"], "--seq_len 2048 does not fit mula-tiny-moe, whose max_position_embeddings is 1024"),
+        (
+            ["--devices", "2", "--seq_len", "2048"],
+            "--seq_len 2048 does not fit mula-tiny-moe, whose max_position_embeddings is 1024",
+        ),
         (["--devices", "2", "--seq_len", "0"], "give a sequence length from 1 to 1024"),
     ],
 )

@@ -13,6 +13,10 @@ import pytest
 import torch
 
 from mula.cli import main
+from mula.config import MulaConfig
+from mula.hf import from_hf
+from mula.module import MulaLightningModule
+from mula.units import format_count
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
@@ -221,6 +225,29 @@ def test_import_hf_rejects_an_unsupported_architecture(capsys, sandbox):
         capsys, ["import-hf", "--hf_dir", str(hf_dir), "--output", "w.pt"], r"Unsupported .*LlamaForCausalLM"
     )
     assert not (sandbox / "w.pt").exists()
+
+
+def test_import_hf_writes_any_output_name_that_training_starts_from(capsys, sandbox):
+    """`--output` without an extension (its temporary sibling is a hidden file without one), the count
+    printed with its unit, and the file is what `mula fit --model.init_weights` starts from."""
+    pytest.importorskip("transformers")
+    from test_hf import randomize
+
+    from mula.hf import to_hf
+    from mula.model import Mula
+
+    torch.manual_seed(0)
+    hf = randomize(to_hf(Mula(MulaConfig.from_name("mula-tiny-moe"))))
+    hf.save_pretrained(sandbox / "olmoe")
+    main(["import-hf", "--hf_dir", str(sandbox / "olmoe"), "--output", "olmoe-weights"])
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    count = MulaConfig.from_name("mula-tiny-moe").num_params()
+    assert 1e6 < count < 1e9 and printed.endswith(f" {format_count(count)} parameters)"), printed
+    assert "M parameters" in printed and not list(sandbox.glob(".tmp-*")), printed
+    module = MulaLightningModule("mula-tiny-moe", init_weights="olmoe-weights")  # --model.init_weights
+    module.configure_model()
+    want = from_hf(hf).state_dict()
+    assert all(torch.equal(value, want[name]) for name, value in module.model.state_dict().items())
 
 
 def test_prepare_missing_inputs(capsys, sandbox):
