@@ -1,17 +1,20 @@
 """EPShardedAdamW on 4 (and 2) gloo CPU processes vs single-process torch.optim.AdamW (fp32).
 
-Stand-in model: dense parameters plus stacked expert parameters [E, ...] (names contain ".experts.").
-Every rank keeps a full replica only to compute its gradients; the optimizer sees what expert
-parallelism would give it: dense parameters whole, experts sliced to the rank's global block, and
-per-rank gradients as expert parallelism produces them (dense: the gradient of the rank's own loss;
-experts: summed over the EP group, as the all-to-all backward does). The reference is one process
-running AdamW on the whole global batch with the same LambdaLR schedule and clipping.
+Stand-in model: dense parameters plus stacked expert parameters [E, ...] (names contain ".experts."),
+softly gated (every expert weighted by a softmax: no top-k choice, so no routing flip). Every rank
+keeps a full replica only to compute its gradients; the optimizer sees what expert parallelism would
+give it: dense parameters whole, experts sliced to the rank's global block, and per-rank gradients as
+expert parallelism produces them (dense: the gradient of the rank's own loss; experts: summed over the
+EP group, as the all-to-all backward does). The reference is one process running AdamW on the whole
+global batch with the same LambdaLR schedule and clipping.
 
-Checked: parameters after several steps (relative error <= 1e-6) for E in {1, 2, 4} with and without
-clipping, ZeRO-2 with accumulation, offload, overlapped all-gather, no-hook reduction, the EP-unaware
-layout; state bytes = 12 * P / W + stated padding; checkpoint saved at (W=4, E=2) and loaded at
-(4, 4), (4, 1), (2, 1), (2, 2) gives the same next step; a wrong layout (experts reduced over the
-world) fails; and one run of the tiny Mula MoE with the real all-to-all dispatcher.
+Checked, by the weights of the suite's equality rule (tests/equality.py, AdamW eps `ADAMW_EPS`):
+parameters after several steps for E in {1, 2, 4} with and without clipping, ZeRO-2 with
+accumulation, offload, overlapped all-gather, no-hook reduction, the EP-unaware layout; state bytes =
+12 * P / W + stated padding; checkpoint saved at (W=4, E=2) and loaded at (4, 4), (4, 1), (2, 1),
+(2, 2) gives the same next step; a wrong layout (experts reduced over the world) fails (a negative
+control: relative error above 1e-3); and the tiny Mula MoE with the real all-to-all dispatcher (top-k
+routing: the whole rule, per-step losses and gradient norms, then the weights).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from dist_helpers import run_distributed
+from equality import ADAMW_EPS, LoopRecord, assert_same_training, assert_same_weights, seeded
 from torch import nn
 
 from mula.flat_buffers import ParamEntry, plan_buckets
@@ -78,7 +82,7 @@ class StandIn(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         self.embed = nn.Linear(HIDDEN, HIDDEN)
         self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
         self.head = nn.Linear(HIDDEN, 4)
@@ -132,7 +136,7 @@ def _schedule(step: int) -> float:
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
+    g = torch.Generator().manual_seed(seeded(100 + step))
     return torch.randn(ROWS, HIDDEN, generator=g), torch.randn(ROWS, 4, generator=g)
 
 
@@ -144,7 +148,7 @@ def _reference(steps: int, clip: float | None, clip_after: int = 0) -> list[dict
     """Single-process AdamW on the whole global batch; parameters after each step."""
     model = StandIn()
     named = list(model.named_parameters())
-    opt = torch.optim.AdamW(_groups(named), lr=LR)
+    opt = torch.optim.AdamW(_groups(named), lr=LR, eps=ADAMW_EPS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     out = []
     for step in range(steps):
@@ -191,7 +195,9 @@ class Trainer:
         options = dict(run.options)
         if options.pop("with_module", False):
             options["module"] = self.local
-        self.opt = EPShardedAdamW(_groups(self.named), self.named, topo_for_opt, lr=LR, **options)
+        self.opt = EPShardedAdamW(
+            _groups(self.named), self.named, topo_for_opt, lr=LR, eps=ADAMW_EPS, **options
+        )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule)
         self.steps = 0
 
@@ -244,7 +250,17 @@ class Trainer:
         return {n: p.detach().clone() for n, p in self.named}
 
 
+def _assert_same_weights(
+    params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], ep_rank: int, ep_size: int, what: str
+) -> None:
+    """The equality rule's weights (`equality.assert_same_weights`): this rank's parameters against the
+    reference's, experts sliced to the rank's block."""
+    want = {name: _slice(name, ref[name], ep_rank, ep_size) for name in params}
+    assert_same_weights(params, want, what=what)
+
+
 def _max_rel_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], topo) -> float:
+    """The largest per-tensor relative distance from the reference (the negative control's measure)."""
     worst = 0.0
     for name, value in params.items():
         expected = _slice(name, ref[name], topo.ep_rank, topo.ep_size)
@@ -373,10 +389,9 @@ def _topo(ep_rank: int, ep_size: int):
 @pytest.mark.parametrize("key", [k for k in RUNS if k != "e2_wrong_layout"])
 def test_matches_single_process_adamw(results: dict, key: str) -> None:
     ref = _ref_for(key, results["refs"])
-    for rank_out in results["four"]:
+    for rank, rank_out in enumerate(results["four"]):
         r = rank_out[key]
-        err = _max_rel_error(r["params"], ref, _topo(r["ep_rank"], RUNS[key].ep_size))
-        assert err <= 1e-6, f"{key}: relative error {err:.3g}"
+        _assert_same_weights(r["params"], ref, r["ep_rank"], RUNS[key].ep_size, what=f"{key} rank {rank}")
 
 
 def test_reducing_experts_over_the_world_is_caught(results: dict) -> None:
@@ -411,20 +426,22 @@ def test_state_bytes_is_12_P_over_W_plus_padding(results: dict, key: str) -> Non
 
 def test_checkpoint_reshards_across_layouts(results: dict) -> None:
     ref = results["refs"][CLIP]
-    for o in results["four"]:
+    for rank, o in enumerate(results["four"]):
         ck = o["ckpt"]
-        assert _max_rel_error(ck["continued"], ref[STEPS - 1], _topo(ck["saved_ep_rank"], 2)) <= 1e-6
+        _assert_same_weights(
+            ck["continued"], ref[STEPS - 1], ck["saved_ep_rank"], 2, what=f"(4, 2) rank {rank}"
+        )
         for ep in (4, 1):
             res = ck[ep]
-            topo = _topo(res["ep_rank"], ep)
+            what = f"(4, 2) -> (4, {ep}) rank {rank}"
             # the master weights alone restore the model, at the new layout's slices
-            assert _max_rel_error(res["loaded"], ref[STEPS - 2], topo) <= 1e-6
-            assert _max_rel_error(res["next"], ref[STEPS - 1], topo) <= 1e-6
-    for o in results["two"]:
+            _assert_same_weights(res["loaded"], ref[STEPS - 2], res["ep_rank"], ep, what=f"{what} loaded")
+            _assert_same_weights(res["next"], ref[STEPS - 1], res["ep_rank"], ep, what=f"{what} next")
+    for rank, o in enumerate(results["two"]):
         for ep, res in o.items():
-            topo = _topo(res["ep_rank"], ep)
-            assert _max_rel_error(res["loaded"], ref[STEPS - 2], topo) <= 1e-6
-            assert _max_rel_error(res["next"], ref[STEPS - 1], topo) <= 1e-6
+            what = f"(4, 2) -> (2, {ep}) rank {rank}"
+            _assert_same_weights(res["loaded"], ref[STEPS - 2], res["ep_rank"], ep, what=f"{what} loaded")
+            _assert_same_weights(res["next"], ref[STEPS - 1], res["ep_rank"], ep, what=f"{what} next")
 
 
 def test_bucket_plan_alignment_and_padding() -> None:
@@ -491,24 +508,26 @@ def _mula_config():
 
 
 def _mula_batches(world: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seeded(7))
     vocab = _mula_config().vocab_size
     return [
         torch.randint(0, vocab, (world * MULA_MICRO, MULA_SEQ + 1), generator=g) for _ in range(MULA_STEPS)
     ]
 
 
-def _mula_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+def _mula_loss(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's loss and its [MoE layers, E] tokens per expert."""
     cfg = _mula_config()
     out = model(batch[:, :-1])
     ce = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
-    return ce + cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss
+    loss = ce + cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss
+    return loss, out.tokens_per_expert.detach()
 
 
 def _mula_model() -> nn.Module:
     from mula import Mula
 
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     return Mula(_mula_config())
 
 
@@ -516,16 +535,22 @@ def _mula_groups(model: nn.Module) -> list[dict]:
     return _groups(list(model.named_parameters()))
 
 
-def _mula_reference(world: int) -> dict[str, torch.Tensor]:
+def _mula_reference(world: int) -> dict:
+    """One process: per step the loss, the gradient norm, the global expert counts and the near ties
+    (what `equality.assert_same_training` reads), and the parameters after the last step."""
+    cfg = _mula_config()
     model = _mula_model()
-    opt = torch.optim.AdamW(_mula_groups(model), lr=LR)
+    opt = torch.optim.AdamW(_mula_groups(model), lr=LR, eps=ADAMW_EPS)
+    record = LoopRecord(near_ties_of=(model, cfg))
     for batch in _mula_batches(world):
         opt.zero_grad()
         for micro in batch.split(MULA_MICRO):
-            (_mula_loss(model, micro) / world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            loss, tokens = _mula_loss(model, micro)
+            (loss / world).backward()
+            record.add(loss.item() / world, tokens)
+        record.end_step(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**record.as_dict(), "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
 
 
 def _mula_worker(rank: int, world: int) -> dict:
@@ -537,18 +562,22 @@ def _mula_worker(rank: int, world: int) -> dict:
         model = _mula_model()
         apply_expert_parallel(model, topo)
         opt = EPShardedAdamW.from_adamw(
-            torch.optim.AdamW(_mula_groups(model), lr=LR),
+            torch.optim.AdamW(_mula_groups(model), lr=LR, eps=ADAMW_EPS),
             list(model.named_parameters()),
             topo,
             bucket_numel=4096,
         )
+        record = LoopRecord()
         for batch in _mula_batches(world):
             opt.zero_grad()
-            _mula_loss(model, batch.split(MULA_MICRO)[rank]).backward()
-            opt.clip_grad_norm_(0.5)
+            loss, tokens = _mula_loss(model, batch.split(MULA_MICRO)[rank])
+            loss.backward()
+            record.add(loss.item() / world, tokens)
+            record.end_step(opt.clip_grad_norm_(0.5))  # the global loss and counts
             opt.step()
         out[ep] = {
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            **record.as_dict(),
+            "params": {n: p.detach().clone() for n, p in model.state_dict().items()},
             "ep_rank": topo.ep_rank,
         }
         opt.close()
@@ -556,12 +585,16 @@ def _mula_worker(rank: int, world: int) -> dict:
 
 
 def test_tiny_mula_moe_with_expert_parallelism_matches_adamw() -> None:
+    """The suite's equality rule (tests/equality.py): per-step losses and gradient norms, then the
+    parameters after the last step, a rank's experts against the same experts of the reference."""
     pytest.importorskip("mula.model")
     ref = _mula_reference(4)
-    for rank_out in run_distributed(_mula_worker, 4):
+    for rank, rank_out in enumerate(run_distributed(_mula_worker, 4)):
         for ep, res in rank_out.items():
-            err = _max_rel_error(res["params"], ref, _topo(res["ep_rank"], ep))
-            assert err <= 1e-5, f"E={ep}: relative error {err:.3g}"
+            what = f"E={ep} rank {rank}"
+            if assert_same_training(res, ref, what=what):
+                want = {n: _slice(n, ref["params"][n], res["ep_rank"], ep) for n in res["params"]}
+                assert_same_weights(res["params"], want, what=what)
 
 
 def test_bf16_params_keep_fp32_master_weights() -> None:
@@ -569,16 +602,18 @@ def test_bf16_params_keep_fp32_master_weights() -> None:
 
     The master weights follow fp32 AdamW fed the same (bf16) gradients; the model parameters are
     their bf16 rounding after every step."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     ref = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(torch.bfloat16)
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters()):
             q.copy_(p.float())  # same starting point, exactly representable in bf16
-    opt = EPShardedAdamW(_groups(list(model.named_parameters())), model.named_parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR)
+    opt = EPShardedAdamW(
+        _groups(list(model.named_parameters())), model.named_parameters(), lr=LR, eps=ADAMW_EPS
+    )
+    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, eps=ADAMW_EPS)
     for step in range(3):
-        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(seeded(step))).to(torch.bfloat16)
                  for p in model.parameters()]  # fmt: skip
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -599,11 +634,13 @@ def test_state_is_shared_with_lightning_optimizer_wrapper() -> None:
     forwarded to us): a clip through the wrapper must count for the step on the real optimizer."""
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
     ref.load_state_dict(model.state_dict())
-    opt = EPShardedAdamW(model.parameters(), model.named_parameters(), lr=LR, max_grad_norm=1e-4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = EPShardedAdamW(
+        model.parameters(), model.named_parameters(), lr=LR, eps=ADAMW_EPS, max_grad_norm=1e-4
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAMW_EPS)
     wrapper = LightningOptimizer(opt)
     x = torch.randn(8, 4)
     for _ in range(2):

@@ -2,8 +2,9 @@
 
 The same global batches are trained on one process (4 micro-batches accumulated per step) and on two
 gloo processes (2 each) with DDP and with XPUMoEStrategy (expert_parallel_size=2): every logged step
-must log the same `train/loss`, `train/ce_loss`, `train/aux_loss` and `train/z_loss` (fp32, 1e-6).
-Before, each run logged rank 0's last micro-batch, which differs with the world size.
+must log the same `train/loss`, `train/ce_loss`, `train/aux_loss` and `train/z_loss`, by the suite's
+equality rule (tests/equality.py: fp32, every step it compares). Before, each run logged rank 0's last
+micro-batch, which differs with the world size.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from dist_helpers import lightning_env, run_distributed
+from equality import ADAMW_EPS, RoutingRecord, assert_same_training, seeded
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
@@ -24,6 +26,8 @@ OVERRIDES = dict(
     vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
     expert_intermediate_size=32, max_position_embeddings=64,
 )  # fmt: skip
+# the logged STEP_LOSSES as per-step series of an `equality.assert_same_training` record
+SERIES = ("losses", "ce_losses", "aux_losses", "z_losses")
 
 
 class _Recorder(Logger):
@@ -55,7 +59,7 @@ class _Recorder(Logger):
 def _micro_batches(rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s micro-batches [n, MICRO, SEQ + 1]: a contiguous share of every global batch."""
     per_rank = MICROS_PER_STEP // world
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(seeded(1234))
     data = torch.randint(0, OVERRIDES["vocab_size"], (STEPS, MICROS_PER_STEP, MICRO, SEQ + 1), generator=g)
     return data[:, rank * per_rank : (rank + 1) * per_rank].flatten(0, 1)
 
@@ -74,39 +78,47 @@ def _fit(rank: int, world: int, strategy: Any, log_every_n_steps: int = 1) -> L.
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[RoutingRecord(near_ties=world == 1)],  # the one-process reference's near ties
     )
     module = MulaLightningModule(
-        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10
-    )
-    torch.manual_seed(0)  # the model is built in configure_model, inside fit
+        "mula-tiny-moe", overrides=OVERRIDES, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10,
+        eps=ADAMW_EPS,
+    )  # fmt: skip
+    torch.manual_seed(seeded(0))  # the model is built in configure_model, inside fit
     trainer.fit(module, DataLoader(_micro_batches(rank, world), batch_size=None))
     return trainer
 
 
-def _two_ranks(rank: int, world: int) -> dict[str, dict[int, list[float]]]:
+def _record(trainer: L.Trainer) -> dict[str, Any]:
+    """The logged steps, and what `equality.assert_same_training` compares: each of STEP_LOSSES per
+    step (`SERIES`) and the routing record."""
+    logged = trainer.logger.losses()
+    routing = next(c for c in trainer.callbacks if isinstance(c, RoutingRecord))
+    rows = [logged[step] for step in sorted(logged)]
+    return {
+        "steps": sorted(logged),
+        **{key: [row[i] for row in rows] for i, key in enumerate(SERIES)},
+        **routing.as_dict(),
+    }
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, dict[str, Any]]:
     lightning_env(rank, world)
     ddp = _fit(rank, world, "ddp")
     ep = _fit(rank, world, XPUMoEStrategy(expert_parallel_size=2))
-    return {"ddp": ddp.logger.losses(), "ep": ep.logger.losses()}
+    return {"ddp": _record(ddp), "ep": _record(ep)}
 
 
 def test_train_loss_is_the_global_batch_mean_whatever_the_world_size() -> None:
     single = _fit(0, 1, "auto")
-    reference = single.logger.losses()
-    assert sorted(reference) == list(range(STEPS))
+    reference = _record(single)
+    assert reference["steps"] == list(range(STEPS))
     assert single.lightning_module.config.is_moe  # so the aux and z losses are checked too
     results = run_distributed(_two_ranks, 2)
     for rank, result in enumerate(results):
-        for name, logged in result.items():
-            assert sorted(logged) == list(range(STEPS)), (rank, name)
-            for step, values in reference.items():
-                torch.testing.assert_close(
-                    torch.tensor(logged[step]),
-                    torch.tensor(values),
-                    rtol=0,
-                    atol=1e-6,
-                    msg=lambda m, r=rank, s=step, n=name: f"{n}, rank {r}, step {s}: {m}",
-                )
+        for name, run in result.items():
+            assert run["steps"] == list(range(STEPS)), (rank, name)
+            assert_same_training(run, reference, series=SERIES, what=f"{name}, rank {rank}")
 
 
 def test_train_loss_is_reduced_once_per_logged_step_only() -> None:

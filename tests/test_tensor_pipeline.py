@@ -4,15 +4,16 @@ Each stage's modules are split over its own TP group (ranks [0, 1] hold stage 0,
 the hidden state goes from every TP rank of stage 0 to its TP peer of stage 1 -- the whole sequence
 without sequence parallelism, the rank's 1/T of it with -- and the last stage's loss is
 vocabulary-parallel. fp32, 6 steps with global-norm clipping, the harness of
-tests/test_tensor_parallel.py: every logged loss and gradient norm within 1e-5 (relative), every
-parameter (each stage's, gathered to its full tensor) within 1e-4. Dense RMS model (RMSNorm, QK-norm
-over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with sequence parallelism;
-the MoE model of tests/test_tensor_parallel_moe.py (a dense block on stage 0, an MoE block with a
-shared expert and the router-bias update on stage 1) with torch's AdamW: stage 0 holds no MoE block,
-yet joins the step's expert-count all-reduce (it hung before). The planner's per-stage bytes are
-checked against one measured step of the dense layouts. Downstream evaluation's forward of the
-trained SP model (`spread_forward`, 7 tokens padded for SP's split) gives the whole logits on the last
-stage's TP ranks.
+tests/test_tensor_parallel.py, compared by the suite's equality rule (tests/equality.py): every logged
+loss and gradient norm (and, for the MoE model, the step's global expert counts), then every parameter
+(each stage's, gathered to its full tensor; the router bias) after the last step. Dense RMS model
+(RMSNorm, QK-norm over all heads, GQA) with torch's AdamW, with the sharded optimizer, and with
+sequence parallelism; the MoE model of tests/test_tensor_parallel_moe.py (a dense block on stage 0,
+an MoE block with a shared expert and the router-bias update on stage 1) with torch's AdamW: stage 0
+holds no MoE block, yet joins the step's expert-count all-reduce (it hung before). The planner's
+per-stage bytes are checked against one measured step of the dense layouts. Downstream evaluation's
+forward of the trained SP model (`spread_forward`, 7 tokens padded for SP's split) gives the whole
+logits on the last stage's TP ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from dist_helpers import lightning_env, run_distributed
 from test_plan_measured_pipeline import assert_stage_bytes, measure_step
-from test_tensor_parallel import RMS, WORLD, _assert_matches, _fit
+from test_tensor_parallel import RMS, STEPS, WORLD, _assert_matches, _fit
 from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
 
 from mula.config import resolve_config
@@ -45,7 +46,7 @@ def _run(rank: int, world: int) -> dict:
         )
         losses, params = _fit(model, strategy, 0, 1)  # DP = 4 / (2 x 2) = 1: one data-parallel rank
         assert strategy.data_parallel_size == 1
-        out[key] = {"losses": losses.losses, "norms": losses.norms, "params": params}
+        out[key] = {**losses.record(), "params": params}
         if key == "sp_sharded":  # downstream evaluation's forward, 7 tokens: padded for SP's split
             with torch.no_grad():
                 out["logits"] = strategy.spread_forward().logits(EVAL_TOKENS)
@@ -55,27 +56,35 @@ def _run(rank: int, world: int) -> dict:
 EVAL_TOKENS = torch.arange(14).reshape(2, 7)
 
 
-def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict) -> None:
-    """Every rank's losses and norms, and each stage's parameters on each of its TP ranks, match the
-    reference; the stages together hold every parameter of the model."""
+def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict) -> bool:
+    """Every rank's losses and norms (and expert counts), and each stage's parameters on each of its TP
+    ranks, match the reference by the equality rule; the stages together hold every parameter of the
+    model. Returns whether every step of every rank was compared."""
     held: set = set()
-    for rank_out in runs:
+    whole = True
+    for rank, rank_out in enumerate(runs):
         params = rank_out[key]["params"]
         held |= params.keys()
-        _assert_matches(rank_out[key], ref, {n: v for n, v in ref_params.items() if n in params})
+        mine = {n: v for n, v in ref_params.items() if n in params}
+        whole &= _assert_matches(rank_out[key], ref, mine, what=f"{key} rank {rank}")
     assert held == ref_params.keys()
+    return whole
 
 
 def test_tensor_parallel_stages_match_single_process() -> None:
     refs = {id(model): _fit(model, None) for model in (RMS, MOE)}
     runs = run_distributed(_run, WORLD)
-    for key, model, _, _ in RUNS:
-        _assert_stages_match(runs, key, *refs[id(model)])
-    # the trained SP model's logits, whole, on the last stage's TP ranks (2, 3)
+    # the MoE runs' routing is recorded (every rank: the global counts), so that the rule can compare it
+    assert len(refs[id(MOE)][0].record()["near_ties"]) == STEPS
+    assert all(len(r["moe"]["counts"]) == STEPS for r in runs)
+    compared = {key: _assert_stages_match(runs, key, *refs[id(model)]) for key, model, _, _ in RUNS}
+    assert runs[0]["logits"] is None and runs[1]["logits"] is None
+    # the trained SP model's logits, whole, on the last stage's TP ranks (2, 3); only for a run compared
+    # to its last step (a dense model: always, equality.py)
+    assert compared["sp_sharded"]
     whole = Mula(resolve_config("mula-tiny-dense", RMS))
     whole.load_state_dict({n.removeprefix("model."): v for n, v in refs[id(RMS)][1].items()})
     expected = whole(EVAL_TOKENS).logits.detach()
-    assert runs[0]["logits"] is None and runs[1]["logits"] is None
     for rank in (2, 3):
         torch.testing.assert_close(runs[rank]["logits"], expected, rtol=0, atol=1e-4)
 
