@@ -44,9 +44,23 @@ from mula.moe import iter_moe_layers
 from mula.moe.balancing import TokenSplit
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: torch 2.11's backward of the autograd
+    functional collectives refuses a strided gradient (a permuted output's, or a sum's expanded one;
+    2.13 copies it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _all_to_all(chunks: Tensor, group: Any) -> Tensor:
     """chunks [C, ...]: chunk j goes to group rank j; returns [C, ...], chunk j from group rank j."""
-    return all_to_all_single_autograd(chunks.contiguous(), None, None, group)
+    return _ContiguousGrad.apply(all_to_all_single_autograd(chunks.contiguous(), None, None, group))
 
 
 def _gather_sequence(x: Tensor, parts: int, group: Any) -> Tensor:
@@ -107,7 +121,7 @@ class ContextParallelTokens(TokenSplit):
         differentiable collectives, small [C, ...] tensors). The inner (TP) sum keeps its own backward:
         the identity, TP peers holding one loss whose partial gradients the engine sums."""
         t = self.inner.total(t)
-        return all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group).sum(0)
+        return _ContiguousGrad.apply(all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group)).sum(0)
 
 
 def apply_context_parallel(

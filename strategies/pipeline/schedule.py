@@ -187,7 +187,9 @@ class PipelineRunner:
         without context parallelism); a sequence C does not divide is refused on every rank before any
         stage runs."""
         shard = self.module.model.sequence_shard
-        return shard.take(batch[:, :-1]), shard.take(batch[:, 1:])
+        # contiguous: torch's stages check the input strides against the example's (torch 2.11 does,
+        # and a slice of [rows, T + 1] has a row stride of T + 1)
+        return shard.take(batch[:, :-1]).contiguous(), shard.take(batch[:, 1:]).contiguous()
 
     def _check_sequence(self, seq_len: int) -> None:
         """On every rank before any stage runs (a stage's own check would leave the others waiting for
