@@ -86,7 +86,7 @@ def _case_name(seq: int, cp: int) -> str:
 
 
 def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
-    from callbacks.memory_metrics import SavedTensorMeter
+    from mula.memory_meter import SavedTensorMeter
     from mula.module import MulaLightningModule
     from strategies.context_parallel import apply_context_parallel
     from strategies.optim.grad_sync import GradientSynchronizer

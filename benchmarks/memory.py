@@ -59,7 +59,7 @@ GB = 1e9
 
 
 def _measure(rank: int, world: int, ep: int) -> dict[str, dict[str, int]]:
-    from callbacks.memory_metrics import SavedTensorMeter, grad_bytes, param_bytes
+    from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
     from mula.module import MulaLightningModule
     from strategies.experts.expert_parallel import apply_expert_parallel
     from strategies.optim.sharded_optimizer import EPShardedAdamW

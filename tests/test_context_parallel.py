@@ -290,7 +290,7 @@ class _AllToAllBytes(TorchDispatchMode):
 def _measure_activations(rank: int, world: int) -> dict[str, int]:
     """Saved-tensor bytes of one micro-batch's forward at C = 2 (DP = 2), dense (GQA) and MoE, and the
     head all-to-alls' bytes of its forward and backward."""
-    from callbacks.memory_metrics import SavedTensorMeter
+    from mula.memory_meter import SavedTensorMeter
     from strategies.topology import topology_from_layout
 
     topo = topology_from_layout(ParallelLayout(world_size=world, cp=2))

@@ -14,8 +14,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import MemoryMetrics
-from callbacks.memory_metrics import SavedTensorMeter, grad_bytes, param_bytes
 from mula import Mula, MulaConfig
+from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
 from mula.module import MulaLightningModule
 
 B, T = 2, 16

@@ -27,7 +27,7 @@ LAYOUTS = [
 
 
 def _measure(rank: int, world: int) -> list[dict[str, float]]:
-    from callbacks.memory_metrics import SavedTensorMeter, grad_bytes, param_bytes
+    from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
     from mula.module import MulaLightningModule
     from strategies.experts.expert_parallel import apply_expert_parallel
     from strategies.optim.sharded_optimizer import EPShardedAdamW

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from callbacks.memory_metrics import SavedTensorMeter
 from mula import MulaConfig
+from mula.memory_meter import SavedTensorMeter
 from mula.module import MulaLightningModule
 from mula.plan import Layout
 from mula.plan.activations import activation_bytes

@@ -93,7 +93,7 @@ def test_planner_activation_bytes_against_the_saved_tensors(overrides):
     renormalised top-k, sigmoid scoring) against `SavedTensorMeter` on one process: exact to the same
     few bytes as OLMoE's when the MoE layer is recomputed (nothing there depends on the routing), within
     the 10 % of tests/test_plan_measured.py otherwise (the planner assumes balanced routing)."""
-    from callbacks.memory_metrics import SavedTensorMeter
+    from mula.memory_meter import SavedTensorMeter
     from mula.module import MulaLightningModule
     from mula.plan import Layout, plan_memory
 

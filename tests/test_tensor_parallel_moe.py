@@ -145,7 +145,7 @@ def _drop_partial_sum() -> None:
 
 
 def _run(rank: int, world: int) -> dict:
-    from callbacks.memory_metrics import grad_bytes, param_bytes
+    from mula.memory_meter import grad_bytes, param_bytes
 
     lightning_env(rank, world)
     out = {}
