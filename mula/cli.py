@@ -13,6 +13,7 @@ status 1.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pydoc
 import sys
@@ -145,7 +146,8 @@ class MulaCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """LightningCLI's trainer, with `StepProgressBar` (optimizer steps against max_steps) as its progress
         bar unless the recipe turns the bar off or names a progress bar of its own."""
-        config = self.config_init[self.subcommand].trainer
+        # (no subcommand: `mula plan` and `mula bench` parse one configuration without one)
+        config = (self.config_init[self.subcommand] if self.subcommand else self.config_init).trainer
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         shows_bar = config.get("enable_progress_bar") is not False
@@ -317,7 +319,8 @@ def run_dir(default_root_dir: str | None) -> str:
 
 
 def name_wandb_run(trainer_config: Any) -> None:
-    """Give each unnamed W&B logger in `trainer_config.logger` the run directory's name."""
+    """Give each unnamed W&B logger in `trainer_config.logger` the run directory's name; refuse one when
+    wandb is not installed (it is the `wandb` extra)."""
     from lightning.pytorch.loggers import WandbLogger
 
     loggers = trainer_config.logger  # a list, one logger, or a bool / None
@@ -327,6 +330,11 @@ def name_wandb_run(trainer_config: Any) -> None:
         init_args = logger.get("init_args")
         cls = pydoc.locate(logger.get("class_path", ""))
         is_wandb = isinstance(cls, type) and issubclass(cls, WandbLogger)
+        if is_wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                "the recipe logs to Weights & Biases (trainer.logger names WandbLogger) but wandb is not "
+                "installed: pip install 'mula[wandb]' (scripts/setup.sh does), or set trainer.logger without it."
+            )
         if is_wandb and init_args is not None and init_args.get("name") is None:
             init_args.name = os.path.basename(os.path.normpath(run_dir(trainer_config.default_root_dir)))
 

@@ -3,6 +3,7 @@
     mula fit|validate|test ...   the LightningCLI of `mula.cli` (`MulaCLI`)
     mula plan ...                the light reader (`mula.plan.recipe_reader`: no Lightning, well under a
                                  second) when it can read the command line, else `MulaCLI`'s parser
+    mula bench ...               `mula.bench.command` (`MulaCLI`'s parser plus the benchmark's options)
     mula prepare|train-tokenizer|import-hf|export-hf|eval|report|calibrate ...   `mula.tools`, parsed by
                                  jsonargparse
 
@@ -23,6 +24,7 @@ TRAINER_SUBCOMMANDS = {
     "test": "Run one test epoch.",
 }
 PLAN_HELP = "Predict per-rank memory and step time."
+BENCH_HELP = "Measure tokens/s, MFU, MoE share and memory of a recipe's layout on random tokens."
 
 
 def report_bad_input(fn: Callable[..., Any], *args: Any) -> Any:
@@ -50,6 +52,11 @@ def main(args: list[str] | None = None) -> None:
 
             report_bad_input(plan, argv[1:])
         return
+    if command == "bench":
+        from mula.bench.command import bench
+
+        report_bad_input(bench, argv[1:])
+        return
     if command in TRAINER_SUBCOMMANDS:
         from mula.cli import MulaCLI
 
@@ -72,7 +79,7 @@ def _overview(argv: list[str]) -> None:
 
     parser = ArgumentParser(prog="mula", description="Pretrain dense and MoE language models with Lightning.")
     subcommands = parser.add_subcommands()
-    helps = {**TRAINER_SUBCOMMANDS, "plan": PLAN_HELP}
+    helps = {**TRAINER_SUBCOMMANDS, "plan": PLAN_HELP, "bench": BENCH_HELP}
     helps.update({name: summary(fn).splitlines()[0] for name, fn in tools().items()})
     for name, help in helps.items():
         subcommands.add_subcommand(name, ArgumentParser(prog=f"mula {name}"), help=help)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv and install Mula into it. Idempotent: a second run only checks.
-#   bash scripts/setup.sh          # runtime + hf extra
+#   bash scripts/setup.sh          # runtime + hf and wandb extras
 #   bash scripts/setup.sh dev      # + test tools (pytest, ruff, transformers, triton) and lm-eval (eval extra)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="hf"
-[ "${1:-}" = "dev" ] && extras="hf,dev,eval"
+extras="hf,wandb"
+[ "${1:-}" = "dev" ] && extras="hf,wandb,dev,eval"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate

@@ -250,6 +250,17 @@ def test_import_hf_writes_any_output_name_that_training_starts_from(capsys, sand
     assert all(torch.equal(value, want[name]) for name, value in module.model.state_dict().items())
 
 
+def test_a_wandb_logger_without_wandb_installed_is_one_sentence(capsys, sandbox, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    )
+    expect_error(capsys, ["fit", "-c", str(TINY_MOE)], r"wandb is not installed: pip install 'mula\[wandb\]'")
+    assert not (sandbox / "runs").exists()
+
+
 def test_prepare_missing_inputs(capsys, sandbox):
     expect_error(
         capsys,

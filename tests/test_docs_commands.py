@@ -46,6 +46,7 @@ RUN = {
     "mula fit -c recipes/mula-tiny-moe.yaml --model.overrides.num_layers=2 --model.lr=1e-3": "fit",
     "mula fit -c recipes/mula-tiny-moe.yaml --print_config > my-recipe.yaml": "as is",
     "mula fit --help": "as is",
+    "mula bench -c recipes/mula-tiny-moe.yaml": "as is",
     "mula validate -c recipes/mula-tiny-moe.yaml --ckpt_path runs/mula-tiny-moe/checkpoints/last.ckpt": "fit",
     "mula fit -c recipes/mula-tiny-moe.yaml -c recipes/strategies/ddp.yaml --trainer.devices=2 --trainer.accelerator=cpu": "fit",
     "mula fit -c recipes/mula-tiny-moe.yaml -c recipes/strategies/xpu-moe.yaml --trainer.devices=4 --trainer.accelerator=cpu": "fit",

@@ -300,28 +300,7 @@ class MulaDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Read the prepared data, fix this rank's batch layout and set the trainer's gradient accumulation."""
         summary = self._read_summary()
-        rank, world = self.data_parallel_rank_world()
-        micro_batches_per_step(self.global_batch_size, world, self.micro_batch_size)  # checks the split
-        micro = self.micro_batch_size
-        strategy = getattr(self.trainer, "strategy", None)
-        if getattr(strategy, "consumes_whole_step", False) is True:
-            # Pipeline stages: one batch per step (this rank's whole share of the global batch); the
-            # strategy cuts it into micro_batch_size pipeline micro-batches.
-            micro = self.global_batch_size // world
-        self.layout = BatchLayout(self.global_batch_size, micro, rank, world)
-        trainer = self.trainer
-        if trainer is not None:
-            current = trainer.accumulate_grad_batches
-            if current not in (1, self.layout.accumulation):
-                raise ValueError(
-                    f"trainer.accumulate_grad_batches={current} conflicts with the data module, which sets it to "
-                    f"{self.layout.accumulation} from global_batch_size; remove it from the trainer settings."
-                )
-            trainer.accumulate_grad_batches = self.layout.accumulation
-            config = getattr(trainer.lightning_module, "config", None) if trainer.lightning_module else None
-            if config is not None:
-                self.validate_against(config)
-
+        self._configure_batches()
         names = [s["name"] for s in summary["sources"]]
         weights = [
             float((self.weights or {}).get(s["name"], s.get("weight", 1.0))) for s in summary["sources"]
@@ -344,8 +323,32 @@ class MulaDataModule(L.LightningDataModule):
             sum(self.order.val_counts),
             self.layout.accumulation,
             self.micro_batch_size,
-            world,
+            self.layout.world_size,
         )
+
+    def _configure_batches(self) -> None:
+        """Fix this rank's batch layout (the split checked) and set the trainer's gradient accumulation."""
+        rank, world = self.data_parallel_rank_world()
+        micro_batches_per_step(self.global_batch_size, world, self.micro_batch_size)  # checks the split
+        micro = self.micro_batch_size
+        strategy = getattr(self.trainer, "strategy", None)
+        if getattr(strategy, "consumes_whole_step", False) is True:
+            # Pipeline stages: one batch per step (this rank's whole share of the global batch); the
+            # strategy cuts it into micro_batch_size pipeline micro-batches.
+            micro = self.global_batch_size // world
+        self.layout = BatchLayout(self.global_batch_size, micro, rank, world)
+        trainer = self.trainer
+        if trainer is not None:
+            current = trainer.accumulate_grad_batches
+            if current not in (1, self.layout.accumulation):
+                raise ValueError(
+                    f"trainer.accumulate_grad_batches={current} conflicts with the data module, which sets it to "
+                    f"{self.layout.accumulation} from global_batch_size; remove it from the trainer settings."
+                )
+            trainer.accumulate_grad_batches = self.layout.accumulation
+            config = getattr(trainer.lightning_module, "config", None) if trainer.lightning_module else None
+            if config is not None:
+                self.validate_against(config)
 
     def _ready(self) -> tuple[WindowReader, MixtureOrder, BatchLayout]:
         if self._reader is None or self.order is None or self.layout is None:

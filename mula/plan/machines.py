@@ -64,6 +64,23 @@ class Machine:
         return None if self.host_memory_per_node_gb is None else int(self.host_memory_per_node_gb * 1e9)
 
 
+# the shipped machine file of a device, by a lower-case part of the name torch reports for it (first
+# match wins: GH200 before H200 before H100)
+DEVICE_MACHINES = {
+    "gh200": "gh200",
+    "h200": "h200",
+    "h100": "h100",
+    "max 1550": "aurora",
+    "mi250x": "frontier",
+}
+
+
+def machine_for_device(device_name: str) -> str | None:
+    """The shipped machine of a device torch names `device_name` (e.g. 'NVIDIA H100 80GB HBM3'), or None."""
+    name = device_name.lower()
+    return next((machine for key, machine in DEVICE_MACHINES.items() if key in name), None)
+
+
 def machine_names() -> list[str]:
     """The machines shipped in recipes/machines."""
     return sorted(p.stem for p in MACHINES_DIR.glob("*.yaml"))

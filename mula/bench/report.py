@@ -1,0 +1,56 @@
+"""`mula bench`'s table: the rates of the timed steps, then memory per rank against `mula plan`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mula.units import format_count
+
+MEMORY_ROWS = (
+    ("params", "parameters", "params"),
+    ("grads", "gradients (at the optimizer step)", "grads"),
+    ("optimizer", "optimizer state", "optimizer"),
+    ("activations", "activations (most saved for backward)", "activations"),
+    ("peak_allocated", "peak allocated (device)", "total"),
+)
+
+
+def format_text(result: dict[str, Any]) -> str:
+    """The result of `mula.bench.command` as the table `mula bench` prints."""
+    layout = result["layout"]
+    sizes = " ".join(f"{k[0].upper()}={layout[f'{k}_size']}" for k in ("ep", "pp", "tp", "cp"))
+    times = result["step_time_s"]
+    mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no peak for this device)"
+    moe = f"{100 * result['moe_share']:.0f} %" if result["moe_share"] is not None else "n/a"
+    lines = [
+        f"mula bench: {result['model']} ({format_count(result['params'])} parameters, "
+        f"{format_count(result['active_params'])} active), {result['world_size']} rank(s) on {result['device']}, "
+        f"{sizes}, micro-batch {layout['micro_batch']} x {layout['seq_len']} tokens, {layout['micro_batches']} "
+        f"micro-batch(es) per step, {result['precision']}{', compiled' if result['compiled'] else ''}, "
+        f"checkpointing {layout['checkpointing']}",
+        f"{len(result['step_times_s'])} optimizer steps timed after {result['warmup']} warm-up"
+        + (
+            f"; peak {result['peak_bf16_tflops']:g} TFLOP/s bf16 ({result['machine']})"
+            if result["machine"]
+            else ""
+        ),
+        "",
+        "| tokens/s per device | step time (s), median [min-max] | model TFLOP/s per device | MFU | MoE layers' share |",
+        "|---|---|---|---|---|",
+        f"| {result['tokens_per_s_per_device']:,.0f} | {times['median']:.4f} [{times['min']:.4f}-{times['max']:.4f}] "
+        f"| {result['tflops_per_device']:.2f} | {mfu} | {moe} |",
+        "",
+        f"memory per rank, bytes (the largest rank of pipeline stage {result['planned_stage']}, the one "
+        "`mula plan` reports; measured on the step after the timed ones):",
+        "",
+        "| | measured | `mula plan` | measured / planned |",
+        "|---|---|---|---|",
+    ]
+    for key, label, planned_key in MEMORY_ROWS:
+        if key not in result["memory"]:
+            continue
+        measured, planned = result["memory"][key], result["planned"][planned_key]
+        ratio = f"{measured / planned:.3f}" if planned else "n/a"
+        label = f"{label} vs planned total" if key == "peak_allocated" else label
+        lines.append(f"| {label} | {measured:,} | {planned:,} | {ratio} |")
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""`mula bench` on CPU: the tiny recipes on one rank and on 2 ranks under expert parallelism, and
+Mula-1B shrunk to one block. Its memory per rank agrees with `mula plan` within the planner's stated
+tolerance (parameters, gradients and optimizer state exactly, activations within 10 %: docs/scaling.md),
+its rates follow from its own step times, and bad options are one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mula.entry import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+SMALL = ["--data.seq_len=64", "--data.global_batch_size=8", "--data.micro_batch_size=4"]
+
+
+def _bench(args: list[str], capsys) -> dict:
+    main(["bench", *args, "--format", "json"])
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{") :])
+
+
+def _check(result: dict, steps: int) -> None:
+    """The rates are the step times' and the memory is the plan's (exactly, activations within 10 %)."""
+    assert len(result["step_times_s"]) == steps and min(result["step_times_s"]) > 0
+    median = result["step_time_s"]["median"]
+    assert result["step_time_s"]["min"] <= median <= result["step_time_s"]["max"]
+    per_device = result["tokens_per_step"] / median / result["world_size"]
+    assert result["tokens_per_s_per_device"] == pytest.approx(per_device)
+    memory, planned = result["memory"], result["planned"]
+    for key in ("params", "grads", "optimizer"):
+        assert memory[key] == planned[key], (key, memory[key], planned[key])
+    assert abs(memory["activations"] / planned["activations"] - 1) <= 0.10, (memory, planned)
+
+
+@pytest.mark.parametrize("recipe", ["mula-tiny-moe", "mula-tiny-dense"])
+def test_bench_of_a_tiny_recipe_on_one_rank(recipe, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # no data directory: random tokens
+    result = _bench(["-c", str(RECIPES / f"{recipe}.yaml"), "--steps", "2", "--warmup", "1", *SMALL], capsys)
+    _check(result, 2)
+    assert result["world_size"] == 1 and result["layout"]["micro_batches"] == 2
+    assert result["mfu"] is None and result["peak_bf16_tflops"] is None  # no peak for a CPU
+    if recipe == "mula-tiny-moe":
+        assert 0 < result["moe_share"] < 1
+    else:
+        assert result["moe_share"] is None
+    assert not list(tmp_path.iterdir()), "a benchmark writes nothing where it runs"
+
+
+def test_bench_prices_mfu_against_the_machine_files_peak(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = _bench(["-c", str(RECIPES / "mula-tiny-moe.yaml"), "--steps", "1", "--warmup", "0", "--machine",
+                     "h200", "--layers", "2", *SMALL], capsys)  # fmt: skip
+    assert result["peak_bf16_tflops"] == 989 and result["machine"] == "h200"
+    assert result["mfu"] == pytest.approx(result["tflops_per_device"] / 989)
+    assert result["tflops_per_device"] * 1e12 == pytest.approx(
+        result["tokens_per_s_per_device"] * _flops_per_token("mula-tiny-moe", 64, num_layers=2)
+    )
+
+
+def _flops_per_token(preset: str, seq_len: int, **overrides) -> float:
+    from mula import MulaConfig
+
+    return MulaConfig.from_name(preset, **overrides).flops_per_token(seq_len)
+
+
+def test_bench_of_mula_1b_shrunk_to_one_block(tmp_path, monkeypatch, capsys) -> None:
+    """The paper recipe as written (bf16 weights, the sharded optimizer's fp32 masters) at one block."""
+    monkeypatch.chdir(tmp_path)
+    result = _bench(["-c", str(RECIPES / "mula-1b.yaml"), "--layers", "1", "--steps", "1", "--warmup", "0",
+                     "--data.seq_len=32", "--data.global_batch_size=2", "--data.micro_batch_size=1"], capsys)  # fmt: skip
+    _check(result, 1)
+    assert result["model"] == "mula-1b" and result["precision"] == "bf16-true"
+    assert result["layout"]["shard_optimizer"] and result["moe_share"] is None
+
+
+def test_bench_on_two_ranks_under_expert_parallelism(tmp_path) -> None:
+    """Lightning starts the second rank (the command runs again, as for `mula fit`); rank 0 prints."""
+    args = ["-c", str(RECIPES / "mula-tiny-moe.yaml"), "-c", str(RECIPES / "strategies/xpu-moe.yaml"),
+            "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.strategy.init_args.expert_parallel_size=2",
+            "--steps", "2", "--warmup", "1", "--format", "json", *SMALL]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "mula", "bench", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout[done.stdout.index("{") :])
+    _check(result, 2)
+    assert result["world_size"] == 2 and result["layout"]["ep_size"] == 2 and 0 < result["moe_share"] < 1
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--steps", "0"], "--steps must be at least 1, got 0."),
+        (["--warmup", "-1"], "--warmup must be at least 0, got -1."),
+        (["--layers", "0"], "--layers must be at least 1, got 0."),
+        (["--format", "yaml"], "--format must be one of text, json, got 'yaml'."),
+        (["--machine", "h300"], "Unknown machine 'h300'"),
+    ],
+)
+def test_bench_bad_options_are_one_sentence(args, said, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "-c", str(RECIPES / "mula-tiny-moe.yaml"), *SMALL, *args])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
