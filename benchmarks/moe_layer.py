@@ -22,6 +22,7 @@ Benchmarks print tables and never assert.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ from torch import Tensor
 
 import mula.kernels as mk
 from mula.config import MulaConfig
+from mula.kernels import padded
 from mula.model import Mula
 from mula.moe import MoELayer
 
@@ -170,6 +172,16 @@ def _hf_block(hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtyp
     return cfg, block.to(device=device, dtype=dtype)
 
 
+def _padded_on(device: torch.device, run: Callable[[], Tensor]) -> Tensor:
+    """`run()` with the torch backend's padded layout (`mula.kernels.padded.DEVICES`) used on `device`."""
+    before = padded.DEVICES
+    padded.DEVICES = (*before, device.type)
+    try:
+        return run()
+    finally:
+        padded.DEVICES = before
+
+
 def _backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     usable = []
     for name in ("torch", "triton"):
@@ -226,6 +238,11 @@ def bench_layer(
     for backend in _backends(device, dtype):
         if backend != auto:
             fwds[f"mula MoELayer [{backend}]"] = lambda b=backend: layers[b](x)[0]
+    if device.type not in padded.DEVICES and "torch" in layers:
+        # the CPU's bucketed padded layout (mula/kernels/padded.py) on this device, for comparison
+        fwds["mula MoELayer [torch, padded layout]"] = lambda: _padded_on(
+            device, lambda: layers["torch"](x)[0]
+        )
     fwds["loop reference"] = lambda: layers["loop"](x)[0]
     fwds[UNIFORM] = lambda: uniform(x)[0]
 
@@ -316,19 +333,22 @@ def _table(rows: list[Row], with_err: bool) -> str:
     timed = [r for r in rows if r.times[0] == r.times[0]]  # drop NaN (skipped)
     hf = [r.best_ms for r in timed if r.name.startswith("transformers")]
     hf_best = min(hf) if hf else float("nan")
-    head = "| implementation | best ms | median ms | TFLOP/s | speedup vs fastest transformers |"
-    sep = "|---|---|---|---|---|"
+    dense = [r.best_ms for r in timed if r.name.startswith("dense")]
+    dense_ms = dense[0] if dense else float("nan")
+    head = "| implementation | best ms | median ms | TFLOP/s | share of the dense GEMM's | speedup vs fastest transformers |"
+    sep = "|---|---|---|---|---|---|"
     if with_err:
         head += " max abs diff vs transformers grouped_mm |"
         sep += "---|"
     lines = [head, sep]
     for r in rows:
         if r.note:
-            lines.append(f"| {r.name} | - | - | - | {r.note} |" + (" - |" if with_err else ""))
+            lines.append(f"| {r.name} | - | - | - | - | {r.note} |" + (" - |" if with_err else ""))
             continue
         tflops = r.flops / (r.best_ms * 1e-3) / 1e12
         line = (
-            f"| {r.name} | {r.best_ms:.2f} | {r.median_ms:.2f} | {tflops:.3f} | {hf_best / r.best_ms:.2f}x |"
+            f"| {r.name} | {r.best_ms:.2f} | {r.median_ms:.2f} | {tflops:.3f} | {dense_ms / r.best_ms:.0%} "
+            f"| {hf_best / r.best_ms:.2f}x |"
         )
         if with_err:
             line += " - |" if r.err is None else f" {r.err:.1e} |"
@@ -368,6 +388,7 @@ def main(
     model: bool = True,
     max_batched_gib: float = 1.0,
     doc: Path | None = None,
+    json_out: Path | None = None,
 ) -> str:
     """Run the MoE layer (and whole-model) benchmark; print the tables; optionally update `doc`.
 
@@ -382,6 +403,7 @@ def main(
         model: also run the whole-model comparison (tiny MoE-dominated config).
         max_batched_gib: skip transformers' batched_mm when its per-token weight gather needs more.
         doc: markdown file whose "## moe_layer" section is replaced with the results.
+        json_out: also write every table's rows (times, TFLOP/s, shares, speedups) as JSON to this file.
     """
     dev = torch.device(
         device
@@ -418,6 +440,7 @@ def main(
         )
     target = 1.5 if dev.type == "cpu" else 1.3  # the issue's CPU and GPU targets
     summary = ["\nSummary (speedup of Mula as built over the fastest transformers implementation):\n"]
+    tables: list[dict[str, Any]] = []
     for name in dtypes:
         dt = getattr(torch, name)
         for t in tokens:
@@ -429,6 +452,7 @@ def main(
             out += [title, _table(rows, with_err=True)]
             print("\n".join(out[-2:]), flush=True)
             summary.append(f"- {name}, MoE layer, {t} tokens: {_speedup(rows, '= auto]', target)}")
+            tables.append({"part": "layer", "dtype": name, "tokens": t, "rows": _row_dicts(rows)})
         if model:
             cfg = MulaConfig.from_name(
                 "mula-tiny-moe",
@@ -449,12 +473,37 @@ def main(
             out += [title, _table(rows, with_err=False)]
             print("\n".join(out[-2:]), flush=True)
             summary.append(f"- {name}, whole model: {_speedup(rows, 'mula (as built)', target)}")
+            tables.append({"part": "model", "dtype": name, "tokens": batch * seq, "rows": _row_dicts(rows)})
     out += summary + [NOTES]
     print("\n".join(summary), flush=True)
     text = "\n".join(out) + "\n"
     if doc is not None:
         write_section(Path(doc), SECTION, text)
+    if json_out is not None:
+        Path(json_out).write_text(
+            json.dumps({"device": _machine(dev), "torch": torch.__version__, "tables": tables})
+        )
     return text
+
+
+def _row_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+    """The rows as JSON-ready dicts: best and median ms, TFLOP/s, the share of the dense GEMM's time and
+    the speedup over the fastest transformers implementation (None where the row was skipped)."""
+    timed = [r for r in rows if not r.note]
+    dense = next((r.best_ms for r in timed if r.name.startswith("dense")), None)
+    hf = [r.best_ms for r in timed if r.name.startswith("transformers")]
+    out = []
+    for r in rows:
+        if r.note:
+            out.append({"name": r.name, "note": r.note})
+            continue
+        out.append({
+            "name": r.name, "best_ms": r.best_ms, "median_ms": r.median_ms,
+            "tflops": r.flops / (r.best_ms * 1e-3) / 1e12, "max_abs_diff": r.err,
+            "share_of_dense": dense / r.best_ms if dense else None,
+            "speedup_vs_transformers": min(hf) / r.best_ms if hf else None,
+        })  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ a subprocess with that variable; this process does not collect it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -49,14 +50,14 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
 
 
-def _inputs(counts: list[int], hidden: int, ffn: int, dtype: torch.dtype, seed: int = 0):
+def _inputs(counts: list[int], hidden: int, ffn: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     e, t = len(counts), sum(counts)
-    x = torch.randn(t, hidden, generator=gen).to(dtype)
-    gate_up = (torch.randn(e, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(dtype)
-    down = (torch.randn(e, hidden, ffn, generator=gen) / ffn**0.5).to(dtype)
-    dy = torch.randn(t, hidden, generator=gen).to(dtype)
-    return x, gate_up, down, dy, torch.tensor(counts, dtype=torch.long)
+    x = torch.randn(t, hidden, generator=gen).to(device, dtype)
+    gate_up = (torch.randn(e, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+    down = (torch.randn(e, hidden, ffn, generator=gen) / ffn**0.5).to(device, dtype)
+    dy = torch.randn(t, hidden, generator=gen).to(device, dtype)
+    return x, gate_up, down, dy, torch.tensor(counts, dtype=torch.long, device=device)
 
 
 def _grads(fn, tensors: list[torch.Tensor], dy: torch.Tensor) -> list[torch.Tensor]:
@@ -66,10 +67,12 @@ def _grads(fn, tensors: list[torch.Tensor], dy: torch.Tensor) -> list[torch.Tens
     return [y.detach()] + [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
 
 
-def check_grouped_mm(backend: str, counts: list[int], hidden: int, ffn: int, dtype: torch.dtype) -> None:
-    """grouped_mm(x, w) and its dX, dW against the fp32 loop on the same inputs."""
-    x, w, _, _, c = _inputs(counts, hidden, ffn, dtype)
-    dy = torch.randn(x.shape[0], 2 * ffn, generator=torch.Generator().manual_seed(1)).to(dtype)
+def check_grouped_mm(
+    backend: str, counts: list[int], hidden: int, ffn: int, dtype: torch.dtype, device: str = "cpu"
+) -> None:
+    """grouped_mm(x, w) and its dX, dW against the fp32 loop on the same inputs (on `device`)."""
+    x, w, _, _, c = _inputs(counts, hidden, ffn, dtype, device=device)
+    dy = torch.randn(x.shape[0], 2 * ffn, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     got = _grads(lambda a, b: mk.grouped_mm(a, b, c, backend=backend), [x, w], dy)
     ref = _grads(lambda a, b: mk.grouped_mm(a, b, c, backend="loop"), [x.float(), w.float()], dy.float())
     for name, a, r in zip(("y", "dx", "dw"), got, ref):
@@ -77,9 +80,11 @@ def check_grouped_mm(backend: str, counts: list[int], hidden: int, ffn: int, dty
         assert _rel_err(a, r) <= TOL[dtype], f"{backend} {dtype} {counts}: {name} off by {_rel_err(a, r):.2e}"
 
 
-def check_grouped_swiglu(backend: str, counts: list[int], hidden: int, ffn: int, dtype: torch.dtype) -> None:
-    """grouped_swiglu and its dX, d(gate_up), d(down) against the fp32 loop on the same inputs."""
-    x, gate_up, down, dy, c = _inputs(counts, hidden, ffn, dtype)
+def check_grouped_swiglu(
+    backend: str, counts: list[int], hidden: int, ffn: int, dtype: torch.dtype, device: str = "cpu"
+) -> None:
+    """grouped_swiglu and its dX, d(gate_up), d(down) against the fp32 loop on the same inputs (on `device`)."""
+    x, gate_up, down, dy, c = _inputs(counts, hidden, ffn, dtype, device=device)
     got = _grads(lambda a, b, d: mk.grouped_swiglu(a, b, d, c, backend=backend), [x, gate_up, down], dy)
     ref = _grads(
         lambda a, b, d: mk.grouped_swiglu(a, b, d, c, backend="loop"),
@@ -102,21 +107,22 @@ def naive_moe_combine(x, topk_idx, topk_weight, f):
     return torch.stack(rows)
 
 
-def check_permutation(backend: str, weighted: bool) -> None:
+def check_permutation(backend: str, weighted: bool, device: str = "cpu") -> None:
     """permute -> per-expert map -> unpermute equals the token-by-token reference, with gradients."""
     gen = torch.Generator().manual_seed(3)
     n, k, e, h = 11, 3, 5, 20
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
     idx[0] = torch.tensor([4, 2, 1])  # expert 0 and 3 may be empty for some tokens; keep order mixed
-    x0 = torch.randn(n, h, generator=gen)
-    w0 = torch.rand(n, k, generator=gen)
-    scale = torch.randn(e, h, generator=gen)
-    dy = torch.randn(n, h, generator=gen)
+    x0 = torch.randn(n, h, generator=gen).to(device)
+    w0 = torch.rand(n, k, generator=gen).to(device)
+    scale = torch.randn(e, h, generator=gen).to(device)
+    dy = torch.randn(n, h, generator=gen).to(device)
+    idx = idx.to(device)
 
     def mula_path(x, w):
         plan = mk.plan_routing(idx, e)
         xs = mk.permute(x, plan, backend=backend)
-        experts = torch.repeat_interleave(torch.arange(e), plan.counts)
+        experts = torch.repeat_interleave(torch.arange(e, device=device), plan.counts)
         ys = torch.tanh(xs * scale[experts])
         return mk.unpermute(ys, plan, w if weighted else None, backend=backend)
 
@@ -418,6 +424,51 @@ if IN_TRITON_SUBPROCESS:  # only collected in test_triton_interpreter's subproce
 
     class TestTritonInterpreted(_TritonInterpreted):
         """See _TritonInterpreted."""
+
+
+# ----- on an accelerator (CUDA/XPU): the kernels compiled and run for real ------------------------------
+ACCELERATOR = (
+    "cuda"
+    if torch.cuda.is_available()
+    else "xpu"
+    if hasattr(torch, "xpu") and torch.xpu.is_available()
+    else None
+)
+# the routings above, and one of the OLMoE layer's width with 64 experts, some of them empty
+ACCELERATOR_ROUTINGS = [
+    *ROUTINGS,
+    ([int(c) for c in torch.randint(0, 96, (64,), generator=torch.Generator().manual_seed(5))], 256, 128),
+]
+
+
+def _accelerator_backends() -> list[str]:
+    if ACCELERATOR is None:
+        return []
+    backends = ["triton"] if importlib.util.find_spec("triton") is not None else []
+    return backends + ["torch"]
+
+
+@pytest.mark.skipif(ACCELERATOR is None, reason="no CUDA or XPU device")
+class TestOnAccelerator:
+    """Every accelerator backend (Triton's grouped GEMM and permutation kernels compiled for the device,
+    torch's grouped GEMM) against the fp32 loop on the device, forward and backward, fp32 and bf16."""
+
+    @pytest.mark.parametrize("backend", _accelerator_backends())
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("counts,hidden,ffn", ACCELERATOR_ROUTINGS)
+    def test_grouped_mm(self, backend, counts, hidden, ffn, dtype):
+        check_grouped_mm(backend, counts, hidden, ffn, dtype, device=ACCELERATOR)
+
+    @pytest.mark.parametrize("backend", _accelerator_backends())
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("counts,hidden,ffn", ACCELERATOR_ROUTINGS)
+    def test_grouped_swiglu(self, backend, counts, hidden, ffn, dtype):
+        check_grouped_swiglu(backend, counts, hidden, ffn, dtype, device=ACCELERATOR)
+
+    @pytest.mark.parametrize("backend", _accelerator_backends())
+    @pytest.mark.parametrize("weighted", [True, False])
+    def test_permutation(self, backend, weighted):
+        check_permutation(backend, weighted, device=ACCELERATOR)
 
 
 def test_grouped_mm_probe_ignores_the_callers_autocast():
