@@ -7,10 +7,10 @@ built.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from mula.config import MulaConfig
+# The config is typed `Any` here, not `MulaConfig`: mula/config.py imports this module, and a rule module
+# that imports the class it checks would make the two one circle.
 
 NORMS = ("rmsnorm", "layernorm")
 # Expert-kernel backends a recipe may name (`mula.kernels.backends` resolves them); kept here, free of
@@ -29,7 +29,7 @@ def check_backend_name(backend: str) -> None:
         raise ValueError(f"Unknown expert backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
 
 
-def check_config(config: MulaConfig) -> None:
+def check_config(config: Any) -> None:
     """Raise ValueError, in one sentence, for the first rule `config` breaks (`MulaConfig.__post_init__`)."""
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
     for field in positive:
@@ -84,7 +84,7 @@ def check_config(config: MulaConfig) -> None:
         )
 
 
-def _check_mla(config: MulaConfig) -> None:
+def _check_mla(config: Any) -> None:
     if config.kv_lora_rank is None:
         mla_only = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         set_ = [f for f in mla_only if getattr(config, f)]
@@ -106,7 +106,7 @@ def _check_mla(config: MulaConfig) -> None:
         )
 
 
-def _check_shared_experts(config: MulaConfig) -> None:
+def _check_shared_experts(config: Any) -> None:
     if config.num_shared_experts < 0:
         raise ValueError(f"num_shared_experts must be >= 0, got {config.num_shared_experts}.")
     if config.num_shared_experts and not config.is_moe:
@@ -118,7 +118,7 @@ def _check_shared_experts(config: MulaConfig) -> None:
         )
 
 
-def _check_routing(config: MulaConfig) -> None:
+def _check_routing(config: Any) -> None:
     if not config.router_bias_update_rate >= 0.0:  # also refuses NaN
         raise ValueError(
             f"router_bias_update_rate must be >= 0 (0 = no bias balancing), got {config.router_bias_update_rate}."

@@ -1,6 +1,6 @@
 """The `mula` console script (also `python -m mula` and `python -m mula.cli`): one dispatch per subcommand.
 
-    mula fit|validate|test ...   the LightningCLI of `mula.cli` (`MulaCLI`)
+    mula fit|validate|test ...   the LightningCLI of `mula.lightning_cli` (`MulaCLI`)
     mula plan ...                the light reader (`mula.plan.recipe_reader`: no Lightning, well under a
                                  second) when it can read the command line, else `MulaCLI`'s parser
     mula bench ...               `mula.bench.command` (`MulaCLI`'s parser plus the benchmark's options)
@@ -48,7 +48,7 @@ def main(args: list[str] | None = None) -> None:
         from mula.plan.command import plan_without_lightning
 
         if not report_bad_input(plan_without_lightning, argv[1:]):
-            from mula.cli import plan
+            from mula.lightning_cli import plan
 
             report_bad_input(plan, argv[1:])
         return
@@ -58,7 +58,7 @@ def main(args: list[str] | None = None) -> None:
         report_bad_input(bench, argv[1:])
         return
     if command in TRAINER_SUBCOMMANDS:
-        from mula.cli import MulaCLI
+        from mula.lightning_cli import MulaCLI
 
         report_bad_input(MulaCLI, argv)
         return

@@ -156,7 +156,7 @@ class MulaLightningModule(L.LightningModule):
     def _load_init_weights(self, path: str) -> None:
         """Copy the weights of a Mula weights file / checkpoint into `self.model`, checking the architecture."""
         from mula.checkpoint import load_weights  # imported lazily: only needed with init_weights
-        from mula.checkpoint.group_verify import settle_for_reading
+        from mula.checkpoint.settle import settle_for_reading
 
         # with several ranks: verified here by one reader per file (a collective; __init__ checked sizes)
         settle_for_reading(path, bool(self.hparams.get("verify_init_weights", True)))

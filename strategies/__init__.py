@@ -7,9 +7,9 @@ Importing this package registers `XPUMoEStrategy` as `strategy: xpu_moe` and `XP
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from mula.cluster_environments import PALSEnvironment
 from strategies.devices.accelerator import XPUAccelerator, process_group_backend
 from strategies.devices.accelerator import register as _register_accelerator
-from strategies.devices.environments import PALSEnvironment
 from strategies.experts.all_to_all import AllToAllDispatcher
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer, clip_grad_norm_

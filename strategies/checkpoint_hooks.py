@@ -14,7 +14,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from mula.checkpoint.group_verify import settle
+from mula.checkpoint.settle import settle
 from strategies.sharded_state import (
     checkpoint_parts,
     load_sharded,

@@ -47,6 +47,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from mula.cluster_environments import PALSEnvironment, launched_by_mpiexec
 from mula.layout_rules import check_context_parallel, check_degrees, check_experts, validate_schedule
 from mula.lightning_compat import (
     _distributed_is_initialized,
@@ -58,7 +59,6 @@ from mula.lightning_compat import (
 from mula.parallel_layout import ParallelLayout
 from strategies.checkpoint_hooks import ShardedCheckpointHooks
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
-from strategies.devices.environments import PALSEnvironment, launched_by_mpiexec
 from strategies.eval_forward import spread_forward
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.model_setup import materialize, split_sequences, split_tensors, sync_replicas

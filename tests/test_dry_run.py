@@ -197,3 +197,17 @@ def test_context_parallel_dry_run_bytes_equal_the_plan(extra, rank, stage):
     for name, field in MEASURED.items():
         assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
     assert dry_run_matches(result)
+
+
+@pytest.mark.parametrize("sizes", [dict(ep_size=2), dict(tp_size=2, ep_size=2), dict(cp_size=2, ep_size=2)])
+def test_default_dry_run_rank_is_the_first_rank_of_the_stage(sizes):
+    """The rank `--dry_run` builds by default holds the planned stage, and is that stage's first rank, for
+    layouts with T and C inside the stage (`stage * E` was a rank of stage 0 there)."""
+    from mula.plan.command import default_dry_run_rank
+    from mula.plan.layout import Layout
+
+    layout = Layout(world_size=32, pp_size=2, **sizes)
+    for stage in range(2):
+        rank = default_dry_run_rank(layout, stage)
+        holds = [r for r in range(32) if layout.parallel.coordinates(r).pp == stage]
+        assert rank == min(holds)

@@ -242,7 +242,7 @@ def test_fit_stops_when_the_plan_exceeds_the_device_and_the_flag_overrides(
     def lock(*_args):
         raise Reached
 
-    monkeypatch.setattr("mula.cli.lock_run_dir_before_launch", lock)
+    monkeypatch.setattr("mula.lightning_cli.lock_run_dir_before_launch", lock)
     with pytest.raises(Reached):  # past the check: the next step of before_fit
         main(["fit", "-c", str(TINY_MOE), "--device_memory_gb=0.01", "--memory_check=false"])
     with pytest.raises(Reached):  # the demo fits the host's memory

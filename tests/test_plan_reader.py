@@ -35,7 +35,7 @@ def _cli_argv(monkeypatch):
 
 def full_parse(argv: list[str], monkeypatch) -> dict[str, Any]:
     """What the LightningCLI parser hands `run_plan` for `mula plan ARGV`."""
-    from mula.cli import plan
+    from mula.lightning_cli import plan
 
     captured: dict[str, Any] = {}
     monkeypatch.setattr(plan_command, "run_plan", lambda **kwargs: captured.update(kwargs))
@@ -220,7 +220,7 @@ FIT_OPTIONS = ["ckpt_path", "restart_from_scratch", "memory_check", "device_memo
 
 
 def test_fit_check_finds_no_difference_on_a_shipped_recipe(tmp_path, monkeypatch):
-    from mula.plan.recipe_reader import reader_mismatch
+    from mula.plan.reader_check import reader_mismatch
 
     monkeypatch.chdir(tmp_path)
     argv = TINY + FIT_EXTRA
@@ -244,7 +244,7 @@ def _misreading(monkeypatch):
 
 
 def test_fit_check_reports_a_difference_as_a_bug(tmp_path, monkeypatch):
-    from mula.plan.recipe_reader import reader_mismatch
+    from mula.plan.reader_check import reader_mismatch
 
     monkeypatch.chdir(tmp_path)
     argv = TINY + FIT_EXTRA
@@ -259,7 +259,7 @@ def test_mula_fit_compares_once_at_start_and_warns_on_a_difference(tmp_path, mon
     the real reader does not (the run goes on either way: fit uses jsonargparse's parse)."""
     import warnings
 
-    import mula.plan.recipe_reader as reader
+    import mula.plan.reader_check as reader_check
     from mula.entry import main
 
     class Reached(Exception):
@@ -269,10 +269,10 @@ def test_mula_fit_compares_once_at_start_and_warns_on_a_difference(tmp_path, mon
         raise Reached
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("mula.cli.lock_run_dir_before_launch", lock)
+    monkeypatch.setattr("mula.lightning_cli.lock_run_dir_before_launch", lock)
     calls = []
-    real = reader.reader_mismatch
-    monkeypatch.setattr(reader, "reader_mismatch", lambda *a: calls.append(a) or real(*a))
+    real = reader_check.reader_mismatch
+    monkeypatch.setattr(reader_check, "reader_mismatch", lambda *a: calls.append(a) or real(*a))
     argv = ["fit", *TINY, *FIT_EXTRA, "--trainer.enable_progress_bar=false"]
     with warnings.catch_warnings(record=True) as caught, pytest.raises(Reached):
         warnings.simplefilter("always")

@@ -132,7 +132,8 @@ def test_single_node_recipe_instantiates_and_fits_one_h100_node(capsys, tmp_path
     import json
     from pathlib import Path
 
-    from mula.cli import MulaCLI, main
+    from mula.cli import main
+    from mula.lightning_cli import MulaCLI
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen3-moe-15b-a2b.yaml"
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mula.cli import MulaCLI, main
+from mula.cli import main
+from mula.lightning_cli import MulaCLI
 from mula.plan.recipe_reader import header_command
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
+from mula.cluster_environments import PALSEnvironment
 from mula.parallel_layout import ParallelLayout
 from strategies.devices.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
-from strategies.devices.environments import PALSEnvironment
 from strategies.sharded_state import rescale_loop_progress
 from strategies.topology import ExpertParallelTopology, build_topology
 

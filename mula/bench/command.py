@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from mula.bench.probe import BenchProbe, device_module
 from mula.bench.report import format_text
-from mula.cli import MulaCLI, check_expert_backend, strategy_class_path
+from mula.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
 from mula.module import check_master_weights
 
 FORMATS = ("text", "json")
@@ -187,7 +187,7 @@ def device_name(device: torch.device) -> str:
     module = device_module(device)
     if module is not None and hasattr(module, "get_device_name"):
         return module.get_device_name(device)
-    from mula.calibrate.command import host_description
+    from mula.calibrate.settings import host_description
 
     return f"cpu ({host_description()['processor']}, {torch.get_num_threads()} threads)"
 

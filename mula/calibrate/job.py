@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula.calibrate.command import DTYPES, Settings, host_description, now, write_machine_file
 from mula.calibrate.fit import fit_curve
 from mula.calibrate.loop import loop_seconds
 from mula.calibrate.measure import (
@@ -26,6 +25,7 @@ from mula.calibrate.measure import (
     training_tflops,
 )
 from mula.calibrate.reduction import reduction_seconds
+from mula.calibrate.settings import DTYPES, Settings, host_description, now, write_machine_file
 from mula.calibrate.splits import split_training_seconds, splits_for
 from mula.config import MulaConfig
 from mula.host_allocator import reuse_freed_host_memory

@@ -34,6 +34,7 @@ from mula.checkpoint.atomic import (
     sync_filesystem,
     temp_path,
 )
+from mula.checkpoint.consolidate import consolidate_checkpoint
 from mula.checkpoint.discovery import (
     CheckpointEntry,
     NoValidCheckpoint,
@@ -59,7 +60,7 @@ from mula.checkpoint.manifest import (
     write_manifest,
 )
 from mula.checkpoint.reading import check_ckpt_path, verify_for_reading
-from mula.checkpoint.sharded import consolidate_checkpoint, is_sharded_checkpoint, read_sharded_checkpoint
+from mula.checkpoint.sharded import is_sharded_checkpoint, read_sharded_checkpoint
 from mula.checkpoint.weights import load_weights, model_from_state_dict, read_checkpoint, save_weights
 
 __all__ = [

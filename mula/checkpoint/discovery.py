@@ -103,7 +103,7 @@ def find_resume_checkpoint(
 
     ``defer_sharded`` (before a process group exists, in every process of a multi-rank launch): a
     sharded checkpoint is picked by its manifest and sizes alone and its checksums are left pending
-    for the ranks to verify together when the strategy loads it (``group_verify.settle``, which falls
+    for the ranks to verify together when the strategy loads it (``settle.settle``, which falls
     back to the older ones on a mismatch), instead of every process reading all of it here.
     """
     entries = list_checkpoints(dirpath)

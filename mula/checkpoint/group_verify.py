@@ -9,7 +9,7 @@ checkpoint in total, whatever the world size, and the verdict and its sentence a
 Before the process group exists nothing can be divided, so the readers that run there (auto-resume
 discovery, ``--ckpt_path``, ``init_weights``) check only manifests and sizes and leave the checksums
 of the checkpoint they picked *pending* (``defer``); the code that loads it, once the group exists,
-settles them (``settle``): ``XPUMoEStrategy.load_checkpoint`` for sharded checkpoints and the
+settles them (``settle.settle``): ``XPUMoEStrategy.load_checkpoint`` for sharded checkpoints and the
 module's ``init_weights`` loading. A pending auto-resume candidate that fails is skipped with the
 same warning as before and the next valid checkpoint is loaded instead.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ def launch_world_size() -> int:
     return 1
 
 
-def _group_size(group: object | None) -> int:
+def group_size(group: object | None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -70,7 +69,7 @@ def first_mismatch_on_ranks(
 ) -> FileEntry | None:
     """``manifest.first_mismatch`` with each file hashed by one rank of ``group`` (a collective: every
     rank calls it); every rank gets the same answer, the first mismatching file in manifest order."""
-    ranks = _group_size(group)
+    ranks = group_size(group)
     if ranks == 1:
         return manifest_module.first_mismatch(checkpoint, manifest)
     me = dist.get_rank(group)
@@ -103,7 +102,7 @@ def verify_on_ranks(
     process, or without a process group, the plain verification). The ranks agree on the size check
     first (rank 0's verdict wins), so a rank never waits in a hashing collective the others skipped."""
     checkpoint = Path(checkpoint)
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return verify_checkpoint(checkpoint, verify)
     _, problem = check_sizes(checkpoint)
     box = [problem]
@@ -146,68 +145,9 @@ def is_pending(path: str | os.PathLike) -> bool:
     return _key(path) in _PENDING
 
 
-def settle(path: str | os.PathLike, group: object | None = None) -> Path:
-    """Verify a pending checkpoint's checksums by one reader per file (a collective) and return the path
-    to load: ``path`` itself when it verifies or was never pending; for an auto-resume candidate that
-    fails, the newest older one that verifies (each skipped one warned about as discovery does).
-
-    Raises ValueError with verification's sentence when a user-named checkpoint fails, and
-    ``discovery.NoValidCheckpoint`` when no auto-resume candidate verifies.
-    """
-    pending = _PENDING.pop(_key(path), None)
-    path = Path(path)
-    if pending is None:
-        return path
-    start = time.monotonic()
-    try:
-        return _settle(path, pending, group)
-    finally:
-        add_verify_time(time.monotonic() - start)
-
-
-def settle_for_reading(path: str | os.PathLike, verify: bool = True, group: object | None = None) -> None:
-    """``reading.verify_for_reading`` of a user-named checkpoint once the process group exists (a
-    collective): with several ranks every rank takes part, one reader per file, whatever it left
-    pending (the first process of Lightning's own launcher verified in full before it started the
-    others, which deferred); in one process only what was left pending is verified."""
-    pending = _PENDING.pop(_key(path), None)
-    if not verify or (_group_size(group) == 1 and pending is None):
-        return
-    from mula.checkpoint.reading import verify_for_reading  # here: reading imports this module
-
-    start = time.monotonic()
-    try:
-        verify_for_reading(path, verifier=lambda c, v: verify_on_ranks(c, v, group))
-    finally:
-        add_verify_time(time.monotonic() - start)
-
-
-def _settle(path: Path, pending: Pending, group: object | None) -> Path:
-    if pending.kind == "named":
-        from mula.checkpoint.reading import refusal  # here: reading imports this module
-
-        problem = verify_on_ranks(path, "checksum", group)
-        if problem is not None:
-            raise ValueError(refusal(path, problem))
-        return path
-    from mula.checkpoint.discovery import no_valid_checkpoint  # here: discovery imports this module
-
-    candidates = (path, *pending.older)
-    problems: dict[Path, str] = {}
-    for candidate in candidates:
-        problem = verify_on_ranks(candidate, "checksum", group)
-        if problem is None:
-            if problems:
-                log.warning(
-                    "Resuming from %s: the newer checkpoint(s) in %s are incomplete or corrupted (see above).",
-                    candidate,
-                    candidate.parent,
-                )
-                log.info("Auto-resuming from %s.", candidate)
-            return candidate
-        log.warning("Skipping checkpoint %s: %s.", candidate, problem)
-        problems[candidate] = problem
-    raise no_valid_checkpoint(path.parent, lambda p: problems.get(p) or verify_checkpoint(p, "size"))
+def take_pending(path: str | os.PathLike) -> Pending | None:
+    """What was left pending for ``path`` (now no longer pending), or None when nothing was."""
+    return _PENDING.pop(_key(path), None)
 
 
 _VERIFY_SECONDS = [0.0]

@@ -52,7 +52,7 @@ def verify_for_reading(
     Raises FileNotFoundError when ``path`` does not exist and ValueError, with one sentence saying
     why, when it fails verification; warns when it has no manifest to be verified against.
     ``defer``: check the manifest and sizes only and leave the checksums pending for the ranks of the
-    process group to verify together where the checkpoint is loaded (``group_verify.settle``), so that
+    process group to verify together where the checkpoint is loaded (``settle.settle``), so that
     a multi-rank launch reads it once in total instead of once per process. ``verifier``:
     ``group_verify.verify_on_ranks`` to verify with the process group (a collective).
     """

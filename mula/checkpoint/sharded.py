@@ -155,24 +155,3 @@ def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
     meta = read_sharded_meta(path)
     return {**{k: v for k, v in meta.items() if k not in SHARDED_SKIP}, MODEL_KEY: weights}
-
-
-def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, verify: bool = True) -> Path:
-    """Write the model weights of a sharded checkpoint as one Lightning-style `.ckpt` file (one process).
-
-    The result has the full stacked experts and the `mula_config` entry. `mula export-hf` and
-    `mula.checkpoint.load_weights` also read the sharded directory directly; this is for tools that
-    want a single file. Optimizer state is left out. The checkpoint is verified first
-    (`mula.checkpoint.reading.verify_for_reading`; `verify=False` skips it).
-    """
-    from mula.checkpoint.reading import verify_for_reading  # here: reading imports this module
-
-    path, output = Path(path), Path(output)
-    if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path} is not a sharded XPUMoEStrategy checkpoint directory.")
-    verify_for_reading(path, verify)
-    checkpoint = read_sharded_checkpoint(path)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(output) as tmp:
-        save_torch(checkpoint, tmp)
-    return output

@@ -117,7 +117,7 @@ def launcher_environment() -> Any | None:
     """The cluster environment of the launcher that started this process, or None (a plain process)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-    from strategies.devices.environments import PALSEnvironment
+    from mula.cluster_environments import PALSEnvironment
 
     for env in (TorchElasticEnvironment, SLURMEnvironment, PALSEnvironment):
         if env.detect():

@@ -20,13 +20,13 @@ from mula import hf_tokenizer
 from mula.checkpoint import atomic_write_text, model_from_state_dict, read_checkpoint, verify_for_reading
 from mula.config import MulaConfig
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
+from mula.downstream.devices import EVAL_DTYPES, autocast_dtype, default_device
 from mula.downstream.evaluate import evaluate
 from mula.downstream.lm import MulaLM
 from mula.downstream.tasks import ResolvedTasks
 from mula.kernels.backends import resolve_backend
 
 RESULTS_SUFFIX = ".eval.json"
-_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -68,7 +68,7 @@ def check_options(
         from mula.downstream.trainer_eval import strategy_from_spec
 
         strategy_from_spec(strategy)  # a bad class path or argument, now
-    if dtype != "auto" and dtype not in _DTYPES:
+    if dtype != "auto" and dtype not in EVAL_DTYPES:
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
     if device is not None:
         try:
@@ -85,27 +85,6 @@ def check_options(
 def results_path(ckpt: Path) -> Path:
     """Where the results of `ckpt` are written: `<checkpoint>.eval.json`, next to it."""
     return ckpt.with_name(ckpt.name + RESULTS_SUFFIX)
-
-
-def default_device() -> torch.device:
-    """The first accelerator present, XPU first, else the CPU."""
-    for kind in ("xpu", "cuda"):
-        module = getattr(torch, kind, None)
-        if module is not None and module.is_available():
-            return torch.device(kind)
-    return torch.device("cpu")
-
-
-def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
-    """The autocast dtype for `dtype` on `device`: "auto" is bf16 on an accelerator that has it, else fp32 (None)."""
-    if dtype == "auto":
-        if device.type == "cpu":
-            return None
-        module = torch.get_device_module(device.type)
-        return torch.bfloat16 if getattr(module, "is_bf16_supported", lambda: False)() else None
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
-    return _DTYPES[dtype]
 
 
 def checkpoint_progress(ckpt: Path) -> tuple[int | None, int | None]:

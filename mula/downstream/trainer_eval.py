@@ -149,7 +149,7 @@ def evaluate_with_strategy(
     from torch.utils.data import DataLoader
 
     from mula.checkpoint import is_sharded_checkpoint
-    from mula.downstream.checkpoint_eval import autocast_dtype, default_device
+    from mula.downstream.devices import autocast_dtype, default_device
     from mula.module import MulaLightningModule
 
     strategy = strategy_from_spec(settings.strategy)  # its layout checked against `config` by the caller

@@ -131,8 +131,9 @@ def run_plan(
 
 
 def default_dry_run_rank(layout: Layout, stage: int) -> int:
-    """The first rank of pipeline stage `stage` (EP innermost, then the stage: rank `stage * E`)."""
-    return stage * layout.ep_size
+    """The first rank of pipeline stage `stage`: the layout's rank at that stage and index 0 of every
+    other dimension (the strategy's rank order, `ParallelLayout.rank`)."""
+    return layout.parallel.rank(pp=stage)
 
 
 def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> None:
@@ -158,7 +159,7 @@ def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> Non
 def plan_result(inputs: PlanInputs) -> dict[str, Any]:
     """The plan of `inputs` as the JSON object `mula plan --format json` prints."""
     mem = plan_memory(inputs.config, inputs.layout)
-    host = host_fit(mem.host_bytes, inputs)
+    host = inputs.host_fit(mem.host_bytes)
     time = (
         step_time(inputs.config, inputs.layout, inputs.machine, inputs.global_batch)
         if inputs.machine
@@ -345,21 +346,6 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
 
         lines.append(format_dry_run(result["dry_run"]))
     return "\n".join(lines)
-
-
-def host_fit(host_bytes: int, inputs: Any) -> dict[str, Any]:
-    """Host memory of a node's ranks (an offloaded optimizer's) against the machine's host memory per
-    node: host_bytes_per_node, host_memory_per_node (None when no machine file says) and host_fits
-    (None when unknown)."""
-    machine = inputs.machine
-    have = machine.host_bytes_per_node if machine is not None else None
-    ranks = min(machine.tiles_per_node, inputs.layout.world_size) if machine is not None else 1
-    node = host_bytes * ranks
-    return {
-        "host_bytes_per_node": node,
-        "host_memory_per_node": have,
-        "host_fits": None if have is None else node <= have,
-    }
 
 
 def memory_check_message(plan: MemoryPlan, device_bytes: int, device_note: str, layout: Layout) -> str | None:

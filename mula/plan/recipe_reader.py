@@ -9,7 +9,7 @@ jsonargparse would -- an unknown key, a value of the wrong type, a required argu
 `--help`, `--print_config`, another strategy class, a construct listed below -- makes it answer
 None, and `mula plan` goes through the full parser, which reads it (slowly) or reports the error.
 `tests/test_plan_reader.py` checks that both read every shipped recipe composition the same way, and
-`mula fit` checks it once per run on its own command line (`reader_mismatch`): a difference is reported
+`mula fit` checks it once per run on its own command line (`mula.plan.reader_check`): a difference is reported
 as a bug in this reader. jsonargparse's composition rules are what this reader copies, so its minor
 version is pinned in pyproject.toml.
 
@@ -394,42 +394,3 @@ def header_command(text: str, program: str) -> list[str]:
         if not line.endswith("\\"):
             break
     return shlex.split(command)[len(program.split()) :]
-
-
-def reader_mismatch(
-    argv: list[str], parsed: dict[str, dict[str, Any]], options: list[str], world_size: int
-) -> str | None:
-    """None when this reader reads the `mula fit` command line `argv` (without `fit`) into the planner
-    inputs jsonargparse's `parsed` sections (trainer, model, data) give, or leaves `argv` to the full
-    parser; otherwise one sentence naming the inputs that differ: a bug in this reader.
-
-    `options`: the other top-level options of `mula fit` (`--ckpt_path`, ...), which the planner ignores.
-    """
-    light = read_plan_command(argv, {name: (object, None) for name in options})
-    if light is None:
-        return None
-    ours, theirs = planner_view(light, world_size), planner_view(parsed, world_size)
-    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-    if not differ:
-        return None
-    shown = "; ".join(f"{k}: {ours.get(k)!r} here, {theirs.get(k)!r} in mula fit" for k in differ[:5])
-    return (
-        f"bug in mula's recipe reader (mula/plan/recipe_reader.py): it reads this command line differently "
-        f"from jsonargparse ({shown}), so `mula plan` with it plans other settings than `mula fit` runs; "
-        f"please report it with the command line. mula fit itself uses jsonargparse's parse."
-    )
-
-
-def planner_view(sections: dict[str, dict[str, Any]], world_size: int) -> dict[str, Any]:
-    """What the planner takes from parsed trainer/model/data sections, flat: the model config's and the
-    layout's fields, the global batch (or the sentence the planner refuses them with)."""
-    from mula.plan.settings import plan_inputs
-
-    try:
-        inputs = plan_inputs(sections["trainer"], sections["model"], sections["data"], world_size=world_size)
-    except (ValueError, TypeError) as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-    view: dict[str, Any] = {"global_batch": inputs.global_batch}
-    for name in ("config", "layout"):
-        view.update({f"{name}.{k}": v for k, v in vars(getattr(inputs, name)).items()})
-    return view

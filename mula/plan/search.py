@@ -20,7 +20,6 @@ import itertools
 from typing import Any
 
 from mula.layout_rules import micro_batches_per_step
-from mula.plan.command import host_fit
 from mula.plan.layout import Layout, check_runnable
 from mula.plan.memory import plan_memory
 from mula.plan.settings import PlanInputs
@@ -97,7 +96,7 @@ def search_layouts(inputs: PlanInputs, limit: int = 15) -> list[dict[str, Any]]:
     rows = []
     for layout in candidate_layouts(inputs):
         mem = plan_memory(inputs.config, layout)
-        if mem.total > inputs.device_bytes or host_fit(mem.host_bytes, inputs)["host_fits"] is False:
+        if mem.total > inputs.device_bytes or inputs.host_fit(mem.host_bytes)["host_fits"] is False:
             continue
         time = (
             step_time(inputs.config, layout, inputs.machine, inputs.global_batch) if inputs.machine else None

@@ -37,6 +37,20 @@ class PlanInputs:
     device_note: str
     machine: Machine | None
 
+    def host_fit(self, host_bytes: int) -> dict[str, Any]:
+        """Host memory of a node's ranks (`host_bytes` each: an offloaded optimizer's) against the
+        machine's host memory per node: host_bytes_per_node, host_memory_per_node (None when no machine
+        file says) and host_fits (None when unknown)."""
+        machine = self.machine
+        have = machine.host_bytes_per_node if machine is not None else None
+        ranks = min(machine.tiles_per_node, self.layout.world_size) if machine is not None else 1
+        node = host_bytes * ranks
+        return {
+            "host_bytes_per_node": node,
+            "host_memory_per_node": have,
+            "host_fits": None if have is None else node <= have,
+        }
+
 
 def _strategy(trainer: dict[str, Any]) -> dict[str, Any] | None:
     """XPUMoEStrategy's settings (defaults filled in), or None for another strategy."""

@@ -1,2 +1,2 @@
-"""Devices and launchers: the Intel XPU accelerator on native torch.xpu (`accelerator`) and the
-mpiexec/PALS cluster environment (`environments`)."""
+"""Devices: the Intel XPU accelerator on native torch.xpu (`accelerator`). The mpiexec/PALS cluster
+environment lives below, in `mula/cluster_environments.py`, which `mula prepare` uses too."""

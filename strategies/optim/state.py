@@ -15,7 +15,7 @@ tensor DCP reads chunk offsets from, as torchrec uses it), holding views of the 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,13 +24,13 @@ from torch.distributed.tensor import DTensor
 from mula.flat_buffers import ParamEntry, Segment
 from strategies.topology import gather_groups_over_stages, names_cover
 
-if TYPE_CHECKING:
-    from strategies.optim.sharded_optimizer import EPShardedAdamW
+# `opt` below is an `EPShardedAdamW`, typed `Any`: sharded_optimizer.py imports this module, and importing
+# the class back (even for type checking) would make the two one circle.
 
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def sharded_state_dict(opt: EPShardedAdamW) -> dict[str, Any]:
+def sharded_state_dict(opt: Any) -> dict[str, Any]:
     """``opt``'s state for DCP: per parameter a global DTensor per kind, the step count and the param
     groups. Local shards are views of the live buffers, so ``dcp.load`` into this dict loads in
     place; then call ``load_sharded_state_dict``."""
@@ -54,7 +54,7 @@ def sharded_state_dict(opt: EPShardedAdamW) -> dict[str, Any]:
     return {"state": state, "param_groups": groups, "step": opt.step_count.detach().clone()}
 
 
-def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> None:
+def load_sharded_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     """Copy what ``sharded_state_dict`` produced (after ``dcp.load`` filled it, possibly at another
     layout) into ``opt``: param-group hyperparameters, step count and the state shards."""
     groups = state_dict.get("param_groups")
@@ -79,7 +79,7 @@ def load_sharded_state_dict(opt: EPShardedAdamW, state_dict: dict[str, Any]) -> 
             _copy_in(opt, entry, saved[kind], kind)
 
 
-def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, kind: str) -> None:
+def _copy_in(opt: Any, entry: ParamEntry, saved: Any, kind: str) -> None:
     local = saved.to_local() if hasattr(saved, "to_local") else saved
     if isinstance(local, Tensor) and hasattr(local, "local_shards"):
         by_offset = {o[0]: t for t, o in zip(local.local_shards(), local.local_offsets())}
@@ -98,7 +98,7 @@ def _copy_in(opt: EPShardedAdamW, entry: ParamEntry, saved: Any, kind: str) -> N
             piece.copy_(t)
 
 
-def _global_tensor(opt: EPShardedAdamW, kind: str, entry: ParamEntry, mesh: Any) -> Any:
+def _global_tensor(opt: Any, kind: str, entry: ParamEntry, mesh: Any) -> Any:
     """``entry``'s flattened global state as a DTensor over the world whose local part is this rank's
     pieces (views of ``buf``), or a plain view when there is no process group (one rank holds all)."""
     pieces = _pieces(opt, entry, kind)
@@ -122,13 +122,13 @@ def _global_tensor(opt: EPShardedAdamW, kind: str, entry: ParamEntry, mesh: Any)
     return DTensor.from_local(local, mesh, [Shard(0)], shape=size, stride=(1,), run_check=False)
 
 
-def _global_numel(opt: EPShardedAdamW, entry: ParamEntry) -> int:
+def _global_numel(opt: Any, entry: ParamEntry) -> int:
     """Elements of ``entry``'s global parameter: a tensor-parallel parameter's whole tensor."""
     p = opt.param_of(entry)
     return p.numel() if isinstance(p, DTensor) else entry.global_numel
 
 
-def _pieces(opt: EPShardedAdamW, entry: ParamEntry, kind: str) -> list[tuple[Tensor, int]]:
+def _pieces(opt: Any, entry: ParamEntry, kind: str) -> list[tuple[Tensor, int]]:
     """(view of the ``kind`` state buffer holding it, offset in the flattened global parameter) of every run of ``entry``'s state
     this rank owns, each contiguous in both. A tensor-parallel parameter's local shard is a box of the
     global tensor: its flat ranges are cut where the box's rows leave the global tensor's
