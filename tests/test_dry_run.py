@@ -211,3 +211,40 @@ def test_default_dry_run_rank_is_the_first_rank_of_the_stage(sizes):
         rank = default_dry_run_rank(layout, stage)
         holds = [r for r in range(32) if layout.parallel.coordinates(r).pp == stage]
         assert rank == min(holds)
+
+
+def test_cli_dry_run_without_an_end_of_schedule_is_one_sentence():
+    run = _mula(*PIPELINE, "--trainer.max_steps=-1", "--dry_run")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith(
+        "mula: error: --dry_run builds the recipe's optimizer and learning-rate schedule"
+    )
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+PLANNED = sorted(p for p in RECIPES.rglob("*.yaml") if "\n#   mula plan" in p.read_text())
+
+
+@pytest.mark.parametrize("path", PLANNED, ids=[str(p.relative_to(RECIPES)) for p in PLANNED])
+def test_every_planned_recipe_dry_runs_at_its_header_layout(path):
+    """Each recipe whose header says how it was planned (`#   mula plan -c ... --machine=M --nodes=N`)
+    builds, on the meta device, the rank `mula plan --dry_run` picks (the first rank of the largest stage),
+    with every measured byte equal to the plan's."""
+    from mula.plan.command import default_dry_run_rank, plan_result
+    from mula.plan.machines import load_machine
+    from mula.plan.recipe_reader import header_command
+
+    kwargs = read_plan_command(header_command(path.read_text(), "mula plan"), OPTIONS)
+    assert kwargs is not None, path
+    assert kwargs["machine"] and kwargs["nodes"], "the header names the machine and the nodes"
+    inputs = plan_inputs(
+        kwargs["trainer"], kwargs["model"], kwargs["data"], machine=load_machine(kwargs["machine"]),
+        nodes=kwargs["nodes"],
+    )  # fmt: skip
+    stage = plan_result(inputs)["stage"]
+    result = dry_run(inputs, kwargs["trainer"], kwargs["model"], default_dry_run_rank(inputs.layout, stage))
+    assert result["stage"] == stage
+    plan = plan_stage(inputs.config, inputs.layout, stage)
+    for name, field in MEASURED.items():
+        assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
+    assert dry_run_matches(result)

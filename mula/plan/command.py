@@ -114,7 +114,7 @@ def run_plan(
     result = plan_result(inputs)
     if dry_run:
         rank = default_dry_run_rank(inputs.layout, result["stage"]) if dry_run_rank is None else dry_run_rank
-        check_dry_run(inputs, trainer, rank)
+        check_dry_run(inputs, trainer, model, rank)
         from mula.plan import dry_run as dry  # torch and Lightning: only for --dry_run
 
         result["dry_run"] = dry.dry_run(inputs, trainer, model, rank)
@@ -136,7 +136,7 @@ def default_dry_run_rank(layout: Layout, stage: int) -> int:
     return layout.parallel.rank(pp=stage)
 
 
-def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> None:
+def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], rank: int) -> None:
     """One sentence (ValueError) when `--dry_run` cannot build `rank` of this plan, before any work."""
     world = inputs.layout.world_size
     if not 0 <= rank < world:
@@ -148,6 +148,11 @@ def check_dry_run(inputs: PlanInputs, trainer: dict[str, Any], rank: int) -> Non
         raise ValueError(
             "--dry_run builds the recipe's strategy from its trainer.strategy.class_path; this recipe names "
             f"{strategy!r}."
+        )
+    if int(trainer.get("max_steps") or -1) <= 0 and model.get("decay_steps") is None:
+        raise ValueError(
+            "--dry_run builds the recipe's optimizer and learning-rate schedule, whose cosine ends at "
+            "trainer.max_steps or model.decay_steps; this recipe sets neither (set one, as the paper recipes do)."
         )
     if not inputs.layout.shard_optimizer:
         raise ValueError(
