@@ -110,3 +110,17 @@ def test_bench_bad_options_are_one_sentence(args, said, tmp_path, monkeypatch, c
     assert stopped.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and said in lines[0], lines
+
+
+def test_bench_leaves_no_process_group_behind(tmp_path, monkeypatch, capsys) -> None:
+    """The strategy's process group is the benchmark's own: an in-process caller (this suite's later
+    in-process dry runs) finds torch.distributed as it was."""
+    import torch.distributed as dist
+
+    monkeypatch.chdir(tmp_path)
+    assert not dist.is_initialized()
+    _bench(
+        ["-c", str(RECIPES / "mula-tiny-moe.yaml"), "--steps", "1", "--warmup", "0", "--layers", "1", *SMALL],
+        capsys,
+    )
+    assert not dist.is_initialized()

@@ -115,10 +115,17 @@ class BenchCLI(MulaCLI):
         tokens = SyntheticTokens(data.seq_len, data.global_batch_size, data.micro_batch_size, data.seed)
         probe = BenchProbe(config.warmup, config.steps, moe_timing=not module.compile_settings)
         trainer.callbacks.append(probe)
-        trainer.fit(module, datamodule=tokens)
-        result = self._result(
-            probe, inputs, plan_memory(inputs.config, inputs.layout), layout_summary(inputs.layout)
-        )
+        # the process group the strategy starts is the benchmark's: gone when it returns, as it would be
+        # after `mula fit`'s process, so a caller in the same process (a test, a script) finds none
+        started_group = not torch.distributed.is_initialized()
+        try:
+            trainer.fit(module, datamodule=tokens)
+            result = self._result(
+                probe, inputs, plan_memory(inputs.config, inputs.layout), layout_summary(inputs.layout)
+            )
+        finally:
+            if started_group and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         if trainer.is_global_zero:
             print(json.dumps(result, indent=2) if config.format == "json" else format_text(result))
         return result
