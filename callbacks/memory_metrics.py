@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as L
-import torch
 from torch import Tensor
 from typing_extensions import override
 
 from mula.lightning_compat import ends_optimizer_step, logs_train_step
-from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
+from mula.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
 
 
 class MemoryMetrics(L.Callback):
@@ -31,16 +30,10 @@ class MemoryMetrics(L.Callback):
         self._activation_bytes: int | None = None
         self._grad_bytes: int | None = None
 
-    @staticmethod
-    def _device_module(trainer: L.Trainer) -> Any:
-        """torch.cuda / torch.xpu for the strategy's device when it has an allocator peak, else None."""
-        module = getattr(torch, trainer.strategy.root_device.type, None)
-        return module if hasattr(module, "max_memory_allocated") and module.is_available() else None
-
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Start the first peak-memory window."""
-        device = self._device_module(trainer)
+        device = device_module(trainer.strategy.root_device)
         if device is not None:
             device.reset_peak_memory_stats(trainer.strategy.root_device)
 
@@ -81,7 +74,7 @@ class MemoryMetrics(L.Callback):
             values["mem/grad_bytes"] = self._grad_bytes
         if self._activation_bytes is not None:
             values["mem/activation_bytes"] = self._activation_bytes
-        device = self._device_module(trainer)
+        device = device_module(trainer.strategy.root_device)
         if device is not None:
             root = trainer.strategy.root_device
             values["mem/peak_allocated_bytes"] = device.max_memory_allocated(root)

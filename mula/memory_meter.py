@@ -148,3 +148,9 @@ def grad_bytes(module: torch.nn.Module, optimizer: Any = None) -> int:
             g = _local(p.grad)
             storages.setdefault(_storage_key(g), g.untyped_storage().nbytes())
     return sum(storages.values())
+
+
+def device_module(device: torch.device) -> Any:
+    """torch.cuda / torch.xpu for an accelerator with an allocator peak and events, else None (CPU)."""
+    module = getattr(torch, device.type, None)
+    return module if device.type != "cpu" and hasattr(module, "max_memory_allocated") else None

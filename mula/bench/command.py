@@ -22,9 +22,10 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-from mula.bench.probe import BenchProbe, device_module
+from mula.bench.probe import BenchProbe
 from mula.bench.report import format_text
 from mula.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
+from mula.memory_meter import device_module
 from mula.module import check_master_weights
 
 FORMATS = ("text", "json")

@@ -27,14 +27,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from mula.lightning_compat import ends_optimizer_step
-from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
+from mula.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
 from mula.moe import iter_moe_layers
-
-
-def device_module(device: torch.device) -> Any:
-    """torch.cuda / torch.xpu for an accelerator with an allocator and events, else None (CPU)."""
-    module = getattr(torch, device.type, None)
-    return module if device.type != "cpu" and hasattr(module, "max_memory_allocated") else None
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
