@@ -3,12 +3,12 @@
 For each model (the tiny MoE preset; a wider one: hidden 1,024, 8 layers, 32 experts top-8) and dtype
 (fp32, bf16): forward + backward of the cross-entropy loss on one batch, timed as tokens/s over
 `rounds` interleaved rounds of `steps` steps each (every candidate once per round, in order), for
-  - Mula eager, Mula with its blocks compiled (`mula.compile.compile_blocks`, as `model.compile: true`),
+  - Mula eager, Mula with its blocks compiled (`mula.model.compile.compile_blocks`, as `model.compile: true`),
   - transformers' OLMoE (`mula.hf.to_hf`, identical weights) with each experts implementation; the
     table shows the fastest of them in the same rounds.
 The compiled model's first step (compilation included) is timed in fresh processes: with an empty
 Inductor cache (a cold start) and again with the cache the first one left (a resumed run), with the
-compile time `mula.compile.CompileWatch` counts and the eager first step for reference.
+compile time `mula.model.compile.CompileWatch` counts and the eager first step for reference.
 
     python benchmarks/compile.py                                   # CPU, both models, fp32 and bf16
     python benchmarks/compile.py --models [tiny] --steps 2 --rounds 1    # a quick look
@@ -34,9 +34,9 @@ from doc_sections import host_line, write_section  # benchmarks/ is on sys.path 
 from moe_layer import _hf_candidates
 from rounds import spread
 
-from mula.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
-from mula.config import MulaConfig
-from mula.model import Mula
+from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
+from mula.model.config import MulaConfig
+from mula.model.transformer import Mula
 
 SECTION = "## compile"
 # name -> (preset, overrides, batch, sequence length)

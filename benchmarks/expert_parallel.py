@@ -38,7 +38,7 @@ from rounds import by_case, run_gloo, spread
 from torch import Tensor
 
 from mula import Mula, MulaConfig
-from mula.moe import iter_moe_layers
+from mula.model.moe import iter_moe_layers
 from strategies.experts.all_to_all import AllToAllDispatcher, _AllToAll, wire_dtype
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer

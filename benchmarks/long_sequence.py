@@ -40,9 +40,9 @@ import torch.distributed as dist
 from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
 from rounds import by_case, run_gloo, spread
 
-from mula.config import MulaConfig, resolve_config
-from mula.layout_rules import check_sequence_split
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
+from mula.layout.rules import check_sequence_split
+from mula.model.config import MulaConfig, resolve_config
 from mula.plan import Layout, plan_memory
 
 SECTION = "## long sequences"
@@ -86,8 +86,8 @@ def _case_name(seq: int, cp: int) -> str:
 
 
 def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
-    from mula.memory_meter import SavedTensorMeter
-    from mula.module import MulaLightningModule
+    from mula.training.memory_meter import SavedTensorMeter
+    from mula.training.module import MulaLightningModule
     from strategies.context_parallel import apply_context_parallel
     from strategies.optim.grad_sync import GradientSynchronizer
     from strategies.topology import topology_from_layout

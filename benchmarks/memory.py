@@ -59,8 +59,8 @@ GB = 1e9
 
 
 def _measure(rank: int, world: int, ep: int) -> dict[str, dict[str, int]]:
-    from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
-    from mula.module import MulaLightningModule
+    from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
+    from mula.training.module import MulaLightningModule
     from strategies.experts.expert_parallel import apply_expert_parallel
     from strategies.optim.sharded_optimizer import EPShardedAdamW
     from strategies.topology import build_topology
@@ -154,7 +154,7 @@ def _measure_pipelines(rank: int, world: int) -> list[dict[str, float]]:
     import lightning.pytorch as L
 
     from callbacks import MemoryMetrics, MoEMetrics
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
     from strategies import XPUMoEStrategy
 
     rows = []

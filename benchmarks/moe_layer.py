@@ -37,18 +37,18 @@ import torch.nn.functional as F
 from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
 from torch import Tensor
 
-import mula.kernels as mk
-from mula.config import MulaConfig
-from mula.kernels import padded
-from mula.model import Mula
-from mula.moe import MoELayer
+import mula.model.kernels as mk
+from mula.model.config import MulaConfig
+from mula.model.kernels import padded
+from mula.model.moe import MoELayer
+from mula.model.transformer import Mula
 
 SECTION = "## moe_layer"
 UNIFORM = "mula MoELayer [auto], uniform routing"
 NOTES = """
 How to read it.
 
-- "mula MoELayer [backend]" is the layer exactly as the model uses it (`mula.moe.MoELayer`: router ->
+- "mula MoELayer [backend]" is the layer exactly as the model uses it (`mula.model.moe.MoELayer`: router ->
   `LocalDispatcher` -> `GroupedExperts` -> combine) on that experts backend ("= auto" marks the one
   `auto` picks here; the summary uses it). "loop reference" is the same layer on the `loop` backend
   (one matmul per expert, autograd gradients). The whole-model rows are `Mula` as built.
@@ -57,7 +57,7 @@ How to read it.
 - max abs diff: forward output against transformers' grouped_mm on identical weights and inputs.
 - TFLOP/s counts the expert GEMMs only; the dense row is one [T*K, hidden] x [hidden, 3*FFN] matmul
   and both of its backward products: the same FLOPs with no routing, the ceiling for the experts.
-- CPU, where Mula's time goes (`mula.kernels.padded`): the permutation writes the expert input
+- CPU, where Mula's time goes (`mula.model.kernels.padded`): the permutation writes the expert input
   straight into a padded layout where experts of similar token counts share a bucket (a few
   percent of padding rows); each bucket's whole MLP (gate, up, SwiGLU, down and the backward
   products) runs as batched GEMMs, one bucket after the other; the router's combine weights are
@@ -73,7 +73,7 @@ How to read it.
   transformers' ~38 ms needs the whole layer in ~25 ms. The whole model adds attention,
   projections and the LM head (~80 ms of ~190 here), which both implementations run on the same
   torch kernels, so it gains less than the layer.
-- Notes on the CPU expert path (the numbers behind `mula.kernels.padded`, measured on this 2-core
+- Notes on the CPU expert path (the numbers behind `mula.model.kernels.padded`, measured on this 2-core
   AMD EPYC VM with AVX-512): routing at the benchmark shape is uneven (64 experts at 256 rows on
   average held 165 to 340 rows), so padding every expert to one capacity wastes ~27% of the rows,
   while the bucketed layout wastes 1-3% for a handful of batched-GEMM calls per projection instead
@@ -173,7 +173,7 @@ def _hf_block(hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtyp
 
 
 def _padded_on(device: torch.device, run: Callable[[], Tensor]) -> Tensor:
-    """`run()` with the torch backend's padded layout (`mula.kernels.padded.DEVICES`) used on `device`."""
+    """`run()` with the torch backend's padded layout (`mula.model.kernels.padded.DEVICES`) used on `device`."""
     before = padded.DEVICES
     padded.DEVICES = (*before, device.type)
     try:
@@ -239,7 +239,7 @@ def bench_layer(
         if backend != auto:
             fwds[f"mula MoELayer [{backend}]"] = lambda b=backend: layers[b](x)[0]
     if device.type not in padded.DEVICES and "torch" in layers:
-        # the CPU's bucketed padded layout (mula/kernels/padded.py) on this device, for comparison
+        # the CPU's bucketed padded layout (mula/model/kernels/padded.py) on this device, for comparison
         fwds["mula MoELayer [torch, padded layout]"] = lambda: _padded_on(
             device, lambda: layers["torch"](x)[0]
         )

@@ -37,7 +37,7 @@ from doc_sections import write_section  # benchmarks/ is on sys.path when run as
 from rounds import run_gloo
 
 from mula import Mula, MulaConfig
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 

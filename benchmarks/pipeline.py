@@ -35,8 +35,8 @@ from rounds import by_case, run_gloo, spread
 from torch.distributed.pipelining import PipelineStage
 
 from mula import MulaConfig
-from mula.module import MulaLightningModule
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
+from mula.training.module import MulaLightningModule
 from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.pipeline.schedule import PipelineRunner
 from strategies.pipeline.split import split_model

@@ -53,14 +53,14 @@ from rounds import by_case, run_gloo, spread
 from mula import MulaConfig
 from mula.calibrate.command import calibrate
 from mula.calibrate.measure import training_tflops
-from mula.host_allocator import reuse_freed_host_memory
-from mula.layout_rules import micro_batches_per_step
-from mula.module import MulaLightningModule
+from mula.layout.rules import micro_batches_per_step
 from mula.plan import Layout
 from mula.plan.grad_reduction import overhead_per_byte
 from mula.plan.layout import check_runnable
 from mula.plan.machines import Machine, load_machine
 from mula.plan.step_time import step_time
+from mula.training.host_allocator import reuse_freed_host_memory
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
 SECTION = "## step time"
@@ -391,7 +391,7 @@ How to read it.
   training loop's fixed seconds per step and micro-batch (mula/plan/step_overheads.py).
 - A ratio above 1 is time the model leaves out; below 1, time it counts that the step does not spend.
 - Every process here, the calibration's, the training's and the re-timing's, runs with glibc's malloc
-  thresholds fixed (`mula.host_allocator`, which `mula fit` and `mula calibrate` set on CPU ranks).
+  thresholds fixed (`mula.training.host_allocator`, which `mula fit` and `mula calibrate` set on CPU ranks).
   With glibc's defaults a process page-faulted 3,500 to 9,000 times per step, or 50 times, depending
   on what it had freed before, so the calibration's rates depended on what it measured first.
 """

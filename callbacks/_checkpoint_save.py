@@ -22,7 +22,7 @@ from callbacks import _disk_space, _dist, _peers
 from callbacks._background_save import BackgroundSave
 from callbacks._checkpoint_commit import SaveRecord, commit, remove_leftovers
 from mula.checkpoint import checkpoint_name, fsync_tree, remove_path, sync_filesystem, temp_path
-from mula.lightning_compat import dump_checkpoint
+from mula.training.lightning_compat import dump_checkpoint
 
 log = logging.getLogger(__name__)
 

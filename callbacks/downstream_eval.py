@@ -76,9 +76,9 @@ class DownstreamEval(L.Callback):
             raise ValueError(problem)
 
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from mula import hf_tokenizer
         from mula.data.tokenizer import load_tokenizer
         from mula.downstream import require_lm_eval
+        from mula.hf import tokenizer as hf_tokenizer
 
         require_lm_eval()
         from mula.downstream.tasks import check_documents_per_rank, resolve_tasks

@@ -10,7 +10,7 @@ for the router bias anyway), so this callback adds no collective. Layers are nam
   window (the steps since the previous logged step);
 * rank 0 appends the step's counts to `moe_load.csv` (step, layer, expert, tokens) next to
   `metrics.csv`, and every `plot_every_n_steps` steps and at the end of training redraws
-  `moe_load.png` there (`mula.report.plot_expert_load`) and logs it to W&B as an image.
+  `moe_load.png` there (`mula.commands.report.plot_expert_load`) and logs it to W&B as an image.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
-from mula.lightning_compat import ends_optimizer_step, logs_train_step
-from mula.report import LOAD_COLUMNS, LOAD_FILE, plot_expert_load
+from mula.commands.report import LOAD_COLUMNS, LOAD_FILE, plot_expert_load
+from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
 
 HEATMAP_FILE = "moe_load.png"
 

@@ -1,5 +1,5 @@
 """Per-rank memory accounting, logged every `log_every_n_steps` optimizer steps (what is measured and
-how: `mula.memory_meter`).
+how: `mula.training.memory_meter`).
 
 * `mem/param_bytes`, `mem/grad_bytes`, `mem/activation_bytes` (the most bytes saved for backward during
   the logged step's largest micro-batch, or over its pipeline schedule)
@@ -14,8 +14,8 @@ import lightning.pytorch as L
 from torch import Tensor
 from typing_extensions import override
 
-from mula.lightning_compat import ends_optimizer_step, logs_train_step
-from mula.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
+from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
+from mula.training.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
 
 
 class MemoryMetrics(L.Callback):

@@ -24,8 +24,8 @@ import lightning.pytorch as L
 import torch
 from typing_extensions import override
 
-from mula.lightning_compat import ends_optimizer_step
-from mula.moe import iter_moe_layers
+from mula.model.moe import iter_moe_layers
+from mula.training.lightning_compat import ends_optimizer_step
 
 
 class MoEMetrics(L.Callback):

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from callbacks import _dist
 from callbacks.exit_codes import ExitCode, Preempted
-from mula.lightning_compat import cluster_environment, log_train_step_now
+from mula.training.lightning_compat import cluster_environment, log_train_step_now
 
 log = logging.getLogger(__name__)
 

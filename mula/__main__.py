@@ -1,5 +1,5 @@
 """`python -m mula ...` is the `mula` command."""
 
-from mula.entry import main
+from mula.commands.entry import main
 
 main()

@@ -1,7 +1,7 @@
 """Ulysses context (sequence) parallelism of a `Mula`, applied from outside (docs/context-parallel.md).
 
 The C ranks of a context-parallel group (`ExpertParallelTopology.cp_group`) read the same samples and
-each keeps its contiguous 1/C of every sequence (`mula.layers.SequenceShard`: the module slices inputs
+each keeps its contiguous 1/C of every sequence (`mula.model.layers.SequenceShard`: the module slices inputs
 and targets, RoPE starts at the slice's global position). Everything but attention is per token, so
 it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place the whole sequence meets:
 
@@ -38,10 +38,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 
-from mula.layers import SequenceShard, causal_attention
-from mula.layout_rules import check_context_parallel
-from mula.moe import iter_moe_layers
-from mula.moe.balancing import TokenSplit
+from mula.layout.rules import check_context_parallel
+from mula.model.layers import SequenceShard, causal_attention
+from mula.model.moe import iter_moe_layers
+from mula.model.moe.balancing import TokenSplit
 
 
 class _ContiguousGrad(torch.autograd.Function):

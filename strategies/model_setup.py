@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mula.model import Mula
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
+from mula.model.transformer import Mula
 from strategies.context_parallel import apply_context_parallel
 from strategies.optim.grad_reduce import local_tensor
 from strategies.tensor_parallel import apply_tensor_parallel

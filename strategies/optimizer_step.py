@@ -21,8 +21,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from mula.layout_rules import check_zero_stage
-from mula.lightning_compat import call_before_optimizer_step_hooks
+from mula.layout.rules import check_zero_stage
+from mula.training.lightning_compat import call_before_optimizer_step_hooks
 from strategies.optim.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
 from strategies.optim.sharding_options import torch_dtype
 

@@ -37,7 +37,7 @@ from mula.checkpoint.sharded import (
     start_sharded_write,
     write_sharded_checkpoint,
 )
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies.topology import ExpertParallelTopology, gather_groups_over_stages, names_cover
 
 

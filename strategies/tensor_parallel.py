@@ -45,8 +45,8 @@ from torch.distributed.tensor.parallel import (
 )
 from typing_extensions import override
 
-from mula.model import MLP, Attention, LayerNorm, Mula, RMSNorm
-from mula.moe import MoELayer
+from mula.model.moe import MoELayer
+from mula.model.transformer import MLP, Attention, LayerNorm, Mula, RMSNorm
 from strategies.tensor_parallel_moe import split_moe_tokens
 
 

@@ -11,7 +11,7 @@ communicates over TP only to split and gather its tokens, and no expert weight i
             `PrepareModuleOutput` (Shard(1) -> Replicate) all-gathers the output (backward: the slice).
             Under sequence parallelism the residual stream is split already: the layer takes its local
             Shard(1) tensor and returns its local output (no gather).
-    losses  `TensorParallelTokens` (a `mula.moe.balancing.TokenSplit`): the aux loss's frequencies and
+    losses  `TensorParallelTokens` (a `mula.model.moe.balancing.TokenSplit`): the aux loss's frequencies and
             mean probabilities and the z loss's mean over the whole micro-batch, summed over the TP group
             with a Partial -> Replicate DTensor redistribution (forward all-reduce, identity backward:
             each TP rank's loss already holds the whole sum). The step's expert counts (router-bias
@@ -33,8 +33,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
-from mula.moe import MoELayer
-from mula.moe.balancing import TokenSplit
+from mula.model.moe import MoELayer
+from mula.model.moe.balancing import TokenSplit
 from strategies.optim.grad_reduce import mark_tp_partial
 
 

@@ -1,6 +1,6 @@
 """Process groups of a parallel layout, all taken from one named `DeviceMesh`.
 
-`mula.parallel_layout.ParallelLayout` says where every rank sits (rank order, innermost first: TP,
+`mula.layout.parallel_layout.ParallelLayout` says where every rank sits (rank order, innermost first: TP,
 CP, EP, pipeline stage, expert-data parallel); `build_mesh` turns it into one `DeviceMesh` with dimensions
 ("edp", "pp", "ep", "cp", "tp"; "cp" only when C > 1) and `topology_from_layout` takes every group from it:
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula.parallel_layout import Holdings, ParallelLayout
+from mula.layout.parallel_layout import Holdings, ParallelLayout
 
 
 @dataclass

@@ -48,15 +48,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from mula.cluster_environments import PALSEnvironment, launched_by_mpiexec
-from mula.layout_rules import check_context_parallel, check_degrees, check_experts, validate_schedule
-from mula.lightning_compat import (
+from mula.layout.parallel_layout import ParallelLayout
+from mula.layout.rules import check_context_parallel, check_degrees, check_experts, validate_schedule
+from mula.training.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
     _optimizers_to_device,
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
-from mula.parallel_layout import ParallelLayout
 from strategies.checkpoint_hooks import ShardedCheckpointHooks
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.eval_forward import spread_forward

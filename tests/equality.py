@@ -50,8 +50,8 @@ import lightning.pytorch as L
 import torch
 from torch import Tensor
 
-from mula.lightning_compat import ends_optimizer_step
-from mula.moe.router import Router, group_scores
+from mula.model.moe.router import Router, group_scores
+from mula.training.lightning_compat import ends_optimizer_step
 
 ADAMW_EPS = 1e-5
 LOSS_RTOL = 1e-5  # per-step losses and gradient norms (relative)

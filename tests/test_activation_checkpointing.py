@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from dist_helpers import run_distributed
 
 from mula import Mula, MulaConfig
-from mula.model import parse_activation_checkpointing
-from mula.module import MulaLightningModule
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
+from mula.model.transformer import parse_activation_checkpointing
+from mula.training.module import MulaLightningModule
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.topology import build_topology

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from dist_helpers import run_distributed
 
-from mula.kernels import RoutingPlan
+from mula.model.kernels import RoutingPlan
 from strategies.experts.all_to_all import AllToAllDispatcher, wire_dtype
 from strategies.topology import build_topology
 

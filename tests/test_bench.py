@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mula.entry import main
+from mula.commands.entry import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

@@ -29,7 +29,7 @@ from dist_helpers import run_distributed
 from equality import ADAMW_EPS, seeded
 from torch import nn
 
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
@@ -196,7 +196,7 @@ def _resume_worker(rank: int, world: int, ckpt_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    pytest.importorskip("mula.model")
+    pytest.importorskip("mula.model.transformer")
     with tempfile.TemporaryDirectory() as d:
         four = run_distributed(_train_worker, WORLD, d)
         two = run_distributed(_resume_worker, 2, d)

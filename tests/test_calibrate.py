@@ -15,7 +15,7 @@ from dist_helpers import run_distributed
 from mula.calibrate.fit import fit_curve
 from mula.calibrate.job import cpu_threads_per_rank
 from mula.calibrate.measure import busy_times
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 from mula.plan import Layout
 from mula.plan.grad_reduction import overhead_per_byte
 from mula.plan.machines import load_machine
@@ -151,7 +151,7 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
     ],
 )
 def test_bad_input_stops_before_measuring(tmp_path, args, said, capsys, monkeypatch):
-    from mula.entry import main
+    from mula.commands.entry import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stopped:

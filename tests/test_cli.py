@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mula.cli import main
-from mula.config import MulaConfig
 from mula.hf import from_hf
-from mula.module import MulaLightningModule
+from mula.model.config import MulaConfig
+from mula.training.module import MulaLightningModule
 from mula.units import format_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ def test_import_hf_writes_any_output_name_that_training_starts_from(capsys, sand
     from test_hf import randomize
 
     from mula.hf import to_hf
-    from mula.model import Mula
+    from mula.model.transformer import Mula
 
     torch.manual_seed(0)
     hf = randomize(to_hf(Mula(MulaConfig.from_name("mula-tiny-moe"))))
@@ -308,7 +308,7 @@ def test_train_tokenizer_subcommand(sandbox):
 
 def test_error_after_training_started_is_a_crash_not_bad_input(sandbox, monkeypatch):
     """A ValueError after the first step must not look like bad input (exit 2 is never restarted)."""
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     original = MulaLightningModule.training_step
 

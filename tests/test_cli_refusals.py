@@ -1,8 +1,8 @@
 """Every layout sentence reaches a `mula fit` user as one line: `mula: error: <sentence>`, exit status 2.
 
-The sentences are read from the source (every `raise ValueError(...)` of mula/layout_rules.py, which
+The sentences are read from the source (every `raise ValueError(...)` of mula/layout/rules.py, which
 `ParallelLayout.validate` runs, of `XPUMoEStrategy.__init__` and of the sharded optimizer's options,
-mula/sharding_options.py), so a new rule without a command line here fails
+mula/layout/sharding_options.py), so a new rule without a command line here fails
 `test_every_layout_sentence_has_a_command_line`. Each command line runs in-process in an empty directory
 (the refusal comes before any data is prepared or any rank is started) and must print its sentence
 alone: under 200 characters, on one line, without jsonargparse's Union wrapper or a namespace dump.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mula.entry import main
+from mula.commands.entry import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MOE = str(ROOT / "recipes" / "mula-tiny-moe.yaml")
@@ -74,9 +74,9 @@ UNREACHABLE = {
 }
 
 SOURCES = {
-    "mula/layout_rules.py": None,  # every function
+    "mula/layout/rules.py": None,  # every function
     "strategies/xpu_moe.py": {"__init__"},
-    "mula/sharding_options.py": None,
+    "mula/layout/sharding_options.py": None,
 }
 
 

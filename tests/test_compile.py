@@ -27,8 +27,8 @@ from test_strategy import _StepLosses  # per step: the global-batch loss and the
 from test_tensor_parallel import MICROS_PER_STEP, _Batches  # vocabulary 256
 
 from callbacks import MemoryMetrics
-from mula.compile import CompileWatch, compile_blocks, compile_regions, parse_compile, use_cache_dir
-from mula.module import MulaLightningModule
+from mula.model.compile import CompileWatch, compile_blocks, compile_regions, parse_compile, use_cache_dir
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
 STEPS, MORE_STEPS, WARMUP, BF16_STEPS = 20, 50, 3, 4
@@ -211,8 +211,8 @@ def _expert_pipeline(rank: int, world: int, cache_dir: str):
 def _warm_bf16_cache(cache_dir: str) -> None:
     """Compile the bf16 block graphs once here, so the 4 ranks load them from the cache instead of each
     compiling them at the same time on a small runner."""
-    from mula.config import resolve_config
-    from mula.model import Mula
+    from mula.model.config import resolve_config
+    from mula.model.transformer import Mula
 
     use_cache_dir(cache_dir)
     torch._dynamo.reset()
@@ -270,8 +270,8 @@ def test_settings_are_checked_before_any_work() -> None:
 
 
 def test_regions_follow_checkpointing_and_fullgraph_is_refused_for_moe() -> None:
-    from mula.config import resolve_config
-    from mula.model import Mula
+    from mula.model.config import resolve_config
+    from mula.model.transformer import Mula
 
     model = Mula(resolve_config("mula-tiny-moe", MOE))
     block = model.layers[0]
@@ -294,7 +294,7 @@ def test_watch_logs_once_after_warmup_and_warns_when_recompiling(caplog) -> None
     assert set(logged) == {"compile/compiles", "compile/recompiles", "compile/graph_breaks", "compile/time_s"}
     assert watch.after_step() is None  # once
     watch.recompiles += 1  # what the callback counts when a frame compiles again
-    with caplog.at_level("WARNING", logger="mula.compile"):
+    with caplog.at_level("WARNING", logger="mula.model.compile"):
         watch.after_step()
         watch.after_step()  # no new recompilation: no second warning
     assert sum("recompiled 1 time" in r.getMessage() for r in caplog.records) == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mula import Mula, MulaConfig
-from mula.config import PRESETS
+from mula.model.config import PRESETS
 
 # name -> (total, active) from the issue, in billions, to the printed precision
 EXPECTED = {
@@ -227,8 +227,8 @@ def test_architecture_fields_name_real_fields_and_resolve_defaults():
 def test_shared_experts_are_dense_parameters_and_mla_refuses_tensor_parallelism():
     """Shared experts sit under `shared_experts`, not `experts`: replicated over the expert-parallel group
     and sharded by the optimizer as dense weights (the planner's ParamSpec agrees)."""
-    from mula.layout_rules import check_tensor_parallel
-    from mula.param_names import is_expert_param
+    from mula.layout.rules import check_tensor_parallel
+    from mula.model.param_names import is_expert_param
     from mula.plan.parameters import model_parameters
 
     cfg = MulaConfig.from_name("deepseek-v3-tiny")

@@ -27,11 +27,11 @@ from test_tensor_parallel_moe import _Logged  # per step: the logged aux and z l
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mula.config import resolve_config
-from mula.model import Mula
-from mula.module import MulaLightningModule
-from mula.moe import is_expert_param
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
+from mula.model.config import resolve_config
+from mula.model.moe import is_expert_param
+from mula.model.transformer import Mula
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 from strategies.context_parallel import apply_context_parallel
 
@@ -138,7 +138,7 @@ def _fit(
 
 def _identity_router_sum() -> None:
     """The tempting bug: the router losses' CP sum with TP's identity backward (gradients 1/C too small)."""
-    from mula.moe.balancing import TokenSplit
+    from mula.model.moe.balancing import TokenSplit
     from strategies.context_parallel import ContextParallelTokens
 
     def total(self, t):
@@ -290,7 +290,7 @@ class _AllToAllBytes(TorchDispatchMode):
 def _measure_activations(rank: int, world: int) -> dict[str, int]:
     """Saved-tensor bytes of one micro-batch's forward at C = 2 (DP = 2), dense (GQA) and MoE, and the
     head all-to-alls' bytes of its forward and backward."""
-    from mula.memory_meter import SavedTensorMeter
+    from mula.training.memory_meter import SavedTensorMeter
     from strategies.topology import topology_from_layout
 
     topo = topology_from_layout(ParallelLayout(world_size=world, cp=2))

@@ -95,7 +95,7 @@ VOLUMES = ("grad_reduce", "param_gather", "pipeline")  # the step-time model's v
 def _measure(rank: int, world: int) -> list[dict]:
     from test_plan_volumes import CollectiveMeter, _Window
 
-    from mula.config import resolve_config
+    from mula.model.config import resolve_config
 
     lightning_env(rank, world)
     meter = CollectiveMeter(resolve_config("mula-tiny-moe", PLAN_MOE).hidden_size)
@@ -121,7 +121,7 @@ def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
     step-time model's gradient-reduction, parameter-gather and stage-to-stage bytes and messages equal
     those sent (tests/test_plan_volumes.py's meter)."""
 
-    from mula.config import resolve_config
+    from mula.model.config import resolve_config
     from mula.plan import Layout
     from mula.plan.memory import plan_stage
     from mula.plan.step_time import comm_volumes

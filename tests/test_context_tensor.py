@@ -24,7 +24,7 @@ from test_context_parallel import DENSE, MOE, SERIES, STEPS, WORLD, _AllToAllByt
 from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 from test_plan_measured_tp import MOE as PLAN_TP_MOE
 
-from mula.config import resolve_config
+from mula.model.config import resolve_config
 from mula.plan import Layout
 from mula.plan.memory import plan_stage
 from mula.plan.step_time import comm_volumes, context_parallel_sends

@@ -1,11 +1,11 @@
-"""`mula.csv_logger.CSVLogger`: Lightning's files, and a metrics file a crash during a header rewrite keeps."""
+"""`mula.training.csv_logger.CSVLogger`: Lightning's files, and a metrics file a crash during a header rewrite keeps."""
 
 import csv
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 
-from mula.csv_logger import CSVLogger
+from mula.training.csv_logger import CSVLogger
 
 ROWS = [  # each new key makes the writer rewrite the whole file under a wider header
     ({"train/loss": 4.5}, 0),

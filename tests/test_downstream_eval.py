@@ -102,7 +102,7 @@ def _fit_command(workdir: Path, run: str, callbacks: list[dict]) -> list[str]:
         "limit_val_batches": 0,
         "enable_progress_bar": False,
         "enable_model_summary": False,
-        "logger": {"class_path": "mula.csv_logger.CSVLogger", "init_args": {"name": ""}},
+        "logger": {"class_path": "mula.training.csv_logger.CSVLogger", "init_args": {"name": ""}},
         "callbacks": [
             {
                 "class_path": "callbacks.FaultTolerantCheckpoint",

@@ -53,7 +53,7 @@ def workdir(tmp_path_factory) -> Path:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "strategy": STRATEGY,
-        "logger": {"class_path": "mula.csv_logger.CSVLogger", "init_args": {"name": ""}},
+        "logger": {"class_path": "mula.training.csv_logger.CSVLogger", "init_args": {"name": ""}},
         "callbacks": [
             {"class_path": "callbacks.FaultTolerantCheckpoint", "init_args": {"every_n_steps": 2}},
             {

@@ -18,7 +18,7 @@ from dist_helpers import cpu_trainer
 from equality import FLIP_MARGIN, RoutingRecord, assert_same_training
 from test_strategy import MICROS_PER_STEP, STEPS, _module, _StepBatches, _StepLosses
 
-from mula.moe.router import Router, RouterOutput
+from mula.model.moe.router import Router, RouterOutput
 
 
 class _Reroute:

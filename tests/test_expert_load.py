@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader
 
 from callbacks import ExpertLoad, MoEMetrics
 from mula.cli import main
-from mula.module import MulaLightningModule
-from mula.moe import iter_moe_layers
-from mula.report import find_metrics, read_metrics
+from mula.commands.report import find_metrics, read_metrics
+from mula.model.moe import iter_moe_layers
+from mula.training.module import MulaLightningModule
 
 TINY = dict(num_layers=2, hidden_size=32, num_heads=2, vocab_size=64, num_experts=8, top_k=2,
             expert_intermediate_size=32, max_position_embeddings=64, router_bias_update_rate=1e-9)  # fmt: skip

@@ -19,7 +19,7 @@ from dist_helpers import run_distributed
 from equality import ADAMW_EPS, LoopRecord, assert_same_training, assert_same_weights, compared_steps, seeded
 
 from mula import Mula, MulaConfig
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer, clip_grad_norm_
 from strategies.topology import build_topology

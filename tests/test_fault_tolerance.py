@@ -74,7 +74,7 @@ def _config(
         "max_steps": MAX_STEPS,
         "default_root_dir": str(run_dir),
         "logger": {
-            "class_path": "mula.csv_logger.CSVLogger",
+            "class_path": "mula.training.csv_logger.CSVLogger",
             "init_args": {"save_dir": str(run_dir)},
         },
         "log_every_n_steps": 1,
@@ -462,7 +462,7 @@ def _tiny_moe_command(workdir: Path, run: str, injector: dict | None = None) -> 
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "logger": {
-            "class_path": "mula.csv_logger.CSVLogger",
+            "class_path": "mula.training.csv_logger.CSVLogger",
             "init_args": {"save_dir": str(run_dir)},
         },
         "callbacks": callbacks,

@@ -13,7 +13,7 @@ import torch
 from dist_helpers import run_distributed
 from torch import nn
 
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies.optim.grad_reduce import GradReducer, param_entry
 from strategies.topology import build_topology
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 from mula.plan import Layout
 from mula.plan.grad_reduction import (
     optimizer_volumes,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from mula import Mula, MulaConfig
 from mula.checkpoint import save_weights
 from mula.hf import config_from_hf, config_to_hf, export_hf, from_hf, import_hf, to_hf
-from mula.module import MulaLightningModule
+from mula.training.module import MulaLightningModule
 
 TINY = "deepseek-v3-tiny"
 VARIANTS = {  # the tiny preset, and DeepSeek-V2-Lite / Moonlight's plain q projection without groups

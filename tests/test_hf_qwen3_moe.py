@@ -19,7 +19,7 @@ from mula import Mula, MulaConfig  # noqa: E402
 from mula.checkpoint import save_weights  # noqa: E402
 from mula.cli import main  # noqa: E402
 from mula.hf import config_from_hf, config_to_hf, export_hf, from_hf, import_hf, to_hf  # noqa: E402
-from mula.module import MulaLightningModule  # noqa: E402
+from mula.training.module import MulaLightningModule  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
 VARIANTS = {  # the preset, and with a dense first block (mlp_only_layers=[0]), a tied head and no GQA

@@ -1,4 +1,4 @@
-"""`mula.host_allocator`: CPU ranks keep freed host memory in the heap (glibc's malloc thresholds fixed)."""
+"""`mula.training.host_allocator`: CPU ranks keep freed host memory in the heap (glibc's malloc thresholds fixed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mula import host_allocator
+from mula.training import host_allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -18,7 +18,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 _PROBE = """
 import ctypes, json, sys
 import torch
-from mula.host_allocator import reuse_freed_host_memory
+from mula.training.host_allocator import reuse_freed_host_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -71,10 +71,10 @@ def test_cpu_training_keeps_freed_memory(monkeypatch):
     import lightning.pytorch as L
     import torch
 
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     calls = []
-    monkeypatch.setattr("mula.module.reuse_freed_host_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr("mula.training.module.reuse_freed_host_memory", lambda: calls.append(True) or True)
     module = MulaLightningModule("mula-tiny-dense", overrides=dict(num_layers=1, hidden_size=16, num_heads=1))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import mula.kernels as mk
-from mula.kernels import padded
-from mula.kernels.backends import resolve_backend, torch_grouped_mm_supported
+import mula.model.kernels as mk
+from mula.model.kernels import padded
+from mula.model.kernels.backends import resolve_backend, torch_grouped_mm_supported
 
 IN_TRITON_SUBPROCESS = os.environ.get("MULA_TRITON_INTERPRET_TESTS") == "1"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -150,7 +150,7 @@ def test_torch_grouped_swiglu_matches_loop(counts, hidden, ffn, dtype, path, mon
     # force each strategy: batched GEMMs over bucketed padded experts (CPU default; cheap call cost so
     # the tiny cases really cut several buckets), one bucket in expert order, or per-expert grouped
     # GEMMs (gate and up apart, or as one GEMM as on accelerators)
-    from mula.kernels import autograd
+    from mula.model.kernels import autograd
 
     if path == "bucketed":
         monkeypatch.setattr(padded, "CALL_COST_ROWS", 0.5)
@@ -286,9 +286,9 @@ def test_auto_backend_and_bad_inputs():
 
 
 def test_moe_layer_matches_fused_path():
-    """The kernels' permute + grouped_swiglu + unpermute reproduce mula.moe.MoELayer exactly."""
+    """The kernels' permute + grouped_swiglu + unpermute reproduce mula.model.moe.MoELayer exactly."""
     from mula import MulaConfig
-    from mula.moe import MoELayer
+    from mula.model.moe import MoELayer
 
     cfg = MulaConfig(hidden_size=32, num_heads=4, num_experts=6, top_k=2, expert_intermediate_size=24)
     torch.manual_seed(0)
@@ -342,7 +342,7 @@ def test_triton_kernels_compile_for_gpu(dtype, target, tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mula.kernels import triton_gmm, triton_permute
+    from mula.model.kernels import triton_gmm, triton_permute
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
@@ -405,7 +405,7 @@ class _TritonInterpreted:
 
     def test_tile_map(self):
         """Device-side schedule: every row in exactly one tile of its own expert; spare tiles marked -1."""
-        from mula.kernels.triton_gmm import _tile_map
+        from mula.model.kernels.triton_gmm import _tile_map
 
         counts = torch.tensor([0, 17, 16, 0, 1, 40])
         tile_expert, tile_row, ends = _tile_map(counts, int(counts.sum()), 16)
@@ -474,7 +474,7 @@ class TestOnAccelerator:
 def test_grouped_mm_probe_ignores_the_callers_autocast():
     """The probe is cached per process: a first call from inside autocast (a bf16-mixed forward) must
     give the same answer as a clean one, or `auto` falls back to the loop for the rest of the run."""
-    from mula.kernels import backends
+    from mula.model.kernels import backends
 
     backends.torch_grouped_mm_supported.cache_clear()
     clean = backends.torch_grouped_mm_supported("cpu", torch.bfloat16)

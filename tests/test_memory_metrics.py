@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import MemoryMetrics
 from mula import Mula, MulaConfig
-from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
-from mula.module import MulaLightningModule
+from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
+from mula.training.module import MulaLightningModule
 
 B, T = 2, 16
 CONFIG = MulaConfig.from_name(

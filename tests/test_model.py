@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from mula import Mula, MulaConfig
-from mula.moe import MoELayer
+from mula.model.moe import MoELayer
 
 
 def tiny(**kw) -> MulaConfig:
@@ -85,7 +85,7 @@ def test_aux_and_z_loss_are_layer_means():
     x = torch.randint(0, 96, (2, 8))
     per_layer = []
     h = model.embed(x)
-    from mula.model import rope_cos_sin
+    from mula.model.transformer import rope_cos_sin
 
     cos, sin = rope_cos_sin(model.config, 8, h.device)
     for block in model.layers:
@@ -101,7 +101,7 @@ def test_aux_and_z_loss_are_layer_means():
 def test_dense_first_blocks_and_router_losses_over_the_moe_blocks_only():
     """num_dense_layers=1: block 0 has the dense SwiGLU, the others an MoE layer; the router losses are
     the means over the MoE blocks (not over every block) and the counts have one row per MoE block."""
-    from mula.model import MLP, rope_cos_sin
+    from mula.model.transformer import MLP, rope_cos_sin
 
     torch.manual_seed(0)
     cfg = tiny(num_layers=3, num_dense_layers=1)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.throughput import PEAK_BF16_FLOPS, Throughput, peak_bf16_flops
 from mula import Mula, MulaConfig
-from mula.module import MulaLightningModule, load_imbalance, warmup_cosine
+from mula.training.module import MulaLightningModule, load_imbalance, warmup_cosine
 
 TINY = {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "vocab_size": 64, "num_experts": 4, "top_k": 2,
         "expert_intermediate_size": 32, "max_position_embeddings": 64}  # fmt: skip

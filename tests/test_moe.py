@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from mula import MulaConfig
-from mula.moe import GroupedExperts, LocalDispatcher, MoELayer, Router, load_balancing_loss, router_z_loss
+from mula.model.moe import (
+    GroupedExperts,
+    LocalDispatcher,
+    MoELayer,
+    Router,
+    load_balancing_loss,
+    router_z_loss,
+)
 
 
 def tiny(**kw) -> MulaConfig:
@@ -163,7 +170,7 @@ def test_grouped_experts_with_empty_experts():
 
 def test_contract_finds_layers_and_expert_params():
     from mula import Mula
-    from mula.moe import is_expert_param, iter_moe_layers, num_global_experts
+    from mula.model.moe import is_expert_param, iter_moe_layers, num_global_experts
 
     model = Mula(tiny(num_layers=2))
     names = [n for n, _ in iter_moe_layers(model)]
@@ -181,7 +188,7 @@ def test_contract_finds_layers_and_expert_params():
 
 
 def test_dispatchers_follow_the_protocol_and_stay_out_of_the_module_tree():
-    from mula.moe import Dispatcher
+    from mula.model.moe import Dispatcher
     from strategies.experts.all_to_all import AllToAllDispatcher
 
     layer = MoELayer(tiny())

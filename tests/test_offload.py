@@ -23,11 +23,11 @@ import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from test_optimizer_step import BAD_STEP, OVERRIDES, _InfGradient  # an inf expert gradient on rank 0
 
-from mula.config import resolve_config
-from mula.module import MulaLightningModule
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
+from mula.layout.sharding_options import ShardingOptions
+from mula.model.config import resolve_config
 from mula.plan import Layout, plan_memory
-from mula.sharding_options import ShardingOptions
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 
@@ -205,7 +205,7 @@ def test_plan_a_25b_dense_model_fits_one_gh200_with_offload_and_not_without(tmp_
     """SuperOffload's headline, as `mula plan` sees it: 25.7B dense parameters, bf16, one GH200."""
     import json
 
-    from mula.entry import main
+    from mula.commands.entry import main
 
     out = {}
     for offload in (False, True):

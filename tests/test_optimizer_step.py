@@ -17,7 +17,7 @@ import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
 from callbacks import AnomalyGuard
-from mula.module import MulaLightningModule
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS, BAD_STEP = 2, 16, 2, 8, 5

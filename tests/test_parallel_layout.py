@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from mula.config import MulaConfig
-from mula.layout_rules import check_batch_split, check_zero_stage
-from mula.parallel_layout import Coordinates, ParallelLayout
+from mula.layout.parallel_layout import Coordinates, ParallelLayout
+from mula.layout.rules import check_batch_split, check_zero_stage
+from mula.model.config import MulaConfig
 from mula.plan.settings import plan_inputs
 from strategies import XPUMoEStrategy
 

@@ -37,9 +37,9 @@ from equality import (
 
 from mula.checkpoint import load_weights
 from mula.hf import export_hf
-from mula.layout_rules import check_world, stage_layer_counts, validate_schedule
-from mula.module import MulaLightningModule
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
+from mula.layout.rules import check_world, stage_layer_counts, validate_schedule
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 6

@@ -18,10 +18,10 @@ from callbacks import MemoryMetrics
 from callbacks.moe_metrics import MoEMetrics
 from mula import MulaConfig
 from mula.cli import main
-from mula.module import MulaLightningModule
 from mula.plan import Layout, plan_memory
 from mula.plan.activations import in_flight_micro_batches, peak_activations, schedule_order
 from mula.plan.settings import plan_inputs
+from mula.training.module import MulaLightningModule
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
@@ -242,7 +242,7 @@ def test_fit_stops_when_the_plan_exceeds_the_device_and_the_flag_overrides(
     def lock(*_args):
         raise Reached
 
-    monkeypatch.setattr("mula.lightning_cli.lock_run_dir_before_launch", lock)
+    monkeypatch.setattr("mula.commands.lightning_cli.lock_run_dir_before_launch", lock)
     with pytest.raises(Reached):  # past the check: the next step of before_fit
         main(["fit", "-c", str(TINY_MOE), "--device_memory_gb=0.01", "--memory_check=false"])
     with pytest.raises(Reached):  # the demo fits the host's memory
@@ -251,9 +251,9 @@ def test_fit_stops_when_the_plan_exceeds_the_device_and_the_flag_overrides(
 
 def test_plan_and_search_refuse_what_the_strategy_refuses(capsys, monkeypatch) -> None:
     """`mula plan` stops with the strategy's own sentence on a layout it cannot run, and `--search`
-    proposes only layouts that pass the same rules (`mula.layout_rules`)."""
-    from mula.entry import main as mula_command
-    from mula.layout_rules import check_micro_batches
+    proposes only layouts that pass the same rules (`mula.layout.rules`)."""
+    from mula.commands.entry import main as mula_command
+    from mula.layout.rules import check_micro_batches
 
     monkeypatch.setattr("sys.argv", ["mula"])
     recipe = [

@@ -27,8 +27,8 @@ LAYOUTS = [
 
 
 def _measure(rank: int, world: int) -> list[dict[str, float]]:
-    from mula.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
-    from mula.module import MulaLightningModule
+    from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
+    from mula.training.module import MulaLightningModule
     from strategies.experts.expert_parallel import apply_expert_parallel
     from strategies.optim.sharded_optimizer import EPShardedAdamW
     from strategies.topology import build_topology

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mula import MulaConfig
-from mula.memory_meter import SavedTensorMeter
-from mula.module import MulaLightningModule
 from mula.plan import Layout
 from mula.plan.activations import activation_bytes
+from mula.training.memory_meter import SavedTensorMeter
+from mula.training.module import MulaLightningModule
 
 B, T = 4, 128
 SHAPES = {

@@ -63,7 +63,7 @@ class _Steps:
 
 
 def _measure(rank: int, world: int) -> list[dict[str, float]]:
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
     out = []
@@ -125,7 +125,7 @@ def measure_step(
     `MoEMetrics` log (`KEYS`)."""
     from dist_helpers import cpu_trainer
 
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     torch.manual_seed(0)
     module = MulaLightningModule(preset, overrides=overrides, decay_steps=10)

@@ -24,7 +24,7 @@ import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
 
 from callbacks import MemoryMetrics
-from mula.config import resolve_config
+from mula.model.config import resolve_config
 from mula.plan import Layout, plan_memory
 from strategies import XPUMoEStrategy
 
@@ -76,7 +76,7 @@ def _local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _measure(rank: int, world: int) -> list[dict[str, float]]:
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
     out = []

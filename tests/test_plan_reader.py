@@ -35,7 +35,7 @@ def _cli_argv(monkeypatch):
 
 def full_parse(argv: list[str], monkeypatch) -> dict[str, Any]:
     """What the LightningCLI parser hands `run_plan` for `mula plan ARGV`."""
-    from mula.lightning_cli import plan
+    from mula.commands.lightning_cli import plan
 
     captured: dict[str, Any] = {}
     monkeypatch.setattr(plan_command, "run_plan", lambda **kwargs: captured.update(kwargs))
@@ -189,7 +189,7 @@ def test_fast_plan_imports_neither_lightning_nor_torch_and_reports_bad_input():
     code = textwrap.dedent(
         f"""
         import sys
-        from mula.entry import main
+        from mula.commands.entry import main
         main(["plan", *{argv!r}, "--format=json"])
         assert "lightning" not in sys.modules and "torch" not in sys.modules, "imported"
         """
@@ -260,7 +260,7 @@ def test_mula_fit_compares_once_at_start_and_warns_on_a_difference(tmp_path, mon
     import warnings
 
     import mula.plan.reader_check as reader_check
-    from mula.entry import main
+    from mula.commands.entry import main
 
     class Reached(Exception):
         pass
@@ -269,7 +269,7 @@ def test_mula_fit_compares_once_at_start_and_warns_on_a_difference(tmp_path, mon
         raise Reached
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("mula.lightning_cli.lock_run_dir_before_launch", lock)
+    monkeypatch.setattr("mula.commands.lightning_cli.lock_run_dir_before_launch", lock)
     calls = []
     real = reader_check.reader_mismatch
     monkeypatch.setattr(reader_check, "reader_mismatch", lambda *a: calls.append(a) or real(*a))

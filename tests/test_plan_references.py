@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mula.config import MulaConfig
-from mula.entry import main as mula_command
+from mula.commands.entry import main as mula_command
+from mula.model.config import MulaConfig
 from mula.plan.machines import load_machine
 from mula.plan.memory import plan_memory
 from mula.plan.references import OPTIMUS_RUNS

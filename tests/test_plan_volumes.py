@@ -31,9 +31,9 @@ from torch.distributed.pipelining import PipelineStage
 import strategies.optim.grad_reduce as grad_reduce
 import strategies.optim.param_gather as param_gather
 from mula import MulaConfig
-from mula.module import MulaLightningModule
 from mula.plan import Layout
 from mula.plan.step_time import comm_volumes
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
 WORLD, MICRO, SEQ, GLOBAL, STEPS = 4, 2, 16, 16, 2

@@ -28,7 +28,7 @@ from test_plan_volumes import CollectiveMeter
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mula.config import resolve_config
+from mula.model.config import resolve_config
 from mula.plan import Layout
 from mula.plan.step_time import comm_volumes
 from strategies import XPUMoEStrategy
@@ -127,7 +127,7 @@ class _Micro:
 
 
 def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
     collectives = CollectiveMeter(32)
@@ -199,7 +199,7 @@ CP_LAYOUTS = {"C=2 MoE": "none", "C=2 MoE, moe recomputed": ["moe"]}
 
 
 def _measure_cp(rank: int, world: int) -> dict[str, int]:
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
     collectives = CollectiveMeter(32)

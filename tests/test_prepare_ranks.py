@@ -238,7 +238,7 @@ def held(task):
     ran.append(task.index)
     return real(task)
 p._run_task = held
-from mula.entry import main
+from mula.commands.entry import main
 main(["prepare", "-c", sys.argv[1]])
 """
 

@@ -1,4 +1,4 @@
-"""mula.progress_bar: the training bar counts optimizer steps against max_steps, also under gradient
+"""mula.training.progress_bar: the training bar counts optimizer steps against max_steps, also under gradient
 accumulation, and `mula fit` shows it unless the recipe turns the bar off."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 from test_recipes import RECIPES, probe
 
-from mula.progress_bar import StepProgressBar, step_range
+from mula.training.progress_bar import StepProgressBar, step_range
 
 
 @pytest.fixture(autouse=True)

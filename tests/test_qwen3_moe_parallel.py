@@ -19,7 +19,7 @@ from dist_helpers import lightning_env, run_distributed
 from equality import assert_same_training, assert_same_weights, seeded
 from test_strategy import STEPS, _fit
 
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies import XPUMoEStrategy
 
 PRESET = "qwen3-moe-tiny"

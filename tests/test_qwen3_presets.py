@@ -93,9 +93,9 @@ def test_planner_activation_bytes_against_the_saved_tensors(overrides):
     renormalised top-k, sigmoid scoring) against `SavedTensorMeter` on one process: exact to the same
     few bytes as OLMoE's when the MoE layer is recomputed (nothing there depends on the routing), within
     the 10 % of tests/test_plan_measured.py otherwise (the planner assumes balanced routing)."""
-    from mula.memory_meter import SavedTensorMeter
-    from mula.module import MulaLightningModule
     from mula.plan import Layout, plan_memory
+    from mula.training.memory_meter import SavedTensorMeter
+    from mula.training.module import MulaLightningModule
 
     b, t = 4, 128
     config = MulaConfig.from_name("qwen3-moe-tiny", vocab_size=512, num_layers=2, **overrides)
@@ -118,8 +118,8 @@ def test_planner_activation_bytes_against_the_saved_tensors(overrides):
 
 
 def test_tensor_parallelism_refuses_per_head_qk_norm():
-    from mula.config import resolve_config
-    from mula.parallel_layout import ParallelLayout
+    from mula.layout.parallel_layout import ParallelLayout
+    from mula.model.config import resolve_config
 
     config = resolve_config("mula-tiny-dense", {"qk_norm": True, "qk_norm_per_head": True})
     with pytest.raises(ValueError, match="not yet available with qk_norm_per_head"):
@@ -133,7 +133,7 @@ def test_single_node_recipe_instantiates_and_fits_one_h100_node(capsys, tmp_path
     from pathlib import Path
 
     from mula.cli import main
-    from mula.lightning_cli import MulaCLI
+    from mula.commands.lightning_cli import MulaCLI
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen3-moe-15b-a2b.yaml"
     monkeypatch.chdir(tmp_path)

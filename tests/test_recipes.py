@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mula.cli import main
-from mula.lightning_cli import MulaCLI
+from mula.commands.lightning_cli import MulaCLI
 from mula.plan.recipe_reader import header_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,9 @@ def test_paper_recipe_header_layout_fits_as_planned(name, capsys, monkeypatch):
     import json
     import re
 
-    from mula.entry import main as mula_command  # what `mula` runs: the plan is read without Lightning
+    from mula.commands.entry import (
+        main as mula_command,  # what `mula` runs: the plan is read without Lightning
+    )
 
     monkeypatch.chdir(ROOT)
     text = (RECIPES / f"{name}.yaml").read_text()
@@ -221,7 +223,7 @@ def test_frontier_recipe_header_layout_fits_as_planned(recipe, capsys, monkeypat
     import json
     import re
 
-    from mula.entry import main as mula_command
+    from mula.commands.entry import main as mula_command
 
     monkeypatch.chdir(ROOT)
     text = recipe.read_text()
@@ -275,7 +277,7 @@ def test_long_context_recipe_header_is_the_searched_layout_and_fits(name, capsys
     import json
     import re
 
-    from mula.entry import main as mula_command
+    from mula.commands.entry import main as mula_command
 
     monkeypatch.chdir(ROOT)
     text = (RECIPES / "long-context" / f"{name}.yaml").read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_recipes import probe
 
-from mula.entry import main as mula_command
+from mula.commands.entry import main as mula_command
 from mula.plan.recipe_reader import header_command
 
 ROOT = Path(__file__).resolve().parents[1]

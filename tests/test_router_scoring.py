@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mula import Mula, MulaConfig
-from mula.moe import MoELayer, expert_counts, load_balancing_loss
-from mula.moe.balancing import update_router_bias
-from mula.moe.router import Router
+from mula.model.moe import MoELayer, expert_counts, load_balancing_loss
+from mula.model.moe.balancing import update_router_bias
+from mula.model.moe.router import Router
 
 H, E, K = 16, 16, 4
 

@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader
 from mula import Mula, MulaConfig
 from mula.checkpoint import save_weights
 from mula.hf import check_router_bias, export_hf, to_hf
-from mula.module import MulaLightningModule
-from mula.moe import expert_counts, iter_moe_layers
-from mula.moe.balancing import update_router_bias
-from mula.moe.router import Router
+from mula.model.moe import expert_counts, iter_moe_layers
+from mula.model.moe.balancing import update_router_bias
+from mula.model.moe.router import Router
+from mula.training.module import MulaLightningModule
 
 TINY = dict(num_layers=1, hidden_size=32, num_heads=2, vocab_size=64, num_experts=8, top_k=2,
             expert_intermediate_size=32, max_position_embeddings=64)  # fmt: skip

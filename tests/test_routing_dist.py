@@ -24,8 +24,8 @@ from equality import ADAMW_EPS, RoutingRecord, assert_same_training, compared_st
 from test_strategy import MICROS_PER_STEP, OVERRIDES, _StepBatches, _StepLosses
 
 from mula import Mula, MulaConfig
-from mula.module import MulaLightningModule
-from mula.moe import is_expert_param, iter_moe_layers
+from mula.model.moe import is_expert_param, iter_moe_layers
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.topology import build_topology

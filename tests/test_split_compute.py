@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 from mula.plan import Layout
 from mula.plan.machines import load_machine
 from mula.plan.split_compute import layout_split_factor, split_factor

@@ -18,7 +18,7 @@ from equality import ADAMW_EPS, RoutingRecord, assert_same_training, seeded
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
-from mula.module import STEP_LOSSES, MulaLightningModule
+from mula.training.module import STEP_LOSSES, MulaLightningModule
 from strategies import XPUMoEStrategy
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 3

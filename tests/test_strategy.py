@@ -22,7 +22,7 @@ from equality import ADAMW_EPS, RoutingRecord, assert_same_training, compared_st
 
 from callbacks import MoEMetrics
 from mula.checkpoint import consolidate_checkpoint
-from mula.module import MulaLightningModule
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
 MICRO, SEQ, MICROS_PER_STEP, STEPS = 2, 16, 4, 4

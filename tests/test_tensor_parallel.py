@@ -22,10 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from callbacks import MemoryMetrics
-from mula.config import resolve_config
-from mula.model import Mula
-from mula.module import MulaLightningModule
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
+from mula.model.config import resolve_config
+from mula.model.transformer import Mula
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 from strategies.tensor_parallel import apply_tensor_parallel
 

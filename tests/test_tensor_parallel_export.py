@@ -20,8 +20,8 @@ from equality import assert_same_training, assert_same_weights
 from safetensors.torch import load_file
 from test_tensor_parallel import STEPS, TINY, WORLD, _fit
 
-from mula.config import resolve_config
 from mula.hf import export_hf, iter_hf_tensors
+from mula.model.config import resolve_config
 from strategies import XPUMoEStrategy
 
 # transformers' OLMoE: every block MoE, RMSNorm, QK-norm over the whole projection, no shared experts

@@ -28,12 +28,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from callbacks import MoEMetrics
-from mula.config import resolve_config
-from mula.model import Mula
-from mula.module import MulaLightningModule
-from mula.moe import is_expert_param
+from mula.model.config import resolve_config
+from mula.model.moe import is_expert_param
+from mula.model.transformer import Mula
 from mula.plan import Layout, plan_memory
 from mula.plan.step_time import comm_volumes
+from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 from strategies.tensor_parallel import apply_tensor_parallel
 
@@ -145,7 +145,7 @@ def _drop_partial_sum() -> None:
 
 
 def _run(rank: int, world: int) -> dict:
-    from mula.memory_meter import grad_bytes, param_bytes
+    from mula.training.memory_meter import grad_bytes, param_bytes
 
     lightning_env(rank, world)
     out = {}

@@ -24,8 +24,8 @@ from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 from test_tensor_parallel import RMS, STEPS, WORLD, _assert_matches, _fit
 from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
 
-from mula.config import resolve_config
-from mula.model import Mula
+from mula.model.config import resolve_config
+from mula.model.transformer import Mula
 from strategies import XPUMoEStrategy
 
 # (key, model, sequence_parallel, shard_optimizer); MOE: a dense block (stage 0), an MoE block (stage 1)
@@ -117,7 +117,7 @@ def _measure(rank: int, world: int) -> list[dict]:
 def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
     """`mula plan` of a T = 2 x P = 2 layout: each rank's parameter, gradient and optimizer bytes equal
     what it holds after one real step (its stage's TP shards), activations within 10 %."""
-    from mula.config import resolve_config
+    from mula.model.config import resolve_config
     from mula.plan import Layout
     from mula.plan.memory import plan_stage
 

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
 from mula.cluster_environments import PALSEnvironment
-from mula.parallel_layout import ParallelLayout
+from mula.layout.parallel_layout import ParallelLayout
 from strategies.devices.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
 from strategies.sharded_state import rescale_loop_progress
 from strategies.topology import ExpertParallelTopology, build_topology

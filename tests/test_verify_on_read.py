@@ -30,9 +30,9 @@ from mula.checkpoint import (
 )
 from mula.checkpoint.sharded import write_sharded_checkpoint
 from mula.cli import main
-from mula.config import MulaConfig
-from mula.model import Mula
-from mula.module import MulaLightningModule
+from mula.model.config import MulaConfig
+from mula.model.transformer import Mula
+from mula.training.module import MulaLightningModule
 
 RUN_CHECKPOINTS = Path("runs") / "mula-tiny-moe" / "checkpoints"
 

@@ -24,9 +24,9 @@ from typing_extensions import override
 
 from mula.bench.probe import BenchProbe
 from mula.bench.report import format_text
-from mula.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
-from mula.memory_meter import device_module
-from mula.module import check_master_weights
+from mula.commands.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
+from mula.training.memory_meter import device_module
+from mula.training.module import check_master_weights
 
 FORMATS = ("text", "json")
 

@@ -12,7 +12,7 @@
   models, whose hooks would break the compiled regions.
 * memory, on one more step after the timed ones (its hooks would cost time): the bytes of this rank's
   parameters, gradients at the optimizer step and optimizer state, the most bytes saved for backward
-  (`mula.memory_meter`), and on CUDA/XPU the allocator's peak over the whole run.
+  (`mula.training.memory_meter`), and on CUDA/XPU the allocator's peak over the whole run.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from mula.lightning_compat import ends_optimizer_step
-from mula.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
-from mula.moe import iter_moe_layers
+from mula.model.moe import iter_moe_layers
+from mula.training.lightning_compat import ends_optimizer_step
+from mula.training.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:

@@ -52,8 +52,8 @@ def calibrate(
             divided by the ranks on the node).
         progress: Show a progress bar on rank 0.
     """
-    from mula.config import MulaConfig
     from mula.data.ranks import launcher_environment
+    from mula.model.config import MulaConfig
 
     # Bad input: one sentence before anything is measured or started.
     path = Path(output)

@@ -27,8 +27,8 @@ from mula.calibrate.measure import (
 from mula.calibrate.reduction import reduction_seconds
 from mula.calibrate.settings import DTYPES, Settings, host_description, now, write_machine_file
 from mula.calibrate.splits import split_training_seconds, splits_for
-from mula.config import MulaConfig
-from mula.host_allocator import reuse_freed_host_memory
+from mula.model.config import MulaConfig
+from mula.training.host_allocator import reuse_freed_host_memory
 
 
 def _device_and_backend(backend: str, local_rank: int) -> tuple[torch.device, str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 
 ACCUMULATE = 3  # micro-batches per step of the second run
 ROUNDS = 3  # runs of each, in turns
@@ -70,7 +70,7 @@ class _Batches:
 def _lightning_step_s(accumulate: int, steps: int, name: str, overrides: dict[str, Any]) -> float:
     import lightning.pytorch as L
 
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     torch.manual_seed(0)
     module = MulaLightningModule(name, overrides=overrides, decay_steps=100)
@@ -87,8 +87,8 @@ def _lightning_step_s(accumulate: int, steps: int, name: str, overrides: dict[st
 
 def _manual_s(steps: int, name: str, overrides: dict[str, Any]) -> tuple[float, float]:
     """(forward + backward of one micro-batch, optimizer step + zero_grad) of the same model by hand."""
-    from mula.config import resolve_config
-    from mula.model import Mula
+    from mula.model.config import resolve_config
+    from mula.model.transformer import Mula
 
     torch.manual_seed(0)
     model = Mula(resolve_config(name, overrides))

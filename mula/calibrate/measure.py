@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv")
 # `training_tflops`' rates: a block's forward + backward and forward, and the rest of the model's
@@ -81,7 +81,7 @@ def matmul_shapes(config: MulaConfig, tokens: int) -> dict[str, tuple[int, int, 
     ones where it has them), the dense MLP, one expert's share of the routed rows (tokens x top_k /
     experts), the shared experts, and one head's attention."""
     h, heads = config.hidden_size, config.num_heads
-    if config.kv_lora_rank:  # multi-head latent attention (mula/mla.py)
+    if config.kv_lora_rank:  # multi-head latent attention (mula/model/mla.py)
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim
         shapes = {"attention": (tokens, qk, tokens), "o_proj": (tokens, heads * config.v_head_dim, h)}
         if config.q_lora_rank:
@@ -234,7 +234,7 @@ def training_tflops(
     a block's cost is flat from 2 to 8 blocks, so a model's time follows the line of the two depths. On
     a host too loaded to tell the depths apart, both at the small model's whole rate. Every rank of the
     job times together (`busy_times`)."""
-    from mula.model import Mula
+    from mula.model.transformer import Mula
 
     tokens = micro_batch * seq_len
     small = small_model_config(config)

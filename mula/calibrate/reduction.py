@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mula.calibrate.measure import busy_times, small_model_config
 from mula.calibrate.splits import resolve_name
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 
 OPTIMIZER = "strategies.optim.sharded_optimizer:EPShardedAdamW"
 TOPOLOGY = "strategies.topology:ExpertParallelTopology"
@@ -45,7 +45,7 @@ def reduction_seconds(
     turns (`busy_times`: each repetition from `zero_grad` on, at the group's slowest rank). With the
     gradient bytes its buckets hold and the small model's shape, which the planner needs to price the
     reduction's own collectives, the gather and the update. Every rank of `group` must call it."""
-    from mula.model import Mula
+    from mula.model.transformer import Mula
 
     small = small_model_config(config)
     topology = resolve_name(TOPOLOGY)(

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from mula.calibrate.measure import busy_times, small_model_config
-from mula.config import MulaConfig
-from mula.layout_rules import check_context_parallel, check_tensor_parallel
+from mula.layout.rules import check_context_parallel, check_tensor_parallel
+from mula.model.config import MulaConfig
 
 APPLY = {
     "tp": "strategies.tensor_parallel:apply_tensor_parallel",
@@ -75,7 +75,7 @@ def split_training_seconds(
     own collectives."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from mula.model import Mula
+    from mula.model.transformer import Mula
 
     small = small_model_config(config)
     torch.manual_seed(0)  # the same weights on every rank of the group, as DTensor expects

@@ -27,8 +27,8 @@ from mula.checkpoint.sharded import (
     is_sharded_checkpoint,
     read_sharded_checkpoint,
 )
-from mula.config import MulaConfig
-from mula.model import Mula
+from mula.model.config import MulaConfig
+from mula.model.transformer import Mula
 
 FORMAT = "mula"
 

@@ -30,7 +30,7 @@ from mula.data.prepare_summary import SOURCE_MARKER, SUMMARY_FILE, SourceSpec
 from mula.data.readers import iter_documents
 from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
-from mula.layout_rules import micro_batches_per_step
+from mula.layout.rules import micro_batches_per_step
 
 log = logging.getLogger(__name__)
 TOKENIZER_STATE_KEY = "tokenizer_path"

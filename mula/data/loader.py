@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mula.data.sampling import MixtureOrder
-from mula.layout_rules import micro_batches_per_step
+from mula.layout.rules import micro_batches_per_step
 
 log = logging.getLogger(__name__)
 

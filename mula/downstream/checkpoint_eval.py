@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from mula import hf_tokenizer
 from mula.checkpoint import atomic_write_text, model_from_state_dict, read_checkpoint, verify_for_reading
-from mula.config import MulaConfig
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
 from mula.downstream.devices import EVAL_DTYPES, autocast_dtype, default_device
 from mula.downstream.evaluate import evaluate
 from mula.downstream.lm import MulaLM
 from mula.downstream.tasks import ResolvedTasks
-from mula.kernels.backends import resolve_backend
+from mula.hf import tokenizer as hf_tokenizer
+from mula.model.config import MulaConfig
+from mula.model.kernels.backends import resolve_backend
 
 RESULTS_SUFFIX = ".eval.json"
 

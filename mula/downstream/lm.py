@@ -35,7 +35,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 
 from mula.data.tokenizer import LoadedTokenizer
-from mula.model import Mula
+from mula.model.transformer import Mula
 
 # One scored request: ((context, continuation) strings or None, context token ids, continuation token ids)
 TokenRequest = tuple[tuple[str, str] | None, list[int], list[int]]

@@ -27,9 +27,9 @@ import lightning.pytorch as L
 import torch
 from typing_extensions import override
 
-from mula.config import MulaConfig
 from mula.data.tokenizer import LoadedTokenizer
 from mula.downstream.tasks import ResolvedTasks
+from mula.model.config import MulaConfig
 
 
 def evaluate_trainer_model(
@@ -43,9 +43,9 @@ def evaluate_trainer_model(
 ) -> dict[str, Any]:
     """`mula.downstream.evaluate.evaluate` of `pl_module.model` across the trainer's ranks (every rank
     calls this); the results on global rank 0, {} elsewhere."""
-    from mula import hf_tokenizer
     from mula.downstream.evaluate import evaluate
     from mula.downstream.lm import MulaLM
+    from mula.hf import tokenizer as hf_tokenizer
 
     spread_forward = getattr(trainer.strategy, "spread_forward", None)
     spread = spread_forward() if spread_forward is not None else None
@@ -150,7 +150,7 @@ def evaluate_with_strategy(
 
     from mula.checkpoint import is_sharded_checkpoint
     from mula.downstream.devices import autocast_dtype, default_device
-    from mula.module import MulaLightningModule
+    from mula.training.module import MulaLightningModule
 
     strategy = strategy_from_spec(settings.strategy)  # its layout checked against `config` by the caller
     device = torch.device(settings.device) if settings.device else default_device()

@@ -1,7 +1,7 @@
 """Bytes saved for backward by one micro-batch's forward, per activation-checkpointing setting.
 
 An estimate of what `callbacks.memory_metrics.SavedTensorMeter` counts (`mem/activation_bytes`),
-written op by op from `mula.model` and `mula.moe` (tests/test_plan_measured.py compares the two):
+written op by op from `mula.model.transformer` and `mula.model.moe` (tests/test_plan_measured.py compares the two):
 per token and layer, with h the hidden size, q/kv the attention projection widths, I the expert
 (or MLP) width, K the top-k, E the experts, b the matmul dtype's bytes and r the residual stream's:
 
@@ -16,7 +16,7 @@ per token and layer, with h the hidden size, q/kv the attention projection width
 * experts, per routed row: input, gate and up (b*(h + 2I)); the combine keeps the expert outputs
   (b*h) and weights; under expert parallelism the all-to-all dispatcher's send-plan index, and the
   combine weight riding with each row (CPU) or the returned rows and weights (GPU). On CPU without
-  expert parallelism the bucketed padded layout (`mula.kernels.padded`) carries the combine weights
+  expert parallelism the bucketed padded layout (`mula.model.kernels.padded`) carries the combine weights
   per row instead; on CPU the layout
   also keeps gathered copies of the local expert weights (3*h*I*E_local elements). Routing is
   assumed balanced: every rank's experts receive tokens * K rows;
@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mula.activation_checkpointing import parse_activation_checkpointing
-from mula.config import MulaConfig
+from mula.model.activation_checkpointing import parse_activation_checkpointing
+from mula.model.config import MulaConfig
 from mula.plan.layout import Layout
 
 
@@ -62,7 +62,7 @@ def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
 
 
 def _latent_attention(config: MulaConfig, b: int) -> int:
-    """Per-token bytes multi-head latent attention (`mula.mla`) saves beyond its normalised input.
+    """Per-token bytes multi-head latent attention (`mula.model.mla`) saves beyond its normalised input.
 
     The q latent's norm (as a pre-norm on `q_lora_rank` features, its output saved by `q_b_proj`); the
     kv latent's norm (its fp32 input is a view of the `kv_a_proj_with_mqa` output when that is fp32

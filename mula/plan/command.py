@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from mula.layout_rules import micro_batches_per_step
+from mula.layout.rules import micro_batches_per_step
 from mula.plan.calibrated import error_band
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine, load_machine

@@ -35,10 +35,10 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from typing_extensions import override
 
-from mula.module import MulaLightningModule
 from mula.plan.memory import plan_stage, stage_params
 from mula.plan.parameters import model_parameters
 from mula.plan.settings import PlanInputs
+from mula.training.module import MulaLightningModule
 
 # what the dry run measures and compares: its name -> the plan's MemoryPlan field
 MEASURED = {

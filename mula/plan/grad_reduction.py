@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mula.config import MulaConfig
-from mula.flat_buffers import plan_buckets
+from mula.layout.flat_buffers import plan_buckets
+from mula.model.config import MulaConfig
 from mula.plan.calibrated import collective_seconds, nearest_group
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine

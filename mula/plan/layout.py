@@ -3,7 +3,7 @@ micro-batch, precision, checkpointing and the sharded optimizer's options.
 
 `Layout` is plain data (no torch objects); `mula.plan.settings` builds one from a parsed `mula fit`
 configuration, tests and `--search` build them directly. Its parallel part is the strategy's own
-`mula.parallel_layout.ParallelLayout` (`Layout.parallel`), validated by the same rules.
+`mula.layout.parallel_layout.ParallelLayout` (`Layout.parallel`), validated by the same rules.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from mula.parallel_layout import Holdings, ParallelLayout
-from mula.sharding_options import ShardingOptions
+from mula.layout.parallel_layout import Holdings, ParallelLayout
+from mula.layout.sharding_options import ShardingOptions
 
 _OPTIONS = ShardingOptions()  # the sharded optimizer's defaults
 # Layout fields that are ShardingOptions fields of the same name (`Layout.sharding`)
@@ -163,7 +163,7 @@ def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
     cannot run (`ParallelLayout.validate`): the stage split, the experts, ZeRO-2 under pipeline stages,
     a global batch that does not split into whole micro-batches, too few micro-batches for the schedule,
     a sequence the context-parallel ranks cannot split evenly."""
-    from mula.layout_rules import check_sequence_split
+    from mula.layout.rules import check_sequence_split
 
     check_sequence_split(layout.seq_len, layout.cp_size)
     layout.parallel.validate(

@@ -2,7 +2,7 @@
 buffers, predicted from the config and the layout alone (nothing is allocated).
 
 Parameters, gradients and optimizer state are exact: they are laid out with the sharded optimizer's
-own layout function (`mula.flat_buffers.plan_buckets`) over the parameters in its registration order
+own layout function (`mula.layout.flat_buffers.plan_buckets`) over the parameters in its registration order
 (`mula.plan.parameters`), so the numbers equal what `EPShardedAdamW` allocates (and what
 `MemoryMetrics` / `MoEMetrics` log: `mem/param_bytes`, `mem/grad_bytes`, `optim/state_bytes`,
 `optim/param_bytes`). Activations come from `mula.plan.activations` (an estimate of the bytes saved
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mula.config import MulaConfig
-from mula.flat_buffers import ParamEntry, plan_buckets
+from mula.layout.flat_buffers import ParamEntry, plan_buckets
+from mula.model.config import MulaConfig
 from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
 from mula.plan.parameters import ParamSpec, model_parameters, tp_local_shape

@@ -14,8 +14,8 @@ import functools
 import re
 from dataclasses import dataclass
 
-from mula.config import MulaConfig, numel
-from mula.param_names import is_expert_param, is_no_decay
+from mula.model.config import MulaConfig, numel
+from mula.model.param_names import is_expert_param, is_no_decay
 
 # the LightningModule holds the Mula model as `.model`: the optimizer's names carry this prefix
 _MODULE_PREFIX = "model."

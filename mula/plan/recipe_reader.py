@@ -126,7 +126,7 @@ def signatures() -> dict[str, dict[str, Any]]:
     mula_dir = Path(__file__).resolve().parents[1]
     return {
         "trainer": init_parameters(str(_package_dir("lightning") / "pytorch/trainer/trainer.py"), "Trainer"),
-        "model": init_parameters(str(mula_dir / "module.py"), "MulaLightningModule"),
+        "model": init_parameters(str(mula_dir / "training/module.py"), "MulaLightningModule"),
         "data": init_parameters(str(mula_dir / "data/datamodule.py"), "MulaDataModule"),
         "strategy": init_parameters(str(_package_dir("strategies") / "xpu_moe.py"), "XPUMoEStrategy"),
     }

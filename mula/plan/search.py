@@ -8,7 +8,7 @@ the heads and the sequence split by C), the micro-batch (1, 2, 4, 8), activation
 moe, moe+attention, full), the ZeRO stage (1, 2), bf16 weights (bf16-true with fp32 masters in the
 sharded optimizer, or the recipe's precision) and optimizer offload (`optimizer_options.offload`: the
 masters and moments in host memory) at the recipe's ranks, sequence length and global batch. Which
-combinations run is decided in one place, `check_runnable` (`mula.layout_rules`): `--search` lists
+combinations run is decided in one place, `check_runnable` (`mula.layout.rules`): `--search` lists
 only layouts `mula plan` and `mula fit` accept. The step-time model does not price offload's host
 update (docs/offload.md), so at equal step time a layout without offload comes first. Without a
 machine (no step-time model) the layouts are sorted by device memory instead.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from mula.layout_rules import micro_batches_per_step
+from mula.layout.rules import micro_batches_per_step
 from mula.plan.layout import Layout, check_runnable
 from mula.plan.memory import plan_memory
 from mula.plan.settings import PlanInputs

@@ -13,12 +13,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mula.config import MulaConfig, resolve_config
-from mula.layout_rules import micro_batches_per_step
+from mula.layout.rules import micro_batches_per_step
+from mula.layout.sharding_options import ShardingOptions
+from mula.model.config import MulaConfig, resolve_config
 from mula.plan.layout import SHARDING_FIELDS, Layout, check_runnable
 from mula.plan.machines import Machine
 from mula.plan.recipe_reader import signatures
-from mula.sharding_options import ShardingOptions
 
 # the XPUMoEStrategy arguments the planner reads (their defaults come from its signature)
 _STRATEGY_ARGS = ("expert_parallel_size", "shard_optimizer", "pipeline_parallel_size", "pipeline_schedule",

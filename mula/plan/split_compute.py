@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 from mula.plan.calibrated import nearest_group, node_calls_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine

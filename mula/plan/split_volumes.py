@@ -5,8 +5,8 @@ tests/test_context_parallel.py count them in real runs)."""
 
 from __future__ import annotations
 
-from mula.activation_checkpointing import parse_activation_checkpointing
-from mula.config import MulaConfig
+from mula.model.activation_checkpointing import parse_activation_checkpointing
+from mula.model.config import MulaConfig
 from mula.plan.layout import Layout
 
 

@@ -27,7 +27,7 @@ update's elementwise passes and the training loop's fixed work per step and per 
 
 from __future__ import annotations
 
-from mula.config import MulaConfig
+from mula.model.config import MulaConfig
 from mula.plan.calibrated import collective_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine

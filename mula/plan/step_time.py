@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mula.activation_checkpointing import parse_activation_checkpointing
-from mula.config import MulaConfig
+from mula.model.activation_checkpointing import parse_activation_checkpointing
+from mula.model.config import MulaConfig
 from mula.plan.calibrated import collective_seconds, compute_flops_per_s, node_calls_seconds
 from mula.plan.grad_reduction import optimizer_volumes, reduction_overhead_seconds
 from mula.plan.layout import Layout

@@ -18,7 +18,7 @@ from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
-from mula.lightning_compat import _AcceleratorRegistry
+from mula.training.lightning_compat import _AcceleratorRegistry
 
 
 def xpu_available() -> bool:

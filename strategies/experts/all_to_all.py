@@ -1,7 +1,7 @@
 """All-to-all token dispatcher for expert parallelism (dropless, uneven splits, autograd-correct).
 
-Implements `mula.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher, on the local path's
-permutation plan and kernels (`mula.kernels.permute`: Triton on GPUs). Per layer and step:
+Implements `mula.model.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher, on the local path's
+permutation plan and kernels (`mula.model.kernels.permute`: Triton on GPUs). Per layer and step:
 
 1. `plan_routing` sorts this rank's (token, k) assignments by global expert, i.e. by destination rank
    (experts are rank-contiguous), and `permute` writes the send buffer (no [N, K, H] temporary);
@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mula.kernels import RoutingPlan, permute, plan_routing, unpermute
-from mula.kernels.permute import experts_run_padded
-from mula.layout_rules import check_degrees, check_experts
-from mula.moe import LocalDispatcher
+from mula.layout.rules import check_degrees, check_experts
+from mula.model.kernels import RoutingPlan, permute, plan_routing, unpermute
+from mula.model.kernels.permute import experts_run_padded
+from mula.model.moe import LocalDispatcher
 
 
 class _AllToAll(torch.autograd.Function):
@@ -83,7 +83,7 @@ class _DispatchState:
 class AllToAllDispatcher:
     """Dispatcher that sends each token to the EP rank holding its expert and brings the results back.
 
-    A plain object like every `mula.moe.Dispatcher` (no parameters or buffers), so installing it
+    A plain object like every `mula.model.moe.Dispatcher` (no parameters or buffers), so installing it
     leaves the model's modules and state-dict keys as they were.
 
     num_experts: experts in the whole model (E_total); ep_size/ep_rank/ep_group: this rank's expert-

@@ -1,6 +1,6 @@
 """Apply expert parallelism to a plain (single-device) Mula model from the outside.
 
-Every MoE layer (`mula.moe.iter_moe_layers`) gets its stacked expert
+Every MoE layer (`mula.model.moe.iter_moe_layers`) gets its stacked expert
 weights sliced to this rank's block of global experts and its dispatcher replaced by an
 `AllToAllDispatcher` over the EP group. The model code itself never changes, and the kept slices are
 exactly the single-process model's experts p*E_local ... (p+1)*E_local - 1 (build full, then slice).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mula.moe import iter_moe_layers, num_global_experts
+from mula.model.moe import iter_moe_layers, num_global_experts
 from strategies.experts.all_to_all import AllToAllDispatcher
 from strategies.topology import ExpertParallelTopology
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mula.flat_buffers import Segment
+from mula.layout.flat_buffers import Segment
 
 _FUSED_DEVICES: set[str] | None = None
 

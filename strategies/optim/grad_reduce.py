@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
-from mula.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
-from mula.moe import is_expert_param
+from mula.layout.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
+from mula.model.moe import is_expert_param
 from strategies.topology import ExpertParallelTopology
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from mula.moe import is_expert_param
+from mula.model.moe import is_expert_param
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, laid_out_grad, local_tensor, param_entry
 from strategies.optim.norms import square_sum
 from strategies.topology import ExpertParallelTopology, reduce_over_stages

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from mula.flat_buffers import Bucket
+from mula.layout.flat_buffers import Bucket
 from strategies.optim.grad_reduce import ReduceState, local_tensor
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mula.flat_buffers import padding_bound
+from mula.layout.flat_buffers import padding_bound
 
 
 class ShardReporting:

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mula.flat_buffers import ParamEntry, Segment
+from mula.layout.flat_buffers import ParamEntry, Segment
 from strategies.optim import state as optim_state
 from strategies.optim.adamw import shard_runs, update_runs
 from strategies.optim.clipping import ShardClipping

@@ -1,10 +1,10 @@
-"""`ShardingOptions` (torch-free, `mula.sharding_options`) and its dtype as a torch dtype."""
+"""`ShardingOptions` (torch-free, `mula.layout.sharding_options`) and its dtype as a torch dtype."""
 
 from __future__ import annotations
 
 import torch
 
-from mula.sharding_options import ShardingOptions, dtype_name
+from mula.layout.sharding_options import ShardingOptions, dtype_name
 
 __all__ = ["ShardingOptions", "torch_dtype"]
 

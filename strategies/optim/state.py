@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from mula.flat_buffers import ParamEntry, Segment
+from mula.layout.flat_buffers import ParamEntry, Segment
 from strategies.topology import gather_groups_over_stages, names_cover
 
 # `opt` below is an `EPShardedAdamW`, typed `Any`: sharded_optimizer.py imports this module, and importing

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from mula.model import router_losses
+from mula.model.transformer import router_losses
 from strategies.pipeline.split import MulaStage
 from strategies.tensor_parallel import check_sequence_split
 from strategies.topology import ExpertParallelTopology

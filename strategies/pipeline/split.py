@@ -3,7 +3,7 @@
 S = P x V stages (V virtual stages per rank with the interleaved schedule); stage s holds a contiguous
 run of blocks, the first also the embedding, the last the final norm and the LM head. Rank p of the
 pipeline group holds stages p, p + P, ..., p + (V - 1) P (torch's looped placement): which blocks a
-rank keeps is `mula.parallel_layout.ParallelLayout.rank_holdings`'s answer.
+rank keeps is `mula.layout.parallel_layout.ParallelLayout.rank_holdings`'s answer.
 
 Every rank builds the whole model with the same seed and then keeps only its stages' modules, in
 place, under their original names: the blocks live in a `StageLayers` keyed by global layer index,
@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from mula.layers import SequenceShard
-from mula.model import Mula, check_sequence_length, forward_blocks, rope_cos_sin
-from mula.parallel_layout import Holdings
+from mula.layout.parallel_layout import Holdings
+from mula.model.layers import SequenceShard
+from mula.model.transformer import Mula, check_sequence_length, forward_blocks, rope_cos_sin
 
 
 class StageLayers(nn.ModuleDict):

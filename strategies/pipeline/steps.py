@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from mula.layout_rules import micro_batches_per_step
+from mula.layout.rules import micro_batches_per_step
 from strategies.pipeline.schedule import PipelineRunner
 from strategies.pipeline.split import split_model
 

@@ -1,0 +1,76 @@
+"""Token dispatchers: group the (token, expert) assignments by expert and back.
+
+`Dispatcher` is the contract between `MoELayer` and whoever moves its tokens: `LocalDispatcher` on
+one device, the expert-parallel strategy's all-to-all dispatcher (`strategies.experts.all_to_all`) across
+ranks. The layer only calls the two methods, so it never knows where its experts live.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar, runtime_checkable
+
+from torch import Tensor
+
+from mula.model.kernels import ExpertGrouping, RoutingPlan, permute, plan_routing, unpermute
+
+StateT = TypeVar("StateT")
+
+
+@runtime_checkable
+class Dispatcher(Protocol[StateT]):
+    """What an MoE layer's dispatcher does: a plain object (no parameters, no buffers), kept by
+    `MoELayer.dispatcher` outside the module tree, so swapping it changes no state-dict key.
+
+    dispatch(x [N,H], topk_idx [N,K], topk_weight [N,K]) -> (x_grouped, grouping, state):
+        x_grouped holds the rows for this rank's experts, grouped by expert; grouping tells
+        `mula.model.kernels.grouped_swiglu` how (per-expert counts, or the `RoutingPlan` that wrote them);
+        state is whatever `combine` needs, opaque to the layer.
+    combine(y_grouped, state) -> y [N,H]: y_n = sum_k topk_weight[n,k] * (expert output for (n,k)).
+    """
+
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, ExpertGrouping, StateT]:
+        """Group the rows of x by the experts of their top-k assignments."""
+        ...
+
+    def combine(self, y_grouped: Tensor, state: StateT) -> Tensor:
+        """The expert outputs back in token order, weighted-summed over each token's K experts."""
+        ...
+
+
+class LocalDispatcher:
+    """Groups assignments by expert with one stable sort (no loop over experts, no host sync).
+
+    plan_routing -> permute, and unpermute to combine, on every device (`mula.model.kernels.permute`): the
+    routing plan lays the rows out the way the experts' backend runs them and carries the combine
+    weights, so this class makes no device-specific choice itself. The plan is also the state.
+    """
+
+    def __init__(self, num_experts: int, backend: str = "auto") -> None:
+        self.num_experts = num_experts
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"LocalDispatcher(num_experts={self.num_experts}, backend={self.backend!r})"
+
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, RoutingPlan, RoutingPlan]:
+        """x [N,H], topk_idx [N,K], topk_weight [N,K] -> (x_grouped, plan, plan).
+
+        Rows of `x_grouped` are grouped by expert in increasing expert id; within an expert they keep
+        token order (stable sort), which makes the result deterministic. `plan.counts` holds the
+        rows per expert; the plan may pad each expert's rows (CPU), so use it, not the counts, to
+        run the experts.
+        """
+        plan = plan_routing(topk_idx, self.num_experts, topk_weight, backend=self.backend, dtype=x.dtype)
+        return permute(x, plan), plan, plan
+
+    def combine(self, y_grouped: Tensor, state: RoutingPlan) -> Tensor:
+        """y_grouped (in dispatch's layout) -> y [N,H] = sum_k weight[n,k] * (output of token n's k-th expert).
+
+        On accelerators a gather back to (token, slot) order and a weighted sum over the K slots
+        instead of a scatter-add: no atomics, so the forward is deterministic on GPUs too.
+        """
+        return unpermute(y_grouped, state)
