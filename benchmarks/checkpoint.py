@@ -34,8 +34,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, run_gloo, spread
+from common import (  # benchmarks/ is on sys.path when run as a script
+    MiB,
+    by_case,
+    host_line,
+    markdown_table,
+    publish,
+    run_gloo,
+    slowest_rank_seconds,
+    spread,
+    start_together,
+)
 
 from callbacks._background_save import BackgroundSave, writer_group
 from callbacks._checkpoint_commit import SaveRecord, commit
@@ -112,8 +121,7 @@ def _run(trainer: _Trainer, case: str, spec: Spec, rank: int, world: int, group:
     times: list[float] = []
     inflight: BackgroundSave | None = None
     for i in range(1, spec.steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
+        start = start_together()
         trainer.step(i)
         if case != "none" and i % spec.every == 0:
             final = dirpath / checkpoint_name(i)
@@ -131,9 +139,7 @@ def _run(trainer: _Trainer, case: str, spec: Spec, rank: int, world: int, group:
                     tmp, {**state, "global_step": i}, optimizer_states, rank == 0, group
                 )
                 inflight = BackgroundSave(_record(i, rank, world), tmp, final, write, group, 0.0)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
-        times.append(float(elapsed))
+        times.append(slowest_rank_seconds(start))
     if inflight is not None:
         assert inflight.result()[0] is None
     return {"mean_ms": statistics.fmean(times) * 1e3, "max_ms": max(times) * 1e3}
@@ -160,13 +166,8 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], held: dict[str, list[int]]) -> str:
     """Markdown: per model and case the step time, the ratio to no save, the bytes each rank wrote."""
-    lines = [
-        "| model | save every N steps | mean step ms | slowest step ms | vs no save (median [min-max] of rounds) |"
-        " tensor MiB written per rank (held) | written / tensors once |",
-        "|---|---|---|---|---|---|---|",
-    ]
     grouped = by_case(rows)
-    mib = 2**20
+    cells = []
     for case, runs in grouped.items():
         model, kind = runs[0]["model"], runs[0]["kind"]
         base = grouped[f"{model} none"]
@@ -176,15 +177,18 @@ def table(rows: list[dict[str, Any]], held: dict[str, list[int]]) -> str:
         if kind != "none":
             per_rank = runs[-1]["written"]
             written = ", ".join(
-                f"{per_rank.get(r, 0) / mib:.2f} ({h / mib:.2f})" for r, h in enumerate(held[case])
+                f"{per_rank.get(r, 0) / MiB:.2f} ({h / MiB:.2f})" for r, h in enumerate(held[case])
             )
             once = f"{sum(per_rank.values()) / runs[-1]['unique']:.3f}"
-        lines.append(
-            f"| {model} | {kind} | {statistics.median(r['mean_ms'] for r in runs):.1f} "
-            f"| {statistics.median(r['max_ms'] for r in runs):.1f} "
-            f"| {spread(ratios) if kind != 'none' else '1'} | {written} | {once} |"
-        )
-    return "\n".join(lines)
+        cells.append([
+            model, kind, f"{statistics.median(r['mean_ms'] for r in runs):.1f}",
+            f"{statistics.median(r['max_ms'] for r in runs):.1f}", spread(ratios) if kind != "none" else "1",
+            written, once,
+        ])  # fmt: skip
+    head = ["model", "save every N steps", "mean step ms", "slowest step ms",
+            "vs no save (median [min-max] of rounds)", "tensor MiB written per rank (held)",
+            "written / tensors once"]  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def main(
@@ -226,10 +230,7 @@ def main(
         f"median of {rounds} interleaved rounds.\n{host_line()}"
     )
     result = header + "\n\n" + table(rows, held)
-    print(result)
-    if doc is not None:
-        write_section(Path(doc), SECTION, _doc_section(result, world))
-    return result
+    return publish(result, doc, SECTION, _doc_section(result, world))
 
 
 def _doc_section(result: str, world: int) -> str:

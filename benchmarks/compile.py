@@ -30,9 +30,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
+from common import (  # benchmarks/ is on sys.path when run as a script
+    command_line,
+    host_line,
+    interleaved_rounds,
+    markdown_table,
+    median_range,
+    positive,
+    spread,
+    write_section,
+)
 from moe_layer import _hf_candidates
-from rounds import spread
 
 from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
 from mula.model.config import MulaConfig
@@ -117,16 +125,8 @@ def _rounds(
     steps: dict[str, Callable[[], None]], rounds: int, per_round: int, tokens: int
 ) -> dict[str, list]:
     """tokens/s of each candidate in each round (one untimed step each first: compilation, warm-up)."""
-    for step in steps.values():
-        step()
-    rates: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            rates[name].append(tokens * per_round / (time.perf_counter() - t0))
-    return rates
+    seconds = interleaved_rounds(steps, rounds, warmup=1, calls=per_round)
+    return {name: [tokens * per_round / s for s in times] for name, times in seconds.items()}
 
 
 def first_step(name: str, dtype: str, compiled: bool, cache: str) -> dict[str, float]:
@@ -162,14 +162,13 @@ def _first_step_in_process(name: str, dtype: str, compiled: bool, cache: str) ->
 def _throughput_table(name: str, dtype: str, rates: dict[str, list], notes: dict[str, str]) -> list[str]:
     hf = {k: v for k, v in rates.items() if k.startswith("transformers")}
     fastest = max(hf, key=lambda k: statistics.median(hf[k])) if hf else None
-    lines = ["| candidate | tokens/s median [min-max] | vs eager |", "|---|---|---|"]
-    for cand in ("mula eager", "mula compiled", fastest):
-        if cand is None:
-            continue
-        r = rates[cand]
-        ratio = spread([a / b for a, b in zip(r, rates["mula eager"])])
-        label = f"{cand} (fastest of {len(hf)})" if cand == fastest else cand
-        lines.append(f"| {label} | {statistics.median(r):,.0f} [{min(r):,.0f}-{max(r):,.0f}] | {ratio} |")
+    cells = [
+        [f"{cand} (fastest of {len(hf)})" if cand == fastest else cand, median_range(rates[cand]),
+         spread([a / b for a, b in zip(rates[cand], rates["mula eager"])])]
+        for cand in ("mula eager", "mula compiled", fastest)
+        if cand is not None
+    ]  # fmt: skip
+    lines = [markdown_table(["candidate", "tokens/s median [min-max]", "vs eager"], cells)]
     for cand, note in notes.items():
         lines.append(f"| {cand} | {note} | |")
     faster = statistics.median(rates["mula compiled"]) > statistics.median(rates["mula eager"])
@@ -205,11 +204,10 @@ def main(
     for d in dtypes:
         if d not in ("float32", "bfloat16"):
             raise ValueError(f"dtypes must be 'float32' or 'bfloat16', got {d!r}.")
-    if rounds < 1 or steps < 1:
-        raise ValueError(f"rounds and steps must be >= 1, got {rounds} and {steps}.")
+    positive(rounds=rounds, steps=steps)
     out = [
         f"{SECTION}\n",
-        f"Command: `{' '.join(['python', *sys.argv])}`  ",
+        command_line(),
         f"{host_line()}  ",
         f"{rounds} interleaved rounds of {steps} steps per candidate, after one untimed step each.",
     ]
@@ -242,8 +240,7 @@ def main(
         out += ["\n### First step: compilation, cold and with a resumed run's cache\n", *first_rows]
     print(NOTES)
     text = "\n".join([*out, NOTES]) + "\n"
-    if doc is not None:
-        write_section(Path(doc), SECTION, text)
+    write_section(doc, SECTION, text)
     return text
 
 

@@ -24,17 +24,27 @@ memory columns show what expert parallelism buys. Benchmarks print tables and ne
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, run_gloo, spread
+from common import (  # benchmarks/ is on sys.path when run as a script
+    MiB,
+    by_case,
+    gloo_ranks,
+    largest_over_ranks,
+    markdown_table,
+    medians,
+    moe_config,
+    moe_shape,
+    publish,
+    run_gloo,
+    slowest_rank_seconds,
+    spread,
+    start_together,
+)
 from torch import Tensor
 
 from mula import Mula, MulaConfig
@@ -44,7 +54,6 @@ from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer
 from strategies.topology import build_topology
 
-MiB = 2**20
 SECTION = "## expert_parallel"
 
 
@@ -222,17 +231,15 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
         if i == spec.warmup:
             for d in dispatchers:
                 d.bytes_sent = 0
-        dist.barrier()
-        start = time.perf_counter()
+        start = start_together()
         optimizer.zero_grad(set_to_none=True)
         _loss(net, batch, config).backward()
         if sync is not None:
             sync.finish()
         optimizer.step()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+        elapsed = slowest_rank_seconds(start)
         if i >= spec.warmup:
-            times.append(float(elapsed))
+            times.append(elapsed)
     sent = sum(d.bytes_sent for d in dispatchers) / spec.steps
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if hasattr(optimizer, "state_bytes"):
@@ -259,61 +266,31 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
     return [_run_case(case, spec, rank, world) for case in spec.cases]
 
 
-def _worst_rank(gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rank 0's rows with the largest rank's bytes (they differ per rank only by rounding)."""
-    return [
-        {**r, **{k: max(g[i][k] for g in gathered) for k in ("a2a_mib", "param_mib", "state_mib")}}
-        for i, r in enumerate(gathered[0])
-    ]
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown table; speedups relative to the DDP row."""
     base = next(r for r in rows if r["ep_size"] == 0)
-    lines = [
-        "| layout | tokens/s | vs DDP | step ms | a2a MiB sent/rank/step | params MiB/rank | optimizer state MiB/rank |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{r['step_ms']:.0f} | {r['a2a_mib']:.1f} | {r['param_mib']:.1f} | {r['state_mib']:.1f} |"
-        )
-    return "\n".join(lines)
+    head = ["layout", "tokens/s", "vs DDP", "step ms", "a2a MiB sent/rank/step", "params MiB/rank",
+            "optimizer state MiB/rank"]  # fmt: skip
+    return markdown_table(head, [
+        [r["case"], f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+         f"{r['step_ms']:.0f}", f"{r['a2a_mib']:.1f}", f"{r['param_mib']:.1f}", f"{r['state_mib']:.1f}"]
+        for r in rows
+    ])  # fmt: skip
 
 
 def before_after(rows: list[dict[str, Any]]) -> str:
     """Markdown table: the all-to-all dispatcher before and after its fast path, per layout; the ratio is
     taken within each interleaved round (median [min-max] over rounds)."""
-    lines = [
-        "| layout | before tokens/s | after tokens/s | after / before (median [min-max] of rounds) |",
-        "|---|---|---|---|",
-    ]
     grouped = by_case(rows)
-    for case, after in grouped.items():
-        prev = grouped.get(f"{case} (before)")
-        if prev is None:
-            continue
-        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(after, prev)]
-        med = statistics.median
-        lines.append(
-            f"| {case} | {med(b['tokens_per_s'] for b in prev):.0f} | {med(a['tokens_per_s'] for a in after):.0f} "
-            f"| {spread(ratios)} |"
-        )
-    return "\n".join(lines)
-
-
-def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per case (first-seen order): the median over rounds of every numeric field."""
-    return [
-        {
-            k: statistics.median(r[k] for r in rs)
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-            else v
-            for k, v in rs[0].items()
-        }
-        for rs in by_case(rows).values()
-    ]
+    med = statistics.median
+    cells = [
+        [case, f"{med(b['tokens_per_s'] for b in prev):.0f}", f"{med(a['tokens_per_s'] for a in after):.0f}",
+         spread([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(after, prev)])]
+        for case, after in grouped.items()
+        if (prev := grouped.get(f"{case} (before)")) is not None
+    ]  # fmt: skip
+    head = ["layout", "before tokens/s", "after tokens/s", "after / before (median [min-max] of rounds)"]
+    return markdown_table(head, cells)
 
 
 def main(
@@ -344,10 +321,9 @@ def main(
     bad = [e for e in ep_sizes if e < 1 or world % e or num_experts % e]
     if bad:
         raise ValueError(f"ep_sizes {bad} must divide both world={world} and num_experts={num_experts}.")
-    config = MulaConfig.from_name(
-        "mula-tiny-moe", hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_experts=num_experts,
-        top_k=top_k, expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
-        max_position_embeddings=max(seq_len, 64),
+    config = moe_config(
+        seq_len, hidden_size=hidden_size, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+        expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
     )  # fmt: skip
     cases = [Case("DDP", 0)]
     for e in ep_sizes:
@@ -363,25 +339,20 @@ def main(
             cases.append(Case(f"EP E={e} uniform routing (before)", e, before=True, routing="uniform"))
     runs = [case for _ in range(rounds) for case in cases]  # interleaved rounds: drift hits every layout
     spec = Spec(dataclasses.asdict(config), runs, micro_batch, seq_len, steps, warmup)
-    rows = _worst_rank(run_gloo(_rank_rows, world, spec))
-    p_total = config.num_params()
+    # rank 0's rows with the largest rank's bytes (they differ per rank only by rounding)
+    rows = largest_over_ranks(run_gloo(_rank_rows, world, spec), ("a2a_mib", "param_mib", "state_mib"))
     header = (
-        f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
-        f"(FFN {expert_intermediate_size}), vocab {vocab_size}: {p_total / 1e6:.1f}M parameters. fp32, gloo, W={world} "
-        f"processes on {os.cpu_count()} CPU cores (1 torch thread each), micro-batch {micro_batch} x {seq_len} "
+        f"Model: {moe_shape(config)}. fp32, gloo, {gloo_ranks(world)}, micro-batch {micro_batch} x {seq_len} "
         f"tokens per rank, median of {steps} full training steps (slowest rank) after {warmup} warm-up steps; "
         f"every number is the median of {rounds} interleaved rounds."
     )
-    result = header + "\n\n" + table(_medians(rows))
+    result = header + "\n\n" + table(medians(rows))
     if any(r["case"].endswith("(before)") for r in rows):
         result += (
             "\n\nThe all-to-all dispatcher before and after its fast path (same run):\n\n"
             + before_after(rows)
         )
-    print(result)
-    if doc is not None:
-        write_section(Path(doc), SECTION, _doc_section(result, world))
-    return result
+    return publish(result, doc, SECTION, _doc_section(result, world))
 
 
 def _doc_section(result: str, world: int) -> str:

@@ -29,16 +29,25 @@ Benchmarks print tables and never assert.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, run_gloo, spread
+from common import (  # benchmarks/ is on sys.path when run as a script
+    MiB,
+    by_case,
+    gloo_ranks,
+    host_line,
+    largest_over_ranks,
+    markdown_table,
+    median_range,
+    positive,
+    publish,
+    run_gloo,
+    slowest_rank_seconds,
+    spread,
+    start_together,
+)
 
 from mula.layout.parallel_layout import ParallelLayout
 from mula.layout.rules import check_sequence_split
@@ -46,7 +55,6 @@ from mula.model.config import MulaConfig, resolve_config
 from mula.plan import Layout, plan_memory
 
 SECTION = "## long sequences"
-MiB = 2**20
 DOC = """{section}
 
 Ulysses context parallelism (`XPUMoEStrategy(context_parallel_size=C)`, docs/context-parallel.md) at
@@ -101,7 +109,7 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
         module = MulaLightningModule(spec.preset, overrides=spec.overrides)
         module.configure_model()
         if cp > 1:
-            apply_context_parallel(module.model, topo.cp_group, topo.cp_rank, topo.cp_size)
+            apply_context_parallel(module.model, topo.group("cp"), topo.rank("cp"), topo.size("cp"))
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(module.param_groups(), lr=1e-4, weight_decay=0.1)
         sync = GradientSynchronizer(named, topo, bucket_size_mb=16.0, overlap=False)
@@ -115,8 +123,7 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
         times = []
         for step in range(1 + spec.steps):  # step 0 warms up (and meters the activations once per case)
             batch = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=gen)
-            dist.barrier()
-            start = time.perf_counter()
+            start = start_together()
             optimizer.zero_grad(set_to_none=True)
             if step == 0 and (seq, cp) not in measured:
                 with SavedTensorMeter(exclude=module.parameters()) as meter:
@@ -127,10 +134,9 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
             loss.backward()
             sync.finish()
             optimizer.step()
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+            elapsed = slowest_rank_seconds(start)
             if step > 0:
-                times.append(float(elapsed))
+                times.append(elapsed)
         step_s = statistics.median(times)
         rows.append({
             "case": _case_name(seq, cp), "seq": seq, "cp": cp, "step_ms": 1e3 * step_s,
@@ -140,14 +146,6 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
     for _, _, sync, _ in setups.values():
         sync.remove_hooks()
     return rows
-
-
-def _merge_ranks(gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rank 0's rows (the step times are already the slowest rank's) with the largest rank's activations."""
-    return [
-        {**row, "activation_bytes": max(g[i]["activation_bytes"] for g in gathered)}
-        for i, row in enumerate(gathered[0])
-    ]
 
 
 def planned_activations(config: MulaConfig, world: int, cp: int, seq: int, micro_batch: int) -> int:
@@ -162,25 +160,23 @@ def table(rows: list[dict[str, Any]], config: MulaConfig, world: int, micro_batc
     per_round: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in rows:
         per_round.setdefault((r["seq"], r["cp"]), []).append(r)
-    lines = [
-        "| S | C | tokens/s (median [min-max] of rounds) | vs C=1 at this S | step ms | activations/rank measured MiB | planned MiB | planned / measured |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     for rs in by_case(rows).values():
         seq, cp = rs[0]["seq"], rs[0]["cp"]
         ones = per_round.get((seq, 1))
         ratio = (
             "-" if ones is None else spread([r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(rs, ones)])
         )
-        tps = [r["tokens_per_s"] for r in rs]
         measured = rs[0]["activation_bytes"]
         planned = planned_activations(config, world, cp, seq, micro_batch)
-        lines.append(
-            f"| {seq} | {cp} | {statistics.median(tps):,.0f} [{min(tps):,.0f}-{max(tps):,.0f}] | {ratio} | "
-            f"{statistics.median(r['step_ms'] for r in rs):.0f} | {measured / MiB:.1f} | {planned / MiB:.1f} | "
-            f"{planned / measured:.3f} |"
-        )
-    return "\n".join(lines)
+        cells.append([
+            seq, cp, median_range([r["tokens_per_s"] for r in rs]), ratio,
+            f"{statistics.median(r['step_ms'] for r in rs):.0f}", f"{measured / MiB:.1f}",
+            f"{planned / MiB:.1f}", f"{planned / measured:.3f}",
+        ])  # fmt: skip
+    head = ["S", "C", "tokens/s (median [min-max] of rounds)", "vs C=1 at this S", "step ms",
+            "activations/rank measured MiB", "planned MiB", "planned / measured"]  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def main(
@@ -196,10 +192,7 @@ def main(
     """Run every (sequence length, C) in one job of `world` CPU processes, `rounds` interleaved rounds."""
     if model not in ("mula-tiny-moe", "mula-tiny-dense"):
         raise ValueError(f"model must be mula-tiny-moe or mula-tiny-dense, got {model!r}.")
-    if min(steps, rounds, micro_batch, world) < 1:
-        raise ValueError(
-            f"world, micro_batch, steps and rounds must be positive, got {world}, {micro_batch}, {steps}, {rounds}."
-        )
+    positive(world=world, micro_batch=micro_batch, steps=steps, rounds=rounds)
     overrides = {"max_position_embeddings": max(seq_lens)}
     config = resolve_config(model, overrides)
     for cp in cp_sizes:  # refuse, before any process starts, a layout the strategy would refuse
@@ -208,22 +201,21 @@ def main(
             check_sequence_split(seq, cp)
     cases = [(seq, cp) for _ in range(rounds) for seq in seq_lens for cp in cp_sizes]
     spec = Spec(model, overrides, cases, list(cp_sizes), micro_batch, steps)
-    rows = _merge_ranks(run_gloo(_rank_rows, world, spec))
+    # rank 0's rows (the step times are already the slowest rank's) with the largest rank's activations
+    rows = largest_over_ranks(run_gloo(_rank_rows, world, spec), ["activation_bytes"])
     header = (
         f"Model: {model} (hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads} heads"
         + (f", {config.num_experts} experts top-{config.top_k}" if config.is_moe else "")
-        + f"): {config.num_params() / 1e6:.1f}M parameters. fp32, gloo, W={world} processes on "
-        f"{os.cpu_count()} CPU cores (1 torch thread each), W/C sequences of micro-batch {micro_batch} per step, "
+        + f"): {config.num_params() / 1e6:.1f}M parameters. fp32, gloo, {gloo_ranks(world)}, "
+        f"W/C sequences of micro-batch {micro_batch} per step, "
         f"median of {steps} steps (slowest rank) after 1 warm-up step, {rounds} interleaved rounds. "
         "Activations: peak saved-for-backward bytes of one forward, largest rank, against `mula plan`'s."
     )
     result = header + "\n\n" + table(rows, config, world, micro_batch)
-    print(result)
-    if doc is not None:  # the section names the host it was measured on
-        write_section(
-            Path(doc), SECTION, DOC.format(section=SECTION, world=world, host=host_line(), result=result)
-        )
-    return result
+    # the section names the host it was measured on
+    return publish(
+        result, doc, SECTION, DOC.format(section=SECTION, world=world, host=host_line(), result=result)
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rounds import run_gloo  # benchmarks/ is on sys.path when run as a script
+from common import markdown_table, median_range, run_gloo  # benchmarks/ is on sys.path when run as a script
 from torch.utils.data import DataLoader
 
 from mula import MulaConfig
@@ -98,12 +97,7 @@ def measured_table(ep: int) -> str:
     """Part 1: measured (largest rank) vs planned bytes per component."""
     ranks = run_gloo(_measure, WORLD, ep)
     config = MulaConfig.from_name("mula-tiny-moe")
-    lines = [
-        f"tiny MoE, {WORLD} CPU ranks, E={ep}, micro-batch {MICRO} x {SEQ}: per-rank bytes, exact, measured (largest rank) / planned",
-        "",
-        "| setup | checkpointing | params | grads | optimizer state | activations |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for key in ranks[0]:
         setup, level = key.split("|")
         precision, zero, reduce = SETUPS[setup]
@@ -119,8 +113,13 @@ def measured_table(ep: int) -> str:
             f"{int(max(r[key][c] for r in ranks)):,} / {int(predicted[c]):,}"
             for c in ("params", "grads", "optimizer", "activations")
         ]
-        lines.append(f"| {setup} | {level} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([setup, level, *cells])
+    caption = (
+        f"tiny MoE, {WORLD} CPU ranks, E={ep}, micro-batch {MICRO} x {SEQ}: per-rank bytes, exact, measured "
+        "(largest rank) / planned"
+    )
+    head = ["setup", "checkpointing", "params", "grads", "optimizer state", "activations"]
+    return caption + "\n\n" + markdown_table(head, rows)
 
 
 def _plan_recipe(name: str, nodes: int) -> tuple[dict[str, Any], list[float]]:
@@ -175,7 +174,7 @@ def _measure_pipelines(rank: int, world: int) -> list[dict[str, float]]:
         )
         trainer.fit(module, DataLoader([batch], batch_size=None))  # the step's whole batch
         logged = {k: float(trainer.callback_metrics[k]) for k in PIPE_KEYS}
-        rows.append({**logged, "stage": strategy.topology.pp_rank})
+        rows.append({**logged, "stage": strategy.topology.rank("pp")})
     return rows
 
 
@@ -183,13 +182,7 @@ def pipeline_table() -> str:
     """Part 1b: per pipeline stage, measured (the stage's largest rank) vs planned bytes."""
     ranks = run_gloo(_measure_pipelines, WORLD)
     config = MulaConfig.from_name("mula-tiny-moe")
-    lines = [
-        f"tiny MoE, {WORLD} CPU ranks, pipeline stages, {PIPE_STEPS_MB} micro-batches of {PIPE_MICRO} x {SEQ} "
-        "per step: per-rank bytes of each stage, measured (largest rank of the stage) / planned",
-        "",
-        "| layout | stage | params | grads | optimizer state | activations (peak) | activations planned / measured | micro-batches in flight (planned) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for i, (pp, ep, schedule, virtual, precision, level) in enumerate(PIPELINES):
         layout = Layout(
             world_size=WORLD, ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
@@ -205,28 +198,29 @@ def pipeline_table() -> str:
             planned = (plan.param_tensor_bytes, plan.grads, plan.optimizer, plan.activations)
             cells = [f"{got[k]:,} / {v:,}" for k, v in zip(PIPE_KEYS, planned)]
             ratio = plan.activations / got["mem/activation_bytes"]
-            lines.append(
-                f"| {desc} | {stage} | "
-                + " | ".join(cells)
-                + f" | {ratio:.3f} | {plan.activation_micro_batches} |"
-            )
-    return "\n".join(lines)
+            rows.append([desc, stage, *cells, f"{ratio:.3f}", plan.activation_micro_batches])
+    caption = (
+        f"tiny MoE, {WORLD} CPU ranks, pipeline stages, {PIPE_STEPS_MB} micro-batches of {PIPE_MICRO} x {SEQ} "
+        "per step: per-rank bytes of each stage, measured (largest rank of the stage) / planned"
+    )
+    head = ["layout", "stage", "params", "grads", "optimizer state", "activations (peak)",
+            "activations planned / measured", "micro-batches in flight (planned)"]  # fmt: skip
+    return caption + "\n\n" + markdown_table(head, rows)
 
 
 def _row(
     name: str, layout: str, per: dict[str, int], fits: bool, step: float | None, mfu: float | None
-) -> str:
-    cells = " | ".join(
+) -> list[str]:
+    """A planned layout's cells under `HEADER` (no step time: one empty cell)."""
+    sizes = [
         f"{per[c] / GB:.1f}" for c in ("params", "grads", "optimizer", "activations", "buffers", "total")
-    )
-    timing = "" if step is None else f"{step:.2f} | {100 * mfu:.1f}"
-    return f"| {name} | {layout} | {cells} | {'yes' if fits else 'no'} | {timing} |"
+    ]
+    timing = [""] if step is None else [f"{step:.2f}", f"{100 * mfu:.1f}"]
+    return [name, layout, *sizes, "yes" if fits else "no", *timing]
 
 
-HEADER = [
-    "| model | layout | params | grads | optimizer | activations | buffers | total GB | fits 64 GB | step s | MFU % |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
-]
+HEADER = ["model", "layout", "params", "grads", "optimizer", "activations", "buffers", "total GB",
+          "fits 64 GB", "step s", "MFU %"]  # fmt: skip
 PAPER = ["mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"]
 PLAN_RUNS = 3
 
@@ -234,13 +228,7 @@ PLAN_RUNS = 3
 def recipe_table(nodes: int) -> str:
     """Part 2a: each paper recipe at the layout its header gives, as the `mula` command plans it, with
     the command's wall time (median [min-max] of PLAN_RUNS fresh processes)."""
-    lines = [
-        f"paper recipes on {nodes} Aurora nodes ({12 * nodes} tiles): the `mula plan` command of each "
-        f"recipe's header with `--nodes {nodes}`; plan s = that command's wall time",
-        "",
-        HEADER[0] + " plan s |",
-        HEADER[1] + "---|",
-    ]
+    rows = []
     for name in PAPER:
         r, seconds = _plan_recipe(name, nodes)
         lay = r["layout"]
@@ -249,8 +237,12 @@ def recipe_table(nodes: int) -> str:
             f"ckpt {lay['checkpointing']}"
         )
         row = _row(name, desc, r["per_rank_bytes"], r["fits"], r["step_time_s"], r["mfu"])
-        lines.append(f"{row} {statistics.median(seconds):.2f} [{min(seconds):.2f}-{max(seconds):.2f}] |")
-    return "\n".join(lines)
+        rows.append([*row, median_range(seconds, ".2f")])
+    caption = (
+        f"paper recipes on {nodes} Aurora nodes ({12 * nodes} tiles): the `mula plan` command of each "
+        f"recipe's header with `--nodes {nodes}`; plan s = that command's wall time"
+    )
+    return caption + "\n\n" + markdown_table([*HEADER, "plan s"], rows)
 
 
 # Optimus' layouts (the paper): E inside a node, P stages of one node each, selective recomputation
@@ -258,11 +250,7 @@ def optimus_table() -> str:
     """Part 2b: the paper's layouts at 256 nodes as Optimus ran them (`mula.plan.references`), at each
     activation-checkpointing level."""
     machine = load_machine("aurora")
-    lines = [
-        "Optimus' layouts on 256 Aurora nodes (3072 tiles), micro-batch 1, global batch 3072 (`mula.plan.references`)",
-        "",
-        *HEADER,
-    ]
+    rows = []
     for name, run in OPTIMUS_RUNS.items():
         config = MulaConfig.from_name(name)
         for checkpointing in ("none", ["moe"], "full"):
@@ -272,8 +260,12 @@ def optimus_table() -> str:
                 f"E={layout.ep_size}, P={layout.pp_size}, {layout.micro_batches} x mb 1, ckpt {checkpointing}"
             )
             fits = plan.total <= machine.device_bytes
-            lines.append(_row(name, desc, plan.per_rank_bytes(), fits, time.step_time_s, time.mfu))
-    return "\n".join(lines)
+            rows.append(_row(name, desc, plan.per_rank_bytes(), fits, time.step_time_s, time.mfu))
+    caption = (
+        "Optimus' layouts on 256 Aurora nodes (3072 tiles), micro-batch 1, global batch 3072 "
+        "(`mula.plan.references`)"
+    )
+    return caption + "\n\n" + markdown_table(HEADER, rows)
 
 
 def scaling_table(node_counts: list[int]) -> str:
@@ -283,18 +275,17 @@ def scaling_table(node_counts: list[int]) -> str:
     config, run = MulaConfig.from_name("mula-220b-a10b"), OPTIMUS_RUNS["mula-220b-a10b"]
     base = node_counts[0]
     inputs = PlanInputs(config, run.layout(base), run.global_batch(base), machine.device_bytes, "", machine)
-    lines = [
+    rows = [
+        [row["nodes"], row["ranks"], run.global_batch(row["nodes"]), f"{100 * row['weak_efficiency']:.1f} %",
+         f"{row['weak_tokens_per_s']:,.0f}"]
+        for row in scaling(inputs, base, node_counts)
+    ]  # fmt: skip
+    caption = (
         f"Mula-220B-A10B, Optimus' layout (E=12, P=8, 8 micro-batches of 1 per rank), from {base} nodes "
-        f"({12 * base} tiles, global batch {run.global_batch(base)}) growing with the tiles",
-        "",
-        "| nodes | tiles | global batch | weak efficiency | weak tokens/s |",
-        "|---|---|---|---|---|",
-    ]
-    for row in scaling(inputs, base, node_counts):
-        lines.append(
-            f"| {row['nodes']} | {row['ranks']} | {run.global_batch(row['nodes'])} | {100 * row['weak_efficiency']:.1f} % | {row['weak_tokens_per_s']:,.0f} |"
-        )
-    return "\n".join(lines)
+        f"({12 * base} tiles, global batch {run.global_batch(base)}) growing with the tiles"
+    )
+    head = ["nodes", "tiles", "global batch", "weak efficiency", "weak tokens/s"]
+    return caption + "\n\n" + markdown_table(head, rows)
 
 
 def main() -> None:

@@ -24,17 +24,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+from common import (  # benchmarks/ is on sys.path when run as a script
+    command_line,
+    interleaved_rounds,
+    markdown_table,
+    write_section,
+)
 from torch import Tensor
 
 import mula.model.kernels as mk
@@ -42,6 +44,7 @@ from mula.model.config import MulaConfig
 from mula.model.kernels import padded
 from mula.model.moe import MoELayer
 from mula.model.transformer import Mula
+from mula.training.devices import device_name
 
 SECTION = "## moe_layer"
 UNIFORM = "mula MoELayer [auto], uniform routing"
@@ -119,22 +122,10 @@ def _sync(device: torch.device) -> None:
 def _time_interleaved(
     steps: dict[str, Callable[[], None]], rounds: int, warmup: int, device: torch.device
 ) -> dict[str, list[float]]:
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            # One untimed call first: oneDNN keeps a bounded per-shape JIT cache, and the previous
-            # candidate's shapes (e.g. transformers' one GEMM per expert) would otherwise evict this
-            # one's kernels and charge it their recompilation, which training never pays.
-            step()
-            _sync(device)
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return times
+    # One untimed call before each timed one (`fresh`): oneDNN keeps a bounded per-shape JIT cache, and the
+    # previous candidate's shapes (e.g. transformers' one GEMM per expert) would otherwise evict this
+    # one's kernels and charge it their recompilation, which training never pays.
+    return interleaved_rounds(steps, rounds, warmup, fresh=True, sync=lambda: _sync(device))
 
 
 def _hf_candidates(
@@ -335,25 +326,20 @@ def _table(rows: list[Row], with_err: bool) -> str:
     hf_best = min(hf) if hf else float("nan")
     dense = [r.best_ms for r in timed if r.name.startswith("dense")]
     dense_ms = dense[0] if dense else float("nan")
-    head = "| implementation | best ms | median ms | TFLOP/s | share of the dense GEMM's | speedup vs fastest transformers |"
-    sep = "|---|---|---|---|---|---|"
-    if with_err:
-        head += " max abs diff vs transformers grouped_mm |"
-        sep += "---|"
-    lines = [head, sep]
+    head = ["implementation", "best ms", "median ms", "TFLOP/s", "share of the dense GEMM's",
+            "speedup vs fastest transformers"]  # fmt: skip
+    head += ["max abs diff vs transformers grouped_mm"] if with_err else []
+    cells = []
     for r in rows:
         if r.note:
-            lines.append(f"| {r.name} | - | - | - | - | {r.note} |" + (" - |" if with_err else ""))
+            cells.append([r.name, "-", "-", "-", "-", r.note] + (["-"] if with_err else []))
             continue
         tflops = r.flops / (r.best_ms * 1e-3) / 1e12
-        line = (
-            f"| {r.name} | {r.best_ms:.2f} | {r.median_ms:.2f} | {tflops:.3f} | {dense_ms / r.best_ms:.0%} "
-            f"| {hf_best / r.best_ms:.2f}x |"
-        )
-        if with_err:
-            line += " - |" if r.err is None else f" {r.err:.1e} |"
-        lines.append(line)
-    return "\n".join(lines)
+        cells.append([
+            r.name, f"{r.best_ms:.2f}", f"{r.median_ms:.2f}", f"{tflops:.3f}", f"{dense_ms / r.best_ms:.0%}",
+            f"{hf_best / r.best_ms:.2f}x",
+        ] + ([("-" if r.err is None else f"{r.err:.1e}")] if with_err else []))  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def _speedup(rows: list[Row], marker: str, target: float) -> str:
@@ -364,14 +350,6 @@ def _speedup(rows: list[Row], marker: str, target: float) -> str:
         return "n/a"
     ratio = min(hf) / mine[0]
     return f"{ratio:.2f}x (target {target}x: {'met' if ratio >= target else 'not met'})"
-
-
-def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "xpu":
-        return torch.xpu.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads"
 
 
 def main(
@@ -426,9 +404,9 @@ def main(
     rounds = rounds or (15 if on_cpu else 20)
     out = [
         f"{SECTION}\n",
-        f"Command: `{' '.join(['python', *sys.argv])}`  ",
+        command_line(),
         (
-            f"Device: {_machine(dev)}; torch {torch.__version__}; best of {rounds} interleaved rounds "
+            f"Device: {device_name(dev)}; torch {torch.__version__}; best of {rounds} interleaved rounds "
             f"after {warmup} warm-up (whole model: best of {max(rounds // 3, 3)} after 1).  "
         ),
     ]
@@ -477,11 +455,10 @@ def main(
     out += summary + [NOTES]
     print("\n".join(summary), flush=True)
     text = "\n".join(out) + "\n"
-    if doc is not None:
-        write_section(Path(doc), SECTION, text)
+    write_section(doc, SECTION, text)
     if json_out is not None:
         Path(json_out).write_text(
-            json.dumps({"device": _machine(dev), "torch": torch.__version__, "tables": tables})
+            json.dumps({"device": device_name(dev), "torch": torch.__version__, "tables": tables})
         )
     return text
 

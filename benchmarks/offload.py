@@ -21,12 +21,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from rounds import run_gloo, spread  # benchmarks/ is on sys.path when run as a script
+from common import (  # benchmarks/ is on sys.path when run as a script
+    markdown_table,
+    positive,
+    run_gloo,
+    slowest_rank_seconds,
+    spread,
+    start_together,
+)
 
 from mula import Mula, MulaConfig
 from strategies.optim.sharded_optimizer import EPShardedAdamW
@@ -67,8 +72,7 @@ def _rank(rank: int, world: int, spec: BenchSpec) -> list[dict[str, Any]]:
         for _ in range(spec.steps + 1):  # the first step of each round warms up
             tokens = torch.randint(0, config.vocab_size, (spec.micro_batch, spec.seq_len + 1), generator=gen)
             for name, (model, opt) in arms.items():
-                dist.barrier()
-                t0 = time.perf_counter()
+                t0 = start_together()
                 out = model(tokens[:, :-1])
                 loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
                 loss.backward()
@@ -78,9 +82,7 @@ def _rank(rank: int, world: int, spec: BenchSpec) -> list[dict[str, Any]]:
                         opt.clip_grad_norm_(spec.clip, norm=norm)
                     opt.step()
                 opt.zero_grad()
-                elapsed = torch.tensor(time.perf_counter() - t0)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times[name].append(float(elapsed))
+                times[name].append(slowest_rank_seconds(t0))
         for name, (_, opt) in arms.items():
             rows.append(
                 {
@@ -96,13 +98,15 @@ def _rank(rank: int, world: int, spec: BenchSpec) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """Per arm: the median step time per round, and overlapped / after-backward over rounds."""
     by = {name: [r for r in rows if r["case"] == name] for name in ARMS}
-    lines = ["| update | step ms per round | rollbacks |", "|---|---|---|"]
-    for name, mine in by.items():
-        per_round = ", ".join(f"{r['step_ms']:.1f}" for r in mine)
-        lines.append(f"| {name} | {per_round} | {int(mine[-1]['rollbacks'])} |")
+    cells = [
+        [name, ", ".join(f"{r['step_ms']:.1f}" for r in mine), int(mine[-1]["rollbacks"])]
+        for name, mine in by.items()
+    ]
     ratios = [a["step_ms"] / b["step_ms"] for a, b in zip(by["after backward"], by["overlapped"])]
-    lines.append(f"\nafter backward / overlapped step time: {spread(ratios)}")
-    return "\n".join(lines)
+    return (
+        markdown_table(["update", "step ms per round", "rollbacks"], cells)
+        + f"\n\nafter backward / overlapped step time: {spread(ratios)}"
+    )
 
 
 def main(
@@ -120,8 +124,7 @@ def main(
     clip: float | None = None,
 ) -> str:
     """Run both arms in one set of `world` ranks and print the table."""
-    if world < 1 or steps < 1 or rounds < 1:
-        raise ValueError(f"world, steps and rounds must be positive, got {world}, {steps}, {rounds}.")
+    positive(world=world, steps=steps, rounds=rounds)
     cfg = MulaConfig.from_name(
         "mula-tiny-dense", hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
         intermediate_size=intermediate_size, vocab_size=vocab_size, max_position_embeddings=max(seq_len, 64),

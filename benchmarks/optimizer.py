@@ -27,21 +27,24 @@ import dataclasses
 import gc
 import os
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import run_gloo
+from common import (  # benchmarks/ is on sys.path when run as a script
+    MiB,
+    markdown_table,
+    publish,
+    run_gloo,
+    slowest_rank_seconds,
+    start_together,
+)
 
 from mula import Mula, MulaConfig
 from mula.model.moe import is_expert_param
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
-MiB = 2**20
 SECTION = "## optimizer"
 
 
@@ -88,14 +91,14 @@ class _BucketedAllReduce:
     def __init__(self, named, topo, bucket_numel: int, rooted: bool) -> None:
         self.rooted = rooted
         self.ranks = {
-            id(topo.world_group): list(range(topo.world_size)),
-            id(topo.edp_group): topo.edp_group_ranks(),
+            id(topo.group("replica")): list(range(topo.size("replica"))),
+            id(topo.group("edp_cp")): topo.group_ranks("edp_cp"),
         }
         self.plan = []
         for expert in (False, True):
             params = [p for n, p in reversed(named) if is_expert_param(n) == expert]
-            group = topo.edp_group if expert else topo.world_group
-            size = topo.edp_size if expert else topo.world_size
+            group = topo.group("edp_cp") if expert else topo.group("replica")
+            size = topo.size("edp_cp") if expert else topo.size("replica")
             current: list[torch.Tensor] = []
             for p in params + [None]:
                 if p is None or (current and sum(q.numel() for q in current) + p.numel() > bucket_numel):
@@ -105,7 +108,7 @@ class _BucketedAllReduce:
                     current = []
                 if p is not None:
                     current.append(p)
-        self.scale = 1.0 / topo.world_size
+        self.scale = 1.0 / topo.size("replica")
 
     def __call__(self) -> None:
         for params, buf, group, size in self.plan:
@@ -139,8 +142,8 @@ class _Variant:
 
     def __init__(self, name: str, specs, topo, bucket_numel: int) -> None:
         self.name = name
-        self.named = _local_params(specs, topo.ep_size, seed=topo.ep_rank)
-        g = torch.Generator().manual_seed(1000 + topo.rank)
+        self.named = _local_params(specs, topo.size("ep"), seed=topo.rank("ep"))
+        g = torch.Generator().manual_seed(1000 + topo.rank("replica"))
         self.grads = [torch.randn(p.shape, generator=g) * 1e-3 for _, p in self.named]
         self.times: list[float] = []
         if name.startswith("a"):
@@ -186,13 +189,11 @@ def _measure_layout(specs, topo, spec: BenchSpec) -> list[dict[str, Any]]:
     for i in range(spec.warmup + spec.iters):
         for v in variants:
             v.set_grads()
-            dist.barrier()
-            t0 = time.perf_counter()
+            t0 = start_together()
             v.step()
-            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+            elapsed = slowest_rank_seconds(t0)
             if i >= spec.warmup:
-                v.times.append(elapsed.item() * 1e3)
+                v.times.append(elapsed * 1e3)
     rows = [v.report() for v in variants]
     for v in variants:
         if isinstance(v.opt, EPShardedAdamW):
@@ -227,21 +228,19 @@ def _formula_bytes(variant: str, p_dense: int, p_expert: int, w: int, e: int) ->
 
 def table(rows: list[dict[str, Any]], p_dense: int, p_expert: int) -> str:
     """Markdown table of the measured rows, with the memory formula and speedups against (a)."""
-    lines = [
-        "| W | E | optimizer | state MiB/rank | formula MiB | state vs (a) | grad buffers MiB | step ms "
-        + "| speedup vs (a) | vs (a,fused) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in rows:
         base = next(x for x in rows if x["W"] == r["W"] and x["E"] == r["E"] and x["variant"] == "a")
         fused = next(x for x in rows if x["W"] == r["W"] and x["E"] == r["E"] and x["variant"] == "a,fused")
         f = _formula_bytes(r["variant"], p_dense, p_expert, r["W"], r["E"])
-        lines.append(
-            f"| {r['W']} | {r['E']} | {r['variant']} | {r['state_bytes'] / MiB:.1f} | {f / MiB:.1f} "
-            f"| {base['state_bytes'] / r['state_bytes']:.2f}x | {r['grad_bytes'] / MiB:.1f} | {r['step_ms']:.1f} "
-            f"| {base['step_ms'] / r['step_ms']:.2f}x | {fused['step_ms'] / r['step_ms']:.2f}x |"
-        )
-    return "\n".join(lines)
+        cells.append([
+            r["W"], r["E"], r["variant"], f"{r['state_bytes'] / MiB:.1f}", f"{f / MiB:.1f}",
+            f"{base['state_bytes'] / r['state_bytes']:.2f}x", f"{r['grad_bytes'] / MiB:.1f}", f"{r['step_ms']:.1f}",
+            f"{base['step_ms'] / r['step_ms']:.2f}x", f"{fused['step_ms'] / r['step_ms']:.2f}x",
+        ])  # fmt: skip
+    head = ["W", "E", "optimizer", "state MiB/rank", "formula MiB", "state vs (a)", "grad buffers MiB", "step ms",
+            "speedup vs (a)", "vs (a,fused)"]  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def summary(rows: list[dict[str, Any]], p_dense: int, p_expert: int, w: int = 4, e: int = 4) -> str:
@@ -297,10 +296,7 @@ def main(
         f"median of {iters} steps (slowest rank), {bucket_mb:g} MiB buckets."
     )
     result = header + "\n\n" + table(rows, p_dense, p_expert) + summary(rows, p_dense, p_expert)
-    print(result)
-    if doc is not None:
-        write_section(Path(doc), SECTION, _doc_section(result, worlds, iters))
-    return result
+    return publish(result, doc, SECTION, _doc_section(result, worlds, iters))
 
 
 def _doc_section(result: str, worlds: list[int], iters: int) -> str:

@@ -22,16 +22,25 @@ and the parameters each rank holds. Benchmarks print tables and never assert.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, run_gloo, spread
+from common import (  # benchmarks/ is on sys.path when run as a script
+    MiB,
+    by_case,
+    gloo_ranks,
+    largest_over_ranks,
+    markdown_table,
+    moe_config,
+    moe_shape,
+    publish,
+    run_gloo,
+    slowest_rank_seconds,
+    spread,
+    start_together,
+)
 from torch.distributed.pipelining import PipelineStage
 
 from mula import MulaConfig
@@ -42,7 +51,6 @@ from strategies.pipeline.schedule import PipelineRunner
 from strategies.pipeline.split import split_model
 from strategies.topology import topology_from_layout
 
-MiB = 2**20
 SECTION = "## pipeline"
 
 
@@ -109,18 +117,17 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
     named = list(module.named_parameters())
     optimizer = torch.optim.AdamW(module.param_groups(), lr=1e-4, weight_decay=0.1)
     sync = GradientSynchronizer(named, topo, bucket_size_mb=16.0, overlap=False)
-    rows = spec.global_batch // topo.world_size  # this data-parallel rank's share of a step
+    rows = spec.global_batch // topo.size("replica")  # this data-parallel rank's share of a step
     micro_batches = rows // spec.micro_batch
-    g = torch.Generator().manual_seed(1000 + topo.rank)
+    g = torch.Generator().manual_seed(1000 + topo.rank("replica"))
     batches = [
         torch.randint(0, config.vocab_size, (rows, spec.seq_len + 1), generator=g)
         for _ in range(spec.warmup + spec.steps)
     ]
     times, busy = [], []
     for i, batch in enumerate(batches):
-        dist.barrier()
         _ComputeClock.seconds = 0.0
-        start = time.perf_counter()
+        start = start_together()
         optimizer.zero_grad(set_to_none=True)
         if runner is not None:
             runner.step(batch, micro_batches)
@@ -131,12 +138,10 @@ def _run_case(case: Case, spec: Spec, rank: int, world: int) -> dict[str, Any]:
                 (loss / micro_batches).backward()
         sync.finish()
         optimizer.step()
-        own = time.perf_counter() - start
-        elapsed = torch.tensor(own, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+        elapsed = slowest_rank_seconds(start)
         if i >= spec.warmup:
-            times.append(float(elapsed))
-            busy.append(_ComputeClock.seconds / float(elapsed))
+            times.append(elapsed)
+            busy.append(_ComputeClock.seconds / elapsed)
     sync.remove_hooks()
     step_s = statistics.median(times)
     if runner is None:
@@ -164,17 +169,15 @@ def _rank_rows(rank: int, world: int, spec: Spec) -> list[dict[str, Any]]:
 
 def _merge_ranks(gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Rank 0's rows with the bubble averaged over ranks and the largest rank's parameters."""
-    merged = []
-    for i, row in enumerate(gathered[0]):
-        bubbles = [g[i]["bubble"] for g in gathered]
-        merged.append(
-            {
-                **row,
-                "bubble": None if row["bubble"] is None else sum(bubbles) / len(gathered),
-                "param_mib": max(g[i]["param_mib"] for g in gathered),
-            }
-        )
-    return merged
+    return [
+        {
+            **row,
+            "bubble": None
+            if row["bubble"] is None
+            else sum(g[i]["bubble"] for g in gathered) / len(gathered),
+        }
+        for i, row in enumerate(largest_over_ranks(gathered, ["param_mib"]))
+    ]
 
 
 def table(rows: list[dict[str, Any]], rounds: int) -> str:
@@ -187,21 +190,20 @@ def table(rows: list[dict[str, Any]], rounds: int) -> str:
     rated = [
         {**r, "ratio": r["tokens_per_s"] / bases[i // per_round]["tokens_per_s"]} for i, r in enumerate(rows)
     ]
-    lines = [
-        "| layout | micro-batches/step | tokens/s | vs no pipeline (median [min-max] of rounds) | step ms | bubble (measured) | bubble (textbook) | params MiB/rank |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    med = statistics.median
+    cells = []
     for case, rs in by_case(rated).items():
-        med = statistics.median
         bubbles = [r["bubble"] for r in rs if r["bubble"] is not None]
         bubble = "-" if not bubbles else f"{100 * med(bubbles):.0f}%"
         textbook = "-" if rs[0]["textbook"] is None else f"{100 * rs[0]['textbook']:.0f}%"
-        lines.append(
-            f"| {case} | {rs[0]['micro_batches']} | {med(r['tokens_per_s'] for r in rs):.0f} | "
-            f"{spread([r['ratio'] for r in rs])} | {med(r['step_ms'] for r in rs):.0f} | "
-            f"{bubble} | {textbook} | {rs[0]['param_mib']:.1f} |"
-        )
-    return "\n".join(lines)
+        cells.append([
+            case, rs[0]["micro_batches"], f"{med(r['tokens_per_s'] for r in rs):.0f}",
+            spread([r["ratio"] for r in rs]), f"{med(r['step_ms'] for r in rs):.0f}", bubble, textbook,
+            f"{rs[0]['param_mib']:.1f}",
+        ])  # fmt: skip
+    head = ["layout", "micro-batches/step", "tokens/s", "vs no pipeline (median [min-max] of rounds)",
+            "step ms", "bubble (measured)", "bubble (textbook)", "params MiB/rank"]  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def main(
@@ -225,10 +227,9 @@ def main(
     """Run the unsplit model and every (P, schedule) in one job of `world` CPU processes."""
     if min(pp_sizes) < 2:
         raise ValueError(f"pp_sizes must be at least 2 (the unsplit model is always run), got {pp_sizes}.")
-    config = MulaConfig.from_name(
-        "mula-tiny-moe", hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_experts=num_experts,
-        top_k=top_k, expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
-        max_position_embeddings=max(seq_len, 64),
+    config = moe_config(
+        seq_len, hidden_size=hidden_size, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+        expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
     )  # fmt: skip
     cases = [Case("no pipeline", 1)]
     for p in pp_sizes:
@@ -242,17 +243,12 @@ def main(
     spec = Spec(dataclasses.asdict(config), runs, global_batch, micro_batch, seq_len, steps, warmup)
     rows = _merge_ranks(run_gloo(_rank_rows, world, spec))
     header = (
-        f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
-        f"(FFN {expert_intermediate_size}), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M parameters. fp32, gloo, "
-        f"W={world} processes on {os.cpu_count()} CPU cores (1 torch thread each), global batch {global_batch} x "
+        f"Model: {moe_shape(config)}. fp32, gloo, {gloo_ranks(world)}, global batch {global_batch} x "
         f"{seq_len} tokens in micro-batches of {micro_batch}, median of {steps} optimizer steps (slowest rank) "
         f"after {warmup} warm-up steps, {rounds} interleaved rounds."
     )
     result = header + "\n\n" + table(rows, rounds)
-    print(result)
-    if doc is not None:
-        write_section(Path(doc), SECTION, _doc_section(result, world))
-    return result
+    return publish(result, doc, SECTION, _doc_section(result, world))
 
 
 def _doc_section(result: str, world: int) -> str:

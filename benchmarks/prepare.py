@@ -32,13 +32,18 @@ import gzip
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
+from common import (  # benchmarks/ is on sys.path when run as a script
+    command_line,
+    host_line,
+    markdown_table,
+    publish,
+    spread,
+)
 
 from mula.data.paths import expand_paths
 from mula.data.prepare import SourceSpec, prepare
@@ -197,28 +202,25 @@ def main(
         start_s = worker_start_seconds(tok.path)
     load = os.getloadavg()[0]
     base = rates["plain loop (1 process)"]
-    rows = [
-        "| candidate | processes | tokens | tokens/s per core (median) | vs plain loop per core (median [min-max]) |",
-        "|---|---|---|---|---|",
-    ]
-    for name, (procs, _) in candidates.items():
-        ratios = [a / b for a, b in zip(rates[name], base)]
-        rows.append(
-            f"| {name} | {procs} | {tokens[name]:,} | {statistics.median(rates[name]):,.0f} | "
-            f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] |"
-        )
+    head = ["candidate", "processes", "tokens", "tokens/s per core (median)",
+            "vs plain loop per core (median [min-max])"]  # fmt: skip
+    table = markdown_table(head, [
+        [name, procs, f"{tokens[name]:,}", f"{statistics.median(rates[name]):,.0f}",
+         spread([a / b for a, b in zip(rates[name], base)])]
+        for name, (procs, _) in candidates.items()
+    ])  # fmt: skip
     # The steady rate of one tokenizer process: what each core of a node sustains once its worker runs.
     per_core = statistics.median(rates["mula prepare, 1 worker"])
     text = "\n".join(
         [
             f"{SECTION}\n",
-            f"Command: `{' '.join(['python', *sys.argv])}`  ",
+            command_line(),
             host_line() + "  ",
             f"Corpus: {megabytes:g} MB of Python standard-library sources as documents in {files} JSONL.gz files "
             f"({input_mb:.1f} MB compressed); tokenizer: {os.path.basename(tok.path)}, vocab {tok.vocab_size:,}; "
             f"{rounds} interleaved rounds, each tokenizer process on one thread; load average during the "
             f"run {load:.1f} (a shared machine: the ratios are more reliable than the rates).\n",
-            *rows,
+            table,
             "",
             f"At {per_core:,.0f} tokens/s per core, 4T tokens take 4e12 / ({per_core:,.0f} x cores per node x "
             f"nodes) seconds: {4e12 / (per_core * 64 * 128) / 3600:,.1f} h on 128 nodes of 64 cores. "
@@ -228,10 +230,7 @@ def main(
             "token than this one on code), so measure with `--tokenizer` on a sample of your corpus.",
         ]
     )
-    print(text)
-    if doc is not None:
-        write_section(Path(doc), SECTION, text)
-    return text
+    return publish(text, doc, SECTION)
 
 
 def _workers_note(workers: int, load: float) -> str:

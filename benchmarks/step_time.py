@@ -47,8 +47,16 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
-from doc_sections import host_line, write_section  # benchmarks/ is on sys.path when run as a script
-from rounds import by_case, run_gloo, spread
+from common import (  # benchmarks/ is on sys.path when run as a script
+    by_case,
+    host_line,
+    markdown_table,
+    median_range,
+    moe_shape,
+    publish,
+    run_gloo,
+    spread,
+)
 
 from mula import MulaConfig
 from mula.calibrate.command import calibrate
@@ -226,26 +234,22 @@ def with_rates(machine: Machine, dtype: str, rates: dict[str, float]) -> Machine
 def layout_of(case: Case, spec: Spec) -> Layout:
     """The planner's layout of a case (one process trains with torch's AdamW, as a one-device `mula fit`
     without XPUMoEStrategy does; two with the strategy's sharded AdamW)."""
-    dp = case.world // (case.pp * case.tp * case.cp)
-    return Layout(
+    layout = Layout(
         world_size=case.world, ep_size=case.ep, pp_size=case.pp, pp_schedule=case.schedule,
-        micro_batch=spec.micro_batch, seq_len=spec.seq_len,
-        micro_batches=micro_batches_per_step(spec.global_batch, dp, spec.micro_batch), precision=spec.precision,
+        micro_batch=spec.micro_batch, seq_len=spec.seq_len, precision=spec.precision,
         checkpointing=case.checkpointing, shard_optimizer=case.world > 1, zero_stage=case.zero, collectives="native",
         tp_size=case.tp, sequence_parallel=case.sp, cp_size=case.cp,
     )  # fmt: skip
+    return layout.replace(
+        micro_batches=micro_batches_per_step(spec.global_batch, layout.dp_size, spec.micro_batch)
+    )
 
 
 def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machines: list[Machine]) -> str:
     """Markdown table: predicted seconds per step with each round's calibration as written and with its
     training rates timed again just before the layout, the measured seconds, the ratio of each round's
     measurement to each prediction, and the parts of the second prediction (the median round's)."""
-    lines = [
-        "| layout | predicted s/step, the round's calibration | predicted s/step, rates re-timed before the layout "
-        "| measured s/step | measured / predicted, calibration | measured / predicted, re-timed | "
-        "predicted (re-timed) compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     cases = {c.name: c for c in spec.cases}
     dtype = str(DTYPES[spec.precision]).removeprefix("torch.")
     for name, rs in by_case(rows).items():
@@ -260,16 +264,18 @@ def table(rows: list[dict[str, Any]], config: MulaConfig, spec: Spec, machines: 
         middle = times[retimed.index(statistics.median_low(retimed))]
         measured = [r["step_s"] for r in rs]
         parts = " / ".join(f"{1e3 * getattr(middle, k):.0f}" for k in PARTS)
-        lines.append(
-            f"| {name} | {_range(calibrated)} | {_range(retimed)} | {_range(measured)} | "
-            f"{spread([m / p for m, p in zip(measured, calibrated)])} | "
-            f"{spread([m / p for m, p in zip(measured, retimed)])} | {parts} |"
-        )
-    return "\n".join(lines)
-
-
-def _range(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+        cells.append([
+            name, median_range(calibrated, ".3f"), median_range(retimed, ".3f"), median_range(measured, ".3f"),
+            spread([m / p for m, p in zip(measured, calibrated)]),
+            spread([m / p for m, p in zip(measured, retimed)]), parts,
+        ])  # fmt: skip
+    head = [
+        "layout", "predicted s/step, the round's calibration",
+        "predicted s/step, rates re-timed before the layout", "measured s/step",
+        "measured / predicted, calibration", "measured / predicted, re-timed",
+        "predicted (re-timed) compute / all-to-all / grad / gather / pipeline / TP / CP / update / loop ms",
+    ]  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def main(
@@ -334,9 +340,8 @@ def main(
         for stage, sized in sorted(cal.get("grad_reduction_s", {}).get(dtype, {}).items())
     ]
     header = (
-        f"Model: mula-tiny-moe shape with hidden {hidden_size}, {num_layers} layers, {num_experts} experts top-{top_k} "
-        f"(FFN {expert_intermediate_size}, uniform routing), vocab {vocab_size}: {config.num_params() / 1e6:.1f}M "
-        f"parameters, {precision}; global batch {global_batch} x {seq_len} tokens in micro-batches of {micro_batch}; "
+        f"Model: {moe_shape(config, ', uniform routing')}, {precision}; global batch {global_batch} x {seq_len} "
+        f"tokens in micro-batches of {micro_batch}; "
         f"2 gloo processes on {os.cpu_count()} CPU cores, 1 torch thread each; median of {steps} optimizer steps "
         f"after {warmup} warm-up steps, {rounds} interleaved rounds.\n\n"
         f"Machine: `mula calibrate --devices 2` on this host before every round; the first round's (measured "
@@ -350,10 +355,7 @@ def main(
         f"by its own latency + bandwidth curve (fits within +-{100 * cal.get('error_band', 0):.0f} %)."
     )
     text = header + "\n\n" + table(rows, config, spec, machines)
-    print(text)
-    if doc is not None:
-        write_section(Path(doc), SECTION, _doc_section(text))
-    return text
+    return publish(text, doc, SECTION, _doc_section(text))
 
 
 def _doc_section(result: str) -> str:

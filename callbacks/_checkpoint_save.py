@@ -23,6 +23,7 @@ from callbacks._background_save import BackgroundSave
 from callbacks._checkpoint_commit import SaveRecord, commit, remove_leftovers
 from mula.checkpoint import checkpoint_name, fsync_tree, remove_path, sync_filesystem, temp_path
 from mula.training.lightning_compat import dump_checkpoint
+from mula.training.strategy_contract import mula_strategy
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,7 @@ class CheckpointSaving:
     def _in_background(self, trainer: pl.Trainer, reason: str) -> bool:
         """Whether this save is written asynchronously: periodic and timed saves with ``async_save``, when the
         strategy can (the last saves of a run, preemption and end, have nothing to overlap with)."""
-        return (
-            self.async_save
-            and reason in SKIPPABLE
-            and callable(getattr(trainer.strategy, "save_checkpoint_async", None))
-        )
+        return self.async_save and reason in SKIPPABLE and mula_strategy(trainer.strategy) is not None
 
     def _start_background(
         self, trainer: pl.Trainer, record: SaveRecord, checkpoint: dict, tmp: Path, final: Path

@@ -47,6 +47,8 @@ from typing_extensions import override
 
 from callbacks import _dist
 from callbacks.exit_codes import TrainingDiverged
+from mula.torch_compat import foreach_norm
+from mula.training.strategy_contract import mula_strategy
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +71,13 @@ def _grads_finite(
     """Whether this step's gradients are finite: the strategy's verdict when it owns the step
     (XPUMoEStrategy: computed over the optimizer's gradient shards inside the global-norm all-reduce,
     the same on every rank; a sharded optimizer keeps no `.grad`), else this rank's `.grad` tensors."""
-    verdict = getattr(trainer.strategy, "last_grads_finite", None)
-    if verdict is not None:
-        return torch.tensor(bool(verdict), device=device)
+    strategy = mula_strategy(trainer.strategy)
+    if strategy is not None:
+        return torch.tensor(bool(strategy.last_grads_finite), device=device)
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return torch.tensor(True, device=device)
-    norms = torch._foreach_norm(grads)
+    norms = foreach_norm(grads)
     return torch.isfinite(torch.stack([n.float() for n in norms]).sum()).to(device)
 
 
@@ -83,9 +85,9 @@ def _skip_update(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, verdict:
     """Leave parameters and optimizer state untouched this step: through the strategy when it owns the
     step (`skip_optimizer_step`), else by dropping the gradients -- torch optimizers skip every
     parameter without one (no update, no moment or weight-decay change)."""
-    skip = getattr(trainer.strategy, "skip_optimizer_step", None)
-    if skip is not None:
-        skip(verdict)
+    strategy = mula_strategy(trainer.strategy)
+    if strategy is not None:
+        strategy.skip_optimizer_step(verdict)
     else:
         optimizer.zero_grad(set_to_none=True)
 

@@ -26,6 +26,8 @@ from typing_extensions import override
 from callbacks import _dist
 from callbacks._peers import heartbeat
 from callbacks.rng_state import capture_rng_state, restore_rng_state
+from mula.training.step_boundary import StepBoundary
+from mula.training.strategy_contract import mula_strategy
 
 
 class DownstreamEval(L.Callback):
@@ -59,7 +61,7 @@ class DownstreamEval(L.Callback):
         self.tokenizer = tokenizer
         self._resolved: Any = None
         self._loaded_tokenizer: Any = None
-        self._last_step = -1
+        self._steps = StepBoundary()
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -90,13 +92,14 @@ class DownstreamEval(L.Callback):
         hf_tokenizer.check_fits(self._loaded_tokenizer, pl_module.config)
         self._resolved = resolve_tasks(self.tasks, self.include_path)
         # the documents are split over the data-parallel ranks: refused now, not at the first evaluation
-        ranks = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+        strategy = mula_strategy(trainer.strategy)
+        ranks = strategy.data_parallel_size if strategy is not None else trainer.world_size
         check_documents_per_rank(self._resolved, ranks, self.limit)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A resumed run does not evaluate its checkpoint's step again."""
-        self._last_step = trainer.global_step
+        self._steps.start(trainer)
 
     @override
     def on_train_batch_end(
@@ -104,9 +107,8 @@ class DownstreamEval(L.Callback):
     ) -> None:
         """After each `every_n_steps`-th optimizer step (not after every micro-batch of it)."""
         step = trainer.global_step
-        if step == self._last_step or step % self.every_n_steps:
+        if not self._steps.crossed(trainer) or step % self.every_n_steps:
             return
-        self._last_step = step
         metrics = self._evaluate(trainer, pl_module)
         if trainer.is_global_zero:
             for logger in trainer.loggers:

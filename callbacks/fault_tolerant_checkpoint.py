@@ -71,6 +71,8 @@ from mula.checkpoint import (
     remove_path,
 )
 from mula.checkpoint.group_verify import add_verify_time, verify_on_ranks, verify_time
+from mula.training.step_boundary import StepBoundary
+from mula.training.strategy_contract import mula_strategy
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ class FaultTolerantCheckpoint(CheckpointSaving, Checkpoint):
         self._lock: RunDirLock | None = None
         self.last_saved_path: Path | None = None
         self._last_saved_step = -1
-        self._last_step_seen = -1
+        self._steps = StepBoundary()
         self._last_save_time = time.monotonic()
         self._pending_rng: dict[str, Any] | None = None
         self._deferred: str | None = None  # reason of a save that was due while a callback blocked saves
@@ -232,7 +234,7 @@ class FaultTolerantCheckpoint(CheckpointSaving, Checkpoint):
                     remove_path(child)
         trainer.strategy.barrier("FaultTolerantCheckpoint.setup")
         if self.async_save:
-            if callable(getattr(trainer.strategy, "save_checkpoint_async", None)):
+            if mula_strategy(trainer.strategy) is not None:  # it saves asynchronously (save_checkpoint_async)
                 self._writer_group = writer_group()  # a collective: every rank is here
             else:
                 rank_zero_warn(
@@ -263,7 +265,7 @@ class FaultTolerantCheckpoint(CheckpointSaving, Checkpoint):
                 + ", ".join(f"rank {i}: {p}" for i, p in enumerate(paths))
                 + "); is the checkpoint directory on a filesystem shared by all nodes?"
             )
-        self._last_step_seen = trainer.global_step
+        self._steps.start(trainer)
         self._last_save_time = time.monotonic()
         if trainer.is_global_zero:
             self._warn_if_short_of_space(trainer)
@@ -286,10 +288,9 @@ class FaultTolerantCheckpoint(CheckpointSaving, Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Save when a step boundary is due (by step count, or by time agreed across ranks)."""
-        step = trainer.global_step
-        if step == self._last_step_seen:  # inside a gradient-accumulation window: no optimizer step yet
+        if not self._steps.crossed(trainer):  # inside a gradient-accumulation window: no optimizer step yet
             return
-        self._last_step_seen = step
+        step = trainer.global_step
         self._finish_if_done(trainer)
         due_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
         due_time = False

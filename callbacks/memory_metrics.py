@@ -14,8 +14,9 @@ import lightning.pytorch as L
 from torch import Tensor
 from typing_extensions import override
 
+from mula.training.devices import device_module
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
-from mula.training.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
+from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
 
 
 class MemoryMetrics(L.Callback):

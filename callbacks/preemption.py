@@ -32,7 +32,8 @@ from typing_extensions import override
 
 from callbacks import _dist
 from callbacks.exit_codes import ExitCode, Preempted
-from mula.training.lightning_compat import cluster_environment, log_train_step_now
+from mula.training.lightning_compat import cluster_environment, forget_lightning_sigterm, log_train_step_now
+from mula.training.step_boundary import StepBoundary
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class PreemptionHandler(Callback):
         self.requeue = requeue
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
-        self._last_step_seen = -1
+        self._steps = StepBoundary()
         self._checkpoint: Any = None
 
     # ------------------------------------------------------------------ signal handling
@@ -131,26 +132,20 @@ class PreemptionHandler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Re-install: Lightning registers its own SIGTERM/SLURM handlers after ``setup``."""
         self._install(trainer)
-        connector = getattr(trainer, "_signal_connector", None)
-        if (
-            connector is not None
-            and getattr(connector, "received_sigterm", False)
-            and self.received is not None
-        ):
+        if self.received is not None and trainer.received_sigterm:
             # A SIGTERM during start-up also reached Lightning's handler (composed with ours); we handle it
             # at the first step boundary with a checkpoint, so Lightning must not abort the loop first.
-            connector.received_sigterm = False
-        self._last_step_seen = trainer.global_step
+            forget_lightning_sigterm(trainer)
+        self._steps.start(trainer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """At a step boundary: if any rank got a signal, checkpoint on all ranks, requeue, exit."""
-        step = trainer.global_step
-        if step == self._last_step_seen:
+        if not self._steps.crossed(trainer):
             return
-        self._last_step_seen = step
+        step = trainer.global_step
         if not _dist.any_rank(self.received is not None, trainer.strategy.root_device):
             return
         name = self.received.name if self.received is not None else "a preemption signal (on another rank)"

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from callbacks import _dist
+from mula.training.step_boundary import StepBoundary
 
 
 class StragglerDetector(Callback):
@@ -57,7 +58,7 @@ class StragglerDetector(Callback):
         self._elapsed = 0.0
         self._t_prev_end = 0.0
         self._t_start = 0.0
-        self._last_step_seen = -1
+        self._steps = StepBoundary()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -68,7 +69,7 @@ class StragglerDetector(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the clock; decide whether the first step is timed."""
-        self._last_step_seen = trainer.global_step
+        self._steps.start(trainer)
         self._measuring = (trainer.global_step + 1) % self.every_n_steps == 0
         self._elapsed = 0.0
         self._t_prev_end = self._now(trainer)
@@ -102,9 +103,8 @@ class StragglerDetector(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """At a timed step's boundary: gather, compare, log, warn."""
-        step = trainer.global_step
-        if step != self._last_step_seen:
-            self._last_step_seen = step
+        if self._steps.crossed(trainer):
+            step = trainer.global_step
             if self._measuring:
                 self._report(trainer, pl_module, step)
             self._measuring = (step + 1) % self.every_n_steps == 0

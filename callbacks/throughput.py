@@ -15,6 +15,9 @@ import lightning.pytorch as L
 import torch
 from typing_extensions import override
 
+from mula.training.devices import device_name
+from mula.training.strategy_contract import mula_strategy
+
 # Dense (no sparsity) bf16 peak FLOP/s of ONE device as torch enumerates it, keyed by a lower-case
 # substring of the device name; the first matching key wins, so specific names come first.
 PEAK_BF16_FLOPS: dict[str, float] = {
@@ -34,15 +37,6 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     # half a card; in COMPOSITE mode pass peak_flops=838.9e12.
     "max 1550": 419.4e12,
 }
-
-
-def device_name(device: torch.device) -> str:
-    """The accelerator's marketing name (e.g. 'NVIDIA H100 80GB HBM3'), or 'cpu'."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "xpu":
-        return torch.xpu.get_device_name(device)
-    return device.type
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:
@@ -120,8 +114,8 @@ class Throughput(L.Callback):
         if tokens is None:
             tokens = batch.numel() if isinstance(batch, torch.Tensor) else 0
         # data-parallel ranks, not all ranks: pipeline stages of one data-parallel rank share its tokens
-        dp_size = getattr(getattr(trainer, "strategy", None), "data_parallel_size", None)
-        dp_size = dp_size if isinstance(dp_size, int) else trainer.world_size
+        strategy = mula_strategy(getattr(trainer, "strategy", None))  # a stand-in trainer may have none
+        dp_size = strategy.data_parallel_size if strategy is not None else trainer.world_size
         self._tokens.append(tokens * dp_size)
         flops = getattr(pl_module, "flops_per_batch", None)
         self._flops.append(float(flops or 0) * dp_size)

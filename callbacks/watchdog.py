@@ -19,7 +19,6 @@ watchdog fires (and dumps where it was waiting) first; ``setup`` warns when it i
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import logging
 import os
@@ -36,6 +35,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from callbacks.exit_codes import ExitCode
+from mula.training.lightning_compat import process_group_timeout
+from mula.training.step_boundary import StepBoundary
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class HangWatchdog(Callback):
         self.backstop_grace_s = backstop_grace_s
         self._last_beat = time.monotonic()
         self._steps_done = 0
-        self._last_step = -1
+        # never started: the first completed batch counts as a step (`timeout_s` applies from then on)
+        self._steps = StepBoundary()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rank = 0
@@ -112,8 +114,8 @@ class HangWatchdog(Callback):
         base = Path(self.dump_dir) if self.dump_dir else Path(trainer.default_root_dir) / "watchdog"
         host = socket.gethostname().split(".")[0]
         self._dump_path = base / f"hang-rank{self._rank:05d}-{host}-pid{os.getpid()}.txt"
-        pg_timeout = getattr(trainer.strategy, "_timeout", None)
-        if isinstance(pg_timeout, datetime.timedelta) and pg_timeout.total_seconds() <= self.timeout_s:
+        pg_timeout = process_group_timeout(trainer.strategy)
+        if pg_timeout is not None and pg_timeout.total_seconds() <= self.timeout_s:
             rank_zero_warn(
                 f"The strategy's process-group timeout ({pg_timeout.total_seconds():.0f}s) is not longer than the"
                 f" hang watchdog's timeout ({self.timeout_s:.0f}s): a rank stuck in a collective would be aborted"
@@ -134,8 +136,7 @@ class HangWatchdog(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """A completed batch is progress."""
-        if trainer.global_step != self._last_step:
-            self._last_step = trainer.global_step
+        if self._steps.crossed(trainer):
             self._steps_done += 1
         self.heartbeat()
 
@@ -182,7 +183,7 @@ class HangWatchdog(Callback):
         header = (
             f"Mula hang watchdog: no training progress for {idle:.1f}s (limit {self._limit():.1f}s{phase});"
             f" rank {self._rank}/{self._world}, host {socket.gethostname()}, pid {os.getpid()},"
-            f" last step {self._last_step}, {time.strftime('%Y-%m-%d %H:%M:%S')}.\n\n"
+            f" last step {self._steps.seen}, {time.strftime('%Y-%m-%d %H:%M:%S')}.\n\n"
         )
         try:
             self._dump_path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer, clip_grad_norm_
 from strategies.pipeline.schedule import PipelineRunner
 from strategies.pipeline.split import split_model
-from strategies.topology import ExpertParallelTopology, build_topology, topology_from_layout
+from strategies.topology import LayoutMesh, build_topology, topology_from_layout
 from strategies.xpu_moe import XPUMoEStrategy
 
 _register_accelerator()
@@ -23,7 +23,7 @@ XPUMoEStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "AllToAllDispatcher",
-    "ExpertParallelTopology",
+    "LayoutMesh",
     "GradientSynchronizer",
     "PALSEnvironment",
     "PipelineRunner",

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from typing_extensions import override
 
 from mula.checkpoint.settle import settle
@@ -45,7 +46,7 @@ class ShardedCheckpointHooks:
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Optimizer state in a layout DCP can reshard (addressed by parameter name)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if hasattr(optimizer, "sharded_state_dict"):
             return optimizer.sharded_state_dict()
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
@@ -72,7 +73,7 @@ class ShardedCheckpointHooks:
         """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata.
         Checksums left pending before the process group existed are verified first (`settle`)."""
         path = settle(Path(self.broadcast(str(checkpoint_path))))
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         meta = load_sharded(path, self.lightning_module, self._mesh, optimizers, names, weights_only)
         trainer = self.lightning_module.trainer

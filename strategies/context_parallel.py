@@ -1,6 +1,6 @@
 """Ulysses context (sequence) parallelism of a `Mula`, applied from outside (docs/context-parallel.md).
 
-The C ranks of a context-parallel group (`ExpertParallelTopology.cp_group`) read the same samples and
+The C ranks of a context-parallel group (`LayoutMesh.group("cp")`) read the same samples and
 each keeps its contiguous 1/C of every sequence (`mula.model.layers.SequenceShard`: the module slices inputs
 and targets, RoPE starts at the slice's global position). Everything but attention is per token, so
 it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place the whole sequence meets:
@@ -17,7 +17,7 @@ it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place th
     loss       each rank's loss is the mean over its slice; the ranks' slices are equal, so the mean of
                the C ranks' losses is the sequence's mean (what `train/loss` logs: the mean over ranks).
     gradients  CP ranks replicate every parameter (dense and experts) and hold different tokens: the
-               gradient-reduce engine treats them as data-parallel ranks (`ExpertParallelTopology`'s stage
+               gradient-reduce engine treats them as data-parallel ranks (`LayoutMesh`'s stage
                and EDP groups include them), averaging over DP x C. That average is the gradient of the
                mean of the ranks' losses, i.e. of the sequence mean, when every collective inside the loss
                has its true backward: the all-to-alls' (above) and the router losses' all-reduce, whose
@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 
 from mula.layout.rules import check_context_parallel
 from mula.model.layers import SequenceShard, causal_attention
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import TokenSplit
+from mula.torch_compat import all_gather_tensor_autograd, all_to_all_single_autograd
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from strategies.pipeline.schedule import PipelineRunner
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import LayoutMesh
 
 
 class SpreadForward:
@@ -43,7 +43,7 @@ class SpreadForward:
     def __init__(
         self,
         model: nn.Module,
-        topology: ExpertParallelTopology,
+        topology: LayoutMesh,
         pipeline: PipelineRunner | None,
         device: Any,
         sequence_split: int = 1,
@@ -51,14 +51,16 @@ class SpreadForward:
         self.model, self.topology, self.pipeline = model, topology, pipeline
         self.sequence_split = sequence_split
         self.device = torch.device(device)
-        self.data_parallel_rank = topology.rank
-        self.data_parallel_size = topology.world_size
-        self.data_parallel_group = topology.world_group if topology.world_size > 1 else None
+        self.data_parallel_rank = topology.rank("replica")
+        self.data_parallel_size = topology.size("replica")
+        self.data_parallel_group = topology.group("replica") if topology.size("replica") > 1 else None
         distributed = dist.is_available() and dist.is_initialized()
         self._world = dist.get_world_size() if distributed else 1
         # the global rank of the last stage in this rank's pipeline group: where the logits are
         self._last_stage = (
-            dist.get_global_rank(topology.pp_group, topology.pp_size - 1) if pipeline is not None else None
+            dist.get_global_rank(topology.group("pp"), topology.size("pp") - 1)
+            if pipeline is not None
+            else None
         )
 
     def any_active(self, active: bool) -> bool:
@@ -95,7 +97,7 @@ class SpreadForward:
         if self._last_stage is None:
             return scores
         scores = scores.contiguous()
-        dist.broadcast(scores, src=self._last_stage, group=self.topology.pp_group)
+        dist.broadcast(scores, src=self._last_stage, group=self.topology.group("pp"))
         return scores
 
 
@@ -105,7 +107,7 @@ def spread_forward(strategy: Any) -> SpreadForward:
     sharded = strategy._sharded_optimizer()
     if sharded is not None:
         sharded.wait_for_params()
-    split = strategy.tensor_parallel_size if strategy.sequence_parallel else 1
+    split = strategy.layout.tp if strategy.sequence_parallel else 1
     return SpreadForward(
         strategy.lightning_module.model, strategy.topology, strategy._pipeline, strategy.root_device, split
     )

@@ -18,7 +18,7 @@ from mula.model.transformer import Mula
 from strategies.context_parallel import apply_context_parallel
 from strategies.optim.grad_reduce import local_tensor
 from strategies.tensor_parallel import apply_tensor_parallel
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import LayoutMesh
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
@@ -34,34 +34,36 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         child.reset_parameters()
 
 
-def split_tensors(module: nn.Module, topology: ExpertParallelTopology, sequence_parallel: bool) -> None:
+def split_tensors(module: nn.Module, topology: LayoutMesh, sequence_parallel: bool) -> None:
     """Split the model over this rank's TP group (once: Lightning calls setup again after fit)."""
     model = getattr(module, "model", None)
     if not isinstance(model, Mula):
         raise ValueError("tensor_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
     if not any(isinstance(p, DTensor) for p in model.parameters()):
-        apply_tensor_parallel(model, topology.tp_mesh, sequence_parallel)
+        apply_tensor_parallel(model, topology.mesh("tp"), sequence_parallel)
 
 
-def split_sequences(module: nn.Module, topology: ExpertParallelTopology) -> None:
+def split_sequences(module: nn.Module, topology: LayoutMesh) -> None:
     """Make the model hold this rank's slice of every sequence (Ulysses attention over its CP group)."""
     model = getattr(module, "model", None)
     if not isinstance(model, Mula):
         raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
     topo = topology
-    apply_context_parallel(model, topo.cp_group, topo.cp_rank, topo.cp_size, topo.tp_size)
+    apply_context_parallel(model, topo.group("cp"), topo.rank("cp"), topo.size("cp"), topo.size("tp"))
 
 
 @torch.no_grad()
-def sync_replicas(module: nn.Module, topology: ExpertParallelTopology) -> None:
+def sync_replicas(module: nn.Module, topology: LayoutMesh) -> None:
     """Make replicas identical, as DDP does: dense from rank 0, experts from EDP rank 0."""
     topo = topology
-    if topo.world_size == 1:
+    if topo.size("replica") == 1:
         return
-    edp_src = topo.edp_group_ranks()[0]
+    edp_src = topo.group_ranks("edp_cp")[0]
     for name, tensor in module.state_dict(keep_vars=True).items():
         if is_expert_param(name):
-            if topo.edp_size > 1:
-                dist.broadcast(tensor.data, src=edp_src, group=topo.edp_group)
+            if topo.size("edp_cp") > 1:
+                dist.broadcast(tensor.data, src=edp_src, group=topo.group("edp_cp"))
         else:  # from the first data-parallel rank of this stage (rank 0 when P = T = 1)
-            dist.broadcast(local_tensor(tensor.data), src=topo.to_global(0), group=topo.world_group)
+            dist.broadcast(
+                local_tensor(tensor.data), src=topo.group_ranks("replica")[0], group=topo.group("replica")
+            )

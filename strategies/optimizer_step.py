@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -31,7 +32,7 @@ class OptimizerSteps:
     """Optimizer construction and the optimizer step of an EP-aware strategy (a mixin of XPUMoEStrategy).
 
     Expects the host strategy to set `topology`, `shard_optimizer`, `optimizer_options`,
-    `pipeline_parallel_size`, `tensor_parallel_size`, `bucket_size_mb`, `overlap_grad_reduce`, `_pipeline`
+    `layout` (its `ParallelLayout`), `bucket_size_mb`, `overlap_grad_reduce`, `_pipeline`
     and `_grad_sync`, and Lightning's `lightning_module` and `optimizers`.
     """
 
@@ -45,7 +46,7 @@ class OptimizerSteps:
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
         if not self.shard_optimizer:
-            if self.tensor_parallel_size > 1:
+            if self.layout.tp > 1:
                 # DTensor and plain parameters side by side: torch's multi-tensor kernels take one kind
                 adamw_kwargs = {**adamw_kwargs, "foreach": False}
             return torch.optim.AdamW(params, **adamw_kwargs)
@@ -53,7 +54,7 @@ class OptimizerSteps:
 
         assert self.topology is not None
         options = dict(self.optimizer_options)
-        check_zero_stage(self.pipeline_parallel_size, options.get("zero_stage", 1))
+        check_zero_stage(self.layout.pp, options.get("zero_stage", 1))
         if options.get("overlap_param_gather"):
             options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
         return EPShardedAdamW(params, self._trainable(), self.topology, **adamw_kwargs, **options)
@@ -203,7 +204,7 @@ class OptimizerSteps:
         if not self.shard_optimizer or not self.optimizers:
             return None
         opt = self.optimizers[0]
-        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+        opt = opt.optimizer if isinstance(opt, LightningOptimizer) else opt
         return opt if hasattr(opt, "reduce_gradients") else None
 
 

@@ -38,17 +38,17 @@ from mula.checkpoint.sharded import (
     write_sharded_checkpoint,
 )
 from mula.model.moe import is_expert_param
-from strategies.topology import ExpertParallelTopology, gather_groups_over_stages, names_cover
+from strategies.topology import LayoutMesh, gather_groups_over_stages, names_cover
 
 
-def expert_mesh(topology: ExpertParallelTopology) -> Any:
+def expert_mesh(topology: LayoutMesh) -> Any:
     """The 2-D (edp, ep) sub-mesh of the job's mesh describing where expert rows live: this rank's
     stage (None when E = 1: experts are whole). Expert g of a layer is row g whatever (W, E, P)."""
-    if topology.ep_size == 1:
+    if topology.size("ep") == 1:
         return None
-    if topology.mesh is None:
+    if topology.mesh() is None:
         raise ValueError("Expert parallelism needs a topology built from the job's DeviceMesh.")
-    return topology.mesh["edp", "ep"]
+    return topology.mesh()["edp", "ep"]
 
 
 def _as_global(tensor: Tensor, mesh: Any) -> Any:
@@ -71,7 +71,7 @@ def model_state(module: nn.Module, mesh: Any) -> dict[str, Any]:
 
 
 def plain_optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any, topology: ExpertParallelTopology
+    optimizer: torch.optim.Optimizer, names: dict[int, str], mesh: Any, topology: LayoutMesh
 ) -> dict[str, Any]:
     """A torch optimizer's per-parameter state keyed by parameter name, expert moments as global tensors."""
     state: dict[str, Any] = {}
@@ -138,10 +138,10 @@ def checkpoint_parts(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -
     trainer = module.trainer if module is not None else None
     checkpoint["xpu_moe_layout"] = {
         "world_size": strategy.world_size,
-        "expert_parallel_size": strategy.expert_parallel_size,
-        "pipeline_parallel_size": strategy.pipeline_parallel_size,
-        "tensor_parallel_size": strategy.tensor_parallel_size,
-        "context_parallel_size": strategy.context_parallel_size,
+        "expert_parallel_size": strategy.layout.ep,
+        "pipeline_parallel_size": strategy.layout.pp,
+        "tensor_parallel_size": strategy.layout.tp,
+        "context_parallel_size": strategy.layout.cp,
         "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
     }
     return path, optimizer_states

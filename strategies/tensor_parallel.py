@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -45,8 +44,10 @@ from torch.distributed.tensor.parallel import (
 )
 from typing_extensions import override
 
+from mula.layout.parallel_layout import ParallelLayout
 from mula.model.moe import MoELayer
 from mula.model.transformer import MLP, Attention, LayerNorm, Mula, RMSNorm
+from mula.torch_compat import FUNCTIONAL_ALL_REDUCE_HAS_BACKWARD, functional_all_reduce
 from strategies.tensor_parallel_moe import split_moe_tokens
 
 
@@ -87,8 +88,8 @@ def _sum(x: Tensor, group: Any) -> Tensor:
     gradients over the group): torch's functional all-reduce where it has a backward (newer torch),
     else `torch.distributed.nn.functional.all_reduce` (older torch, deprecated since)."""
     local = x.sum(-1, keepdim=True)
-    if hasattr(funcol, "all_reduce_backward"):
-        return funcol.all_reduce(local, "sum", group)
+    if FUNCTIONAL_ALL_REDUCE_HAS_BACKWARD:
+        return functional_all_reduce(local, "sum", group)
     from torch.distributed.nn.functional import all_reduce
 
     return all_reduce(local, group=group)
@@ -196,14 +197,14 @@ class TensorParallelSteps:
     """The strategy's Lightning step hooks under tensor parallelism (a mixin of XPUMoEStrategy, before
     `PipelineSteps`): the forward and the backward of every step run under `loss_parallel`, so the
     cross-entropy of the vocabulary-split logits is computed without gathering them (torch requires the
-    context around both). Expects `tensor_parallel_size`."""
+    context around both). Expects `layout` (the strategy's `ParallelLayout`)."""
 
-    tensor_parallel_size: int
+    layout: ParallelLayout
 
     @contextmanager
     def loss_context(self) -> Generator[None, None, None]:
         """`loss_parallel` under tensor parallelism, else nothing."""
-        if self.tensor_parallel_size > 1:
+        if self.layout.tp > 1:
             with loss_parallel():
                 yield
         else:

@@ -49,7 +49,7 @@ from typing_extensions import override
 
 from mula.cluster_environments import PALSEnvironment, launched_by_mpiexec
 from mula.layout.parallel_layout import ParallelLayout
-from mula.layout.rules import check_context_parallel, check_degrees, check_experts, validate_schedule
+from mula.layout.rules import check_experts
 from mula.training.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -57,6 +57,7 @@ from mula.training.lightning_compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
+from strategies.calibrate import Calibration
 from strategies.checkpoint_hooks import ShardedCheckpointHooks
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.eval_forward import spread_forward
@@ -67,13 +68,21 @@ from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
 from strategies.pipeline.steps import PipelineSteps
 from strategies.sharded_state import expert_mesh
 from strategies.tensor_parallel import TensorParallelSteps
-from strategies.topology import ExpertParallelTopology, topology_from_layout
+from strategies.topology import LayoutMesh, topology_from_layout
 
 
 class XPUMoEStrategy(
     ShardedCheckpointHooks, TensorParallelSteps, PipelineSteps, OptimizerSteps, ParallelStrategy
 ):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
+
+    The name is the design card's ("the custom XPU MoE strategy"); nothing in it is XPU-only. The
+    device decides the accelerator (native `torch.xpu` on Intel GPUs,
+    `strategies/devices/accelerator.py`; CUDA and CPU are Lightning's), the collective backend (xccl,
+    or oneCCL's "ccl" before torch 2.8, on XPU; nccl on CUDA; gloo on CPU) and the expert kernels
+    (`mula/model/kernels/backends.py`: Triton on XPU, torch's grouped GEMM or Triton on CUDA, batched
+    GEMMs over padded experts on CPU). Layouts, the sharded optimizer, offload and checkpoints are the
+    same code on all three, which is how the CPU test suite proves them equal to one process.
 
     W ranks form EP groups of `expert_parallel_size` consecutive ranks (tokens are exchanged
     all-to-all inside a group, so E = devices per node keeps that traffic on the node) and EDP groups
@@ -157,33 +166,26 @@ class XPUMoEStrategy(
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_degrees(
-            int(expert_parallel_size),
-            int(pipeline_parallel_size),
-            int(tensor_parallel_size),
-            int(context_parallel_size),
+        # the layout's one validation, but for the rule that needs W (`check_world`: W divisible by
+        # E x P x T x C), which `setup_environment` adds once the process group says W
+        self.layout = ParallelLayout(
+            world_size=None,
+            ep=int(expert_parallel_size),
+            pp=int(pipeline_parallel_size),
+            tp=int(tensor_parallel_size),
+            cp=int(context_parallel_size),
+            schedule=pipeline_schedule,
+            virtual_stages=int(pipeline_virtual_stages),
+            stage_layers=None if pipeline_stage_layers is None else tuple(pipeline_stage_layers),
         )
-        check_context_parallel(
-            None, int(context_parallel_size), int(tensor_parallel_size), int(pipeline_parallel_size)
-        )
-        if sequence_parallel and int(tensor_parallel_size) == 1:
+        if sequence_parallel and self.layout.tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
-        validate_schedule(pipeline_schedule, int(pipeline_parallel_size), int(pipeline_virtual_stages))
-        self.expert_parallel_size = int(expert_parallel_size)
-        self.pipeline_parallel_size = int(pipeline_parallel_size)
-        self.pipeline_schedule = pipeline_schedule
-        self.pipeline_virtual_stages = int(pipeline_virtual_stages)
-        self.pipeline_stage_layers = (
-            list(pipeline_stage_layers) if pipeline_stage_layers is not None else None
-        )
         # Micro-batches per optimizer step with P > 1, for data that is not a MulaDataModule (whose
         # micro_batch_size the strategy reads itself).
         self.pipeline_microbatches: int | None = None
-        self.tensor_parallel_size = int(tensor_parallel_size)
         self.sequence_parallel = bool(sequence_parallel)
-        self.context_parallel_size = int(context_parallel_size)
         self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = parse_optimizer_options(optimizer_options or {})
@@ -193,8 +195,7 @@ class XPUMoEStrategy(
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
-        self.layout: ParallelLayout | None = None
-        self.topology: ExpertParallelTopology | None = None
+        self.topology: LayoutMesh | None = None
         self._mesh: Any = None
         self._grad_sync: GradientSynchronizer | None = None
 
@@ -230,19 +231,24 @@ class XPUMoEStrategy(
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's data-parallel index: its rank inside its pipeline stage's data-parallel world (the
-        global rank when P = T = C = 1; the same on the T ranks of a tensor-parallel group and the C ranks
-        of a context-parallel group, whose stage-local ranks are C consecutive ones)."""
+        """This rank's data-parallel index, rank("dp") (the global rank when P = T = C = 1; the same on
+        the T ranks of a tensor-parallel group and the C ranks of a context-parallel group)."""
         if self.topology is None:
             return self.global_rank
-        return self.topology.rank // self.topology.cp_size
+        return self.topology.rank("dp")
 
     @property
     def data_parallel_size(self) -> int:
-        """Data-parallel ranks: W / (P x T x C) (the ranks of one pipeline stage, one per TP and CP group)."""
+        """Data-parallel ranks, size("dp"): W / (P x T x C) (the ranks of one pipeline stage, one per TP
+        and CP group)."""
         if self.topology is None:
             return self.world_size
-        return self.topology.world_size // self.topology.cp_size
+        return self.topology.size("dp")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """T, the ranks splitting each layer's tensors (`layout.tp`): the name `MulaStrategy` asks for."""
+        return self.layout.tp
 
     @property
     def process_group_backend(self) -> str | None:
@@ -295,20 +301,13 @@ class XPUMoEStrategy(
         self._mesh = expert_mesh(self.topology)
 
     def parallel_layout(self, world_size: int, config: Any = None) -> ParallelLayout:
-        """This strategy's layout over `world_size` ranks, validated against the model `config` when
-        it is one (`num_layers`, `num_experts`): what `setup_environment` builds, and `mula plan` too
-        (one sentence for a layout that cannot run, before any process group or model exists)."""
-        layout = ParallelLayout(
-            world_size=world_size,
-            ep=self.expert_parallel_size,
-            pp=self.pipeline_parallel_size,
-            tp=self.tensor_parallel_size,
-            cp=self.context_parallel_size,
-            schedule=self.pipeline_schedule,
-            virtual_stages=self.pipeline_virtual_stages,
-            stage_layers=None if self.pipeline_stage_layers is None else tuple(self.pipeline_stage_layers),
-        )
-        layout.validate(config if hasattr(config, "num_layers") else None)
+        """This strategy's layout over `world_size` ranks (`ParallelLayout.with_world_size`: the W rule),
+        checked against the model `config` when it is one (`num_layers`, `num_experts`: the stage split,
+        the experts, the heads): what `setup_environment` builds, and `mula plan` too (one sentence for a
+        layout that cannot run, before any process group or model exists)."""
+        layout = self.layout.with_world_size(world_size)
+        if hasattr(config, "num_layers"):
+            layout.validate(config)
         return layout
 
     @contextmanager
@@ -345,14 +344,14 @@ class XPUMoEStrategy(
                 "(the global norm over all experts) or shard_optimizer=False."
             )
         module = self.lightning_module
-        if self.pipeline_parallel_size > 1:
+        if self.layout.pp > 1:
             self._split_into_stages(module)
         if apply_expert_parallel(module, self.topology) is None:
-            check_experts(0, self.expert_parallel_size)  # a model without experts (and without a config)
+            check_experts(0, self.layout.ep)  # a model without experts (and without a config)
         materialize(module, self.root_device)
-        if self.tensor_parallel_size > 1:
+        if self.layout.tp > 1:
             split_tensors(module, self.topology, self.sequence_parallel)
-        if self.context_parallel_size > 1:
+        if self.layout.cp > 1:
             split_sequences(module, self.topology)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -366,12 +365,19 @@ class XPUMoEStrategy(
     def spread_forward(self) -> Any:
         """The model's forward across this layout's ranks, for downstream evaluation (`DownstreamEval`,
         `mula eval` with a strategy): a `strategies.eval_forward.SpreadForward`."""
-        if self.context_parallel_size > 1:
+        if self.layout.cp > 1:
             raise ValueError(
                 f"Downstream evaluation is not yet available with context_parallel_size="
-                f"{self.context_parallel_size}; evaluate the checkpoint with context_parallel_size=1."
+                f"{self.layout.cp}; evaluate the checkpoint with context_parallel_size=1."
             )
         return spread_forward(self)
+
+    @staticmethod
+    def calibration() -> Calibration:
+        """What `mula calibrate --strategy strategies.XPUMoEStrategy` times of this strategy on each rank
+        (a `mula.calibrate.strategy.StrategyCalibration`): the small model split by its TP, CP and EP
+        functions, and its sharded AdamW's gradient reduction (`strategies/calibrate/`)."""
+        return Calibration()
 
     # ----- collectives -----------------------------------------------------------------------
     @override

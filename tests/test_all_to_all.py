@@ -51,7 +51,9 @@ def _dispatch_worker(rank: int, world: int, ep_size: int, tokens: list[int], all
     x, idx, wt, upstream = _rank_inputs(rank, tokens[rank], allowed)
     x.requires_grad_(True)
     wt.requires_grad_(True)
-    dispatcher = AllToAllDispatcher(E_TOTAL, topo.ep_size, topo.ep_rank, topo.ep_group, backend="loop")
+    dispatcher = AllToAllDispatcher(
+        E_TOTAL, topo.size("ep"), topo.rank("ep"), topo.group("ep"), backend="loop"
+    )
     x_sorted, grouping, state = dispatcher.dispatch(x, idx, wt)
     counts = grouping.counts
     assert counts.shape == (E_TOTAL // ep_size,) and int(counts.sum()) == x_sorted.shape[0]
@@ -65,7 +67,7 @@ def _dispatch_worker(rank: int, world: int, ep_size: int, tokens: list[int], all
     y_ref = _reference(x_ref, idx, wt_ref, w_ref)
     (y_ref * upstream).sum().backward()
     w_grad_ref = torch.zeros_like(w_full)
-    for peer in topo.ep_group_ranks():
+    for peer in topo.group_ranks("ep"):
         if peer == rank:
             w_grad_ref += w_ref.grad
             continue
@@ -101,7 +103,9 @@ def _autocast_worker(rank: int, world: int) -> dict:
     w_local = _expert_weights()[local.start : local.stop].clone().requires_grad_(True)
     x, idx, wt, upstream = _rank_inputs(rank, 6, E_TOTAL)
     x.requires_grad_(True)
-    dispatcher = AllToAllDispatcher(E_TOTAL, topo.ep_size, topo.ep_rank, topo.ep_group, backend="loop")
+    dispatcher = AllToAllDispatcher(
+        E_TOTAL, topo.size("ep"), topo.rank("ep"), topo.group("ep"), backend="loop"
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x_sorted, grouping, state = dispatcher.dispatch(x, idx, wt)
         counts = grouping.counts
@@ -110,10 +114,10 @@ def _autocast_worker(rank: int, world: int) -> dict:
     combine_bytes = dispatcher.bytes_sent - dispatch_bytes
     (y * upstream).sum().backward()
     # Rows whose expert lives on the other EP rank leave this rank (in dispatch and again in combine).
-    owner = idx.reshape(-1) // (E_TOTAL // topo.ep_size)
-    remote_rows = int((owner != topo.ep_rank).sum())
-    received_remote = int(counts.sum()) - int((owner == topo.ep_rank).sum())
-    count_bytes = (topo.ep_size - 1) * (E_TOTAL // topo.ep_size) * 8
+    owner = idx.reshape(-1) // (E_TOTAL // topo.size("ep"))
+    remote_rows = int((owner != topo.rank("ep")).sum())
+    received_remote = int(counts.sum()) - int((owner == topo.rank("ep")).sum())
+    count_bytes = (topo.size("ep") - 1) * (E_TOTAL // topo.size("ep")) * 8
     return {
         "x_sorted_dtype": x_sorted.dtype,
         "y_dtype": y.dtype,

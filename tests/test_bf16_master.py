@@ -125,7 +125,7 @@ def _sizes(model: nn.Module, opt: EPShardedAdamW, topo) -> dict:
     expert = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
     return {
         "local": local,
-        "global": local - expert + expert * topo.ep_size,
+        "global": local - expert + expert * topo.size("ep"),
         "metrics": opt.metrics(),
         "state_bytes": opt.state_bytes(),
         "param_bytes": opt.param_bytes(),
@@ -144,7 +144,7 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train_worker(rank: int, world: int, ckpt_dir: str) -> dict:
-    out: dict = {"ep_rank": build_topology(EP).ep_rank}
+    out: dict = {"ep_rank": build_topology(EP).rank("ep")}
     for key, options in {
         "fp32_reduce": {},
         "bf16_reduce_zero2": {"reduce_dtype": torch.bfloat16, "zero_stage": 2},
@@ -185,7 +185,7 @@ def _resume(rank: int, ckpt_dir: str, ep: int) -> dict:
     opt.load_sharded_state_dict(sd)
     loaded = _params(model)
     _train(model, opt, rank, _batches(3)[2:])
-    result = {"loaded": loaded, "next": _params(model), "ep_rank": build_topology(ep).ep_rank, "ep": ep}
+    result = {"loaded": loaded, "next": _params(model), "ep_rank": build_topology(ep).rank("ep"), "ep": ep}
     opt.close()
     return result
 

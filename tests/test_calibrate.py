@@ -148,6 +148,11 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
             "--seq_len 2048 does not fit mula-tiny-moe, whose max_position_embeddings is 1024",
         ),
         (["--devices", "2", "--seq_len", "0"], "give a sequence length from 1 to 1024"),
+        (["--devices", "2", "--strategy", "strategies.NoSuchStrategy"], "names no class"),
+        (
+            ["--devices", "2", "--strategy", "lightning.pytorch.strategies.DDPStrategy"],
+            "DDPStrategy has no calibration()",
+        ),
     ],
 )
 def test_bad_input_stops_before_measuring(tmp_path, args, said, capsys, monkeypatch):

@@ -65,7 +65,7 @@ def _fit(
     the compile counters and the step's expert counts)."""
     import lightning.pytorch as L
 
-    staged = strategy is not None and strategy.pipeline_parallel_size > 1
+    staged = strategy is not None and strategy.layout.pp > 1
     if staged:
         strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
     batches = _Batches(dp_rank, dp_size, 0, steps, whole_steps=staged)
@@ -105,7 +105,7 @@ def _fit(
         if strategy._sharded_optimizer() is not None:
             strategy._sharded_optimizer().wait_for_params()
         for name, p in module.named_parameters():
-            first = strategy.topology.ep_rank * p.shape[0] if ".experts." in name else 0
+            first = strategy.topology.rank("ep") * p.shape[0] if ".experts." in name else 0
             params[name] = (first, p.detach().clone())
     return losses.record(), params, list(module.state_dict()), snapshots
 

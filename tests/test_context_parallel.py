@@ -101,7 +101,7 @@ def _fit(
     into `save_dir`): the per-step losses, norms and logged metrics and the routing record (what
     `equality.assert_same_training` compares, `SERIES`), every parameter and router bias (experts whole;
     a pipeline rank's stage's), and the trainer with `keep_trainer`."""
-    pipelined = strategy is not None and strategy.pipeline_parallel_size > 1
+    pipelined = strategy is not None and strategy.layout.pp > 1
     if pipelined:  # what MulaDataModule sets: the step's micro-batches, in one batch per step
         strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
     batches = _Batches(dp_rank, dp_size, first_step, whole_steps=pipelined)
@@ -125,9 +125,9 @@ def _fit(
         full = p.detach()
         if isinstance(full, DTensor):  # tensor parallelism: this rank's shard, gathered
             full = full.full_tensor()
-        if is_expert_param(name) and topo is not None and topo.ep_size > 1:  # this rank's experts only
-            parts = [torch.empty_like(full) for _ in range(topo.ep_size)]
-            dist.all_gather(parts, full.contiguous(), group=topo.ep_group)
+        if is_expert_param(name) and topo is not None and topo.size("ep") > 1:  # this rank's experts only
+            parts = [torch.empty_like(full) for _ in range(topo.size("ep"))]
+            dist.all_gather(parts, full.contiguous(), group=topo.group("ep"))
             full = torch.cat(parts)
         params[name] = full.clone()
     return {
@@ -268,7 +268,7 @@ def test_context_parallel_rank_order() -> None:
     assert layout.all_groups("cp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout.all_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert layout.group_ranks("edp_cp", 0) == [0, 1, 4, 5]
-    assert layout.group_ranks("stage", 0) == list(range(8))
+    assert layout.group_ranks("replica", 0) == list(range(8))
     assert layout.mesh_dims() == ("edp", "pp", "ep", "cp", "tp")
     assert ParallelLayout(world_size=8).mesh_dims() == ("edp", "pp", "ep", "tp")
 
@@ -299,9 +299,9 @@ def _measure_activations(rank: int, world: int) -> dict[str, int]:
         torch.manual_seed(0)
         module = MulaLightningModule(preset, overrides=overrides)
         module.configure_model()
-        apply_context_parallel(module.model, topo.cp_group, topo.cp_rank, topo.cp_size)
+        apply_context_parallel(module.model, topo.group("cp"), topo.rank("cp"), topo.size("cp"))
         batch = torch.randint(0, 256, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(rank // 2))
-        with _AllToAllBytes(topo.cp_size) as sent:
+        with _AllToAllBytes(topo.size("cp")) as sent:
             with SavedTensorMeter(exclude=module.parameters()) as meter:
                 loss = module._losses(batch)[0]
             loss.backward()  # the all-to-alls' backward: every rank of the group runs it

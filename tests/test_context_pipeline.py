@@ -53,7 +53,7 @@ def _run(rank: int, world: int) -> dict:
         strategy = XPUMoEStrategy(context_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=shard)
         run = _fit(preset, overrides, strategy, 0, 1, keep_trainer=True)
         topo = strategy.topology
-        assert (topo.cp_rank, topo.pp_rank, strategy.data_parallel_size) == (rank % 2, rank // 2, 1)
+        assert (topo.rank("cp"), topo.rank("pp"), strategy.data_parallel_size) == (rank % 2, rank // 2, 1)
         run["val"] = _validate(run.pop("trainer"))
         out[key] = run
     return out
@@ -111,7 +111,7 @@ def _measure(rank: int, world: int) -> list[dict]:
         logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [_Window(meter)])
         sent = {k: meter.bytes.get(k, 0.0) for k in VOLUMES}
         calls = {k: meter.calls.get(k, 0) for k in VOLUMES}
-        out.append({**logged, "stage": strategy.topology.pp_rank, "sent": sent, "calls": calls})
+        out.append({**logged, "stage": strategy.topology.rank("pp"), "sent": sent, "calls": calls})
     return out
 
 

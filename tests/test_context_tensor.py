@@ -47,7 +47,7 @@ def _run(rank: int, world: int) -> dict:
         )
         out[key] = _fit(preset, overrides, strategy, 0, 1)
         topo = strategy.topology
-        assert (topo.tp_rank, topo.cp_rank, strategy.data_parallel_size) == (rank % 2, rank // 2, 1)
+        assert (topo.rank("tp"), topo.rank("cp"), strategy.data_parallel_size) == (rank % 2, rank // 2, 1)
     return out
 
 

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import get_protocol_members
 
 from mula.data import MulaDataModule
 from mula.data.loader import BatchLayout, StatefulLoader, TrainStream
 from mula.data.prepare import SourceSpec, prepare
 from mula.data.sampling import MixtureOrder, permute
 from mula.data.tokenizer import load_tokenizer, train_tokenizer
+from mula.training.strategy_contract import MulaStrategy
 
 WORDS = [
     "the",
@@ -396,15 +398,15 @@ def test_a_pipeline_strategy_gets_each_step_whole(data):
     global batch as one batch -- the rows of its accumulation micro-batches, in order -- and learns the
     number of micro-batches per step from its rows and micro_batch_size (the data module writes nothing
     into the strategy); Lightning then accumulates nothing."""
-    strategy = SimpleNamespace(consumes_whole_step=True, data_parallel_rank=1, data_parallel_size=2)
+    # a strategy with Mula's whole strategy contract, of which the data module reads these three
+    contract = {name: lambda *args, **kwargs: None for name in get_protocol_members(MulaStrategy)}
+    pipeline = {"consumes_whole_step": True, "data_parallel_rank": 1, "data_parallel_size": 2}
+    strategy = SimpleNamespace(**{**contract, **pipeline})
+    before = dict(vars(strategy))
     dm = make_dm(data)
     dm.trainer = SimpleNamespace(strategy=strategy, accumulate_grad_batches=1, lightning_module=None)
     dm.setup("fit")
-    assert dm.trainer.accumulate_grad_batches == 1 and vars(strategy).keys() == {
-        "consumes_whole_step",
-        "data_parallel_rank",
-        "data_parallel_size",
-    }
+    assert dm.trainer.accumulate_grad_batches == 1 and vars(strategy) == before
     it = iter(dm.train_dataloader())
     whole = [next(it) for _ in range(3)]
     assert whole[0].shape[0] // dm.micro_batch_size == 2

@@ -10,8 +10,6 @@ wrong layout (expert gradients reduced over the whole world) must fail.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,7 +20,7 @@ from mula import Mula, MulaConfig
 from mula.model.moe import is_expert_param
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.optim.grad_sync import GradientSynchronizer, clip_grad_norm_
-from strategies.topology import build_topology
+from strategies.topology import LayoutMesh, build_topology
 
 WORLD, MICRO, SEQ, STEPS, MAX_NORM = 4, 2, 16, 3, 0.5
 CONFIG = MulaConfig.from_name(
@@ -72,10 +70,29 @@ def _reference() -> dict:
     return {**record.as_dict(), "grads": first_grads, "params": dict(model.state_dict())}
 
 
+class _WorldAsExpertGroup(LayoutMesh):
+    """A mesh whose expert group ("edp_cp") is every replica: the bug `wrong_expert_group` plants."""
+
+    def size(self, dim: str) -> int:
+        """The replicas' size for "edp_cp", else the layout's."""
+        return super().size("replica" if dim == "edp_cp" else dim)
+
+    def rank(self, dim: str) -> int:
+        """The replica rank for "edp_cp", else the layout's."""
+        return super().rank("replica" if dim == "edp_cp" else dim)
+
+    def group_ranks(self, dim: str) -> list[int]:
+        """Every replica for "edp_cp", else the layout's."""
+        return super().group_ranks("replica" if dim == "edp_cp" else dim)
+
+
 def _train_ep(rank: int, ep_size: int, wrong_expert_group: bool = False, overlap: bool = True) -> dict:
     topo = build_topology(ep_size)
     if wrong_expert_group:  # the classic bug: treat the whole world as the expert-data-parallel group
-        topo = dataclasses.replace(topo, edp_group=dist.group.WORLD, edp_size=topo.world_size)
+        groups = {dim: topo.group(dim) for dim in ("ep", "replica", "world")}
+        topo = _WorldAsExpertGroup(
+            topo.layout, topo.rank("world"), groups={**groups, "edp_cp": dist.group.WORLD}
+        )
     model = _model()
     apply_expert_parallel(model, topo)
     named = list(model.named_parameters())

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import re
+import textwrap
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning
 from packaging.specifiers import SpecifierSet
+from source_scan import classes_with_base, layer_sources, string_lookup
 
 from mula.training import lightning_compat
 
@@ -30,6 +34,19 @@ def test_private_names_are_the_lightning_objects():
     assert lightning_compat.cluster_environment(trainer) is env
     real = lightning.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert lightning_compat.cluster_environment(real) is not None
+    real._signal_connector.received_sigterm = True  # as Lightning's SIGTERM handler records it
+    assert real.received_sigterm
+    lightning_compat.forget_lightning_sigterm(real)
+    assert not real.received_sigterm
+
+
+def test_process_group_timeout_is_the_strategy_argument():
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    assert lightning_compat.process_group_timeout(DDPStrategy(timeout=timedelta(seconds=7))) == timedelta(
+        seconds=7
+    )
+    assert lightning_compat.process_group_timeout(SingleDeviceStrategy("cpu")) is None
 
 
 # The one private Lightning hook Mula overrides: Lightning gives a custom strategy no public way to
@@ -38,12 +55,10 @@ PRIVATE_OVERRIDES_ALLOWED = {("XPUMoEStrategy", "_configure_launcher")}
 
 
 def _sources() -> list[Path]:
-    return [p for d in ("mula", "strategies", "callbacks") for p in sorted((ROOT / d).rglob("*.py"))]
+    return layer_sources(ROOT)
 
 
 def test_private_lightning_names_are_imported_in_lightning_compat_only():
-    import ast
-
     found = []
     for path in _sources():
         if path == ROOT / "mula" / "training" / "lightning_compat.py":
@@ -59,23 +74,7 @@ def test_private_lightning_names_are_imported_in_lightning_compat_only():
 
 def _lightning_classes() -> list[type]:
     """Every class of mula/, strategies/ and callbacks/ with a Lightning base class (modules imported)."""
-    import importlib
-    import inspect
-
-    out = []
-    for path in _sources():
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        if name.startswith("mula.downstream") or name.endswith("__main__"):  # lm-eval extra; a script
-            continue
-        module = importlib.import_module(name)
-        for cls in vars(module).values():
-            if (
-                inspect.isclass(cls)
-                and cls.__module__ == name
-                and any(b.__module__.startswith("lightning.") for b in cls.__mro__[1:])
-            ):
-                out.append(cls)
-    return out
+    return classes_with_base(ROOT, lambda module: module.startswith("lightning."))
 
 
 def _overridden(cls: type) -> list[tuple[str, type]]:
@@ -130,3 +129,90 @@ def test_overridden_hooks_are_marked_override():
         if not getattr(func, "__override__", False)
     }
     assert not unmarked, sorted(unmarked)
+
+
+# Where private names may be read through a string: Lightning's here, torch's in mula/torch_compat.py
+# (torch's own objects are left to tests/test_torch_compat.py).
+COMPAT_MODULES = {"mula/training/lightning_compat.py", "mula/torch_compat.py"}
+
+
+def _torch_names(tree: ast.Module) -> set[str]:
+    """The names a module binds to torch or a part of it (`import torch.distributed as dist`, ...)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"
+            }
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _root(node: ast.expr) -> str | None:
+    """The name an attribute chain starts from (`torch` for `torch.nn.functional`)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_string_lookups(root: Path) -> list[str]:
+    """`getattr(x, "_name")` (or hasattr, setattr, delattr) in mula/, strategies/ and callbacks/ outside
+    the compat modules, save on torch's objects; dunder names are Python's, not private."""
+    found = []
+    for package in ("mula", "strategies", "callbacks"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in COMPAT_MODULES:
+                continue
+            tree = ast.parse(path.read_text(), rel)
+            torch_names = _torch_names(tree)
+            for node in ast.walk(tree):
+                name = string_lookup(node)
+                if name is None:
+                    continue
+                dunder = name.startswith("__") and name.endswith("__")
+                if name.startswith("_") and not dunder and _root(node.args[0]) not in torch_names:
+                    found.append(f"{rel}:{node.lineno}: {node.func.id}(..., {name!r})")
+    return found
+
+
+def test_no_private_name_is_read_through_a_string_outside_the_compat_modules():
+    """A private Lightning attribute goes through a named lightning_compat function; our own objects
+    initialise their attributes where they are built, so nothing reads them by a string."""
+    assert private_string_lookups(ROOT) == []
+
+
+def test_a_planted_private_name_read_through_a_string_is_found(tmp_path):
+    """The scan can fail: a Lightning private read, our own attribute tested and set through strings are
+    found in each package; torch's names (however imported), dunder names, non-literal names and the
+    compat module are not."""
+    files = {
+        "mula/a.py": """
+            def f(trainer, strategy, name):
+                return getattr(trainer, "_signal_connector", None), hasattr(strategy.x, "_timeout"), getattr(trainer, name)
+        """,
+        "strategies/b.py": """
+            import torch
+            import torch.distributed as dist
+            from torch.distributed import _functional_collectives as funcol
+            ok = getattr(torch, "_grouped_mm", None), hasattr(dist, "_x"), getattr(funcol, "_y"), getattr(int, "__name__")
+        """,
+        "callbacks/c.py": """
+            class C:
+                def __init__(self):
+                    setattr(self, "_writer", None)
+        """,
+        "mula/training/lightning_compat.py": """
+            def connector(trainer):
+                return getattr(trainer, "_signal_connector")
+        """,
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    assert sorted(private_string_lookups(tmp_path)) == [
+        "callbacks/c.py:4: setattr(..., '_writer')",
+        "mula/a.py:3: getattr(..., '_signal_connector')",
+        "mula/a.py:3: hasattr(..., '_timeout')",
+    ]

@@ -96,7 +96,7 @@ def _adam_steps(opt: torch.optim.Optimizer) -> int:
 
 
 def _fit(world: int, rank: int, strategy: XPUMoEStrategy, guard: bool) -> dict:
-    pp, ep = strategy.pipeline_parallel_size, strategy.expert_parallel_size
+    pp, ep = strategy.layout.pp, strategy.layout.ep
     dp_size = world // pp
     dp_rank = (rank // (pp * ep)) * ep + rank % ep
     if pp > 1:

@@ -29,19 +29,27 @@ def test_coordinates_round_trip_and_groups_partition_the_ranks(world: int, ep: i
         seen.add((c.edp, c.pp, c.ep))
         # DESIGN.md's order: EP innermost, then the stage, data parallel outermost
         assert rank == c.edp * pp * ep + c.pp * ep + c.ep
-        assert layout.stage_local_rank(rank) == c.edp * ep + c.ep
+        assert layout.group_rank("replica", rank) == c.edp * ep + c.ep
     assert len(seen) == world
-    sizes = {"ep": ep, "edp": world // (pp * ep), "pp": pp, "stage": world // pp, "world": world}
+    sizes = {
+        "ep": ep,
+        "edp": world // (pp * ep),
+        "pp": pp,
+        "replica": world // pp,
+        "dp": world // pp,
+        "world": world,
+    }
     for dim, size in sizes.items():
+        assert layout.size(dim) == size
         groups = layout.all_groups(dim)
         assert all(len(g) == size for g in groups)
         assert sorted(r for g in groups for r in g) == list(range(world))  # each rank in exactly one
         for rank in range(world):
-            assert rank in layout.group_ranks(dim, rank)
+            assert layout.group_ranks(dim, rank)[layout.group_rank(dim, rank)] == rank
     for rank in range(world):  # an EP group is consecutive ranks; a stage group shares the stage
         ep_ranks = layout.group_ranks("ep", rank)
         assert ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + ep))
-        assert {layout.coordinates(r).pp for r in layout.group_ranks("stage", rank)} == {
+        assert {layout.coordinates(r).pp for r in layout.group_ranks("replica", rank)} == {
             layout.coordinates(rank).pp
         }
         assert {layout.coordinates(r).pp for r in layout.group_ranks("pp", rank)} == set(range(pp))
@@ -117,7 +125,7 @@ def _strategy(world: int, init_args: dict, overrides: dict, global_batch: int, m
         layout = strategy.parallel_layout(world, config)
         check_batch_split(global_batch, layout.dp_size, micro)  # MulaDataModule.setup
         if strategy.shard_optimizer:  # XPUMoEStrategy's optimizer setup
-            check_zero_stage(strategy.pipeline_parallel_size, strategy.optimizer_options.get("zero_stage", 1))
+            check_zero_stage(strategy.layout.pp, strategy.optimizer_options.get("zero_stage", 1))
         layout.check_micro_batches(global_batch // (layout.dp_size * micro))  # PipelineRunner
     except ValueError as error:
         return str(error)

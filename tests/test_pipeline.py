@@ -142,7 +142,7 @@ def _fit(
     lr: float = 1e-2,
 ):
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    pp, ep = (strategy.pipeline_parallel_size, strategy.expert_parallel_size) if strategy else (1, 1)
+    pp, ep = (strategy.layout.pp, strategy.layout.ep) if strategy else (1, 1)
     dp_size = world // pp
     dp_rank = (rank // (pp * ep)) * ep + rank % ep  # rank inside its stage (EP innermost)
     loader = _StepBatches(dp_rank, dp_size, pp > 1, max_steps)
@@ -200,7 +200,7 @@ def _local_params(trainer) -> dict:
     topo = strategy.topology
     out = {}
     for name, p in trainer.lightning_module.named_parameters():
-        first = topo.ep_rank * p.shape[0] if ".experts." in name else 0
+        first = topo.rank("ep") * p.shape[0] if ".experts." in name else 0
         out[name] = (first, p.detach().clone())
     return out
 
@@ -251,8 +251,8 @@ def _run_layouts(rank: int, world: int, root: str) -> dict:
     )
     topo = trainer.strategy.topology
     dense = next(p for n, p in trainer.lightning_module.named_parameters() if "attn.q_proj" in n).detach()
-    gathered = [torch.empty_like(dense) for _ in range(topo.world_size)]
-    torch.distributed.all_gather(gathered, dense, group=topo.world_group)
+    gathered = [torch.empty_like(dense) for _ in range(topo.size("replica"))]
+    torch.distributed.all_gather(gathered, dense, group=topo.group("replica"))
     out["meta_replicas_agree"] = all(torch.equal(g, dense) for g in gathered)
     out["meta_layers"] = sorted(
         {n.split(".")[2] for n, _ in trainer.lightning_module.named_parameters() if ".layers." in n}
@@ -461,7 +461,7 @@ def test_layout_errors_are_one_sentence_naming_the_numbers() -> None:
 def stage_ranks(world: int, ep: int, pp: int, stage: int) -> list[int]:
     """Global ranks of pipeline stage `stage`, in stage-local order."""
     layout = ParallelLayout(world_size=world, ep=ep, pp=pp)
-    return layout.group_ranks("stage", layout.rank(pp=stage))
+    return layout.group_ranks("replica", layout.rank(pp=stage))
 
 
 def test_stage_ranks_put_experts_innermost_and_data_parallel_outermost() -> None:

@@ -118,7 +118,7 @@ def test_plan_reads_recipes_like_fit() -> None:
     model = {"config": "mula-tiny-moe", "activation_checkpointing": ["moe", "attention"]}
     inputs = plan_inputs(trainer, model, {"micro_batch_size": 2, "seq_len": 64, "global_batch_size": 64})
     lay = inputs.layout
-    assert (lay.world_size, lay.ep_size, lay.edp_size, lay.micro_batches) == (16, 4, 4, 2)
+    assert (lay.world_size, lay.ep_size, lay.edp_cp_size, lay.micro_batches) == (16, 4, 4, 2)
     assert (lay.zero_stage, lay.reduce_bytes, lay.param_bytes, lay.shard_optimizer) == (2, 2, 2, True)
     assert lay.collectives == "rooted" and lay.checkpointing == ["moe", "attention"]
     # pipeline settings (issue 12's XPUMoEStrategy arguments) are read when a strategy has them
@@ -127,7 +127,7 @@ def test_plan_reads_recipes_like_fit() -> None:
         "pipeline_stage_layers": [1, 3],
     }}}  # fmt: skip
     lay = plan_inputs(piped, model, {"micro_batch_size": 2, "seq_len": 64, "global_batch_size": 64}).layout
-    assert (lay.pp_size, lay.pp_schedule, lay.pp_stage_layers, lay.dp_size, lay.micro_batches) == (
+    assert (lay.pp_size, lay.pp_schedule, lay.pp_stage_layers, lay.replica_size, lay.micro_batches) == (
         2, "gpipe", [1, 3], 8, 4,
     )  # fmt: skip
     ddp = plan_inputs({"devices": 2, "strategy": "ddp"}, {"config": "mula-tiny-dense"}, {})

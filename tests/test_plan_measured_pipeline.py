@@ -87,7 +87,7 @@ def _measure(rank: int, world: int) -> list[dict[str, float]]:
         batch = torch.randint(0, CONFIG.vocab_size, (MICROS * B, T + 1), generator=gen)
         trainer.fit(module, _Steps(batch))
         logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
-        out.append({**logged, "stage": strategy.topology.pp_rank})
+        out.append({**logged, "stage": strategy.topology.rank("pp")})
     return out
 
 

@@ -158,7 +158,11 @@ def test_plan_and_fit_read_tensor_parallel_recipes() -> None:
         {"global_batch_size": 8, "seq_len": 16, "micro_batch_size": 2},
     )
     inputs = plan_inputs(trainer(2, True), model, data)
-    assert (inputs.layout.tp_size, inputs.layout.sequence_parallel, inputs.layout.dp_size) == (2, True, 2)
+    assert (inputs.layout.tp_size, inputs.layout.sequence_parallel, inputs.layout.replica_size) == (
+        2,
+        True,
+        2,
+    )
     assert inputs.layout.micro_batches == 2  # 8 sequences over 2 data-parallel ranks of micro-batch 2
     flat = plan_memory(inputs.config, plan_inputs(trainer(1, False), model, data).layout)
     split = plan_memory(inputs.config, inputs.layout)

@@ -40,7 +40,7 @@ def test_search_tries_the_context_parallel_sizes_a_node_and_the_heads_allow() ->
     for lay in layouts:
         assert lay.cp_size == 1 or AURORA.tiles_per_node % (lay.cp_size * lay.tp_size) == 0  # inside a node
         check_runnable(inputs.config, lay, inputs.global_batch)  # what mula plan / mula fit accept
-        assert lay.micro_batches * lay.micro_batch * lay.data_ranks == inputs.global_batch
+        assert lay.micro_batches * lay.micro_batch * lay.dp_size == inputs.global_batch
     # a sequence C does not split is not a candidate at that C
     odd = _inputs(seq_len=254)
     assert {lay.cp_size for lay in candidate_layouts(odd)} == {1, 2}

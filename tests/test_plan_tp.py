@@ -38,9 +38,9 @@ def test_search_tries_tensor_parallel_sizes_the_strategy_runs() -> None:
                 shard_optimizer=lay.shard_optimizer, pipeline_parallel_size=lay.pp_size,
                 context_parallel_size=lay.cp_size,
             )  # fmt: skip
-            assert lay.dp_size * lay.tp_size * lay.pp_size == AURORA.tiles_per_node
+            assert lay.replica_size * lay.tp_size * lay.pp_size == AURORA.tiles_per_node
             # C context-parallel peers read the same samples: the batch is over the data ranks
-            assert lay.micro_batches * lay.micro_batch * lay.data_ranks == 48
+            assert lay.micro_batches * lay.micro_batch * lay.dp_size == 48
     fastest = {}
     for row in rows:
         fastest.setdefault(row["T"], row)

@@ -235,7 +235,7 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, Any]]:
         loader = _Batches(topo_rank, layout.dp_size, layout.pp_size > 1)
         trainer.fit(module, loader)
         out[name] = {
-            "pp_rank": trainer.strategy.topology.pp_rank,
+            "pp_rank": trainer.strategy.topology.rank("pp"),
             **{k: v / STEPS for k, v in meter.bytes.items()},
             "calls": {k: v / STEPS for k, v in meter.calls.items()},
         }

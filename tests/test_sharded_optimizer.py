@@ -34,9 +34,10 @@ from equality import ADAMW_EPS, LoopRecord, assert_same_training, assert_same_we
 from torch import nn
 
 from mula.layout.flat_buffers import ParamEntry, plan_buckets
+from mula.layout.parallel_layout import ParallelLayout
 from mula.model.moe import is_expert_param
 from strategies.optim.sharded_optimizer import EPShardedAdamW
-from strategies.topology import build_topology
+from strategies.topology import LayoutMesh, build_topology
 
 E_TOTAL, HIDDEN, INTER, LAYERS = 4, 8, 12, 2
 ROWS, STEPS, LR, CLIP = 16, 4, 1e-2, 0.05
@@ -181,16 +182,15 @@ class Trainer:
         self.topo = build_topology(run.ep_size)
         topo_for_opt = self.topo
         if run.wrong_layout:
-            topo_for_opt = dataclasses.replace(
-                self.topo,
-                ep_size=1,
-                ep_rank=0,
-                edp_size=self.topo.world_size,
-                edp_rank=self.topo.rank,
-                edp_group=dist.group.WORLD,
+            # E = 1 with the whole world as the expert group
+            topo_for_opt = LayoutMesh(
+                ParallelLayout(world_size=self.topo.size("world")),
+                self.topo.rank("world"),
+                groups={"replica": self.topo.group("replica"), "edp_cp": dist.group.WORLD},
+                meshes={"world": self.topo.mesh("world")},
             )
         self.replica = StandIn()
-        self.local = _local_params(self.replica, self.topo.ep_rank, self.topo.ep_size)
+        self.local = _local_params(self.replica, self.topo.rank("ep"), self.topo.size("ep"))
         self.named = list(self.local.named_parameters())
         options = dict(run.options)
         if options.pop("with_module", False):
@@ -207,9 +207,9 @@ class Trainer:
                 self.local()  # a forward: its pre-hooks wait for the all-gathers
         with torch.no_grad():
             for (name, p), (_, q) in zip(self.replica.named_parameters(), self.named):
-                if is_expert_param(name) and self.topo.ep_size > 1:
-                    parts = [torch.empty_like(q) for _ in range(self.topo.ep_size)]
-                    dist.all_gather(parts, q.detach().contiguous(), group=self.topo.ep_group)
+                if is_expert_param(name) and self.topo.size("ep") > 1:
+                    parts = [torch.empty_like(q) for _ in range(self.topo.size("ep"))]
+                    dist.all_gather(parts, q.detach().contiguous(), group=self.topo.group("ep"))
                     p.copy_(torch.cat(parts))
                 else:
                     p.copy_(q)
@@ -220,15 +220,15 @@ class Trainer:
         grads = []
         for name, p in self.replica.named_parameters():
             g = p.grad
-            if is_expert_param(name) and self.topo.ep_size > 1:
-                dist.all_reduce(g, group=self.topo.ep_group)  # what the all-to-all backward delivers
-            grads.append(_slice(name, g, self.topo.ep_rank, self.topo.ep_size).contiguous())
+            if is_expert_param(name) and self.topo.size("ep") > 1:
+                dist.all_reduce(g, group=self.topo.group("ep"))  # what the all-to-all backward delivers
+            grads.append(_slice(name, g, self.topo.rank("ep"), self.topo.size("ep")).contiguous())
         return grads
 
     def train_step(self) -> None:
         self._sync_replica()
         x, y = _batch(self.steps)
-        w, r = self.topo.world_size, self.topo.rank
+        w, r = self.topo.size("replica"), self.topo.rank("replica")
         xs, ys = x.chunk(w)[r].chunk(self.run.accum), y.chunk(w)[r].chunk(self.run.accum)
         self.opt.zero_grad()
         for i, (xm, ym) in enumerate(zip(xs, ys)):
@@ -263,7 +263,7 @@ def _max_rel_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
     """The largest per-tensor relative distance from the reference (the negative control's measure)."""
     worst = 0.0
     for name, value in params.items():
-        expected = _slice(name, ref[name], topo.ep_rank, topo.ep_size)
+        expected = _slice(name, ref[name], topo.rank("ep"), topo.size("ep"))
         worst = max(worst, ((value - expected).norm() / expected.norm()).item())
     return worst
 
@@ -275,8 +275,8 @@ def _expected_state(trainer: Trainer) -> dict:
     expert_local = sum(p.numel() for n, p in trainer.named if is_expert_param(n))
     return {
         "dense": dense,
-        "expert_total": expert_local * topo.ep_size,
-        "share": dense / topo.world_size + expert_local / topo.edp_size,
+        "expert_total": expert_local * topo.size("ep"),
+        "share": dense / topo.size("replica") + expert_local / topo.size("edp_cp"),
     }
 
 
@@ -316,7 +316,7 @@ def _train_worker(rank: int, world: int, ckpt_dir: str) -> dict:
         exp = _expected_state(t)
         out[key] = {
             "params": t.params(),
-            "ep_rank": t.topo.ep_rank,
+            "ep_rank": t.topo.rank("ep"),
             "owned": t.opt.owned_numel(),
             "state_bytes": t.opt.state_bytes(),
             "padding_bytes": t.opt.padding_bytes(),
@@ -339,7 +339,7 @@ def _checkpoint_save_and_reload(rank: int, ckpt_dir: str) -> dict:
         torch.save(t.sched.state_dict(), Path(ckpt_dir) / "sched.pt")
     saved = t.params()
     t.train_step()
-    result = {"continued": t.params(), "saved_ep_rank": t.topo.ep_rank}
+    result = {"continued": t.params(), "saved_ep_rank": t.topo.rank("ep")}
     for ep in (4, 1):
         result[ep] = _resume(ckpt_dir, ep)
         result[ep]["saved"] = saved
@@ -359,7 +359,7 @@ def _resume(ckpt_dir: str, ep_size: int) -> dict:
     t.steps = t.opt.steps_done
     loaded = t.params()
     t.train_step()
-    return {"loaded": loaded, "next": t.params(), "ep_rank": t.topo.ep_rank, "ep_size": ep_size}
+    return {"loaded": loaded, "next": t.params(), "ep_rank": t.topo.rank("ep"), "ep_size": ep_size}
 
 
 def _resume_worker(rank: int, world: int, ckpt_dir: str) -> dict:
@@ -382,8 +382,9 @@ def _ref_for(key: str, refs: dict) -> dict[str, torch.Tensor]:
     return refs[run.clip][-1]
 
 
-def _topo(ep_rank: int, ep_size: int):
-    return dataclasses.make_dataclass("T", ["ep_rank", "ep_size"])(ep_rank, ep_size)
+def _topo(ep_rank: int, ep_size: int) -> LayoutMesh:
+    """The mesh of EP rank `ep_rank` of one `ep_size`-rank EP group (what `_max_rel_error` slices by)."""
+    return LayoutMesh(ParallelLayout(world_size=ep_size, ep=ep_size), ep_rank)
 
 
 @pytest.mark.parametrize("key", [k for k in RUNS if k != "e2_wrong_layout"])
@@ -578,7 +579,7 @@ def _mula_worker(rank: int, world: int) -> dict:
         out[ep] = {
             **record.as_dict(),
             "params": {n: p.detach().clone() for n, p in model.state_dict().items()},
-            "ep_rank": topo.ep_rank,
+            "ep_rank": topo.rank("ep"),
         }
         opt.close()
     return out

@@ -84,7 +84,7 @@ def _fit(
     into `save_dir`); return the step losses (`.record()`: what `equality.assert_same_training` compares,
     with the routing record of an MoE model, its near ties in the one-process reference) and every
     parameter and buffer (an MoE model's router bias) as its full (gathered) tensor."""
-    staged = strategy is not None and strategy.pipeline_parallel_size > 1
+    staged = strategy is not None and strategy.layout.pp > 1
     if staged:  # what MulaDataModule sets: the step's micro-batches, handed over as one batch
         strategy.pipeline_microbatches = MICROS_PER_STEP // dp_size
     batches = _Batches(dp_rank, dp_size, first_step, steps, whole_steps=staged)
@@ -259,8 +259,8 @@ def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
     assert layout.dp_size == 4
     assert layout.all_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     # the data-parallel (gradient-reduction) world of each TP index excludes the TP peers
-    assert layout.group_ranks("stage", 0) == [0, 2, 4, 6]
-    assert layout.group_ranks("stage", 3) == [1, 3, 5, 7]
+    assert layout.group_ranks("replica", 0) == [0, 2, 4, 6]
+    assert layout.group_ranks("replica", 3) == [1, 3, 5, 7]
     assert layout.mesh_shape() == (4, 1, 1, 2)
 
 

@@ -120,9 +120,9 @@ def _fit(
     module = trainer.lightning_module
     for name, p in [*module.named_parameters(), *module.named_buffers()]:  # the router bias included
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        if is_expert_param(name) and topo is not None and topo.ep_size > 1:  # this rank's experts only
-            parts = [torch.empty_like(full) for _ in range(topo.ep_size)]
-            dist.all_gather(parts, full.contiguous(), group=topo.ep_group)
+        if is_expert_param(name) and topo is not None and topo.size("ep") > 1:  # this rank's experts only
+            parts = [torch.empty_like(full) for _ in range(topo.size("ep"))]
+            dist.all_gather(parts, full.contiguous(), group=topo.group("ep"))
             full = torch.cat(parts)
         params[name] = full.detach().clone()
     return losses, logged, params, trainer

@@ -110,7 +110,7 @@ def _measure(rank: int, world: int) -> list[dict]:
         gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
         batch = torch.randint(0, PLAN_RMS["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
         logged = measure_step(world, strategy, "mula-tiny-dense", PLAN_RMS, batch)
-        out.append({**logged, "stage": strategy.topology.pp_rank})
+        out.append({**logged, "stage": strategy.topology.rank("pp")})
     return out
 
 

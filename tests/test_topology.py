@@ -14,7 +14,7 @@ from mula.cluster_environments import PALSEnvironment
 from mula.layout.parallel_layout import ParallelLayout
 from strategies.devices.accelerator import XPUAccelerator, fix_mixed_precision_device, process_group_backend
 from strategies.sharded_state import rescale_loop_progress
-from strategies.topology import ExpertParallelTopology, build_topology
+from strategies.topology import LayoutMesh, build_topology
 
 
 def layout_ranks(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -41,10 +41,11 @@ def test_layout_groups_consecutive_ep_and_strided_edp() -> None:
 
 
 def test_topology_local_experts_and_group_ranks() -> None:
-    topo = ExpertParallelTopology(world_size=8, rank=6, ep_size=4, edp_size=2, ep_rank=2, edp_rank=1)
+    topo = LayoutMesh(ParallelLayout(world_size=8, ep=4), 6)
+    assert (topo.rank("ep"), topo.rank("edp_cp"), topo.size("edp_cp"), topo.group("ep")) == (2, 1, 2, None)
     assert topo.local_expert_range(16) == range(8, 12)
-    assert topo.ep_group_ranks() == [4, 5, 6, 7]
-    assert topo.edp_group_ranks() == [2, 6]
+    assert topo.group_ranks("ep") == [4, 5, 6, 7]
+    assert topo.group_ranks("edp_cp") == [2, 6]
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_invalid_layouts_name_the_numbers(world: int, ep: int, experts: int | No
 
 def test_single_process_topology() -> None:
     topo = build_topology(1)
-    assert (topo.world_size, topo.ep_size, topo.edp_size) == (1, 1, 1)
+    assert (topo.size("replica"), topo.size("ep"), topo.size("edp_cp")) == (1, 1, 1)
     with pytest.raises(ValueError, match="larger than the world size 1"):
         build_topology(2)
 
@@ -170,14 +171,10 @@ def _mesh_groups(rank: int, world: int) -> list[dict]:
     out = []
     for ep, pp in [(e, p) for e in (1, 2, 4) for p in (1, 2, 4) if world % (e * p) == 0]:
         topo = build_topology(ep, pp)
-        groups = {
-            "ep": topo.ep_group, "edp": topo.edp_group, "stage": topo.world_group, "pp": topo.pp_group,
-        }  # fmt: skip
+        groups = {dim: topo.group(dim) for dim in ("ep", "edp", "edp_cp", "replica", "pp", "world")}
         members = {k: dist.get_process_group_ranks(g) for k, g in groups.items() if g is not None}
-        members["world"] = dist.get_process_group_ranks(topo.world_mesh.get_group())
-        out.append(
-            {"ep": ep, "pp": pp, "members": members, "local": topo.rank, "stage_ranks": topo.world_ranks()}
-        )
+        members["world_mesh"] = dist.get_process_group_ranks(topo.mesh("world").get_group())
+        out.append({"ep": ep, "pp": pp, "members": members, "replica_rank": topo.rank("replica")})
     return out
 
 
@@ -186,7 +183,7 @@ def test_every_group_comes_from_the_mesh_as_the_layout_says(world: int) -> None:
     for rank, cases in enumerate(run_distributed(_mesh_groups, world)):
         for case in cases:
             layout = ParallelLayout(world_size=world, ep=case["ep"], pp=case["pp"])
-            dims = ["ep", "edp", "stage", "world"] + (["pp"] if case["pp"] > 1 else [])
-            assert case["members"] == {d: layout.group_ranks(d, rank) for d in dims}, case
-            assert case["local"] == layout.stage_local_rank(rank)
-            assert case["stage_ranks"] == layout.group_ranks("stage", rank)
+            dims = ["ep", "edp", "edp_cp", "replica", "world"] + (["pp"] if case["pp"] > 1 else [])
+            expected = {d: layout.group_ranks(d, rank) for d in dims}
+            assert case["members"] == {**expected, "world_mesh": list(range(world))}, case
+            assert case["replica_rank"] == layout.group_rank("replica", rank)

@@ -25,7 +25,7 @@ from typing_extensions import override
 from mula.bench.probe import BenchProbe
 from mula.bench.report import format_text
 from mula.commands.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
-from mula.training.memory_meter import device_module
+from mula.training.devices import device_name
 from mula.training.module import check_master_weights
 
 FORMATS = ("text", "json")
@@ -188,16 +188,6 @@ class BenchCLI(MulaCLI):
 
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak_allocated")
-
-
-def device_name(device: torch.device) -> str:
-    """The accelerator's name as torch reports it (e.g. 'NVIDIA H100 80GB HBM3'), or the CPU's model."""
-    module = device_module(device)
-    if module is not None and hasattr(module, "get_device_name"):
-        return module.get_device_name(device)
-    from mula.calibrate.settings import host_description
-
-    return f"cpu ({host_description()['processor']}, {torch.get_num_threads()} threads)"
 
 
 def check_bench_options(steps: int, warmup: int, layers: int | None, format: str) -> None:

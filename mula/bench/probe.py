@@ -27,8 +27,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from mula.model.moe import iter_moe_layers
+from mula.training.devices import device_module
 from mula.training.lightning_compat import ends_optimizer_step
-from mula.training.memory_meter import SavedTensorMeter, device_module, grad_bytes, param_bytes
+from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:

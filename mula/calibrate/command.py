@@ -27,6 +27,7 @@ def calibrate(
     peak_bf16_tflops: float | None = None,
     memory_per_tile_gb: float | None = None,
     progress: bool = True,
+    strategy: str = "strategies.XPUMoEStrategy",
 ) -> None:
     """Measure this machine and write a machine file for `mula plan --machine FILE`.
 
@@ -51,7 +52,10 @@ def calibrate(
         memory_per_tile_gb: Device memory, GB (default: what the device reports; on CPU the host's memory
             divided by the ranks on the node).
         progress: Show a progress bar on rank 0.
+        strategy: The strategy whose tensor-, context- and expert-parallel splits and sharded optimizer are
+            timed, as a recipe's trainer.strategy names its class.
     """
+    from mula.calibrate.strategy import strategy_calibration
     from mula.data.ranks import launcher_environment
     from mula.model.config import MulaConfig
 
@@ -93,12 +97,13 @@ def calibrate(
         backend=backend, quick=quick, peak_bf16_tflops=peak_bf16_tflops, memory_per_tile_gb=memory_per_tile_gb,
         progress=progress, command=" ".join(["mula", *sys.argv[1:]]) if sys.argv[1:] else "mula calibrate",
     )  # fmt: skip
+    timings = strategy_calibration(strategy)
     if env is not None:
         os.environ.setdefault("MASTER_ADDR", str(env.main_address))
         os.environ.setdefault("MASTER_PORT", str(env.main_port))
         from mula.calibrate.job import run_rank
 
-        run_rank(env.global_rank(), world, settings, env.local_rank())
+        run_rank(env.global_rank(), world, settings, timings, env.local_rank())
         return
     import torch.multiprocessing as mp
 
@@ -106,7 +111,7 @@ def calibrate(
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
-    mp.spawn(run_rank, args=(world, settings), nprocs=world, join=True)
+    mp.spawn(run_rank, args=(world, settings, timings), nprocs=world, join=True)
 
 
 def _free_port() -> int:

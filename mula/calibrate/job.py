@@ -1,4 +1,5 @@
-"""One rank of `mula calibrate`: join the job, measure, and (rank 0) write the machine file."""
+"""One rank of `mula calibrate`: join the job, measure, and (rank 0) write the machine file. What runs the
+strategy's own code (its splits, its sharded AdamW) comes from the strategy (`mula.calibrate.strategy`)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from mula.calibrate.measure import (
     time_collective,
     training_tflops,
 )
-from mula.calibrate.reduction import reduction_seconds
 from mula.calibrate.settings import DTYPES, Settings, host_description, now, write_machine_file
-from mula.calibrate.splits import split_training_seconds, splits_for
+from mula.calibrate.splits import splits_for
+from mula.calibrate.strategy import StrategyCalibration
 from mula.model.config import MulaConfig
 from mula.training.host_allocator import reuse_freed_host_memory
 
@@ -77,13 +78,15 @@ def _flop_weighted(
     return sum(flops.values()) / sum(flops[k] / rates[k] for k in rates)
 
 
-def run_rank(rank: int, world: int, settings: Settings, local_rank: int | None = None) -> None:
-    """Measure on this rank (its device: `local_rank`, default `rank`); rank 0 gathers the results and
-    writes the file."""
+def run_rank(
+    rank: int, world: int, settings: Settings, strategy: StrategyCalibration, local_rank: int | None = None
+) -> None:
+    """Measure on this rank (its device: `local_rank`, default `rank`), the strategy's splits and optimizer
+    with `strategy`'s timings; rank 0 gathers the results and writes the file."""
     device, backend = _device_and_backend(settings.backend, rank if local_rank is None else local_rank)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
     try:
-        _measure(rank, world, device, backend, settings)
+        _measure(rank, world, device, backend, settings, strategy)
     finally:
         dist.destroy_process_group()
 
@@ -98,7 +101,14 @@ def cpu_threads_per_rank(ranks_on_host: int) -> int | None:
     return max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
 
 
-def _measure(rank: int, world: int, device: torch.device, backend: str, settings: Settings) -> None:
+def _measure(
+    rank: int,
+    world: int,
+    device: torch.device,
+    backend: str,
+    settings: Settings,
+    strategy: StrategyCalibration,
+) -> None:
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())  # ranks on one host share a node's fabric
     threads = cpu_threads_per_rank(hosts.count(hosts[rank])) if device.type == "cpu" else None
@@ -155,17 +165,17 @@ def _measure(rank: int, world: int, device: torch.device, backend: str, settings
                 seconds = functional_call_seconds(group, device, 3 * settings.reps)
                 if rank == ranks[0]:
                     calls[g] = seconds
-                # the model split over the group as the strategy splits it (mula.calibrate.splits)
+                # the model split over the group as the strategy splits it (strategies/calibrate/splits.py)
                 for dtype_name in DTYPES:
                     for kind in splits_for(config, g, settings.seq_len):
-                        measured = split_training_seconds(
+                        measured = strategy.split_training_seconds(
                             config, kind, settings.micro_batch, settings.seq_len, getattr(torch, dtype_name),
                             device, group, ranks.index(rank), g, 3 * settings.reps,
                         )  # fmt: skip
                         if rank == ranks[0]:
                             splits.setdefault(dtype_name, {}).setdefault(kind, {})[g] = measured
-                    # the sharded optimizer's reduction over the group (mula.calibrate.reduction)
-                    by_stage = reduction_seconds(
+                    # the sharded optimizer's reduction over the group (strategies/calibrate/reduction.py)
+                    by_stage = strategy.reduction_seconds(
                         config, settings.micro_batch, settings.seq_len, getattr(torch, dtype_name), device,
                         group, ranks.index(rank), g, 3 * settings.reps,
                     )  # fmt: skip
@@ -261,7 +271,7 @@ def _write(
         # tensor- and context-parallel calls' price, mula.calibrate.measure.functional_call_seconds)
         "functional_call_s": {g: round(s, 7) for g, s in sorted(functional.items())},
         # per dtype, split kind and group size inside a node: one micro-batch's forward + backward of the
-        # small model whole and split as the strategy splits it (mula.calibrate.splits; the planner's
+        # small model whole and split as the strategy splits it (strategies/calibrate/splits.py; the planner's
         # compute factor of a TP or CP rank, mula.plan.split_compute)
         "split_training_s": {
             d: {k: {g: _rounded(m) for g, m in sorted(sized.items())} for k, sized in kinds.items()}
@@ -269,7 +279,7 @@ def _write(
         },
         # per dtype, ZeRO stage and group size inside a node: a step of two micro-batches of the small
         # model without a reducer and with the sharded optimizer reducing over the group
-        # (mula.calibrate.reduction; the reducer's own work, mula.plan.grad_reduction)
+        # (strategies/calibrate/reduction.py; the reducer's own work, mula.plan.grad_reduction)
         "grad_reduction_s": {
             d: {z: {g: _rounded(m) for g, m in sorted(sized.items())} for z, sized in sorted(stages.items())}
             for d, stages in reductions.items()

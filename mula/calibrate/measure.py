@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mula.model.config import MulaConfig
+from mula.torch_compat import c10d_functional_ops
 
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv")
 # `training_tflops`' rates: a block's forward + backward and forward, and the rest of the model's
@@ -290,7 +291,7 @@ def functional_call_seconds(
     `reps` of the slowest rank's. Unlike the back-to-back calls of `time_collective`, the ranks reach
     each call from their own compute, so the time the call hands to the backend's thread and the ranks'
     skew are in it."""
-    ops = torch.ops._c10d_functional
+    ops = c10d_functional_ops()
     a = torch.randn(width, width, device=device)
     x = torch.ones(numel, device=device)
 

@@ -68,13 +68,9 @@ def write_machine_file(settings: Settings, machine: dict[str, Any], calibration:
 
 def host_description() -> dict[str, str]:
     """Host name, processor model and Python platform, for the file's header."""
-    processor = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            processor = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"host": socket.gethostname(), "processor": processor, "platform": platform.platform()}
+    from mula.training.devices import cpu_model  # imports torch: only the ranks write the file
+
+    return {"host": socket.gethostname(), "processor": cpu_model(), "platform": platform.platform()}
 
 
 def now() -> str:

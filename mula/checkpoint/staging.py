@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
+from mula.torch_compat import local_shards_wrapper_class
+
 
 def _host_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
@@ -23,13 +25,13 @@ def _host_copy(tensor: Tensor) -> Tensor:
 def stage_to_host(obj: Any) -> Any:
     """A copy of ``obj`` (a state dict) that later in-place updates of the live tensors do not reach."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     if isinstance(obj, DTensor):
         local = obj.to_local()
-        if isinstance(local, LocalShardsWrapper):
+        shards_wrapper = local_shards_wrapper_class()
+        if isinstance(local, shards_wrapper):
             offsets = [tuple(o) for o in local.local_offsets()]
-            local = LocalShardsWrapper([_host_copy(c) for c in local.local_shards()], offsets)
+            local = shards_wrapper([_host_copy(c) for c in local.local_shards()], offsets)
         else:
             local = _host_copy(local)
         return DTensor.from_local(
@@ -47,7 +49,9 @@ def stage_to_host(obj: Any) -> Any:
 class HostStager:
     """A ``torch.distributed.checkpoint.staging.AsyncStager``: synchronous staging with ``stage_to_host``."""
 
-    _synchronize_after_execute = False  # staging is complete when stage() returns
+    # staging is complete when stage() returns; a private member of torch's AsyncStager protocol
+    # (mula.torch_compat.DEFINED_FOR_TORCH), without which isinstance(stager, AsyncStager) fails
+    _synchronize_after_execute = False
 
     @property
     def should_synchronize_after_execute(self) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as L
+from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from mula.data.loader import BatchLayout, StatefulLoader, TrainStream, ValStream, WindowReader
@@ -31,6 +32,7 @@ from mula.data.readers import iter_documents
 from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
 from mula.layout.rules import micro_batches_per_step
+from mula.training.strategy_contract import mula_strategy
 
 log = logging.getLogger(__name__)
 TOKENIZER_STATE_KEY = "tokenizer_path"
@@ -161,17 +163,14 @@ class MulaDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 0, 1
-        strategy = trainer.strategy
-        rank, size = (
-            getattr(strategy, "data_parallel_rank", None),
-            getattr(strategy, "data_parallel_size", None),
-        )
-        if isinstance(rank, int) and isinstance(size, int):
-            return rank, size
-        mesh = getattr(strategy, "device_mesh", None)  # Lightning's ModelParallelStrategy (FSDP2 + TP)
-        if mesh is not None and "data_parallel" in (getattr(mesh, "mesh_dim_names", None) or ()):
-            dp = mesh["data_parallel"]
-            return dp.get_local_rank(), dp.size()
+        contract = mula_strategy(trainer.strategy)
+        if contract is not None:
+            return contract.data_parallel_rank, contract.data_parallel_size
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # Lightning's FSDP2 + TP
+            mesh = trainer.strategy.device_mesh
+            if "data_parallel" in (mesh.mesh_dim_names or ()):
+                dp = mesh["data_parallel"]
+                return dp.get_local_rank(), dp.size()
         return trainer.global_rank, trainer.world_size
 
     # ---- checks -----------------------------------------------------------------------------------------
@@ -331,8 +330,8 @@ class MulaDataModule(L.LightningDataModule):
         rank, world = self.data_parallel_rank_world()
         micro_batches_per_step(self.global_batch_size, world, self.micro_batch_size)  # checks the split
         micro = self.micro_batch_size
-        strategy = getattr(self.trainer, "strategy", None)
-        if getattr(strategy, "consumes_whole_step", False) is True:
+        contract = mula_strategy(self.trainer.strategy) if self.trainer is not None else None
+        if contract is not None and contract.consumes_whole_step:
             # Pipeline stages: one batch per step (this rank's whole share of the global batch); the
             # strategy cuts it into micro_batch_size pipeline micro-batches.
             micro = self.global_batch_size // world

@@ -30,6 +30,7 @@ from typing_extensions import override
 from mula.data.tokenizer import LoadedTokenizer
 from mula.downstream.tasks import ResolvedTasks
 from mula.model.config import MulaConfig
+from mula.training.strategy_contract import mula_strategy
 
 
 def evaluate_trainer_model(
@@ -47,8 +48,8 @@ def evaluate_trainer_model(
     from mula.downstream.lm import MulaLM
     from mula.hf import tokenizer as hf_tokenizer
 
-    spread_forward = getattr(trainer.strategy, "spread_forward", None)
-    spread = spread_forward() if spread_forward is not None else None
+    strategy = mula_strategy(trainer.strategy)
+    spread = strategy.spread_forward() if strategy is not None else None
     lm = MulaLM(
         pl_module.model,
         tokenizer,
@@ -94,9 +95,9 @@ def strategy_from_spec(spec: Any) -> Any:
 def check_layout(strategy: Any, world_size: int, config: MulaConfig) -> None:
     """Raise ValueError (one sentence) when the strategy's layout cannot hold `config` on `world_size`
     ranks (sizes not dividing the world, experts not divisible by E, ...): before anything is loaded."""
-    layout = getattr(strategy, "parallel_layout", None)
-    if layout is not None:
-        layout(world_size, config)
+    contract = mula_strategy(strategy)
+    if contract is not None:
+        contract.parallel_layout(world_size, config)
 
 
 class _ScoreOnTestStart(L.Callback):
@@ -156,7 +157,8 @@ def evaluate_with_strategy(
     device = torch.device(settings.device) if settings.device else default_device()
     precision = "bf16-mixed" if autocast_dtype(device, settings.dtype) == torch.bfloat16 else "32-true"
     # a sharded checkpoint through the strategy's own loading (each rank reads its part), else whole
-    sharded = is_sharded_checkpoint(ckpt) and hasattr(strategy, "spread_forward")
+    contract = mula_strategy(strategy)
+    sharded = is_sharded_checkpoint(ckpt) and contract is not None
     module = MulaLightningModule(
         config,
         init_weights=None if sharded else str(ckpt),
@@ -178,7 +180,8 @@ def evaluate_with_strategy(
         limit_test_batches=1,
     )
     # the test loop runs its hooks only with a batch: one short sequence, its loss computed and dropped
-    tokens = 2 * getattr(strategy, "tensor_parallel_size", 1)  # splits under sequence parallelism
+    # two tokens per tensor-parallel rank: sequence parallelism splits the sequence over them
+    tokens = 2 * (contract.tensor_parallel_size if contract is not None else 1)
     dummy = DataLoader([torch.zeros(tokens + 1, dtype=torch.long)], batch_size=1)
     with warnings.catch_warnings():  # Lightning's advice for test runs does not apply to this one
         warnings.filterwarnings("ignore", message=".*sync_dist=True.*")  # the dummy batch's test/loss

@@ -23,17 +23,23 @@ TP's per-layer reductions, so it goes next to TP, inside a node (T x C x E ranks
 Derived groups: the T ranks of a tensor-parallel group read the same data and each holds 1/T of every
 dense layer; the C ranks of a context-parallel group read the same samples, each its slice of the
 sequence, and replicate the parameters. A stage's W / (P * T) ranks of one tensor-parallel index are
-its replicas (`replica_size`, group "stage", stage-local rank (edp * E + ep) * C + cp): they hold the
+its replicas (`replica_size`, group "replica", replica rank (edp * E + ep) * C + cp): they hold the
 same shards of the stage's dense parameters, and its gradients are reduced and its optimizer state
-sharded over them; W / (P * T * C) of them read their own data (`dp_size`, data-parallel index
-edp * E + ep). Experts are reduced over "edp_cp" (EDP with its CP peers). The pipeline group of a
-rank is the P ranks that share its (edp, ep, cp, tp) coordinates. `rank_holdings` answers which
+sharded over them; W / (P * T * C) of them read their own data (`dp_size`, group "dp", data-parallel
+index edp * E + ep). Experts are reduced over "edp_cp" (EDP with its CP peers). The pipeline group of a
+rank is the P ranks that share its (edp, ep, cp, tp) coordinates.
+
+`DIMS` is the one vocabulary of dimensions: `group_ranks`, `size` and `group_rank` here, and
+`strategies.topology.LayoutMesh`'s `group`, `mesh`, `size` and `rank` on the torch side, take these
+names, and a size called `<dim>_size` anywhere (here, on the mesh, in the planner's `mula.plan.layout.Layout`)
+is `size(dim)`. `rank_holdings` answers which
 blocks and experts a rank
 holds; the strategy, the schedule, the planner and the benchmarks all ask it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -56,6 +62,10 @@ from mula.layout.rules import (
 # mesh dimensions, outermost first (the order of the DeviceMesh's shape); "cp" is in a layout's mesh
 # only when C > 1 (`ParallelLayout.mesh_dims`), so that layouts without it keep their mesh as it was
 MESH_DIMS = ("edp", "pp", "ep", "cp", "tp")
+# every dimension a rank has a group along (`ParallelLayout.group_ranks`): the mesh's, "edp_cp" (the EDP
+# group with its CP peers: who holds the same experts), "replica" (a stage's ranks of one TP index: who
+# holds the same dense shards), "dp" (the ranks reading different data) and "world"
+DIMS = ("tp", "cp", "ep", "pp", "edp", "edp_cp", "replica", "dp", "world")
 
 
 @dataclass(frozen=True)
@@ -95,13 +105,14 @@ class Holdings:
 class ParallelLayout:
     """Sizes of every parallel dimension of a W-rank job and its pipeline schedule.
 
-    world_size: W; ep: E, expert-parallel group size; pp: P, pipeline stages; tp: T, tensor-parallel
-    group size (dense models, one stage); cp: C, context-parallel group size (Ulysses); schedule, virtual_stages (V per rank), stage_layers (P x V
-    block counts, None: an even split): the pipeline. Construction checks the sizes against W
-    (`validate` adds the model and the step).
+    world_size: W (None: not known yet, as in a strategy before its process group exists); ep: E,
+    expert-parallel group size; pp: P, pipeline stages; tp: T, tensor-parallel group size; cp: C,
+    context-parallel group size (Ulysses); schedule, virtual_stages (V per rank), stage_layers (P x V
+    block counts, None: an even split): the pipeline. Construction runs `validate` (the sizes, the
+    schedule and, when W is known, W); `with_world_size` fills W in and checks the rule that needs it.
     """
 
-    world_size: int = 1
+    world_size: int | None = 1
     ep: int = 1
     pp: int = 1
     tp: int = 1
@@ -127,7 +138,8 @@ class ParallelLayout:
     ) -> None:
         """Raise the one ValueError sentence (`mula.layout.rules`) of the first rule this layout breaks.
 
-        Without arguments: the sizes, the schedule and W. With a model `config` (`num_layers`,
+        Without arguments: the sizes, the schedule and W (`check_world`, skipped while W is None; the
+        batch split needs W too). With a model `config` (`num_layers`,
         `num_experts`, `tie_embeddings`, `aux_loss_scope`): the stage split and the experts too; with
         `micro_batches` (per optimizer step and data-parallel rank), `zero_stage` (of the sharded
         optimizer) and `global_batch` with `micro_batch` (sequences): the step as well.
@@ -136,7 +148,8 @@ class ParallelLayout:
         validate_schedule(self.schedule, self.pp, self.virtual_stages)
         if config is not None:
             validate_split(config, self.pp, self.virtual_stages, self.stage_layers)
-        check_world(self.world_size, self.ep, self.pp, self.tp, self.cp)
+        if self.world_size is not None:
+            check_world(self.world_size, self.ep, self.pp, self.tp, self.cp)
         check_tensor_parallel(config, self.tp)
         check_context_parallel(config, self.cp, self.tp, self.pp)
         if config is not None:
@@ -149,31 +162,68 @@ class ParallelLayout:
         if micro_batches is not None:
             check_micro_batches(self.schedule, self.pp, micro_batches)
 
+    def with_world_size(self, world_size: int) -> ParallelLayout:
+        """This layout over `world_size` ranks, checked against them (`check_world`, the one rule of the
+        sizes that needs W); the other rules already held when this layout was built."""
+        check_world(world_size, self.ep, self.pp, self.tp, self.cp)
+        layout = object.__new__(ParallelLayout)
+        for f in dataclasses.fields(self):
+            object.__setattr__(layout, f.name, getattr(self, f.name))
+        object.__setattr__(layout, "world_size", world_size)
+        return layout
+
     def check_micro_batches(self, micro_batches: int) -> None:
         """Refuse a step of `micro_batches` the schedule cannot run."""
         check_micro_batches(self.schedule, self.pp, micro_batches)
 
     # ----- sizes ---------------------------------------------------------------------------------
     @property
+    def world(self) -> int:
+        """W, refusing a layout whose world size is not known yet."""
+        if self.world_size is None:
+            raise ValueError(
+                "This layout's world size is not known yet (a strategy learns it when its process group starts)."
+            )
+        return self.world_size
+
+    @property
     def stage_size(self) -> int:
         """Ranks of one pipeline stage (W / P)."""
-        return self.world_size // self.pp
+        return self.world // self.pp
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks of a stage, each reading its own data (W / (P * TP * CP))."""
-        return self.world_size // (self.pp * self.tp * self.cp)
+        """Data-parallel ranks of a stage, each reading its own data (W / (P * TP * CP)): size("dp")."""
+        return self.world // (self.pp * self.tp * self.cp)
 
     @property
     def edp_size(self) -> int:
-        """Data-parallel ranks holding the same experts of the same stage (W / (P * E * TP * CP))."""
+        """Data-parallel ranks holding the same experts of the same stage (W / (P * E * TP * CP)): size("edp")."""
         return self.dp_size // self.ep
 
     @property
     def replica_size(self) -> int:
         """Ranks of a stage holding the same dense shards, over which its gradients are reduced and its
-        optimizer state sharded: the data-parallel ranks and their context-parallel peers (W / (P * TP))."""
+        optimizer state sharded: the data-parallel ranks and their context-parallel peers (W / (P * TP)):
+        size("replica")."""
         return self.dp_size * self.cp
+
+    def size(self, dim: str) -> int:
+        """Ranks of a group along `dim` (one of `DIMS`)."""
+        sizes = {"tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp}
+        if dim in sizes:
+            return sizes[dim]
+        if dim == "edp":
+            return self.edp_size
+        if dim == "edp_cp":
+            return self.edp_size * self.cp
+        if dim == "replica":
+            return self.replica_size
+        if dim == "dp":
+            return self.dp_size
+        if dim == "world":
+            return self.world
+        raise ValueError(_unknown(dim))
 
     @property
     def num_stages(self) -> int:
@@ -192,7 +242,7 @@ class ParallelLayout:
     # ----- ranks ---------------------------------------------------------------------------------
     def coordinates(self, rank: int) -> Coordinates:
         """Where global `rank` sits on every dimension."""
-        if not 0 <= rank < self.world_size:
+        if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is not one of the {self.world_size} ranks.")
         rank, tp = divmod(rank, self.tp)
         rank, cp = divmod(rank, self.cp)
@@ -204,19 +254,33 @@ class ParallelLayout:
         """The global rank at these coordinates (the inverse of `coordinates`)."""
         return (((edp * self.pp + pp) * self.ep + ep) * self.cp + cp) * self.tp + tp
 
-    def stage_local_rank(self, rank: int) -> int:
-        """`rank`'s index among its stage's replicas ((edp * E + ep) * C + cp; edp * E + ep without CP)."""
-        c = self.coordinates(rank)
-        return (c.edp * self.ep + c.ep) * self.cp + c.cp
-
-    def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """Global ranks of `rank`'s group along `dim` ("tp", "cp", "ep", "edp", "edp_cp": the EDP group and
-        its CP peers, which hold the same experts; "pp", "stage": the stage's replicas in stage-local
-        order, those of `rank`'s tensor-parallel index, or "world"), in group order."""
+    def group_rank(self, dim: str, rank: int) -> int:
+        """Global `rank`'s index in its group along `dim` (one of `DIMS`): its coordinate on a mesh dimension;
+        on "replica" (edp * E + ep) * C + cp, on "dp" edp * E + ep, on "edp_cp" edp * C + cp."""
         c = self.coordinates(rank)
         if dim == "world":
-            return list(range(self.world_size))
-        if dim == "stage":
+            return rank
+        if dim == "edp_cp":
+            return c.edp * self.cp + c.cp
+        if dim == "replica":
+            return (c.edp * self.ep + c.ep) * self.cp + c.cp
+        if dim == "dp":
+            return c.edp * self.ep + c.ep
+        if dim in MESH_DIMS:
+            return int(getattr(c, dim))
+        raise ValueError(_unknown(dim))
+
+    def group_ranks(self, dim: str, rank: int) -> list[int]:
+        """Global ranks of `rank`'s group along `dim` (one of `DIMS`: "tp", "cp", "ep", "pp", "edp";
+        "edp_cp": the EDP group and its CP peers, which hold the same experts; "replica": the stage's
+        ranks of `rank`'s tensor-parallel index; "dp": the replicas of `rank`'s context-parallel index,
+        each reading its own data; "world"), in group order (`group_rank`)."""
+        c = self.coordinates(rank)
+        if dim == "world":
+            return list(range(self.world))
+        if dim == "dp":
+            return [self.rank(d, c.pp, e, c.cp, c.tp) for d in range(self.edp_size) for e in range(self.ep)]
+        if dim == "replica":
             return [
                 self.rank(d, c.pp, e, x, c.tp)
                 for d in range(self.edp_size)
@@ -235,14 +299,12 @@ class ParallelLayout:
             return [self.rank(c.edp, s, c.ep, c.cp, c.tp) for s in range(self.pp)]
         if dim == "tp":
             return [self.rank(c.edp, c.pp, c.ep, c.cp, t) for t in range(self.tp)]
-        raise ValueError(
-            f"Unknown layout dimension {dim!r}; use tp, cp, ep, edp, edp_cp, pp, stage or world."
-        )
+        raise ValueError(_unknown(dim))
 
     def all_groups(self, dim: str) -> list[list[int]]:
         """Every group along `dim` (each a list of global ranks), ordered by their first rank."""
         groups: dict[int, list[int]] = {}
-        for r in range(self.world_size):
+        for r in range(self.world):
             ranks = self.group_ranks(dim, r)
             groups.setdefault(min(ranks), ranks)
         return [groups[k] for k in sorted(groups)]
@@ -274,6 +336,11 @@ class ParallelLayout:
             first=0 in stages,
             last=self.num_stages - 1 in stages,
         )
+
+
+def _unknown(dim: str) -> str:
+    """The sentence refusing a dimension name that is not one of `DIMS`."""
+    return f"Unknown layout dimension {dim!r}; use one of {', '.join(DIMS)}."
 
 
 @functools.lru_cache(maxsize=1024)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mula import torch_compat
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CompileSettings", "CompileWatch", "compile_blocks", "parse_compile", "use_cache_dir"]
@@ -94,8 +96,7 @@ def use_cache_dir(path: str) -> None:
     """
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
-    torch._inductor.config.fx_graph_cache = True
-    torch._functorch.config.enable_autograd_cache = True
+    torch_compat.enable_compile_caches()
 
 
 def compile_regions(block: nn.Module) -> list[tuple[nn.Module, str | None]]:
@@ -132,7 +133,7 @@ def compile_blocks(blocks: Iterable[nn.Module], settings: CompileSettings) -> in
             "model.compile.fullgraph cannot compile MoE blocks: their routed experts run outside the "
             "graph (docs/compile.md); leave fullgraph false."
         )
-    torch._dynamo.config.nested_graph_breaks = True
+    torch_compat.allow_nested_graph_breaks()
     kwargs = settings.torch_kwargs()
     regions = 0
     for block in blocks:
@@ -143,12 +144,6 @@ def compile_blocks(blocks: Iterable[nn.Module], settings: CompileSettings) -> in
                 setattr(module, attribute, torch.compile(getattr(module, attribute), **kwargs))
             regions += 1
     return regions
-
-
-def _graph_breaks() -> int:
-    from torch._dynamo.utils import counters
-
-    return sum(counters["graph_break"].values())
 
 
 class CompileWatch:
@@ -173,17 +168,15 @@ class CompileWatch:
 
     def start(self) -> CompileWatch:
         """Begin counting (registers the callbacks)."""
-        from torch._dynamo.callback import callback_handler
-
-        self._breaks0 = _graph_breaks()
+        callback_handler = torch_compat.dynamo_callback_handler()
+        self._breaks0 = torch_compat.graph_break_count()
         callback_handler.register_start_callback(self._on_start)
         callback_handler.register_end_callback(self._on_end)
         return self
 
     def stop(self) -> None:
         """Stop counting (removes the callbacks)."""
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = torch_compat.dynamo_callback_handler()
         for remove, fn in (
             (callback_handler.remove_start_callback, self._on_start),
             (callback_handler.remove_end_callback, self._on_end),
@@ -194,14 +187,11 @@ class CompileWatch:
                 pass
 
     def _on_start(self, args: Any) -> None:
-        from torch._dynamo.callback import CallbackTrigger
-        from torch._guards import CompileContext
-
         self._t0 = time.perf_counter()
-        if args.callback_trigger != CallbackTrigger.DYNAMO:
+        if not torch_compat.triggered_by_dynamo(args):
             return
         self.compiles += 1
-        compile_id = CompileContext.current_compile_id()
+        compile_id = torch_compat.current_compile_id()
         if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
             self.recompiles += 1
 
@@ -213,7 +203,7 @@ class CompileWatch:
     @property
     def graph_breaks(self) -> int:
         """Graph breaks dynamo met since `start` (each traced code once: identical blocks share it)."""
-        return _graph_breaks() - self._breaks0
+        return torch_compat.graph_break_count() - self._breaks0
 
     def metrics(self) -> dict[str, float]:
         """compile/compiles, compile/recompiles, compile/graph_breaks, compile/time_s so far."""

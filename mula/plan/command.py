@@ -237,7 +237,7 @@ def scaling(inputs: PlanInputs, base_nodes: int, node_counts: list[int]) -> list
         ratio = w / base_layout.world_size
         weak_batch = int(inputs.global_batch * ratio)
         weak = step_time(inputs.config, base_layout.replace(world_size=w), inputs.machine, weak_batch)
-        dp = base_layout.replace(world_size=w).data_ranks  # W / (P * T * C)
+        dp = base_layout.replace(world_size=w).dp_size  # W / (P * T * C)
         strong_eff = None
         if inputs.global_batch >= base_layout.micro_batch * dp:  # every rank still has a micro-batch
             m = micro_batches_per_step(inputs.global_batch, dp, base_layout.micro_batch, check=False)

@@ -28,16 +28,17 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.cli import instantiate_class
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from typing_extensions import override
 
 from mula.plan.memory import plan_stage, stage_params
 from mula.plan.parameters import model_parameters
 from mula.plan.settings import PlanInputs
+from mula.torch_compat import fake_store
 from mula.training.module import MulaLightningModule
 
 # what the dry run measures and compares: its name -> the plan's MemoryPlan field
@@ -96,9 +97,9 @@ def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], 
         place = {
             "rank": rank,
             "world_size": layout.world_size,
-            "stage": topo.pp_rank,
-            "ep_rank": topo.ep_rank,
-            "edp_rank": topo.edp_rank,
+            "stage": topo.rank("pp"),
+            "ep_rank": topo.rank("ep"),
+            "edp_rank": topo.rank("edp_cp"),
             "allocated_bytes": _allocated(module),
         }
     seconds = time.perf_counter() - start
@@ -141,7 +142,7 @@ def format_dry_run(result: dict[str, Any]) -> str:
 def _measure(strategy: Any, module: Any) -> tuple[dict[str, int], dict[str, int]]:
     """The rank's bytes from the optimizer's reporting methods and the shape of its checkpoint state."""
     optimizer = strategy.optimizers[0]
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
     for method in ("param_bytes", "grad_buffer_bytes", "state_bytes"):
         if not hasattr(optimizer, method):
             raise ValueError(
@@ -194,7 +195,7 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise ValueError("--dry_run needs a process without torch.distributed initialised.")
     saved = getattr(rank_zero_only, "rank", 0), getattr(utils_rank_zero_only, "rank", 0)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

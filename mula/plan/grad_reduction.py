@@ -5,7 +5,7 @@ The collectives' curves price what the reduce-scatters and all-gathers move. Aro
 works on every micro-batch: it copies each gradient (scaled) into its bucket or adds it to what the
 bucket holds, under ZeRO-2 into a bucket buffer allocated afresh every round, whose shard then lands by
 an add, and a reduction in flight slows the backward it runs beside (gloo reduces on the cores that
-compute). `mula calibrate` times it (`mula.calibrate.reduction`): a small model's step of two
+compute). `mula calibrate` times it (`strategies.calibrate.reduction`): a small model's step of two
 micro-batches without an optimizer and with the strategy's sharded AdamW at each ZeRO stage over a
 group of a node (reducing, updating and gathering, as between two training steps). The difference less
 what the planner prices of it -- the reduction's and the gather's collectives and the update's bytes --
@@ -52,9 +52,10 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
         dense = sum(e.numel for e in entries if e.domain == "dense")
         expert = sum(e.numel for e in entries if e.domain == "expert")
         pb = layout.param_bytes
-        groups = {"dense": layout.dp_size, "expert": layout.edp_size}
+        groups = {"dense": layout.replica_size, "expert": layout.edp_cp_size}
         calls = sum(b.group_size > 1 for b in plan_buckets(entries, groups, layout.bucket_numel, 1))
-        return 2 * (_ring(dense, pb, layout.dp_size) + _ring(expert, pb, layout.edp_size)), 0.0, calls, 0, 0.0
+        ring = _ring(dense, pb, layout.replica_size) + _ring(expert, pb, layout.edp_cp_size)
+        return 2 * ring, 0.0, calls, 0, 0.0
     # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
     # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
     buckets = sharded_buckets(params, layout)
@@ -65,8 +66,8 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
         shards = 0 if b.group_size == 1 else b.group_size if layout.collectives == "rooted" else 1
         gather_calls += shards
         if b.domain == "dense" and not layout.ep_aware:
-            reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.dp_size)
-            reduce_calls += layout.dp_size > 1  # one all-reduce over the stage
+            reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.replica_size)
+            reduce_calls += layout.replica_size > 1  # one all-reduce over the stage
         else:
             reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
             reduce_calls += shards
@@ -78,9 +79,9 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
 def sharded_buckets(params: list, layout: Layout) -> list:
     """The sharded optimizer's flat buckets of a rank holding `params` (strategies.optim.grad_reduce's
     domains: dense sharded over the stage's ranks, or over EDP when EP-unaware; experts over EDP)."""
-    dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
+    dense_group = layout.replica_size if layout.ep_aware else layout.edp_cp_size
     return plan_buckets(
-        optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel,
+        optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_cp_size}, layout.bucket_numel,
         layout.align,
     )  # fmt: skip
 
@@ -90,21 +91,21 @@ def reduction_overhead_seconds(machine: Machine, layout: Layout, nbytes: float) 
     buckets hold `nbytes`: the calibrated seconds per byte and micro-batch at the layout's ZeRO stage
     and nearest measured group size, times the step's micro-batches. 0 without a data-parallel group, a
     sharded optimizer or a measurement."""
-    if not layout.shard_optimizer or layout.dp_size <= 1 or nbytes <= 0:
+    if not layout.shard_optimizer or layout.replica_size <= 1 or nbytes <= 0:
         return 0.0
     cal = machine.calibration or {}
     dtype = "bfloat16" if layout.compute_bytes == 2 else "float32"
     sized = (cal.get("grad_reduction_s") or {}).get(dtype, {}).get(layout.zero_stage, {})
     if not sized:
         return 0.0
-    key = nearest_group(sized, layout.dp_size)
+    key = nearest_group(sized, layout.replica_size)
     per_byte = overhead_per_byte(machine, sized[key], layout.zero_stage, int(key), dtype)
     return per_byte * max(1, layout.micro_batches) * nbytes
 
 
 def overhead_per_byte(machine: Machine, measured: dict, zero_stage: int, group: int, dtype: str) -> float:
     """Seconds per bucket byte and micro-batch of the reducer's own work, from one measurement of
-    `mula.calibrate.reduction` (module docstring), at least 0."""
+    `strategies.calibrate.reduction` (module docstring), at least 0."""
     cal = machine.calibration or {}
     config = dataclasses.replace(
         MulaConfig.from_name(cal["model"], **(cal.get("overrides") or {})),

@@ -41,7 +41,8 @@ class Layout:
     sequence_parallel: the norm and residual regions on 1/T of the sequence (needs T > 1).
     cp_size: C context-parallel ranks (Ulysses, `strategies.context_parallel`), each holding 1/C of
     every sequence (`local_seq_len`) and attending over all of it for 1/C of the heads.
-    These eight make `parallel`, the `ParallelLayout` the strategy builds for the same settings.
+    These eight make `parallel`, the `ParallelLayout` the strategy builds for the same settings; every
+    size this record names `<dim>_size` is `parallel.size(dim)` (`mula.layout.parallel_layout.DIMS`).
     micro_batch, seq_len: one micro-batch's sequences and tokens per sequence; micro_batches: per
     optimizer step on each data-parallel rank (gradient accumulation, or the pipeline's micro-batches).
     precision: Lightning's `trainer.precision` string. checkpointing: `model.activation_checkpointing`.
@@ -121,20 +122,21 @@ class Layout:
         return self.sharding.reduce_bytes
 
     @property
-    def dp_size(self) -> int:
+    def replica_size(self) -> int:
         """Ranks of one pipeline stage and tensor-parallel index (W / (P * T)): the dense parameters'
-        replicas, their gradients' reduction group (context-parallel peers included)."""
+        replicas, their gradients' reduction group (context-parallel peers included): `parallel.size("replica")`."""
         return self.parallel.replica_size
 
     @property
-    def data_ranks(self) -> int:
-        """Data-parallel ranks, each reading its own micro-batches (W / (P * T * C))."""
+    def dp_size(self) -> int:
+        """Data-parallel ranks, each reading its own micro-batches (W / (P * T * C)): `parallel.size("dp")`."""
         return self.parallel.dp_size
 
     @property
-    def edp_size(self) -> int:
-        """Ranks holding the same experts (W / (P * E * T), context-parallel peers included)."""
-        return self.parallel.edp_size * self.cp_size
+    def edp_cp_size(self) -> int:
+        """Ranks holding the same experts (W / (P * E * T), context-parallel peers included):
+        `parallel.size("edp_cp")`."""
+        return self.parallel.size("edp_cp")
 
     @property
     def local_seq_len(self) -> int:

@@ -106,9 +106,9 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
         return tensors, tensors, tensors, 2 * tensors, 0, 0, 2 * tensors
     # the domains of strategies.optim.grad_reduce.make_domains: dense sharded over the stage's ranks (over
     # EDP when not EP-aware), experts over EDP
-    dense_group = layout.dp_size if layout.ep_aware else layout.edp_size
+    dense_group = layout.replica_size if layout.ep_aware else layout.edp_cp_size
     buckets = plan_buckets(
-        entries, {"dense": dense_group, "expert": layout.edp_size}, layout.bucket_numel, layout.align
+        entries, {"dense": dense_group, "expert": layout.edp_cp_size}, layout.bucket_numel, layout.align
     )
     full = sum(b.numel for b in buckets)
     shard = sum(b.shard_numel for b in buckets)
@@ -140,7 +140,7 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     return params_alloc, tensors, grads, optimizer, buffers, host, 12 * shard
 
 
-_STATE_FIELDS = ("ep_size", "tp_size", "dp_size", "edp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
+_STATE_FIELDS = ("ep_size", "tp_size", "replica_size", "edp_cp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
                  "align", "ep_aware", "shard_optimizer", "collectives", "offload",
                  "offload_tail_buckets", "offload_speculation")  # fmt: skip
 

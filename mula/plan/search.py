@@ -73,15 +73,15 @@ def candidate_layouts(inputs: PlanInputs) -> list[Layout]:
         ("bf16-true", bf16),
         OFFLOAD,
     ):
-        dp = max(1, base.world_size // (p * t * c))  # P * T * C > W: the layout refuses it below
-        try:
+        try:  # P * T * C that does not divide W: the layout refuses it
             layout = base.replace(
                 ep_size=e, pp_size=p, tp_size=t, sequence_parallel=sp, cp_size=c, micro_batch=mb,
-                micro_batches=micro_batches_per_step(inputs.global_batch, dp, mb, check=False),
                 checkpointing=ckpt, zero_stage=zero, precision=precision, shard_optimizer=True,
                 pp_stage_layers=None, pp_virtual_stages=1 if p == 1 else base.pp_virtual_stages,
                 offload=offload, offload_tail_buckets=base.offload_tail_buckets if offload else 0,
             )  # fmt: skip
+            steps = micro_batches_per_step(inputs.global_batch, layout.dp_size, mb, check=False)
+            layout = layout.replace(micro_batches=steps)
             check_runnable(config, layout, inputs.global_batch)  # what the strategy would refuse
         except ValueError:
             continue

@@ -161,20 +161,20 @@ def plan_inputs(
         }
         if kwargs.get("collectives", "auto") == "auto":
             kwargs["collectives"] = "rooted" if device_type == "cpu" else "native"
-    # data-parallel ranks W / (P * T * C) (W < P * T * C: the layout refuses it below)
-    split = int(kwargs.get("pp_size", 1)) * int(kwargs.get("tp_size", 1)) * int(kwargs.get("cp_size", 1))
-    dp = max(1, world // split)
     layout = Layout(
         world_size=world,
         micro_batch=micro,
         seq_len=seq,
-        micro_batches=micro_batches_per_step(global_batch, dp, micro, check=False),
         precision=str(trainer.get("precision") or "32-true"),
         checkpointing=model.get("activation_checkpointing") or "none",
         device_type=device_type,
         no_decay=list(model.get("no_decay") or ["embed.weight"]),
         async_checkpoint=_async_checkpoint(trainer),
         **kwargs,
+    )
+    # the step's micro-batches on each of the layout's data-parallel ranks (W / (P * T * C))
+    layout = layout.replace(
+        micro_batches=micro_batches_per_step(global_batch, layout.dp_size, micro, check=False)
     )
     check_runnable(config, layout, global_batch)
     return PlanInputs(config, layout, global_batch, device_bytes, note, machine)

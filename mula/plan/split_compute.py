@@ -6,7 +6,7 @@ model's: smaller matmuls, DTensor's work on every operation (sharding rules, red
 wrappers around each functional collective) and the layers it does not split. Ulysses (C-way context
 parallelism) packs and unpacks q, k, v and the output around its all-to-alls. Expert parallelism keeps
 each rank's tokens but permutes them around its all-to-alls, whose calls block between computes.
-`mula calibrate` times the same small model (`mula.calibrate.splits`) whole and split by the strategy's
+`mula calibrate` times the same small model (`strategies.calibrate.splits`) whole and split by the strategy's
 own functions on each group size of a node, forward + backward interleaved (`split_training_s`). Their
 ratio less the split's collectives, priced as the planner prices them (`mula.plan.split_volumes`,
 `node_calls_seconds`), is the split's compute factor:

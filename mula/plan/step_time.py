@@ -259,10 +259,10 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
         a2a = collective_seconds(machine, "all_to_all", e, True, vol.all_to_all, vol.all_to_all_calls, inter)
     # a stage's ranks fill whole nodes before spanning more; EDP ranks are E apart, so both groups
     # leave the node once the stage does
-    spans = layout.dp_size > node
+    spans = layout.replica_size > node
     bw = inter if spans else intra
     # beyond one network group the data-parallel collectives share the global links (contention)
-    contention = machine.cross_group_slowdown(layout.dp_size / node) if spans else 1.0
+    contention = machine.cross_group_slowdown(layout.replica_size / node) if spans else 1.0
     reduce_kind = "reduce_scatter" if layout.shard_optimizer else "all_reduce"
     m = max(1, layout.micro_batches)
     # one micro-batch's backward, which a gradient reduction overlaps; on CPU ranks none: gloo's
@@ -271,15 +271,16 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     # ZeRO-2 reduces after every micro-batch, everything else once, during the last backward
     rounds = vol.grad_rounds
     one_round = collective_seconds(
-        machine, reduce_kind, layout.dp_size, spans, vol.grad_reduce / rounds, vol.grad_reduce_calls / rounds, bw,
+        machine, reduce_kind, layout.replica_size, spans, vol.grad_reduce / rounds, vol.grad_reduce_calls / rounds, bw,
         contention,
     )  # fmt: skip
     grad_sync = rounds * max(0.0, one_round - backward)
     # the reducer's own work around its collectives: bucket copies, ZeRO-2's fresh buffers and landings
     grad_sync += reduction_overhead_seconds(machine, layout, vol.grad_bucket_bytes)
     gather = collective_seconds(
-        machine, "all_gather", layout.dp_size, spans, vol.param_gather, vol.param_gather_calls, bw, contention
-    )
+        machine, "all_gather", layout.replica_size, spans, vol.param_gather, vol.param_gather_calls, bw,
+        contention,
+    )  # fmt: skip
     if layout.overlap_param_gather and layout.device_type != "cpu":
         gather = max(0.0, gather - compute / 3 / m)
 

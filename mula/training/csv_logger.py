@@ -56,11 +56,15 @@ class CSVLogger(LightningCSVLogger):
     when the process dies while a new metric's column is being added. Its writer is kept in its own
     attribute, so no private Lightning name is read (mula/training/lightning_compat.py)."""
 
+    # made at the first `experiment`; a class default, not an `__init__`, so the constructor's signature
+    # stays Lightning's (jsonargparse and `mula plan`'s recipe reader read it)
+    _atomic_writer: AtomicExperimentWriter | None = None
+
     @property
     @override
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        writer = getattr(self, "_atomic_writer", None)
+        writer = self._atomic_writer
         if writer is None:
             writer = self._atomic_writer = AtomicExperimentWriter(log_dir=self.log_dir)  # makes the directory
         return writer
@@ -70,5 +74,5 @@ class CSVLogger(LightningCSVLogger):
     def finalize(self, status: str) -> None:
         """Write what is buffered, as Lightning's does (nothing where no writer was made: a launcher's
         main process)."""
-        if getattr(self, "_atomic_writer", None) is not None:
+        if self._atomic_writer is not None:
             self.save()

@@ -11,10 +11,15 @@ Lightning's checkpoint dict, `checkpoint["loops"]["fit_loop"]["epoch_loop.batch_
 XPUMoEStrategy overrides Lightning's private `_configure_launcher` hook (setting the strategy's
 `_launcher`), the one way Lightning gives a custom strategy to choose its launcher. No other module
 imports a private Lightning name or overrides a private Lightning method (tests/test_lightning_compat.py).
+
+The private attributes Mula reads or writes on Lightning's objects (the trainer's connectors and loops,
+a strategy's process-group timeout) are reached through the named functions below, with the same tested
+range; no other module reads a private name through a string (`getattr(x, "_name")`, same test).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import lightning
@@ -59,8 +64,10 @@ __all__ = [
     "cluster_environment",
     "dump_checkpoint",
     "ends_optimizer_step",
+    "forget_lightning_sigterm",
     "log_train_step_now",
     "logs_train_step",
+    "process_group_timeout",
 ]
 
 
@@ -117,3 +124,24 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     ``trainer.save_checkpoint``, whose trailing barrier a rank that failed to write would never reach.
     """
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def process_group_timeout(strategy: Any) -> timedelta | None:
+    """The timeout the strategy's process group was (or will be) created with; None when it has none.
+
+    Lightning's DDP, FSDP, DeepSpeed and ModelParallel strategies keep their `timeout` argument in a
+    private `_timeout` with no public reader (XPUMoEStrategy keeps it the same way); HangWatchdog compares
+    it with its own timeout.
+    """
+    timeout = getattr(strategy, "_timeout", None)
+    return timeout if isinstance(timeout, timedelta) else None
+
+
+def forget_lightning_sigterm(trainer: Any) -> None:
+    """Clear the SIGTERM Lightning's own handler recorded (public, read-only: `trainer.received_sigterm`).
+
+    Lightning ends the fit loop at the next batch once it saw a SIGTERM; PreemptionHandler, which handles
+    the signal itself at the next step boundary with a checkpoint, clears it when a SIGTERM during
+    start-up reached both handlers.
+    """
+    trainer._signal_connector.received_sigterm = False

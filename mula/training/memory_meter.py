@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from mula.torch_compat import AsyncCollectiveTensor
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:
@@ -148,9 +149,3 @@ def grad_bytes(module: torch.nn.Module, optimizer: Any = None) -> int:
             g = _local(p.grad)
             storages.setdefault(_storage_key(g), g.untyped_storage().nbytes())
     return sum(storages.values())
-
-
-def device_module(device: torch.device) -> Any:
-    """torch.cuda / torch.xpu for an accelerator with an allocator peak and events, else None (CPU)."""
-    module = getattr(torch, device.type, None)
-    return module if device.type != "cpu" and hasattr(module, "max_memory_allocated") else None

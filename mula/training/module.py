@@ -35,6 +35,7 @@ from mula.model.param_names import is_no_decay
 from mula.model.transformer import Mula, parse_activation_checkpointing
 from mula.training.host_allocator import reuse_freed_host_memory
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
+from mula.training.strategy_contract import MulaStrategy, mula_strategy
 
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
 STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
@@ -354,7 +355,8 @@ class MulaLightningModule(L.LightningModule):
         layers = [layer for _, layer in named]
         # a skipped step leaves every piece of trained state as it was, the balancing bias included
         # (strategies without a skip verdict never skip)
-        skipped = self._trainer is not None and getattr(self.trainer.strategy, "update_skipped", False)
+        strategy = self._strategy()
+        skipped = strategy is not None and strategy.update_skipped
         if self.config.router_bias_update_rate > 0 and not skipped:
             rate = self.config.router_bias_update_rate
             # each layer's row from its global block index ("layers.<i>.mlp"): a pipeline stage holds
@@ -397,7 +399,8 @@ class MulaLightningModule(L.LightningModule):
         The AdamW comes from the strategy's `build_optimizer` when it has one (XPUMoEStrategy: the
         EP-aware sharded AdamW over this rank's parameters), else it is `torch.optim.AdamW`.
         """
-        build = getattr(self._strategy(), "build_optimizer", torch.optim.AdamW)
+        strategy = self._strategy()
+        build = strategy.build_optimizer if strategy is not None else torch.optim.AdamW
         optimizer = build(
             self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
         )
@@ -418,12 +421,14 @@ class MulaLightningModule(L.LightningModule):
         """Lightning zeroes gradients before each step's first backward; a strategy that zeroes them at
         the end of its own optimizer step (`zeroes_grads_after_step`) needs no second zeroing, which
         would wipe a pipeline step's gradients (its backward passes run inside `training_step`)."""
-        if not getattr(self._strategy(), "zeroes_grads_after_step", False):
+        strategy = self._strategy()
+        if strategy is None or not strategy.zeroes_grads_after_step:
             optimizer.zero_grad()
 
-    def _strategy(self) -> Any:
-        """The trainer's strategy, None when the module is used without a Trainer."""
-        return self._trainer.strategy if self._trainer is not None else None
+    def _strategy(self) -> MulaStrategy | None:
+        """The trainer's strategy when it provides Mula's strategy contract; None under Lightning's own
+        strategies and when the module is used without a Trainer."""
+        return mula_strategy(self._trainer.strategy) if self._trainer is not None else None
 
     # ----- throughput / checkpoint ---------------------------------------------------------------
     def flops(self, batch_size: int, seq_len: int) -> int:
@@ -465,7 +470,9 @@ def check_master_weights(precision: str, strategy: Any) -> None:
     are lost. Only a strategy that says it keeps fp32 masters (`keeps_fp32_master_weights`, e.g.
     `XPUMoEStrategy` with its sharded optimizer) may train such weights.
     """
-    if precision in ("bf16-true", "16-true") and not getattr(strategy, "keeps_fp32_master_weights", False):
+    contract = mula_strategy(strategy)
+    masters = contract is not None and contract.keeps_fp32_master_weights
+    if precision in ("bf16-true", "16-true") and not masters:
         raise ValueError(
             f"trainer.precision={precision} holds the weights in half precision, and "
             f"{type(strategy).__name__} keeps no fp32 master weights (AdamW updates would be lost to "

@@ -13,11 +13,11 @@ from torch import nn
 
 from mula.model.moe import iter_moe_layers, num_global_experts
 from strategies.experts.all_to_all import AllToAllDispatcher
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import LayoutMesh
 
 
 @torch.no_grad()
-def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) -> int | None:
+def apply_expert_parallel(model: nn.Module, topology: LayoutMesh) -> int | None:
     """Slice experts to this rank's global block and install all-to-all dispatchers. Returns E_total.
 
     Idempotent: a layer already holding E_total / ep_size experts with an `AllToAllDispatcher` is
@@ -36,15 +36,15 @@ def apply_expert_parallel(model: nn.Module, topology: ExpertParallelTopology) ->
                 raise ValueError(
                     f"Expert parameter {pname} has leading dimension {param.shape[0]}, expected {total} experts."
                 )
-            if topology.ep_size > 1:
+            if topology.size("ep") > 1:
                 # clone() so the full stack's storage is freed instead of kept alive by a view
                 sliced = param.data[local.start : local.stop].clone()
                 setattr(experts, pname, nn.Parameter(sliced, requires_grad=param.requires_grad))
         if hasattr(experts, "num_experts"):
             experts.num_experts = len(local)
-        if topology.ep_size > 1:
+        if topology.size("ep") > 1:
             backend = getattr(layer.dispatcher, "backend", "auto")  # the experts' kernels, as before
             layer.dispatcher = AllToAllDispatcher(
-                total, topology.ep_size, topology.ep_rank, topology.ep_group, backend
+                total, topology.size("ep"), topology.rank("ep"), topology.group("ep"), backend
             )
     return total

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mula import torch_compat
 from mula.layout.flat_buffers import Segment
 
 _FUSED_DEVICES: set[str] | None = None
@@ -34,12 +35,10 @@ def adamw_update(
     ``torch.optim.AdamW(foreach=True)``."""
     global _FUSED_DEVICES
     if _FUSED_DEVICES is None:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-        _FUSED_DEVICES = set(_get_fused_kernels_supported_devices())
+        _FUSED_DEVICES = torch_compat.fused_adamw_devices()
     device = params[0].device
-    if device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_"):
-        torch._fused_adamw_(
+    if device.type in _FUSED_DEVICES:
+        torch_compat.fused_adamw_(
             params,
             grads,
             exp_avgs,
@@ -56,15 +55,15 @@ def adamw_update(
         )
         return
     n = float(step)
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    torch_compat.foreach_mul_(params, 1 - lr * weight_decay)
+    torch_compat.foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch_compat.foreach_mul_(exp_avg_sqs, beta2)
+    torch_compat.foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
     step_size = lr / (1 - beta1**n)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, (1 - beta2**n) ** 0.5)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
+    denom = torch_compat.foreach_sqrt(exp_avg_sqs)
+    torch_compat.foreach_div_(denom, (1 - beta2**n) ** 0.5)
+    torch_compat.foreach_add_(denom, eps)
+    torch_compat.foreach_addcdiv_(params, exp_avgs, denom, -step_size)
 
 
 @dataclass

@@ -66,7 +66,7 @@ class ShardClipping:
             else:
                 sq = square_sum(g)  # not one fp32 dot over the shard (strategies/optim/norms.py)
                 if name == "dense" and not self.options.ep_aware:
-                    sq = sq / self.topology.ep_size  # each dense element is held by E ranks
+                    sq = sq / self.topology.size("ep")  # each dense element is held by E ranks
                 parts.append(sq)
         for lo, hi in self._tp_split_ranges:  # TP-split elements: summed over the TP group below
             g = self.shard_grad[lo:hi].float()
@@ -80,13 +80,13 @@ class ShardClipping:
         bad = (~torch.isfinite(local)).float() + (~torch.isfinite(split_part)).float()
         total = torch.stack([torch.where(bad > 0, zero, local), torch.where(bad > 0, zero, split_part), bad])
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if self.topology.world_size > 1:
-            dist.all_reduce(total, op=op, group=self.topology.world_group)
-        if self.topology.tp_size > 1:
+        if self.topology.size("replica") > 1:
+            dist.all_reduce(total, op=op, group=self.topology.group("replica"))
+        if self.topology.size("tp") > 1:
             # the data-parallel world holds one TP shard: split elements differ over the TP group (sum
             # them), replicated ones are the same on every TP rank (count them once)
             tail = total[1:]
-            dist.all_reduce(tail, op=op, group=self.topology.tp_group)
+            dist.all_reduce(tail, op=op, group=self.topology.group("tp"))
         total = torch.stack([total[0] + total[1] if not inf else total[:2].max(), total[2]])
         reduce_over_stages(total, self.topology, op)  # each stage holds its part of the model
         finite = total[1] == 0

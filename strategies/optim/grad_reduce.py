@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from mula.layout.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
 from mula.model.moe import is_expert_param
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import LayoutMesh
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -89,7 +89,7 @@ def local_grad(p: Tensor, grad: Tensor) -> Tensor:
     return local_tensor(laid_out_grad(p, grad))
 
 
-def param_entry(index: int, name: str, p: Tensor, group: int, topology: ExpertParallelTopology) -> ParamEntry:
+def param_entry(index: int, name: str, p: Tensor, group: int, topology: LayoutMesh) -> ParamEntry:
     """The layout planner's view of parameter ``p``: its domain and its place in the global parameter
     (stacked expert parameters ``[E_local, ...]`` sit at ``ep_rank * numel`` of ``ep_size * numel``).
     A tensor-parallel (DTensor) parameter is its local shard: buckets hold local tensors."""
@@ -108,9 +108,9 @@ def param_entry(index: int, name: str, p: Tensor, group: int, topology: ExpertPa
         str(p.dtype),
         group,
         "expert",
-        t.ep_rank * p.numel(),
-        t.ep_size * p.numel(),
-        (shape[0] * t.ep_size, *shape[1:]),
+        t.rank("ep") * p.numel(),
+        t.size("ep") * p.numel(),
+        (shape[0] * t.size("ep"), *shape[1:]),
     )
 
 
@@ -131,35 +131,35 @@ class Domain:
     next_launch: int = 0  # index into buckets of the next reduction to launch this round
 
 
-def make_domains(
-    topology: ExpertParallelTopology, *, sharded: bool, ep_aware: bool = True
-) -> dict[str, Domain]:
+def make_domains(topology: LayoutMesh, *, sharded: bool, ep_aware: bool = True) -> dict[str, Domain]:
     """The dense and expert domains of a (W, E) layout; both pre-scale by 1/W (module docstring).
 
     Plain mode keeps whole buckets (one shard) and all-reduces them over the world (dense) or EDP
     (experts). Sharded mode shards dense buckets over the world (over EDP, all-reduced over the
     world, when not ``ep_aware``) and expert buckets over EDP."""
     t = topology
-    world = t.world_group if t.world_size > 1 else None
-    scale = 1.0 / t.world_size
+    replica_rank = t.rank("replica")
+    world = t.group("replica") if t.size("replica") > 1 else None
+    scale = 1.0 / t.size("replica")
     if not sharded:
-        edp = t.edp_group if t.edp_size > 1 else None  # EDP = 1: no reduction, the 1/W still applies
+        # EDP = 1: no reduction, the 1/W still applies
+        edp = t.group("edp_cp") if t.size("edp_cp") > 1 else None
         return {
             "dense": Domain(
-                "dense", None, 1, 0, scale, [t.rank], all_reduce=world is not None, reduce_group=world
+                "dense", None, 1, 0, scale, [replica_rank], all_reduce=world is not None, reduce_group=world
             ),
             "expert": Domain(
-                "expert", None, 1, 0, scale, [t.rank], all_reduce=edp is not None, reduce_group=edp
+                "expert", None, 1, 0, scale, [replica_rank], all_reduce=edp is not None, reduce_group=edp
             ),
         }
-    edp_ranks = t.edp_group_ranks()
-    expert = Domain("expert", t.edp_group, t.edp_size, t.edp_rank, scale, edp_ranks)
+    edp_ranks = t.group_ranks("edp_cp")
+    expert = Domain("expert", t.group("edp_cp"), t.size("edp_cp"), t.rank("edp_cp"), scale, edp_ranks)
     if ep_aware:
-        dense = Domain("dense", world, t.world_size, t.rank, scale, t.world_ranks())
+        dense = Domain("dense", world, t.size("replica"), replica_rank, scale, t.group_ranks("replica"))
     else:
         dense = Domain(
-            "dense", t.edp_group, t.edp_size, t.edp_rank, scale, edp_ranks,
-            all_reduce=t.world_size > 1, reduce_group=world,
+            "dense", t.group("edp_cp"), t.size("edp_cp"), t.rank("edp_cp"), scale, edp_ranks,
+            all_reduce=t.size("replica") > 1, reduce_group=world,
         )  # fmt: skip
     return {"dense": dense, "expert": expert}
 
@@ -211,7 +211,7 @@ class GradReducer:
         self,
         params: Sequence[Tensor],
         entries: Sequence[ParamEntry],
-        topology: ExpertParallelTopology,
+        topology: LayoutMesh,
         *,
         sharded: bool,
         bucket_numel: int,

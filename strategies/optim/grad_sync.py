@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from mula.model.moe import is_expert_param
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, laid_out_grad, local_tensor, param_entry
 from strategies.optim.norms import square_sum
-from strategies.topology import ExpertParallelTopology, reduce_over_stages
+from strategies.topology import LayoutMesh, reduce_over_stages
 
 
 class GradientSynchronizer:
@@ -31,7 +31,7 @@ class GradientSynchronizer:
     def __init__(
         self,
         named_params: Iterable[tuple[str, nn.Parameter]],
-        topology: ExpertParallelTopology,
+        topology: LayoutMesh,
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
     ) -> None:
@@ -41,7 +41,7 @@ class GradientSynchronizer:
         self._reducer: GradReducer | None = None
         self._enabled = True
         self._params = [p for _, p in named]
-        if topology.world_size == 1 or not named:
+        if topology.size("replica") == 1 or not named:
             return
         entries = [param_entry(i, n, p, 0, topology) for i, (n, p) in enumerate(named)]
         largest = max(p.element_size() for _, p in named)
@@ -88,7 +88,7 @@ class GradientSynchronizer:
 
 
 def grad_norm(
-    named_params: Iterable[tuple[str, nn.Parameter]], topology: ExpertParallelTopology
+    named_params: Iterable[tuple[str, nn.Parameter]], topology: LayoutMesh
 ) -> tuple[Tensor, Tensor]:
     """(global 2-norm, all gradients finite) of synchronised gradients over all dense and all expert
     parameters, the same on every rank.
@@ -114,11 +114,11 @@ def grad_norm(
     device = every[0].device if every else torch.device("cpu")
     dense_sq = _sum_sq(dense, device)
     expert_sq = _sum_sq(experts, device)
-    if topology.ep_size > 1:
-        dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=topology.ep_group)
-    if topology.tp_size > 1:
+    if topology.size("ep") > 1:
+        dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=topology.group("ep"))
+    if topology.size("tp") > 1:
         split_sq = _sum_sq(split, device)
-        dist.all_reduce(split_sq, op=dist.ReduceOp.SUM, group=topology.tp_group)
+        dist.all_reduce(split_sq, op=dist.ReduceOp.SUM, group=topology.group("tp"))
         dense_sq = dense_sq + split_sq
     total = reduce_over_stages(dense_sq + expert_sq, topology).sqrt()
     return total, torch.isfinite(total)
@@ -135,7 +135,7 @@ def scale_grads_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: flo
 def clip_grad_norm_(
     named_params: Iterable[tuple[str, nn.Parameter]],
     max_norm: float,
-    topology: ExpertParallelTopology,
+    topology: LayoutMesh,
     norm_type: float = 2.0,
 ) -> Tensor:
     """Clip synchronised gradients by the global norm over all dense and all expert parameters

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from mula.layout.flat_buffers import Bucket
+from mula.torch_compat import dtensor_local_tensor
 from strategies.optim.grad_reduce import ReduceState, local_tensor
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
@@ -26,9 +27,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _repoint(p: Tensor, view: Tensor) -> None:
     """Make parameter ``p`` (its local shard, for a DTensor) a view of ``view``. A DTensor's ``.data``
-    and ``to_local()`` do not reach the tensor it wraps, so its ``_local_tensor`` is re-pointed."""
+    and ``to_local()`` do not reach the tensor it wraps, so that tensor (``dtensor_local_tensor``) is re-pointed."""
     if isinstance(p, DTensor):
-        p._local_tensor.data = view
+        dtensor_local_tensor(p).data = view
     else:
         p.data = view
 

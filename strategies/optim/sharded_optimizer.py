@@ -9,7 +9,7 @@ Layout (W ranks, expert-parallel size E, EDP = W / E; see strategies/topology.py
   its P_expert/E local expert elements, i.e. P_expert/W.
 
 Under tensor parallelism (T > 1, docs/tensor-parallel.md) "all W ranks" is the data-parallel world
-of one TP index (W / T ranks, ``topology.world_group``): the buffers hold each rank's *local* TP shard
+of one TP index (W / T ranks, ``topology.group("replica")``): the buffers hold each rank's *local* TP shard
 (a DTensor parameter's local tensor), so every TP index shards its own part of the model, and the
 global norm sums TP-split elements over the TP group (replicated ones, e.g. norm weights, once).
 
@@ -71,7 +71,7 @@ from strategies.optim.offload import HostUpdate
 from strategies.optim.param_gather import ParamGather
 from strategies.optim.reporting import ShardReporting
 from strategies.optim.sharding_options import ShardingOptions, torch_dtype
-from strategies.topology import ExpertParallelTopology, build_topology
+from strategies.topology import LayoutMesh, build_topology
 
 __all__ = ["EPShardedAdamW", "ShardingOptions"]
 
@@ -119,7 +119,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         named_params: Iterable[tuple[str, Tensor]],
-        topology: ExpertParallelTopology | None = None,
+        topology: LayoutMesh | None = None,
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -209,7 +209,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         cls,
         adamw: torch.optim.Optimizer,
         named_params: Iterable[tuple[str, Tensor]],
-        topology: ExpertParallelTopology | None,
+        topology: LayoutMesh | None,
         **options: Any,
     ) -> EPShardedAdamW:
         """Replace a ``torch.optim.AdamW`` (as returned by ``configure_optimizers``) by the sharded one.
@@ -243,7 +243,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the flat layout is fixed once built."""
-        if not getattr(self, "_initialising", False):
+        if not self._initialising:
             raise ValueError("EPShardedAdamW cannot add param groups after construction; build a new one.")
         super().add_param_group(param_group)
 
@@ -456,6 +456,6 @@ def _fake_backend() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
-def _default_topology() -> ExpertParallelTopology:
+def _default_topology() -> LayoutMesh:
     """Every rank of the process group is a data-parallel rank (E = P = 1), or one process."""
     return build_topology(1)

@@ -6,7 +6,7 @@ the piece its shards hold, so a checkpoint saved at one (W, E) layout loads at a
 tensor-parallel parameter's pieces are its local shard's runs mapped into the global tensor
 (``_pieces``), so one saved at one T loads at any other, T = 1 included.
 
-Each is a DTensor ``Shard(0)`` over the job mesh's flattened world dimension (``topology.world_mesh``). The pieces are irregular (bucket packing
+Each is a DTensor ``Shard(0)`` over the job mesh's flattened world dimension (``topology.mesh("world")``). The pieces are irregular (bucket packing
 and alignment decide where a parameter is cut, and a rank may hold none of it), which DTensor's even
 chunks cannot express, so the local tensor is torch's ``LocalShardsWrapper`` (the local-shards
 tensor DCP reads chunk offsets from, as torchrec uses it), holding views of the live buffers.
@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from mula.layout.flat_buffers import ParamEntry, Segment
+from mula.torch_compat import local_shape_and_global_offset, local_shards_wrapper_class
 from strategies.topology import gather_groups_over_stages, names_cover
 
 # `opt` below is an `EPShardedAdamW`, typed `Any`: sharded_optimizer.py imports this module, and importing
@@ -34,10 +35,10 @@ def sharded_state_dict(opt: Any) -> dict[str, Any]:
     """``opt``'s state for DCP: per parameter a global DTensor per kind, the step count and the param
     groups. Local shards are views of the live buffers, so ``dcp.load`` into this dict loads in
     place; then call ``load_sharded_state_dict``."""
-    if not opt.options.ep_aware and opt.topology.ep_size > 1:
+    if not opt.options.ep_aware and opt.topology.size("ep") > 1:
         raise ValueError("Checkpointing the EP-unaware comparison layout is not supported.")
     opt.wait_for_params()
-    mesh = opt.topology.world_mesh  # None without a process group
+    mesh = opt.topology.mesh("world")  # None without a process group
     state: dict[str, Any] = {}
     for entry in opt.entries:
         state[entry.name] = {kind: _global_tensor(opt, kind, entry, mesh) for kind in _KINDS}
@@ -106,7 +107,6 @@ def _global_tensor(opt: Any, kind: str, entry: ParamEntry, mesh: Any) -> Any:
     if mesh is None:
         return buf[:0] if not pieces else pieces[0][0]
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     numel = _global_numel(opt, entry)
     offsets = [(start,) for _, start in pieces]
@@ -117,7 +117,7 @@ def _global_tensor(opt: Any, kind: str, entry: ParamEntry, mesh: Any) -> Any:
         # of the tensor: DCP de-duplicates chunks by (key, offset) across ranks, so an empty chunk at
         # a real chunk's offset could replace that chunk.
         chunks, offsets = [buf[:0]], [(numel,)]
-    local = LocalShardsWrapper(chunks, offsets)
+    local = local_shards_wrapper_class()(chunks, offsets)
     size = torch.Size([numel])
     return DTensor.from_local(local, mesh, [Shard(0)], shape=size, stride=(1,), run_check=False)
 
@@ -159,10 +159,8 @@ def _tp_runs(p: Any) -> tuple[int, Any]:
     The local shard is the box [offset, offset + local shape) of the global tensor; let j be the last
     dimension where the box is narrower than the tensor. Dimensions after j are whole, so each index
     of the dimensions before j gives one run of prod(local shape[j:]) elements."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape = tuple(p.shape)
-    local, origin = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local, origin = local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     narrower = [d for d in range(len(shape)) if local[d] != shape[d]]
     j = narrower[-1] if narrower else 0
     length = math.prod(local[j:])

@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (
 from mula.model.transformer import router_losses
 from strategies.pipeline.split import MulaStage
 from strategies.tensor_parallel import check_sequence_split
-from strategies.topology import ExpertParallelTopology
+from strategies.topology import LayoutMesh
 
 _EVAL_SCHEDULES_KEPT = 8  # forward-only schedules kept for reuse, by batch shape (most recent)
 
@@ -82,14 +82,12 @@ class PipelineRunner:
     def __init__(
         self,
         module: Any,
-        topology: ExpertParallelTopology,
+        topology: LayoutMesh,
         device: torch.device,
         sequence_parallel: bool = False,
         last_backward_sync: Callable[[], Any] | None = None,
     ) -> None:
         layout = topology.layout
-        if layout is None:
-            raise ValueError("A pipeline runner needs a topology built from a ParallelLayout.")
         self.module, self.topology, self.layout, self.device = module, topology, layout, device
         self.schedule_name = layout.schedule
         self.sequence_parallel = sequence_parallel
@@ -105,7 +103,7 @@ class PipelineRunner:
         ]
         for stage in self.stages:  # expert counts by global block (router bias, ExpertLoad, MoEMetrics)
             stage.count_sink = getattr(module, "add_expert_counts", None)
-            stage.seq_parts = topology.tp_size if sequence_parallel else 1
+            stage.seq_parts = topology.size("tp") if sequence_parallel else 1
         self.has_first = 0 in self.stage_ids
         self.has_last = last in self.stage_ids
         self._schedule: Any = None
@@ -194,7 +192,7 @@ class PipelineRunner:
     def _check_sequence(self, seq_len: int) -> None:
         """On every rank before any stage runs (a stage's own check would leave the others waiting for
         its activations): tensor parallelism's sequence split must be even."""
-        check_sequence_split(self.module.config, seq_len, self.topology.tp_size, self.sequence_parallel)
+        check_sequence_split(self.module.config, seq_len, self.topology.size("tp"), self.sequence_parallel)
 
     def _keep_logits(self, output: Any, target: Tensor) -> Tensor:
         logits = output[0] if self.module.config.is_moe else output
@@ -234,7 +232,7 @@ class PipelineRunner:
             )  # set by context parallelism after the split
             inputs, outputs = mod.example_io(micro_batch, seq_len, dtype, dtype)
             args = (mod, stage_id, self.num_stages, self.device)
-            kwargs = {"input_args": inputs, "output_args": outputs, "group": self.topology.pp_group}
+            kwargs = {"input_args": inputs, "output_args": outputs, "group": self.topology.group("pp")}
             if self.last_backward_sync is None:
                 stages.append(PipelineStage(*args, **kwargs))
             else:

@@ -28,8 +28,8 @@ from strategies.pipeline.split import split_model
 class PipelineSteps:
     """Training, validation and backward hooks of a strategy with pipeline stages (no-ops at P = 1).
 
-    Expects the host strategy to set `topology` (built from its `ParallelLayout`),
-    `pipeline_parallel_size`, `pipeline_microbatches`, `sequence_parallel`, `_pipeline` (None) and to provide
+    Expects the host strategy to set `layout` (its `ParallelLayout`), `topology` (that layout's mesh),
+    `pipeline_microbatches`, `sequence_parallel`, `_pipeline` (None) and to provide
     `block_backward_sync` and `last_backward_sync`.
     """
 
@@ -38,7 +38,7 @@ class PipelineSteps:
     @property
     def consumes_whole_step(self) -> bool:
         """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
-        return self.pipeline_parallel_size > 1
+        return self.layout.pp > 1
 
     def _split_into_stages(self, module: Any) -> None:
         """Keep this rank's pipeline stages of the model (validated first) and build their runner."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mula.model.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
+from mula.torch_compat import running_backward
 
 
 def _distributed() -> bool:
@@ -45,7 +46,7 @@ def all_reduce_sum(t: Tensor) -> Tensor:
 def _recomputing() -> bool:
     # a forward inside backward is activation checkpointing's recompute: it must see the same f, and
     # must not count its tokens twice
-    return torch._C._current_graph_task_id() != -1
+    return running_backward()
 
 
 class GlobalLoad:

@@ -13,8 +13,7 @@ and the gather are in the step, as in training, because what runs between two st
 changes their cost: on this repository's CPU host, the optimizer stepping between rounds adds 8 ms to
 the small model's ZeRO-1 step and 14-21 ms to its ZeRO-2 step, where the update and gather alone
 account for about 8. The optimizer is the strategy's
-(`strategies.optim.sharded_optimizer.EPShardedAdamW`), named here as a recipe names its strategy:
-`mula` imports no strategy module, it resolves these names when it measures.
+(`strategies.optim.sharded_optimizer.EPShardedAdamW`).
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from mula.calibrate.measure import busy_times, small_model_config
-from mula.calibrate.splits import resolve_name
+from mula.layout.parallel_layout import ParallelLayout
 from mula.model.config import MulaConfig
+from mula.model.transformer import Mula
+from strategies.optim.sharded_optimizer import EPShardedAdamW
+from strategies.topology import LayoutMesh
 
-OPTIMIZER = "strategies.optim.sharded_optimizer:EPShardedAdamW"
-TOPOLOGY = "strategies.topology:ExpertParallelTopology"
 ZERO_STAGES = (1, 2)
 MICRO_BATCHES = 2  # a step of two: ZeRO-1 accumulates once, ZeRO-2 reduces twice
 
@@ -45,20 +45,20 @@ def reduction_seconds(
     turns (`busy_times`: each repetition from `zero_grad` on, at the group's slowest rank). With the
     gradient bytes its buckets hold and the small model's shape, which the planner needs to price the
     reduction's own collectives, the gather and the update. Every rank of `group` must call it."""
-    from mula.model.transformer import Mula
-
     small = small_model_config(config)
-    topology = resolve_name(TOPOLOGY)(
-        world_size=group_size, rank=group_rank, ep_size=1, edp_size=group_size, ep_rank=0, edp_rank=group_rank,
-        edp_group=group, world_group=group,
-    )  # fmt: skip
+    # one stage of `group_size` replicas, all of them one EDP group (E = 1)
+    topology = LayoutMesh(
+        ParallelLayout(world_size=group_size),
+        group_rank,
+        groups={"replica": group, "edp_cp": group, "edp": group},
+    )
     torch.manual_seed(0)
     plain = Mula(small).to(device=device, dtype=dtype)
     reduced: dict[int, Any] = {}
     for stage in ZERO_STAGES:
         torch.manual_seed(0)  # the same weights on every rank of the group, as the optimizer expects
         model = Mula(small).to(device=device, dtype=dtype)
-        optimizer = resolve_name(OPTIMIZER)(
+        optimizer = EPShardedAdamW(
             model.parameters(), model.named_parameters(), topology, zero_stage=stage, collectives="native"
         )
         reduced[stage] = (model, optimizer)

@@ -1,0 +1,101 @@
+"""What Mula's LightningModule, data module, downstream evaluation and callbacks may ask of the strategy.
+
+`MulaStrategy` names each capability once, with its type and meaning; `strategies.XPUMoEStrategy`
+provides all of them (tests/test_strategy_contract.py). A caller asks `mula_strategy(trainer.strategy)`:
+the strategy when it provides the whole contract, None for Lightning's own strategies (single device,
+DDP, FSDP, ...), where the caller does what it always did under them (`torch.optim.AdamW`, the trainer's
+ranks as data-parallel ranks, no asynchronous save, ...). No caller looks a capability up by name.
+
+Torch-free: the types below are for readers and type checkers only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+# typing_extensions' Protocol checks `isinstance` as Python 3.12 does, reading members without running
+# them: asking whether a strategy provides the contract evaluates none of its properties
+from typing_extensions import Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from torch.optim import Optimizer
+
+    from mula.downstream.lm import SpreadModel
+    from mula.layout.parallel_layout import ParallelLayout
+
+
+@runtime_checkable
+class MulaStrategy(Protocol):
+    """A Lightning strategy that owns Mula's training step and parallel layout (XPUMoEStrategy)."""
+
+    # ----- the optimizer step (MulaLightningModule, AnomalyGuard) -----------------------------------
+    def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> Optimizer:
+        """The optimizer of `configure_optimizers` over `params` (parameter groups), with AdamW's arguments."""
+        ...
+
+    @property
+    def zeroes_grads_after_step(self) -> bool:
+        """Whether the strategy zeroes the gradients at the end of its step (the module then does not zero them)."""
+        ...
+
+    @property
+    def keeps_fp32_master_weights(self) -> bool:
+        """Whether half-precision weights (`precision: bf16-true`) get fp32 master weights in the optimizer."""
+        ...
+
+    @property
+    def last_grads_finite(self) -> bool:
+        """Whether every gradient of the step being run is finite, on all ranks (set before `on_before_optimizer_step`)."""
+        ...
+
+    def skip_optimizer_step(self, reason: str) -> None:
+        """Veto the update of the step being run (from `on_before_optimizer_step`, on every rank alike)."""
+        ...
+
+    @property
+    def update_skipped(self) -> bool:
+        """Whether the update of the step being run is skipped (a non-finite gradient or a veto)."""
+        ...
+
+    # ----- data (MulaDataModule, Throughput, DownstreamEval) ----------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the ranks that read different data."""
+        ...
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks read different data (W / (P x T x C)): the global batch is split over them."""
+        ...
+
+    @property
+    def consumes_whole_step(self) -> bool:
+        """Whether a step's data comes as one batch, the rank's whole share (pipeline stages split it)."""
+        ...
+
+    # ----- layout and evaluation (mula.downstream.trainer_eval) ----------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks splitting each layer's tensors (T); under sequence parallelism a sequence is split over them."""
+        ...
+
+    def parallel_layout(self, world_size: int, config: Any = None) -> ParallelLayout:
+        """The strategy's layout over `world_size` ranks, validated against a model config (ValueError)."""
+        ...
+
+    def spread_forward(self) -> SpreadModel:
+        """The model's forward across the layout's ranks, for downstream evaluation."""
+        ...
+
+    # ----- checkpoints (FaultTolerantCheckpoint) --------------------------------------------------------
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: Any, group: Any) -> Future:
+        """`save_checkpoint` staged to host memory (collective); the future completes when this rank's files are written."""
+        ...
+
+
+def mula_strategy(strategy: object) -> MulaStrategy | None:
+    """`strategy` when it provides the whole `MulaStrategy` contract, else None (Lightning's own
+    strategies, or no strategy): the caller's plain-Lightning behaviour then applies."""
+    return strategy if isinstance(strategy, MulaStrategy) else None
