@@ -101,13 +101,13 @@ class SpreadForward:
         return scores
 
 
-def spread_forward(strategy: Any) -> SpreadForward:
-    """The `SpreadForward` of a set-up `XPUMoEStrategy` over its LightningModule's model, once the
-    parameters are in place (the sharded optimizer's overlapped all-gathers may still be in flight)."""
-    sharded = strategy._sharded_optimizer()
-    if sharded is not None:
-        sharded.wait_for_params()
-    split = strategy.layout.tp if strategy.sequence_parallel else 1
-    return SpreadForward(
-        strategy.lightning_module.model, strategy.topology, strategy._pipeline, strategy.root_device, split
-    )
+def spread_forward(
+    model: Any, topology: Any, pipeline: Any, device: torch.device, split: int, sharded_optimizer: Any
+) -> SpreadForward:
+    """The `SpreadForward` of a set-up `XPUMoEStrategy` over its LightningModule's `model` (laid out over
+    `topology`, its stages run by the `PipelineRunner` `pipeline` or None, on `device`, sequences split
+    `split` ways), once the parameters are in place (the `sharded_optimizer`'s overlapped all-gathers,
+    if any, may still be in flight)."""
+    if sharded_optimizer is not None:
+        sharded_optimizer.wait_for_params()
+    return SpreadForward(model, topology, pipeline, device, split)

@@ -1,6 +1,6 @@
 """The training step of `XPUMoEStrategy`, in one place: the optimizer it builds and one optimizer step.
 
-Order of a step (plain, sharded and pipelined runs alike), all in `OptimizerSteps.optimizer_step`:
+Order of a step (plain, sharded and pipelined runs alike), all in `OptimizerStep.optimizer_step`:
 the step's last forward and backward (Lightning's closure) -> reduce the gradients -> the global norm
 and a non-finite flag in one all-reduce -> `on_before_optimizer_step` hooks (a callback may veto the
 update) -> clip -> update -> zero. Nothing else in the strategy, the module or the callbacks replaces
@@ -14,62 +14,102 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from typing_extensions import override
 
 from mula.layout.rules import check_zero_stage
 from mula.training.lightning_compat import call_before_optimizer_step_hooks
 from strategies.optim.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
 from strategies.optim.sharding_options import torch_dtype
 
+if TYPE_CHECKING:
+    from mula.layout.parallel_layout import ParallelLayout
+    from strategies.topology import LayoutMesh
 
-class OptimizerSteps:
-    """Optimizer construction and the optimizer step of an EP-aware strategy (a mixin of XPUMoEStrategy).
 
-    Expects the host strategy to set `topology`, `shard_optimizer`, `optimizer_options`,
-    `layout` (its `ParallelLayout`), `bucket_size_mb`, `overlap_grad_reduce`, `_pipeline`
-    and `_grad_sync`, and Lightning's `lightning_module` and `optimizers`.
+@dataclass(frozen=True)
+class StepOptions:
+    """The strategy's options that shape the optimizer and its gradient reduction."""
+
+    shard_optimizer: bool  # an `EPShardedAdamW` (else a `torch.optim.AdamW`, gradients all-reduced)
+    optimizer_options: dict[str, Any]  # `EPShardedAdamW`'s keyword options (parsed dtypes)
+    bucket_size_mb: float  # gradient bucket size of the unsharded path
+    overlap_grad_reduce: bool  # start bucket all-reduces from backward hooks (unsharded path)
+
+
+class OptimizerStep:
+    """The optimizer a strategy builds and its one training step (a member of XPUMoEStrategy).
+
+    Inputs, stated at construction:
+        options: a `StepOptions`.
+        layout: a callable giving the strategy's `ParallelLayout` (final once the process group exists).
+        topology: a callable giving the layout's `LayoutMesh` (None before `setup_environment`).
+        module: a callable giving the LightningModule: its trainable parameters, its trainer (the
+            hooks around the update, `gradient_clip_val` / `gradient_clip_algorithm`, the step number).
+        optimizers: a callable giving the strategy's optimizers (Lightning sets them in
+            `setup_optimizers`).
+
+    It builds the optimizer (`build_optimizer`) and, after Lightning's `setup_optimizers`, the gradient
+    synchroniser of the unsharded path (`setup`); holds gradient communication back on accumulation
+    micro-batches (`block_backward_sync`, `last_backward_sync`); and runs one optimizer step in its
+    fixed order (`optimizer_step`): closure -> reduce -> check -> hooks -> clip, update -> zero. Its
+    state: `last_grad_norm`, `last_grads_finite`, and the current step's veto (`update_skipped`).
     """
 
-    last_grad_norm: Tensor | None = None  # the last step's global gradient norm (before clipping)
-    last_grads_finite: bool = True  # whether every gradient of the last step was finite
-    _skip_reason: str | None = None  # set while a step's update is vetoed
-    _skip_claimed = False
+    def __init__(
+        self,
+        options: StepOptions,
+        layout: Callable[[], ParallelLayout],
+        topology: Callable[[], LayoutMesh | None],
+        module: Callable[[], Any],
+        optimizers: Callable[[], list[Any]],
+    ) -> None:
+        self.options = options
+        self._layout = layout
+        self._topology = topology
+        self._module = module
+        self._optimizers = optimizers
+        self.grad_sync: GradientSynchronizer | None = None  # the unsharded path's (built in `setup`)
+        self.last_grad_norm: Tensor | None = None  # the last step's global gradient norm (before clipping)
+        self.last_grads_finite = True  # whether every gradient of the last step was finite
+        self._skip_reason: str | None = None  # set while a step's update is vetoed
+        self._skip_claimed = False
 
     def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
-        if not self.shard_optimizer:
-            if self.layout.tp > 1:
+        layout = self._layout()
+        if not self.options.shard_optimizer:
+            if layout.tp > 1:
                 # DTensor and plain parameters side by side: torch's multi-tensor kernels take one kind
                 adamw_kwargs = {**adamw_kwargs, "foreach": False}
             return torch.optim.AdamW(params, **adamw_kwargs)
         from strategies.optim.sharded_optimizer import EPShardedAdamW
 
-        assert self.topology is not None
-        options = dict(self.optimizer_options)
-        check_zero_stage(self.layout.pp, options.get("zero_stage", 1))
+        topology = self._topology()
+        assert topology is not None
+        options = dict(self.options.optimizer_options)
+        check_zero_stage(layout.pp, options.get("zero_stage", 1))
         if options.get("overlap_param_gather"):
-            options["module"] = self.lightning_module  # waits for each bucket's gather in forward pre-hooks
-        return EPShardedAdamW(params, self._trainable(), self.topology, **adamw_kwargs, **options)
+            options["module"] = self._module()  # waits for each bucket's gather in forward pre-hooks
+        return EPShardedAdamW(params, self.trainable(), topology, **adamw_kwargs, **options)
 
-    @override
-    def setup_optimizers(self, trainer: Any) -> None:
-        """The module's optimizers (built through `build_optimizer`), and the gradient synchroniser of
-        the unsharded path."""
-        super().setup_optimizers(trainer)
-        if self._grad_sync is not None:
-            self._grad_sync.remove_hooks()
-            self._grad_sync = None
-        if self.shard_optimizer:
-            if len(self.optimizers) != 1 or not hasattr(self.optimizers[0], "reduce_gradients"):
-                found = ", ".join(type(o).__name__ for o in self.optimizers) or "none"
+    def setup(self) -> None:
+        """After Lightning's `setup_optimizers`: check the module's optimizers and build the gradient
+        synchroniser of the unsharded path."""
+        if self.grad_sync is not None:
+            self.grad_sync.remove_hooks()
+            self.grad_sync = None
+        if self.options.shard_optimizer:
+            optimizers = self._optimizers()
+            if len(optimizers) != 1 or not hasattr(optimizers[0], "reduce_gradients"):
+                found = ", ".join(type(o).__name__ for o in optimizers) or "none"
                 raise ValueError(
                     "shard_optimizer=True needs configure_optimizers to return one optimizer built with "
                     f"trainer.strategy.build_optimizer(...) (MulaLightningModule does), got {found}; "
@@ -77,26 +117,27 @@ class OptimizerSteps:
                 )
             return
         # (with pipeline stages the buckets launch in each stage's last backward: `last_backward_sync`)
-        assert self.topology is not None
-        self._grad_sync = GradientSynchronizer(
-            self._trainable(), self.topology, self.bucket_size_mb, self.overlap_grad_reduce
+        topology = self._topology()
+        assert topology is not None
+        self.grad_sync = GradientSynchronizer(
+            self.trainable(), topology, self.options.bucket_size_mb, self.options.overlap_grad_reduce
         )
 
-    # ----- the training step -----------------------------------------------------------------
-    @property
-    def zeroes_grads_after_step(self) -> bool:
-        """Gradients are zeroed at the end of `optimizer_step`, so Lightning's zeroing before a step's
-        first backward is not needed (and would wipe a pipeline step's gradients, whose backward passes
-        run inside `training_step`): MulaLightningModule.optimizer_zero_grad then does nothing."""
-        return True
+    def teardown(self) -> None:
+        """Detach the gradient hooks and close the sharded optimizer (its host worker, if offloaded)."""
+        if self.grad_sync is not None:
+            self.grad_sync.remove_hooks()
+        sharded = self.sharded_optimizer()
+        if sharded is not None and hasattr(sharded, "close"):
+            sharded.close()
 
+    # ----- the training step -----------------------------------------------------------------
     @contextmanager
-    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient-accumulation micro-batch: accumulate locally, communicate nothing."""
-        sharded = self._sharded_optimizer()
-        if self._grad_sync is not None:
-            self._grad_sync.enabled = False
+        sharded = self.sharded_optimizer()
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = False
         try:
             if sharded is not None:
                 with sharded.no_sync():
@@ -104,8 +145,8 @@ class OptimizerSteps:
             else:
                 yield
         finally:
-            if self._grad_sync is not None:
-                self._grad_sync.enabled = True
+            if self.grad_sync is not None:
+                self.grad_sync.enabled = True
 
     @contextmanager
     def last_backward_sync(self) -> Generator[None, None, None]:
@@ -113,23 +154,20 @@ class OptimizerSteps:
         parameters it reaches (a pipeline stage's last micro-batch), so their buckets start reducing as
         they complete, as in the last backward of a step without stages, and an offloaded optimizer's
         host updates start with them (`strategies.optim.offload`)."""
-        sharded = self._sharded_optimizer()
+        sharded = self.sharded_optimizer()
         if sharded is not None:
             before, sharded.reducer.sync = sharded.reducer.sync, True
-        elif self._grad_sync is not None:
-            before, self._grad_sync.enabled = self._grad_sync.enabled, True
+        elif self.grad_sync is not None:
+            before, self.grad_sync.enabled = self.grad_sync.enabled, True
         try:
             yield
         finally:
             if sharded is not None:
                 sharded.reducer.sync = before
-            elif self._grad_sync is not None:
-                self._grad_sync.enabled = before
+            elif self.grad_sync is not None:
+                self.grad_sync.enabled = before
 
-    @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
         """One optimizer step, the same for plain, sharded and pipelined runs, in this order:
 
         1. Lightning's closure: the step's last micro-batch's forward and backward (with pipeline
@@ -150,12 +188,13 @@ class OptimizerSteps:
         self.last_grads_finite = bool(finite)  # the step's one host sync
         self._skip_reason = None if self.last_grads_finite else "a gradient is not finite"
         self._skip_claimed = False
-        call_before_optimizer_step_hooks(self.lightning_module.trainer, optimizer)
+        trainer = self._module().trainer
+        call_before_optimizer_step_hooks(trainer, optimizer)
         if self._skip_reason is None:
             self._clip_gradients(optimizer, norm)
             optimizer.step()
         elif not self._skip_claimed:  # nobody reported it (no AnomalyGuard): say so once per skip
-            step = self.lightning_module.trainer.global_step + 1
+            step = self._module().trainer.global_step + 1
             rank_zero_warn(f"Skipping optimizer step {step} on all ranks: {self._skip_reason}.")
         optimizer.zero_grad()
         self._skip_reason = None
@@ -163,47 +202,49 @@ class OptimizerSteps:
 
     @property
     def update_skipped(self) -> bool:
-        """Whether this step's update is skipped (a non-finite gradient or a callback's veto). Final for
-        the module's own `on_before_optimizer_step`, which runs after every callback's."""
+        """Whether this step's update is skipped (a non-finite gradient or a callback's veto)."""
         return self._skip_reason is not None
 
     def skip_optimizer_step(self, reason: str) -> None:
-        """Veto this step's update (from an `on_before_optimizer_step` hook, on every rank alike): the
-        parameters and optimizer state stay as they are, the gradients are dropped. The caller
-        reports the skip."""
+        """Veto this step's update: the parameters and optimizer state stay as they are, the gradients
+        are dropped. The caller reports the skip."""
         self._skip_reason = reason
         self._skip_claimed = True
 
     def _reduce_and_check_gradients(self) -> tuple[Tensor, Tensor]:
-        sharded = self._sharded_optimizer()
+        sharded = self.sharded_optimizer()
         if sharded is not None:
             return sharded.grad_norm()
-        assert self._grad_sync is not None and self.topology is not None
-        self._grad_sync.finish()
-        return grad_norm(self._trainable(), self.topology)
+        topology = self._topology()
+        assert self.grad_sync is not None and topology is not None
+        self.grad_sync.finish()
+        return grad_norm(self.trainable(), topology)
 
     def _clip_gradients(self, optimizer: Any, norm: Tensor) -> None:
         """Clip as the trainer says (`gradient_clip_val`, `gradient_clip_algorithm`), by the global norm."""
-        trainer = self.lightning_module.trainer
+        trainer = self._module().trainer
         clip_val = trainer.gradient_clip_val
         if not clip_val:
             return
-        sharded = self._sharded_optimizer()
+        sharded = self.sharded_optimizer()
         if sharded is not None:
             sharded.clip_grad_norm_(float(clip_val), norm=norm)
         elif trainer.gradient_clip_algorithm == "value":  # element-wise: local, gradients are synchronised
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_value_(params, clip_val)
         else:
-            scale_grads_(self._trainable(), float(clip_val), norm)
+            scale_grads_(self.trainable(), float(clip_val), norm)
 
-    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters that take gradients, by name."""
+        return [(n, p) for n, p in self._module().named_parameters() if p.requires_grad]
 
-    def _sharded_optimizer(self) -> Any:
-        if not self.shard_optimizer or not self.optimizers:
+    def sharded_optimizer(self) -> Any:
+        """The `EPShardedAdamW` in use (unwrapped from Lightning's wrapper), else None."""
+        optimizers = self._optimizers()
+        if not self.options.shard_optimizer or not optimizers:
             return None
-        opt = self.optimizers[0]
+        opt = optimizers[0]
         opt = opt.optimizer if isinstance(opt, LightningOptimizer) else opt
         return opt if hasattr(opt, "reduce_gradients") else None
 

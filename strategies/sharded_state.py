@@ -129,22 +129,21 @@ def _plain_optimizer_template(
     return {"state": state, "param_groups": None}  # None: filled with the saved tuple by dcp.load
 
 
-def checkpoint_parts(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> tuple[Path, list[Any]]:
-    """What `XPUMoEStrategy` saves at `filepath` (collective: rank 0's name wins): the directory and the
-    optimizer states taken out of `checkpoint`, whose metadata records the layout it was saved at."""
-    path = Path(strategy.broadcast(str(filepath)))
+def checkpoint_parts(checkpoint: dict[str, Any], layout: Any, world_size: int, module: Any) -> list[Any]:
+    """What `XPUMoEStrategy` saves of `checkpoint`: the optimizer states, taken out of it, and the
+    metadata recording the `layout` (a `ParallelLayout`) over `world_size` ranks it was saved at, with
+    the `module`'s trainer's `accumulate_grad_batches`."""
     optimizer_states = checkpoint.pop("optimizer_states", [])
-    module = strategy.lightning_module
     trainer = module.trainer if module is not None else None
     checkpoint["xpu_moe_layout"] = {
-        "world_size": strategy.world_size,
-        "expert_parallel_size": strategy.layout.ep,
-        "pipeline_parallel_size": strategy.layout.pp,
-        "tensor_parallel_size": strategy.layout.tp,
-        "context_parallel_size": strategy.layout.cp,
+        "world_size": world_size,
+        "expert_parallel_size": layout.ep,
+        "pipeline_parallel_size": layout.pp,
+        "tensor_parallel_size": layout.tp,
+        "context_parallel_size": layout.cp,
         "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
     }
-    return path, optimizer_states
+    return optimizer_states
 
 
 def save_sharded(

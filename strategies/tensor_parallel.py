@@ -9,7 +9,10 @@ module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md):
                  heads), o_proj row-parallel (one all-reduce, or reduce-scatter under SP)
     QK-norm      `ShardedFeatureNorm`: Mula normalises q and k over ALL heads' features (as OLMoE),
                  so the per-rank statistics are all-reduced over the TP group; the weight is split
-                 like the heads
+                 like the heads. Per head (`qk_norm_per_head`, Qwen3): untouched, its one head_dim
+                 weight replicated and its partial gradient summed over TP (`mark_tp_partial`)
+    MLA          (DeepSeek-V3) the down projections and latent norms replicated, q_b/kv_b (or q_proj)
+                 column-parallel by heads, o_proj row-parallel (`_split_latent_attention`)
     MLP          gate/up column-parallel, down row-parallel
     MoE layer    experts whole, the tokens split over the TP group before routing
                  (strategies/tensor_parallel_moe.py)
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -42,12 +45,11 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from typing_extensions import override
 
-from mula.layout.parallel_layout import ParallelLayout
 from mula.model.moe import MoELayer
-from mula.model.transformer import MLP, Attention, LayerNorm, Mula, RMSNorm
+from mula.model.transformer import MLP, Attention, LatentAttention, LayerNorm, Mula, RMSNorm
 from mula.torch_compat import FUNCTIONAL_ALL_REDUCE_HAS_BACKWARD, functional_all_reduce
+from strategies.optim.grad_reduce import mark_tp_partial
 from strategies.tensor_parallel_moe import split_moe_tokens
 
 
@@ -96,7 +98,8 @@ def _sum(x: Tensor, group: Any) -> Tensor:
 
 
 def _split_attention(attn: Attention, tp_mesh: Any, sequence_parallel: bool) -> None:
-    """Heads over T: q/k/v column-parallel, o_proj row-parallel, QK-norm over all heads."""
+    """Heads over T: q/k/v column-parallel, o_proj row-parallel, QK-norm over all heads (or per head:
+    Qwen3's one head_dim weight replicated, its gradient partial over the TP group)."""
     t = tp_mesh.size()
     plan: dict[str, Any] = {
         "q_proj": ColwiseParallel(),
@@ -108,8 +111,47 @@ def _split_attention(attn: Attention, tp_mesh: Any, sequence_parallel: bool) -> 
     attn.num_heads, attn.kv_heads = attn.num_heads // t, attn.kv_heads // t  # this rank's heads
     for name in ("q_norm", "k_norm"):
         norm = getattr(attn, name)
-        if isinstance(norm, (RMSNorm, LayerNorm)):
+        if attn.per_head:
+            # each head normalised on its own (Qwen3): this rank's heads need no statistics of its peers';
+            # the shared head_dim weight stays whole and sees only this rank's heads, so its gradient is
+            # partial: summed over the TP group before the data-parallel reduction (as the MoE router's)
+            for p in norm.parameters():
+                mark_tp_partial(p, tp_mesh)
+        elif isinstance(norm, (RMSNorm, LayerNorm)):
             setattr(attn, name, ShardedFeatureNorm(norm, tp_mesh))
+
+
+def _split_latent_attention(attn: LatentAttention, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Multi-head latent attention (DeepSeek-V3) over T, as Megatron and torchtitan split it: the
+    low-rank down projections (`q_a_proj`, `kv_a_proj_with_mqa`) and their norms stay whole on every
+    rank (replicated), the up projections (`q_b_proj`, or `q_proj` without a q latent, and `kv_b_proj`)
+    column-parallel by heads, `o_proj` row-parallel.
+
+    Gradients: each up projection's input gradient is all-reduced over the TP group in backward
+    (`ColwiseParallel`'s input), so the latents' gradients, and with them the down projections' and the
+    norms', are complete on every rank. The one RoPE key every head shares goes straight from
+    `kv_a_proj_with_mqa` to this rank's heads: `_complete_shared_key` all-reduces its gradient too. The
+    attention's input gradient is then complete (no partial weight gradients, no sum over TP after)."""
+    t = tp_mesh.size()
+    up = "q_proj" if hasattr(attn, "q_proj") else "q_b_proj"
+    o_proj = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    plan = {up: ColwiseParallel(), "kv_b_proj": ColwiseParallel(), "o_proj": o_proj}
+    parallelize_module(attn, tp_mesh, plan)
+    attn.num_heads //= t  # this rank's heads
+    attn.kv_a_proj_with_mqa.register_forward_hook(_complete_shared_key(attn.kv_rank, tp_mesh))
+
+
+def _complete_shared_key(kv_rank: int, tp_mesh: Any) -> Any:
+    """A forward hook for `kv_a_proj_with_mqa`, whose output is [latent | shared RoPE key]: the key as
+    it is forward, its gradient (each rank's heads' part) summed over the TP group backward -- a
+    Replicate DTensor taken apart with a Partial gradient, made Replicate again by `from_local`'s backward."""
+
+    def hook(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        latent, key = out.split([kv_rank, out.shape[-1] - kv_rank], dim=-1)
+        key = DTensor.from_local(key, tp_mesh, [Replicate()], run_check=False)
+        return torch.cat((latent, key.to_local(grad_placements=[Partial()])), dim=-1)
+
+    return hook
 
 
 def _split_mlp(mlp: MLP, tp_mesh: Any, sequence_parallel: bool) -> None:
@@ -158,7 +200,8 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
 def _split_block(block: nn.Module, tp_mesh: Any, sp: bool) -> None:
     """One transformer block over T: attention by heads, a dense MLP by features or an MoE layer by
     tokens, and under SP its norms on 1/T of the sequence with the layers' inputs all-gathered."""
-    _split_attention(block.attn, tp_mesh, sp)
+    latent = isinstance(block.attn, LatentAttention)
+    (_split_latent_attention if latent else _split_attention)(block.attn, tp_mesh, sp)
     moe = isinstance(block.mlp, MoELayer)
     if moe:  # experts whole, tokens split (strategies/tensor_parallel_moe.py)
         split_moe_tokens(block.mlp, tp_mesh, sp)
@@ -170,9 +213,13 @@ def _split_block(block: nn.Module, tp_mesh: Any, sp: bool) -> None:
     plan: dict[str, Any] = {
         "attn_norm": SequenceParallel(),
         "mlp_norm": SequenceParallel(),
-        # attention's (x, cos, sin): only x is split along the sequence
+        # attention's (x, cos, sin): only x is split along the sequence. MLA takes the gathered x as a
+        # plain tensor (its replicated down projections are plain modules): its gradient comes back
+        # complete on every rank (`_split_latent_attention`), so backward keeps this rank's slice of it
         "attn": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=latent,
         ),
     }
     if not moe:  # an MoE layer takes its slice of the sequence as it is
@@ -193,43 +240,22 @@ def check_sequence_split(config: Any, seq: int, t: int, sequence_parallel: bool)
     )
 
 
-class TensorParallelSteps:
-    """The strategy's Lightning step hooks under tensor parallelism (a mixin of XPUMoEStrategy, before
-    `PipelineSteps`): the forward and the backward of every step run under `loss_parallel`, so the
-    cross-entropy of the vocabulary-split logits is computed without gathering them (torch requires the
-    context around both). Expects `layout` (the strategy's `ParallelLayout`)."""
+class TensorParallelLoss:
+    """`loss_parallel` around a step's forward and backward under tensor parallelism (a member of
+    XPUMoEStrategy), so the cross-entropy of the vocabulary-split logits is computed without gathering
+    them (torch requires the context around both).
 
-    layout: ParallelLayout
+    Input, stated at construction: `tp`, the tensor-parallel size T (the layout's); at T = 1 the
+    context does nothing."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
 
     @contextmanager
-    def loss_context(self) -> Generator[None, None, None]:
+    def context(self) -> Generator[None, None, None]:
         """`loss_parallel` under tensor parallelism, else nothing."""
-        if self.layout.tp > 1:
+        if self.tp > 1:
             with loss_parallel():
                 yield
         else:
             yield
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's training step, its loss vocabulary-parallel under TP."""
-        with self.loss_context():
-            return super().training_step(*args, **kwargs)  # type: ignore[misc]
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's validation step, its loss vocabulary-parallel under TP."""
-        with self.loss_context():
-            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's test step, its loss vocabulary-parallel under TP."""
-        with self.loss_context():
-            return super().test_step(*args, **kwargs)  # type: ignore[misc]
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward of the step's loss, under the same context as its forward."""
-        with self.loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]

@@ -26,8 +26,9 @@ or `trainer.strategy: xpu_moe` (E = 1).
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -58,22 +59,19 @@ from mula.training.lightning_compat import (
     _sync_ddp_if_available,
 )
 from strategies.calibrate import Calibration
-from strategies.checkpoint_hooks import ShardedCheckpointHooks
+from strategies.checkpoint_hooks import CheckpointState, ShardedCheckpointIO
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
 from strategies.eval_forward import spread_forward
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.model_setup import materialize, split_sequences, split_tensors, sync_replicas
-from strategies.optim.grad_sync import GradientSynchronizer
-from strategies.optimizer_step import OptimizerSteps, parse_optimizer_options
-from strategies.pipeline.steps import PipelineSteps
+from strategies.optimizer_step import OptimizerStep, StepOptions, parse_optimizer_options
+from strategies.pipeline.steps import PipelineSteps, microbatches_per_step, stage_model
 from strategies.sharded_state import expert_mesh
-from strategies.tensor_parallel import TensorParallelSteps
+from strategies.tensor_parallel import TensorParallelLoss
 from strategies.topology import LayoutMesh, topology_from_layout
 
 
-class XPUMoEStrategy(
-    ShardedCheckpointHooks, TensorParallelSteps, PipelineSteps, OptimizerSteps, ParallelStrategy
-):
+class XPUMoEStrategy(ParallelStrategy):
     """Expert-parallel data-parallel training on Intel GPUs (XPU), NVIDIA GPUs or CPUs.
 
     The name is the design card's ("the custom XPU MoE strategy"); nothing in it is XPU-only. The
@@ -88,6 +86,12 @@ class XPUMoEStrategy(
     all-to-all inside a group, so E = devices per node keeps that traffic on the node) and EDP groups
     across them. Every rank is a data-parallel rank (its own micro-batch); dense parameters are
     replicated on all ranks, each rank keeps num_experts / E experts.
+
+    The strategy owns its Lightning hooks and hands each one's work to a member built with stated
+    inputs: `OptimizerStep` (strategies/optimizer_step.py: the optimizer and the one training step),
+    `PipelineSteps` (strategies/pipeline/steps.py: the schedule's steps, when P > 1),
+    `TensorParallelLoss` (strategies/tensor_parallel.py: `loss_parallel` around the steps, when T > 1)
+    and `ShardedCheckpointIO` (strategies/checkpoint_hooks.py: sharded DCP checkpoints).
 
     bf16 weights with fp32 masters: `precision: bf16-true` with `shard_optimizer: true` (the sharded
     optimizer always keeps fp32 masters and moments in its shard). Lightning builds the model in bf16
@@ -186,7 +190,6 @@ class XPUMoEStrategy(
         # micro_batch_size the strategy reads itself).
         self.pipeline_microbatches: int | None = None
         self.sequence_parallel = bool(sequence_parallel)
-        self._pipeline = None  # a PipelineRunner when P > 1 (built in setup)
         self.shard_optimizer = shard_optimizer
         self.optimizer_options = parse_optimizer_options(optimizer_options or {})
         self.bucket_size_mb = bucket_size_mb
@@ -197,7 +200,17 @@ class XPUMoEStrategy(
         self._num_nodes = 1
         self.topology: LayoutMesh | None = None
         self._mesh: Any = None
-        self._grad_sync: GradientSynchronizer | None = None
+        # the members doing the hooks' work
+        self._optimizer_step = OptimizerStep(
+            StepOptions(shard_optimizer, self.optimizer_options, bucket_size_mb, overlap_grad_reduce),
+            layout=lambda: self.layout,
+            topology=lambda: self.topology,
+            module=lambda: self.lightning_module,
+            optimizers=lambda: self.optimizers,
+        )
+        self._tp_loss = TensorParallelLoss(self.layout.tp)
+        self._pipeline: PipelineSteps | None = None  # when P > 1 (built in setup)
+        self._checkpoints = ShardedCheckpointIO(self.broadcast)
 
     # ----- layout ----------------------------------------------------------------------------
     @property
@@ -345,7 +358,11 @@ class XPUMoEStrategy(
             )
         module = self.lightning_module
         if self.layout.pp > 1:
-            self._split_into_stages(module)
+            stage_model(module)  # checked first, each setup
+            if self._pipeline is None:  # Lightning calls setup again for validate/test after fit
+                self._pipeline = PipelineSteps.split(
+                    module, self.topology, self.root_device, self.sequence_parallel, self.last_backward_sync
+                )
         if apply_expert_parallel(module, self.topology) is None:
             check_experts(0, self.layout.ep)  # a model without experts (and without a config)
         materialize(module, self.root_device)
@@ -370,7 +387,14 @@ class XPUMoEStrategy(
                 f"Downstream evaluation is not yet available with context_parallel_size="
                 f"{self.layout.cp}; evaluate the checkpoint with context_parallel_size=1."
             )
-        return spread_forward(self)
+        return spread_forward(
+            self.lightning_module.model,
+            self.topology,
+            None if self._pipeline is None else self._pipeline.runner,
+            self.root_device,
+            self.layout.tp if self.sequence_parallel else 1,
+            self._sharded_optimizer(),
+        )
 
     @staticmethod
     def calibration() -> Calibration:
@@ -378,6 +402,185 @@ class XPUMoEStrategy(
         (a `mula.calibrate.strategy.StrategyCalibration`): the small model split by its TP, CP and EP
         functions, and its sharded AdamW's gradient reduction (`strategies/calibrate/`)."""
         return Calibration()
+
+    # ----- the optimizer and the training step (`OptimizerStep`) ---------------------------------
+    def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
+        `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
+        parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
+        return self._optimizer_step.build_optimizer(params, **adamw_kwargs)
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        """The module's optimizers (built through `build_optimizer`), and the gradient synchroniser of
+        the unsharded path."""
+        super().setup_optimizers(trainer)
+        self._optimizer_step.setup()
+
+    @property
+    def zeroes_grads_after_step(self) -> bool:
+        """Gradients are zeroed at the end of `optimizer_step`, so Lightning's zeroing before a step's
+        first backward is not needed (and would wipe a pipeline step's gradients, whose backward passes
+        run inside `training_step`): MulaLightningModule.optimizer_zero_grad then does nothing."""
+        return True
+
+    @override
+    def block_backward_sync(self) -> AbstractContextManager[None]:
+        """Gradient-accumulation micro-batch: accumulate locally, communicate nothing."""
+        return self._optimizer_step.block_backward_sync()
+
+    def last_backward_sync(self) -> AbstractContextManager[None]:
+        """Inside `block_backward_sync`: the backward run in this block is the step's last for the
+        parameters it reaches (a pipeline stage's last micro-batch), so their buckets start reducing as
+        they complete, and an offloaded optimizer's host updates start with them."""
+        return self._optimizer_step.last_backward_sync()
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """One optimizer step, the same for plain, sharded and pipelined runs (`OptimizerStep.optimizer_step`:
+        closure -> reduce -> check -> `on_before_optimizer_step` hooks -> clip, update -> zero)."""
+        return self._optimizer_step.optimizer_step(optimizer, closure)
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The last step's global gradient norm (before clipping)."""
+        return self._optimizer_step.last_grad_norm
+
+    @property
+    def last_grads_finite(self) -> bool:
+        """Whether every gradient of the last step was finite, on all ranks."""
+        return self._optimizer_step.last_grads_finite
+
+    @property
+    def update_skipped(self) -> bool:
+        """Whether this step's update is skipped (a non-finite gradient or a callback's veto). Final for
+        the module's own `on_before_optimizer_step`, which runs after every callback's."""
+        return self._optimizer_step.update_skipped
+
+    def skip_optimizer_step(self, reason: str) -> None:
+        """Veto this step's update (from an `on_before_optimizer_step` hook, on every rank alike): the
+        parameters and optimizer state stay as they are, the gradients are dropped. The caller
+        reports the skip."""
+        self._optimizer_step.skip_optimizer_step(reason)
+
+    def _sharded_optimizer(self) -> Any:
+        """The `EPShardedAdamW` in use, else None."""
+        return self._optimizer_step.sharded_optimizer()
+
+    # ----- the steps' hooks (`TensorParallelLoss` around them, `PipelineSteps` when P > 1) ------------
+    @property
+    def consumes_whole_step(self) -> bool:
+        """With pipeline stages a training batch is the whole step's per-rank batch (read by the data module)."""
+        return self.layout.pp > 1
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's training step, its loss vocabulary-parallel under TP; with pipeline stages one
+        schedule step over the whole step's batch, returning the step's global mean loss on every rank
+        (what the loggers and the anomaly guard see)."""
+        with self._tp_loss.context():
+            if self._pipeline is None:
+                return super().training_step(*args, **kwargs)
+            return self._pipeline.training_step(
+                args[0] if args else kwargs["batch"],
+                self.lightning_module,
+                self.precision_plugin,
+                self.block_backward_sync,
+                lambda batch: microbatches_per_step(
+                    batch, self.pipeline_microbatches, self.lightning_module.trainer
+                ),
+                self.optimizers,
+                lambda tensor: self.reduce(tensor, reduce_op="sum"),
+            )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's validation step, its loss vocabulary-parallel under TP; with pipeline stages the
+        batch's cross-entropy through the stages, counted on the last."""
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """As `validation_step`."""
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    def _evaluation_step(self, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's `lightning_step` (validation or test) under `TensorParallelLoss`, or the pipeline's
+        forward-only evaluation when P > 1."""
+        with self._tp_loss.context():
+            if self._pipeline is None:
+                return lightning_step(*args, **kwargs)
+            return self._pipeline.evaluate(
+                args[0] if args else kwargs["batch"], self.lightning_module, self.precision_plugin
+            )
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward of the step's loss, under the same context as its forward; with pipeline stages the
+        step already ran backward: only the hooks around it run."""
+        with self._tp_loss.context():
+            if self._pipeline is None:
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return self._pipeline.backward(closure_loss, self.lightning_module, self.precision_plugin)
+
+    # ----- checkpoints (`ShardedCheckpointIO`) --------------------------------------------------
+    def _checkpoint_state(self) -> CheckpointState:
+        return CheckpointState(
+            module=self.lightning_module,
+            optimizers=self.optimizers,
+            sharded_optimizer=self._sharded_optimizer(),
+            mesh=self._mesh,
+            topology=self.topology,
+            layout=self.layout,
+            world_size=self.world_size,
+            is_global_zero=self.is_global_zero,
+        )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Model state with experts as global tensors (for DCP); aliases the live parameters."""
+        return self._checkpoints.model_state(self._checkpoint_state())
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Optimizer state in a layout DCP can reshard (addressed by parameter name)."""
+        return self._checkpoints.optimizer_state(self._checkpoint_state(), optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a sharded checkpoint directory at `filepath` (collective)."""
+        if storage_options is not None:
+            raise TypeError(
+                "XPUMoEStrategy.save_checkpoint does not take storage_options (it writes DCP shards)."
+            )
+        self._checkpoints.save(self._checkpoint_state(), checkpoint, filepath)
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: Any, group: Any) -> Future:
+        """`save_checkpoint` in the background (collective): staged to host memory when this returns; the
+        future completes when this rank's files are written. `group`: the writer's own gloo group."""
+        return self._checkpoints.save_async(self._checkpoint_state(), checkpoint, filepath, group)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint saved at any (W, E) into this layout; returns Lightning's metadata.
+        Checksums left pending before the process group existed are verified first."""
+        return self._checkpoints.load(self._checkpoint_state(), checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing to do: `load_checkpoint` already loaded the weights in place."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing to do: `load_checkpoint` already loaded the optimizer state."""
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint directory (rank 0)."""
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     # ----- collectives -----------------------------------------------------------------------
     @override
@@ -416,11 +619,7 @@ class XPUMoEStrategy(
     @override
     def teardown(self) -> None:
         """Detach hooks and release the device."""
-        if self._grad_sync is not None:
-            self._grad_sync.remove_hooks()
-        sharded = self._sharded_optimizer()
-        if sharded is not None and hasattr(sharded, "close"):
-            sharded.close()
+        self._optimizer_step.teardown()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

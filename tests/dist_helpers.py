@@ -118,3 +118,33 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         return [
             torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"] for r in range(world_size)
         ]
+
+
+def whole_params(module: torch.nn.Module, topology: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` (the router bias included) as one process holds it: DTensors
+    gathered whole, this rank's experts gathered over its EP group (`topology`: the strategy's LayoutMesh,
+    None for one process). Collective over the EP group."""
+    from torch.distributed.tensor import DTensor
+
+    from mula.model.moe import is_expert_param
+
+    params = {}
+    for name, p in [*module.named_parameters(), *module.named_buffers()]:
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if is_expert_param(name) and topology is not None and topology.size("ep") > 1:
+            parts = [torch.empty_like(full) for _ in range(topology.size("ep"))]
+            dist.all_gather(parts, full.contiguous(), group=topology.group("ep"))
+            full = torch.cat(parts)
+        params[name] = full.detach().clone()
+    return params
+
+
+def assert_plan_bytes(plan: Any, per_rank: list[dict]) -> None:
+    """`mula plan`'s parameter, gradient and optimizer bytes equal each rank's measured ones (`per_rank`:
+    each rank's {"memory": {...}} with the sharded optimizer's byte counts and the memory meter's)."""
+    for rank, rank_out in enumerate(per_rank):
+        row = rank_out["memory"]
+        assert plan.param_tensor_bytes == row["params"], rank
+        assert plan.params == row["optim/param_bytes"], rank
+        assert plan.grads == row["grads"] == row["optim/grad_buffer_bytes"], rank
+        assert plan.optimizer == row["optim/state_bytes"], rank

@@ -34,8 +34,6 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "W not divisible by P x E": (TINY_MOE, 2, [f"{S}pipeline_parallel_size=4"]),
     "EP of a dense model": (TINY_DENSE, 2, [f"{S}expert_parallel_size=2"]),
     "experts not divisible by EP": (TINY_MOE, 3, [f"{S}expert_parallel_size=3"]),
-    "TP with MLA": (TINY_MOE, 2, ["--model.config=deepseek-v3-tiny", f"{S}tensor_parallel_size=2"]),
-    "TP with per-head QK-norm": (TINY_MOE, 2, ["--model.config=qwen3-moe-tiny", f"{S}tensor_parallel_size=2"]),
     "heads not divisible by T": (TINY_MOE, 8, [f"{S}tensor_parallel_size=8"]),
     "C x T x P": (TINY_MOE, 8, [f"{S}{dim}_parallel_size=2" for dim in ("context", "tensor", "pipeline")]),
     "heads not divisible by C": (TINY_MOE, 8, [f"{S}context_parallel_size=8"]),

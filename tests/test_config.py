@@ -224,9 +224,10 @@ def test_architecture_fields_name_real_fields_and_resolve_defaults():
     ]  # fmt: skip
 
 
-def test_shared_experts_are_dense_parameters_and_mla_refuses_tensor_parallelism():
+def test_shared_experts_are_dense_parameters_and_mla_takes_tensor_parallelism():
     """Shared experts sit under `shared_experts`, not `experts`: replicated over the expert-parallel group
-    and sharded by the optimizer as dense weights (the planner's ParamSpec agrees)."""
+    and sharded by the optimizer as dense weights (the planner's ParamSpec agrees). MLA takes TP when T
+    divides its heads (tests/test_deepseek_v3_tensor_parallel.py)."""
     from mula.layout.rules import check_tensor_parallel
     from mula.model.param_names import is_expert_param
     from mula.plan.parameters import model_parameters
@@ -240,8 +241,9 @@ def test_shared_experts_are_dense_parameters_and_mla_refuses_tensor_parallelism(
     dense_mla = MulaConfig.from_name(
         "deepseek-v3-tiny", num_experts=0, num_dense_layers=0, num_shared_experts=0
     )
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        check_tensor_parallel(dense_mla, 2)
+    check_tensor_parallel(dense_mla, 2)
+    with pytest.raises(ValueError, match="4 attention heads are not divisible by tensor_parallel_size=8"):
+        check_tensor_parallel(dense_mla, 8)
     with pytest.raises(ValueError, match="set kv_lora_rank"):
         MulaConfig.from_name("mula-tiny-moe", qk_rope_head_dim=16)
     with pytest.raises(ValueError, match="num_shared_experts needs an MoE model"):

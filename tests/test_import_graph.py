@@ -4,7 +4,8 @@ Layers, top to bottom (DESIGN.md): callbacks -> strategies -> mula. A circle mea
 can be read, tested or changed alone, so it counts whether the import is at module level, inside a
 function or under `TYPE_CHECKING`: a deferred import hides a circle, it does not break it. A package's
 `__init__` re-exporting its own members is not a circle of design (its members import each other, not
-the package's re-exports, which the graph resolves to the member itself).
+the package's re-exports, which the graph resolves to the member itself). Nor may a module import one
+of ours by a literal module name (`importlib.import_module("strategies...")`), which would hide an edge.
 """
 
 from __future__ import annotations
@@ -107,11 +108,33 @@ def upward(edges: dict[str, set[str]]) -> list[str]:
     )
 
 
+_BY_NAME = {"import_module", "__import__", "locate", "find_spec"}
+
+
+def string_imports(root: Path) -> list[str]:
+    """Imports of the layers' own modules by a literal module name (`importlib.import_module("mula.x")`,
+    `__import__`, `pydoc.locate`, `find_spec`): the import graph cannot see them, so none may exist. A
+    recipe's class_path arrives as data, not a literal, and `mula/moved_paths.py` maps old names."""
+    found = []
+    for name, path in modules(root).items():
+        if name == "mula.moved_paths":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+                continue
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            target = node.args[0].value
+            if func in _BY_NAME and isinstance(target, str) and target.split(".")[0] in LAYERS:
+                found.append(f"{name}:{node.lineno}: {func}({target!r})")
+    return found
+
+
 def test_no_import_circle_and_no_upward_import():
     edges = import_edges(ROOT)
     assert len(edges) > 150  # the whole code base was read
     assert circles(edges) == []
     assert upward(edges) == []
+    assert string_imports(ROOT) == []
 
 
 def _plant(root: Path, files: dict[str, str]) -> None:
@@ -137,8 +160,10 @@ def test_a_planted_circle_and_an_upward_import_are_found(tmp_path):
             "strategies/s.py": "from mula.a import f\n",
             "strategies/__init__.py": "from strategies.s import f\n",
             "callbacks/k.py": "from strategies import f\n",
+            "mula/g.py": "import importlib\nA = importlib.import_module('strategies.s')\nB = importlib.import_module('numpy')\n",
         },
     )
     edges = import_edges(tmp_path)
     assert sorted(circles(edges)) == [["mula.a", "mula.b"], ["mula.c", "mula.d"]]
     assert upward(edges) == ["mula.e -> strategies.s"]
+    assert string_imports(tmp_path) == ["mula.g:2: import_module('strategies.s')"]

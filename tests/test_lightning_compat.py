@@ -103,7 +103,7 @@ def test_no_private_lightning_method_is_overridden_outside_the_allowed_one():
 
 def _own_overrides(cls: type) -> list[tuple[type, str, object]]:
     """(Mula class, method name, function) for every method that a Mula class in `cls`'s MRO (mixins
-    such as OptimizerSteps included) defines and a Lightning class in that MRO also defines."""
+    such as callbacks' CheckpointSaving included) defines and a Lightning class in that MRO also defines."""
     lightning_bases = [b for b in cls.__mro__ if b.__module__.startswith("lightning.")]
     out = []
     for own in cls.__mro__:

@@ -117,13 +117,15 @@ def test_planner_activation_bytes_against_the_saved_tensors(overrides):
         )
 
 
-def test_tensor_parallelism_refuses_per_head_qk_norm():
+def test_tensor_parallelism_takes_per_head_qk_norm():
+    """Per-head QK-norm runs under TP (tests/test_qwen3_tensor_parallel.py); T must still divide the heads."""
     from mula.layout.parallel_layout import ParallelLayout
     from mula.model.config import resolve_config
 
     config = resolve_config("mula-tiny-dense", {"qk_norm": True, "qk_norm_per_head": True})
-    with pytest.raises(ValueError, match="not yet available with qk_norm_per_head"):
-        ParallelLayout(world_size=4, tp=2).validate(config)
+    ParallelLayout(world_size=4, tp=2).validate(config)
+    with pytest.raises(ValueError, match="attention heads are not divisible by tensor_parallel_size=8"):
+        ParallelLayout(world_size=8, tp=8).validate(config)
 
 
 def test_single_node_recipe_instantiates_and_fits_one_h100_node(capsys, tmp_path, monkeypatch):

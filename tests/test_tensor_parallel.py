@@ -267,12 +267,6 @@ def test_tensor_parallel_rank_order_puts_tp_innermost() -> None:
 @pytest.mark.parametrize(
     ("make", "needle"),
     [
-        (  # T x P runs (tests/test_tensor_pipeline.py); per-head QK-norm under TP does not yet
-            lambda: ParallelLayout(world_size=4, tp=2, pp=2).validate(
-                resolve_config("mula-tiny-dense", {"qk_norm": True, "qk_norm_per_head": True})
-            ),
-            "not yet available with qk_norm_per_head",
-        ),
         (
             lambda: XPUMoEStrategy(sequence_parallel=True),
             "sequence_parallel=True needs tensor_parallel_size > 1",

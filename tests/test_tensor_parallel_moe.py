@@ -18,14 +18,12 @@ from __future__ import annotations
 import lightning.pytorch as L
 import pytest
 import torch
-import torch.distributed as dist
-from dist_helpers import cpu_trainer, lightning_env, run_distributed
+from dist_helpers import assert_plan_bytes, cpu_trainer, lightning_env, run_distributed, whole_params
 from equality import ADAMW_EPS, RoutingRecord, assert_same_training, assert_same_weights, seeded
 from test_plan_volumes_tp import FunctionalCollectiveMeter  # DTensor's collectives' bus bytes
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel import _Batches
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from callbacks import MoEMetrics
 from mula.model.config import resolve_config
@@ -115,16 +113,7 @@ def _fit(
         decay_steps=10, activation_checkpointing=checkpointing, eps=ADAMW_EPS,
     )  # fmt: skip
     trainer.fit(module, batches)
-    topo = getattr(strategy, "topology", None)
-    params = {}
-    module = trainer.lightning_module
-    for name, p in [*module.named_parameters(), *module.named_buffers()]:  # the router bias included
-        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        if is_expert_param(name) and topo is not None and topo.size("ep") > 1:  # this rank's experts only
-            parts = [torch.empty_like(full) for _ in range(topo.size("ep"))]
-            dist.all_gather(parts, full.contiguous(), group=topo.group("ep"))
-            full = torch.cat(parts)
-        params[name] = full.detach().clone()
+    params = whole_params(trainer.lightning_module, getattr(strategy, "topology", None))
     return losses, logged, params, trainer
 
 
@@ -217,12 +206,7 @@ def test_plan_matches_the_tensor_parallel_moe_run(runs) -> None:
     optimizer bytes are the run's (activations: tests/test_plan_measured_tp.py, at a longer sequence)."""
     _, out = runs
     plan = plan_memory(resolve_config("mula-tiny-moe", MOE), _layout("t2e2_sharded"))
-    for rank, rank_out in enumerate(out):
-        row = rank_out["memory"]
-        assert plan.param_tensor_bytes == row["params"], rank
-        assert plan.params == row["optim/param_bytes"], rank
-        assert plan.grads == row["grads"] == row["optim/grad_buffer_bytes"], rank
-        assert plan.optimizer == row["optim/state_bytes"], rank
+    assert_plan_bytes(plan, out)
 
 
 def _layout(key: str) -> Layout:

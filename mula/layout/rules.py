@@ -65,23 +65,17 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
     """Refuse tensor parallelism where it is not available yet, or a model whose heads, KV heads, dense
     MLP width or vocabulary T does not divide (`config`: a `MulaConfig`; None checks the layout alone).
     MoE layers are accepted: their experts stay whole and their tokens are split over the T ranks;
-    pipeline stages too (each stage's modules split over its own TP group)."""
+    pipeline stages too (each stage's modules split over its own TP group); so are Qwen3's per-head
+    QK-norm (`qk_norm_per_head`: its one head_dim weight stays replicated over TP, its partial gradients
+    summed over the TP group) and DeepSeek-V3's multi-head latent attention (`kv_lora_rank`: the
+    low-rank down projections replicated, the up projections split by heads)."""
     if tp_size == 1 or config is None:
         return
-    if getattr(config, "kv_lora_rank", None) is not None:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} is not yet available with multi-head latent attention "
-            "(kv_lora_rank); use tensor_parallel_size=1."
-        )
-    if getattr(config, "qk_norm_per_head", False):
-        # its one head_dim weight would see different heads on each TP rank (gradients summed over TP)
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} is not yet available with qk_norm_per_head (Qwen3's per-head "
-            "QK-norm); use qk_norm_per_head=false or tensor_parallel_size=1."
-        )
     # MoE layers keep their experts whole (their tokens are split): only dense MLPs split their features
     dense_mlps = config.num_moe_layers < config.num_layers
-    sizes = [("attention heads", config.num_heads), ("key/value heads", config.kv_heads),
+    # MLA's keys and values have one head per query head after kv_b_proj
+    kv_heads = config.num_heads if getattr(config, "kv_lora_rank", None) is not None else config.kv_heads
+    sizes = [("attention heads", config.num_heads), ("key/value heads", kv_heads),
              ("MLP features (intermediate_size)", config.intermediate_size if dense_mlps else 0),
              ("vocabulary entries", config.vocab_size)]  # fmt: skip
     for what, count in sizes:

@@ -61,8 +61,9 @@ def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
     return 4 * dim + 8 * groups
 
 
-def _latent_attention(config: MulaConfig, b: int) -> int:
-    """Per-token bytes multi-head latent attention (`mula.model.mla`) saves beyond its normalised input.
+def _latent_attention(config: MulaConfig, b: int, t: int = 1) -> int:
+    """Per-token bytes multi-head latent attention (`mula.model.mla`) saves beyond its normalised input,
+    on one of `t` tensor-parallel ranks (num_heads / t heads; the latents whole on every rank).
 
     The q latent's norm (as a pre-norm on `q_lora_rank` features, its output saved by `q_b_proj`); the
     kv latent's norm (its fp32 input is a view of the `kv_a_proj_with_mqa` output when that is fp32
@@ -70,7 +71,7 @@ def _latent_attention(config: MulaConfig, b: int) -> int:
     k, v and output, each `max(qk width, v width)` per head (the narrower side is zero-padded; an unpadded
     v is a view of `kv_b_proj`'s output, which then stays whole) and its log-sum-exp; `o_proj`'s input,
     a copy of the output's v columns. RoPE saves nothing per token (its tables only)."""
-    heads, kv_rank, rope = config.num_heads, int(config.kv_lora_rank or 0), config.qk_rope_head_dim
+    heads, kv_rank, rope = config.num_heads // t, int(config.kv_lora_rank or 0), config.qk_rope_head_dim
     out = 0
     if config.q_lora_rank is not None:
         out += _norm(config, config.q_lora_rank, b) + b * config.q_lora_rank
@@ -89,7 +90,7 @@ def _attention(config: MulaConfig, b: int, t: int = 1) -> int:
     """Per-token bytes attention saves beyond its (normalised) input, on one of `t` tensor-parallel ranks
     (each computes num_heads / t heads)."""
     if config.is_mla:
-        return _latent_attention(config, b)  # tensor parallelism refuses MLA (`check_tensor_parallel`)
+        return _latent_attention(config, b, t)
     heads = config.num_heads // t
     q = heads * config.head_size
     kv = config.kv_heads // t * config.head_size

@@ -83,7 +83,7 @@ def optimizer_entries(params: Sequence[ParamSpec], layout: Layout) -> list[Param
     dtype = {4: "torch.float32", 2: "torch.bfloat16", 8: "torch.float64"}[layout.param_bytes]
     out = []
     for i, p in enumerate(params):
-        shape = tp_local_shape(p.name, p.shape, layout.tp_size)
+        shape = tp_local_shape(p.name, p.shape, layout.tp_size, p.tp_replicated)
         if p.is_expert:
             shape = (shape[0] // layout.ep_size, *shape[1:])
         n = 1

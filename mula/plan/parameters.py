@@ -29,6 +29,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     group: int
     layer: int | None  # the block index, None for the embedding, final norm and LM head
+    tp_replicated: bool = False  # whole on every TP rank whatever its name (Qwen3's per-head QK-norm weights)
 
     @property
     def numel(self) -> int:
@@ -45,21 +46,27 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 # The dimension `strategies.tensor_parallel` splits each parameter along over the T ranks (a DTensor
 # Shard(dim)), by the name's ending: vocabulary rows of the embedding and the LM head, output features
-# of the column-parallel q/k/v and gate/up projections (and of the QK-norm weights, split like the heads),
-# input features of the row-parallel o_proj and down_proj. Everything else (the block norms) is replicated.
+# of the column-parallel q/k/v and gate/up projections (and of the QK-norm weights, split like the heads)
+# and of MLA's q_b/kv_b up projections, input features of the row-parallel o_proj and down_proj. Everything
+# else (the block norms, MLA's down projections and latent norms) is replicated, and so are the QK-norm
+# weights of `qk_norm_per_head` (one head_dim vector shared by the heads).
 TP_SPLIT_DIMS = {
     "embed.weight": 0, "lm_head.weight": 0,
     "attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.weight": 0, "attn.o_proj.weight": 1,
     "attn.q_norm.weight": 0, "attn.k_norm.weight": 0,
+    "attn.q_b_proj.weight": 0, "attn.kv_b_proj.weight": 0,
     "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1,
 }  # fmt: skip
 
 
-def tp_local_shape(name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+def tp_local_shape(
+    name: str, shape: tuple[int, ...], tp_size: int, replicated: bool = False
+) -> tuple[int, ...]:
     """The shape of the local shard of parameter `name` (full `shape`) on the first of `tp_size`
     tensor-parallel ranks: DTensor's Shard(dim) keeps ceil(n / T) rows of the split dimension there
-    (`check_tensor_parallel` makes T divide every split dimension, so every rank holds as many)."""
-    if tp_size == 1:
+    (`check_tensor_parallel` makes T divide every split dimension, so every rank holds as many);
+    `shape` itself when `replicated` (`ParamSpec.tp_replicated`)."""
+    if tp_size == 1 or replicated:
         return shape
     for suffix, dim in TP_SPLIT_DIMS.items():
         if name == suffix or name.endswith("." + suffix):
@@ -74,7 +81,9 @@ def model_parameters(config: MulaConfig, no_decay: tuple[str, ...] = ("embed.wei
 
 @functools.lru_cache(maxsize=16)
 def _cached(config_items: tuple, no_decay: tuple[str, ...]) -> tuple[ParamSpec, ...]:
-    shapes = MulaConfig(**dict(config_items)).parameter_shapes()
+    config = MulaConfig(**dict(config_items))
+    shapes = config.parameter_shapes()
+    per_head = ("attn.q_norm.weight", "attn.k_norm.weight") if config.qk_norm_per_head else ()
     # param_groups: decayed parameters (group 0), then those matching no_decay (group 1, when named)
     groups = [[(n, s) for n, s in shapes if not is_no_decay(n, no_decay)]]
     if no_decay:
@@ -83,5 +92,6 @@ def _cached(config_items: tuple, no_decay: tuple[str, ...]) -> tuple[ParamSpec, 
     for gi, group in enumerate(groups):
         for name, shape in group:
             match = _LAYER.search("." + name)
-            out.append(ParamSpec(_MODULE_PREFIX + name, shape, gi, int(match.group(1)) if match else None))
+            layer = int(match.group(1)) if match else None
+            out.append(ParamSpec(_MODULE_PREFIX + name, shape, gi, layer, name.endswith(per_head)))
     return tuple(out)

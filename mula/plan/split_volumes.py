@@ -60,7 +60,8 @@ def tensor_parallel_sends(
     MoE block's layer routes 1/T of the tokens (`strategies.tensor_parallel_moe`): without SP its output
     is all-gathered (compute dtype) and its input's gradient too (parameters' dtype), under SP neither;
     its router-loss sums are all-reduced every forward (one call each), and its router's and (routed and
-    shared) experts' partial gradients once per reduction round, one call per parameter. Calls are
+    shared) experts' partial gradients once per reduction round, one call per parameter, as are the
+    per-head QK-norm weights' (`qk_norm_per_head`: replicated, each TP rank's heads a partial sum). Calls are
     DTensor's functional collectives (tests/test_plan_volumes_tp.py counts them in a real run).
     `partial_grads=False` leaves out the partial gradients' all-reduces (the strategy's gradient hooks
     make them; a bare forward + backward does not)."""
@@ -72,14 +73,23 @@ def tensor_parallel_sends(
     r, b, act = layout.param_bytes, layout.compute_bytes, tokens * config.hidden_size
     ring = (t - 1) / t
     # one QK-norm's statistics over split heads, q and k: one sum each under RMSNorm, mean and variance
-    # under LayerNorm, [tokens] fp32, one call each, forward (and as many backward)
-    stat_calls = (1 if config.norm == "rmsnorm" else 2) * 2 if config.qk_norm else 0
+    # under LayerNorm, [tokens] fp32, one call each, forward (and as many backward); none per head (each
+    # head is whole on its rank)
+    over_heads = config.qk_norm and not config.qk_norm_per_head
+    stat_calls = (1 if config.norm == "rmsnorm" else 2) * 2 if over_heads else 0
     stats = stat_calls * tokens * 4 * 2 * ring
     # the router losses' sums over the TP group: mean probabilities and z (fp32), counts (int64) unless
     # the global scope gives the frequencies
     counts = 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
     router = 2 * (4 * config.num_experts + 4 + counts) * ring
     router_calls = 2 + (config.aux_loss_scope != "global")
+    # MLA (`_split_latent_attention`): backward all-reduces the column-parallel up projections' inputs (the
+    # q latent, or the attention's input without one, and the kv latent, each in the parameters' dtype
+    # after their norm) and the shared RoPE key (a projection's output, compute dtype), and nothing else
+    mla_grads = 0.0
+    if config.is_mla:
+        latents = (config.q_lora_rank or config.hidden_size) + int(config.kv_lora_rank or 0)
+        mla_grads = 2 * tokens * (latents * r + config.qk_rope_head_dim * b) * ring
     if layout.sequence_parallel:
         # all-gather of the attention and MLP inputs (r), reduce-scatter of their outputs (b), forward;
         # backward the reverse: reduce-scatter of the inputs' gradients, all-gather of the outputs'
@@ -87,6 +97,8 @@ def tensor_parallel_sends(
         attn, mlp = 2 * attn_fwd, 2 * mlp_fwd
         calls_fwd = {"attn": 2, "mlp": 2, "moe": router_calls}
         calls = {"attn": 4, "mlp": 4, "moe": router_calls}
+        if config.is_mla:  # its input's gradient is complete on every rank: sliced, not reduce-scattered
+            attn, calls["attn"] = attn_fwd + act * b * ring + mla_grads, 6
         moe_fwd, moe = router, router  # the MoE layer takes and returns its slice of the sequence
         # embedding's reduce-scatter / LM head's gather, both ways
         outer = act * r * ring * (2 * first + 2 * last)
@@ -96,6 +108,8 @@ def tensor_parallel_sends(
         # gradients (backward)
         attn_fwd = mlp_fwd = 2 * act * b * ring
         attn, mlp = attn_fwd + 3 * 2 * act * r * ring, mlp_fwd + 2 * 2 * act * r * ring
+        if config.is_mla:  # three all-reduces in backward as well, of the latents and the RoPE key
+            attn = attn_fwd + mla_grads
         moe_fwd = act * b * ring + router  # the output's all-gather
         moe = moe_fwd + act * r * ring  # and the input gradient's
         calls_fwd = {"attn": 1, "mlp": 1, "moe": 1 + router_calls}
@@ -125,6 +139,9 @@ def tensor_parallel_sends(
     if layout.sequence_parallel and config.norm == "rmsnorm":
         partial_calls = 2 * len(blocks) + last  # the norm weights
         partial += partial_calls * config.hidden_size
+    if config.qk_norm_per_head and config.norm == "rmsnorm":  # q and k norm weights, head_dim each
+        partial_calls += 2 * len(blocks)
+        partial += 2 * len(blocks) * config.head_size
     moe_layers = sum(config.is_moe_layer(i) for i in blocks)
     e_local = config.num_experts // layout.ep_size
     shared = 3 * config.hidden_size * config.shared_intermediate_size if config.num_shared_experts else 0
