@@ -190,10 +190,6 @@ class XPUMoEStrategy(ParallelStrategy):
         # micro_batch_size the strategy reads itself).
         self.pipeline_microbatches: int | None = None
         self.sequence_parallel = bool(sequence_parallel)
-        self.shard_optimizer = shard_optimizer
-        self.optimizer_options = parse_optimizer_options(optimizer_options or {})
-        self.bucket_size_mb = bucket_size_mb
-        self.overlap_grad_reduce = overlap_grad_reduce
         self.meta_init = meta_init
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -202,7 +198,12 @@ class XPUMoEStrategy(ParallelStrategy):
         self._mesh: Any = None
         # the members doing the hooks' work
         self._optimizer_step = OptimizerStep(
-            StepOptions(shard_optimizer, self.optimizer_options, bucket_size_mb, overlap_grad_reduce),
+            StepOptions(
+                shard_optimizer,
+                parse_optimizer_options(optimizer_options or {}),
+                bucket_size_mb,
+                overlap_grad_reduce,
+            ),
             layout=lambda: self.layout,
             topology=lambda: self.topology,
             module=lambda: self.lightning_module,
@@ -404,6 +405,16 @@ class XPUMoEStrategy(ParallelStrategy):
         return Calibration()
 
     # ----- the optimizer and the training step (`OptimizerStep`) ---------------------------------
+    @property
+    def shard_optimizer(self) -> bool:
+        """Whether `build_optimizer` builds an `EPShardedAdamW` (the constructor's option)."""
+        return self._optimizer_step.options.shard_optimizer
+
+    @property
+    def optimizer_options(self) -> dict[str, Any]:
+        """`EPShardedAdamW`'s keyword options, parsed (the constructor's `optimizer_options`)."""
+        return self._optimizer_step.options.optimizer_options
+
     def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
