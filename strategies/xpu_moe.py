@@ -50,7 +50,7 @@ from typing_extensions import override
 
 from mula.cluster_environments import PALSEnvironment, launched_by_mpiexec
 from mula.layout.parallel_layout import ParallelLayout
-from mula.layout.rules import check_experts
+from mula.layout.rules import check_compile, check_experts
 from mula.training.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -358,6 +358,8 @@ class XPUMoEStrategy(ParallelStrategy):
                 "(the global norm over all experts) or shard_optimizer=False."
             )
         module = self.lightning_module
+        # before any split: a compiled tensor-parallel block would stop at its first step
+        check_compile(getattr(module, "compile_settings", None) is not None, self.layout.tp)
         if self.layout.pp > 1:
             stage_model(module)  # checked first, each setup
             if self._pipeline is None:  # Lightning calls setup again for validate/test after fit
@@ -365,7 +367,10 @@ class XPUMoEStrategy(ParallelStrategy):
                     module, self.topology, self.root_device, self.sequence_parallel, self.last_backward_sync
                 )
         if apply_expert_parallel(module, self.topology) is None:
-            check_experts(0, self.layout.ep)  # a model without experts (and without a config)
+            # no MoE layer on this rank: a dense model (refused under E > 1), or a pipeline stage of dense
+            # blocks of an MoE model, whose experts live on other stages
+            config = getattr(module, "config", None)
+            check_experts(0 if config is None else config.num_experts, self.layout.ep)
         materialize(module, self.root_device)
         if self.layout.tp > 1:
             split_tensors(module, self.topology, self.sequence_parallel)

@@ -35,7 +35,7 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "EP of a dense model": (TINY_DENSE, 2, [f"{S}expert_parallel_size=2"]),
     "experts not divisible by EP": (TINY_MOE, 3, [f"{S}expert_parallel_size=3"]),
     "heads not divisible by T": (TINY_MOE, 8, [f"{S}tensor_parallel_size=8"]),
-    "C x T x P": (TINY_MOE, 8, [f"{S}{dim}_parallel_size=2" for dim in ("context", "tensor", "pipeline")]),
+    "compile with T": (TINY_DENSE, 2, [f"{S}tensor_parallel_size=2", "--model.compile=true"]),
     "heads not divisible by C": (TINY_MOE, 8, [f"{S}context_parallel_size=8"]),
     "sequence not divisible by C": (TINY_MOE, 2, [f"{S}context_parallel_size=2", "--data.seq_len=255"]),
     "unknown schedule": (TINY_MOE, 2, [f"{S}pipeline_schedule=zero-bubble"]),

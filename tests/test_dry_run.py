@@ -142,6 +142,25 @@ def test_cli_dry_run_prints_the_table():
         assert line.rstrip().endswith("yes"), line
 
 
+def test_cli_dry_run_of_a_four_dimensional_aurora_layout():
+    """`mula plan --dry_run` of Mula-7B-A1B at 32k tokens on 16 Aurora nodes at C = 2 x T = 2 x P = 8 x E = 2
+    (the Aurora pipeline strategy with CP, TP and SP on top): every measured byte of the rank it builds
+    equals the plan's."""
+    s = "--trainer.strategy.init_args."
+    run = _mula(
+        "-c", str(RECIPES / "long-context" / "mula-7b-a1b-32k.yaml"),
+        "-c", str(RECIPES / "strategies" / "aurora-pipeline.yaml"),
+        f"{s}context_parallel_size=2", f"{s}tensor_parallel_size=2", f"{s}sequence_parallel=true",
+        f"{s}expert_parallel_size=2", "--machine=aurora", "--nodes=16", "--dry_run",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "192 ranks (aurora tile): E=2, P=8 (1f1b), T=2 with SP, C=2" in run.stdout
+    table = run.stdout[run.stdout.index("dry run: rank") :].splitlines()
+    for name in MEASURED:
+        line = next(line for line in table if line.strip().startswith(name))
+        assert line.rstrip().endswith("yes"), line
+
+
 def test_cli_dry_run_bad_rank_is_one_sentence():
     run = _mula(*PIPELINE, "--dry_run", "--dry_run_rank=96")
     assert run.returncode == 2 and run.stdout == ""
@@ -166,6 +185,10 @@ CONTEXT = [
     "--data.global_batch_size=96",
 ]  # fmt: skip
 STAGES = "--trainer.strategy.init_args.pipeline_parallel_size=2"
+TP_SP = [
+    "--trainer.strategy.init_args.tensor_parallel_size=2",
+    "--trainer.strategy.init_args.sequence_parallel=true",
+]
 
 
 @pytest.mark.parametrize(
@@ -182,14 +205,18 @@ STAGES = "--trainer.strategy.init_args.pipeline_parallel_size=2"
             7,
             0,
         ),
+        # C = 2 x T = 2 x P = 2 with SP: rank = ((d * P + s) * C + c) * T + t, so rank 7 (c = t = 1) holds stage 1
+        ([STAGES, *TP_SP], 7, 1),
+        # and E = 2: rank = (((d * P + s) * E + e) * C + c) * T + t; rank 90 is d = 5, s = 1, e = 0, c = 1, t = 0
+        ([STAGES, *TP_SP, "--trainer.strategy.init_args.expert_parallel_size=2"], 90, 1),
     ],
 )
 def test_context_parallel_dry_run_bytes_equal_the_plan(extra, rank, stage):
-    """C x P and C x T layouts: each rank's (stage's) parameters, gradients and optimizer shard (over the
-    W / (P x T) replicas, CP peers included), as planned."""
+    """C x P, C x T and C x T x P (x E) layouts: each rank's (stage's) parameters, gradients and optimizer
+    shard (over the W / (P x T) replicas, CP peers included), as planned."""
     inputs, kwargs = _inputs([*CONTEXT, *extra])
     lay = inputs.layout
-    assert (lay.world_size, lay.cp_size, lay.pp_size * lay.tp_size) == (96, 2, 2)
+    assert (lay.world_size, lay.cp_size) == (96, 2) and lay.pp_size * lay.tp_size > 1
     result = dry_run(inputs, kwargs["trainer"], kwargs["model"], rank)
     assert result["allocated_bytes"] == 0
     assert result["stage"] == stage

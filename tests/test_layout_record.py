@@ -99,5 +99,7 @@ def test_the_world_size_waits_for_the_process_group() -> None:
     with pytest.raises(ValueError, match="world size 4 is not divisible by expert_parallel_size=3"):
         strategy.parallel_layout(4)
     assert strategy.parallel_layout(6).dp_size == 6
-    with pytest.raises(ValueError, match="context_parallel_size=2 is not yet available"):
-        XPUMoEStrategy(context_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(
+        ValueError, match="pipeline_virtual_stages=2 needs pipeline_schedule 'interleaved-1f1b'"
+    ):
+        XPUMoEStrategy(pipeline_parallel_size=2, pipeline_virtual_stages=2)

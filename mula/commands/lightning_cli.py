@@ -30,10 +30,12 @@ from typing_extensions import override
 from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
 from mula.commands.constructor_refusals import constructor_refusals
 from mula.data import MulaDataModule
+from mula.layout.rules import check_compile
 from mula.model.config import MulaConfig
 from mula.model.kernels.backends import resolve_backend
 from mula.training.module import MulaLightningModule, check_master_weights
 from mula.training.progress_bar import StepProgressBar
+from mula.training.strategy_contract import mula_strategy
 
 
 class MulaSaveConfig(SaveConfigCallback):
@@ -239,6 +241,10 @@ class MulaCLI(LightningCLI):
         self.datamodule.validate_against(self.model.config)
         check_expert_backend(self.model.config, self.trainer)
         check_master_weights(str(self.trainer.precision), self.trainer.strategy)
+        strategy = mula_strategy(self.trainer.strategy)
+        check_compile(
+            self.model.compile_settings is not None, 1 if strategy is None else strategy.tensor_parallel_size
+        )
 
 
 class PlanCLI(MulaCLI):

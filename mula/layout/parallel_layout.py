@@ -151,7 +151,7 @@ class ParallelLayout:
         if self.world_size is not None:
             check_world(self.world_size, self.ep, self.pp, self.tp, self.cp)
         check_tensor_parallel(config, self.tp)
-        check_context_parallel(config, self.cp, self.tp, self.pp)
+        check_context_parallel(config, self.cp, self.tp)
         if config is not None:
             check_experts(int(getattr(config, "num_experts", 0)), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step

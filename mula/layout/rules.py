@@ -86,20 +86,13 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
             )
 
 
-def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
+def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1) -> None:
     """Refuse context parallelism where it is not available yet, or a model whose attention heads (or
     key/value heads) C x T does not divide (`config`: a `MulaConfig`; None checks the layout alone).
-    C composes with pipeline stages (each stage sends its CP rank's slice of the sequence to the next)
-    and with tensor parallelism (Ulysses exchanges the TP rank's heads over its CP group), not yet with
-    both at once."""
-    if cp_size == 1:
-        return
-    if tp_size > 1 and pp_size > 1:
-        raise ValueError(
-            f"context_parallel_size={cp_size} is not yet available with tensor_parallel_size={tp_size} and "
-            f"pipeline_parallel_size={pp_size} together (each pair is); drop one of the three."
-        )
-    if config is None:
+    C composes with pipeline stages (each stage sends its CP rank's slice of the sequence to the next),
+    with tensor parallelism (Ulysses exchanges the TP rank's heads over its CP group) and with both at
+    once (each stage's T x C ranks split its layers by heads and its sequences by slices)."""
+    if cp_size == 1 or config is None:
         return
     # MLA's keys and values have one head per query head after kv_b_proj
     kv_heads = config.num_heads if getattr(config, "kv_lora_rank", None) is not None else config.kv_heads
@@ -113,6 +106,18 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, pp_size:
                 f"The model's {count} {what} are not divisible by {by}; choose sizes whose product divides "
                 "them (each CP rank attends over its share of its TP rank's heads)."
             )
+
+
+def check_compile(compile_blocks: bool, tp_size: int) -> None:
+    """Refuse `model.compile` with tensor parallelism: torch.compile cannot trace the blocks' DTensor
+    weights in the tested torch releases (dynamo stops building its fake copy of a tensor-parallel
+    weight: "Attempted to set the storage of a tensor on device cpu to a storage on different device
+    meta"), so such a run would stop at its first step."""
+    if compile_blocks and tp_size > 1:
+        raise ValueError(
+            f"model.compile is not yet available with tensor_parallel_size={tp_size} (torch.compile cannot "
+            "trace the tensor-parallel blocks' DTensor weights); train T > 1 eagerly, or compile at T = 1."
+        )
 
 
 def check_sequence_split(seq_len: int, cp_size: int) -> None:

@@ -1,0 +1,166 @@
+"""Which equality runs of the suite cover which combinations of layout features (`mula.layout.features`).
+
+`ROWS` is a covering array: each row turns on several features at once and is trained on 4 gloo ranks
+against one process by tests/test_composition.py (the run is `mula.layout.features.probe(row)`, so a
+row is exactly what it trains). `DECLARED` names the other tests whose runs cover combinations the
+4-rank rows cannot hold (three parallel dimensions need 8 or 16 ranks), with the features they run.
+
+A combination is covered by a row or declared run holding all of its features, compared by the
+strongest rule its features allow: a combination with bf16-true by a bf16 row (bf16's rounding,
+tests/composition.py), every other by an fp32 run (the suite's equality rule, tests/equality.py).
+tests/test_layouts.py fails when an accepted combination is not covered, and docs/layouts.md is
+generated from this file and the registry (scripts/layouts-doc).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from mula.layout.features import PIPELINES, closure, matrix
+
+PARTS = ("recompute-moe", "recompute-attention", "recompute-norms")
+ROWS: tuple[frozenset[str], ...] = tuple(
+    closure(row)
+    for row in (
+        # fp32, eager
+        {"E", "SP", "ZeRO-2", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
+        {"C", "P", "ZeRO-1", "offload", "QK-norm-per-head", *PARTS},
+        {"P-interleaved", "SP", "ZeRO-1", "MLA", "DeepSeek-routing", "recompute-full"},
+        {"P-GPipe", "SP", "ZeRO-1", "offload", "QK-norm-per-head", "dense-first-blocks", *PARTS},
+        {"E", "C", "ZeRO-2", "MLA", "dense-first-blocks", "recompute-moe", "recompute-attention"},
+        {
+            "E",
+            "P-interleaved",
+            "offload",
+            "QK-norm-per-head",
+            "DeepSeek-routing",
+            "dense-first-blocks",
+            "recompute-attention",
+        },  # fmt: skip
+        {"E", "P-GPipe", "MLA", "DeepSeek-routing", "recompute-norms"},
+        {"C", "SP", "ZeRO-2", "offload", "QK-norm-per-head", "DeepSeek-routing", "recompute-norms"},
+        {"C", "P-interleaved", "MLA", "dense-first-blocks", "recompute-full"},
+        {"C", "P-GPipe", "ZeRO-1", "DeepSeek-routing", "QK-norm-per-head", "recompute-full"},
+        {"P", "SP", "MLA", "DeepSeek-routing", "recompute-moe"},
+        # fp32, compiled
+        {"compile", "P", "C", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
+        {"compile", "P-interleaved", "E", "QK-norm-per-head", *PARTS},
+        {"compile", "P-GPipe", "ZeRO-1"},
+        {"compile", "ZeRO-2", "offload", "E"},
+        # bf16-true
+        {
+            "bf16-true",
+            "E",
+            "SP",
+            "ZeRO-2",
+            "offload",
+            "MLA",
+            "DeepSeek-routing",
+            "dense-first-blocks",
+            "recompute-full",
+        },  # fmt: skip
+        {"bf16-true", "C", "P", "offload", "QK-norm-per-head", *PARTS},
+        {"bf16-true", "P-interleaved", "T", "ZeRO-1"},
+        {"bf16-true", "P-GPipe", "E", "ZeRO-1", "compile"},
+    )
+)
+
+# test node id -> the features of its run (every parallel dimension at size 2)
+DECLARED: dict[str, frozenset[str]] = {
+    "tests/test_context_tensor_pipeline.py::test_context_tensor_pipeline_with_experts_matches_single_process": (
+        frozenset({"C", "T", "SP", "P", "E", "ZeRO-1"})
+    ),
+}
+
+
+def covering_runs(combo: frozenset[str]) -> list[str]:
+    """The rows (`row <i>`) and declared tests whose runs cover `combo` by the rule its features allow (a
+    P schedule standing for P in a triple of parallel dimensions)."""
+    bf16 = "bf16-true" in combo
+
+    def holds(run: frozenset[str]) -> bool:
+        if ("bf16-true" in run) != bf16:
+            return False
+        return all(f in run or (f == "P" and len(combo) == 3 and run & set(PIPELINES)) for f in combo)
+
+    runs = [f"row {i}" for i, row in enumerate(ROWS) if holds(row)]
+    return runs + [test for test, features in DECLARED.items() if holds(features)]
+
+
+def coverage() -> dict[frozenset[str], tuple[str | None, list[str]]]:
+    """Every combination of the matrix -> (the validator's refusal or None, the runs covering it)."""
+    return {combo: (refused, [] if refused else covering_runs(combo)) for combo, refused in matrix().items()}
+
+
+def _run_label(run: str) -> str:
+    """A short label of a covering run for the table: `r<i>` for a row, `4D` for the declared test."""
+    return f"r{run.split()[1]}" if run.startswith("row ") else "4D"
+
+
+def render_markdown() -> str:
+    """docs/layouts.md: the features, the matrix of every pair (tested by which run, refused and why, or
+    one setting), the triples of parallel dimensions, the refusals and the runs."""
+    from mula.layout.features import FEATURES, PARALLEL, excluded
+
+    table = coverage()
+    reasons: list[str] = []
+    lines = [
+        "# Layouts: what composes with what",
+        "",
+        "Generated by `scripts/layouts-doc` from the registry of layout features (`mula/layout/features.py`)",
+        "and the suite's equality runs (`tests/layout_coverage.py`); `tests/test_layouts.py` fails when this",
+        "file drifts from them, when an accepted combination is covered by no run, and when a row could be",
+        "removed without uncovering one. Every pair of features, and every triple of the parallel",
+        "dimensions E, P, T and C, is either compared with one process by a run of the suite or refused by",
+        "the validator (`mula fit` and `mula plan` stop with the sentence below). Nothing in between.",
+        "",
+        "A run turns a set of features into one tiny training run (`mula.layout.features.probe`: every",
+        "parallel dimension named has size 2, on 4 ranks, or 16 for the four-dimensional test) and compares it",
+        "with one process: fp32 runs by the suite's equality rule (tests/equality.py: losses and gradient",
+        "norms of every step, then every weight), bf16-true runs by bf16's own rule (tests/composition.py).",
+        "",
+        "## Features",
+        "",
+        "| feature | what | turned on by |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {f.name} | {f.summary} | `{f.setting}` |" for f in FEATURES]
+    lines += [
+        "",
+        "## Pairs",
+        "",
+        "`rN`: compared with one process by row N of the covering array (below); `4D`: by",
+        "`tests/test_context_tensor_pipeline.py`; `no (N)`: refused, reason N below; `-`: one setting.",
+        "",
+        "| | " + " | ".join(f.name for f in FEATURES) + " |",
+        "|---|" + "---|" * len(FEATURES),
+    ]
+    for a in FEATURES:
+        cells = []
+        for b in FEATURES:
+            if a.name == b.name or excluded(a.name, b.name):
+                cells.append("-")
+                continue
+            refused, runs = table[frozenset((a.name, b.name))]
+            if refused is not None:
+                if refused not in reasons:
+                    reasons.append(refused)
+                cells.append(f"no ({reasons.index(refused) + 1})")
+            else:
+                cells.append(_run_label(runs[0]))
+        lines.append(f"| **{a.name}** | " + " | ".join(cells) + " |")
+    lines += ["", "## Triples of parallel dimensions", ""]
+    for triple in itertools.combinations(PARALLEL, 3):
+        refused, runs = table[frozenset(triple)]
+        verdict = (
+            f"refused: {refused}"
+            if refused
+            else "compared with one process by " + ", ".join(f"`{run}`" for run in runs)
+        )
+        lines.append(f"- {' x '.join(triple)}: {verdict}")
+    lines += ["", "## Refusals", ""]
+    lines += [f"{i + 1}. {reason}" for i, reason in enumerate(reasons)]
+    lines += ["", "## The runs", "", "| run | features |", "|---|---|"]
+    lines += [f"| r{i} | {', '.join(sorted(row))} |" for i, row in enumerate(ROWS)]
+    lines += [f"| 4D: `{test}` | {', '.join(sorted(features))} |" for test, features in DECLARED.items()]
+    return "\n".join(lines) + "\n"
