@@ -88,7 +88,13 @@ def fit_row(features, rank: int | None = None, root: str | None = None) -> dict:
     trainer.fit(module, batches)
     topology = None if strategy is None else strategy.topology
     params = whole_params(trainer.lightning_module, topology)
-    return {**losses.record(), "params": {n: p.float() for n, p in params.items()}}
+    # the sharded optimizer's own numbers (offload: the bucket updates started during backward)
+    metrics = (
+        trainer.optimizers[0].metrics()
+        if isinstance(strategy, XPUMoEStrategy) and run.strategy["shard_optimizer"]
+        else {}
+    )
+    return {**losses.record(), "params": {n: p.float() for n, p in params.items()}, "optim": metrics}
 
 
 def assert_row_matches(run: dict, ref: dict, features, what: str) -> None:

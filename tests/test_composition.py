@@ -5,7 +5,7 @@ Every row turns on several features of `mula.layout.features` at once -- two par
 family's attention and routing -- and trains 4 steps of the probe's tiny MoE (tests/composition.py).
 fp32 rows equal the plain model in one process (eager, nothing recomputed, torch's AdamW) by the suite's
 equality rule (tests/equality.py); bf16-true rows equal one process of the same optimizer in bf16 by
-bf16's rule. All rows train in one 4-rank launch (and the bf16 references in one 1-rank launch), so the
+bf16's rule. Under offload, every rank's host updates start during backward (speculation). All rows train in one 4-rank launch (and the bf16 references in one 1-rank launch), so the
 matrix costs one process start, not one per row; the compiled rows share one Inductor cache.
 """
 
@@ -50,4 +50,8 @@ def test_row_matches_one_process(results, index: int) -> None:
         run = rank_runs[index]
         held |= run["params"].keys()
         assert_row_matches(run, refs[index], ROWS[index], f"row {index} rank {rank}")
+        if (
+            "offload" in ROWS[index]
+        ):  # the host updates overlap backward in every layout offload composes with
+            assert run["optim"]["optim/offload_speculated"] > 0, (index, rank)
     assert held == refs[index]["params"].keys()  # the ranks (their stages) hold the whole model
