@@ -286,6 +286,18 @@ def test_the_installed_torch_is_in_the_tested_range():
     assert oldest <= version(torch.__version__) <= newest, (torch.__version__, torch_compat.TESTED_TORCH)
 
 
+def test_the_package_allows_exactly_the_tested_torch_releases():
+    """pyproject.toml's torch requirement is TESTED_TORCH: from the oldest to the newest minor release."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (low, high), *rest = re.findall(r'"torch>=([0-9.]+),<([0-9.]+)"', text)
+    assert rest == []
+    oldest, newest = torch_compat.TESTED_TORCH
+    major, minor = newest.split(".")
+    assert (low, high) == (oldest, f"{major}.{int(minor) + 1}")
+
+
 def _classes_with_torch_bases() -> list[type]:
     """Every class of mula/, strategies/ and callbacks/ with a torch base class (modules imported)."""
     return classes_with_base(ROOT, lambda module: module.split(".")[0] == "torch")
