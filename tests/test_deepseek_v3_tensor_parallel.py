@@ -12,7 +12,8 @@ lr of 1e-3 (this model's own training amplifies rounding at 1e-2). Runs on W = 4
 with torch's AdamW, and T = 2 with sequence parallelism and the sharded optimizer (E = 1, DP = 2),
 compared by the equality rule (tests/equality.py); dropping the TP sum of the shared RoPE key's gradient
 must break it. The sharded run's per-rank bytes equal `mula plan`'s and each run's DTensor collective
-bytes the step-time model's.
+bytes the step-time model's; each run's step-2 checkpoint resumes at T = 1 x E = 2 (DP = 4) and continues
+the one-process run by the same rule.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from __future__ import annotations
 import lightning.pytorch as L
 import pytest
 from dist_helpers import assert_plan_bytes, lightning_env, run_distributed
-from test_qwen3_tensor_parallel import RUNS, _fit, _layout, _Metered, assert_every_rank_matches
+from test_qwen3_tensor_parallel import (
+    RUNS,
+    _fit,
+    _layout,
+    _Metered,
+    assert_every_rank_matches,
+    resume_without_t,
+)
 from test_tensor_parallel import STEPS, WORLD
 
 from mula.model.config import resolve_config
@@ -44,7 +52,7 @@ class _DropSharedKeySum(L.Callback):
                 module.kv_a_proj_with_mqa._forward_hooks.clear()
 
 
-def _run(rank: int, world: int) -> dict:
+def _run(rank: int, world: int, root: str) -> dict:
     from mula.training.memory_meter import grad_bytes, param_bytes
 
     lightning_env(rank, world)
@@ -53,13 +61,14 @@ def _run(rank: int, world: int) -> dict:
         strategy = XPUMoEStrategy(
             tensor_parallel_size=2, expert_parallel_size=ep, sequence_parallel=sp, shard_optimizer=shard
         )
-        record, params, trainer = _fit(strategy, rank // 2, world // 2, model=MODEL, lr=LR)
+        record, params, trainer = _fit(strategy, rank // 2, world // 2, f"{root}/{key}", model=MODEL, lr=LR)
         meter = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter
         out[key] = {**record, "params": params, "tp_bytes": meter.bytes}
         if shard:
             opt = strategy._sharded_optimizer()
             module = trainer.lightning_module
             out["memory"] = {"params": param_bytes(module), "grads": grad_bytes(module, opt), **opt.metrics()}
+    out.update(resume_without_t(rank, world, root, model=MODEL, lr=LR))
     strategy = XPUMoEStrategy(tensor_parallel_size=2, expert_parallel_size=2, shard_optimizer=False)
     record, params, _ = _fit(strategy, rank // 2, world // 2, extra=[_DropSharedKeySum()], model=MODEL, lr=LR)
     out["dropped"] = {**record, "params": params}
@@ -67,9 +76,10 @@ def _run(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> tuple[dict, list[dict]]:
+def runs(tmp_path_factory) -> tuple[dict, list[dict]]:
     record, params, _ = _fit(None, model=MODEL, lr=LR)
-    return {**record, "params": params}, run_distributed(_run, WORLD)
+    root = str(tmp_path_factory.mktemp("deepseek-v3-tp"))
+    return {**record, "params": params}, run_distributed(_run, WORLD, root)
 
 
 @pytest.mark.parametrize("key", list(RUNS))
@@ -78,6 +88,14 @@ def test_deepseek_v3_under_tensor_parallelism_matches_single_process(runs, key: 
     ref, out = runs
     assert any(n.endswith("attn.kv_b_proj.weight") for n in ref["params"])
     assert_every_rank_matches(ref, out, key)
+
+
+@pytest.mark.parametrize("key", list(RUNS))
+def test_deepseek_v3_tensor_parallel_checkpoint_resumes_without_t(runs, key: str) -> None:
+    """The step-2 checkpoint of T = 2 (x E = 2 with torch's AdamW; with SP and the sharded optimizer)
+    resumes at T = 1 x E = 2 (MLA's up projections whole again) and continues the one-process run."""
+    ref, out = runs
+    assert_every_rank_matches(ref, out, f"{key}_resumed", first_step=2)
 
 
 def test_dropping_the_tp_sum_of_the_shared_key_gradient_is_caught(runs) -> None:

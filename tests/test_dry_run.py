@@ -98,6 +98,7 @@ TENSOR = [
     "--trainer.accelerator=cpu", "--trainer.devices=12", "--trainer.num_nodes=8", "--data.micro_batch_size=1",
     "--data.global_batch_size=96",
 ]  # fmt: skip
+NO_SP = "--trainer.strategy.init_args.sequence_parallel=false"
 
 
 @pytest.mark.parametrize(
@@ -105,11 +106,36 @@ TENSOR = [
     [
         ([], 0),  # T = 2 with sequence parallelism (the recipe), the sharded optimizer over W / T = 48 ranks
         (["--trainer.strategy.init_args.tensor_parallel_size=4"], 95),
-        (["--trainer.strategy.init_args.sequence_parallel=false", "--data.global_batch_size=192"], 37),
+        ([NO_SP, "--data.global_batch_size=192"], 37),
         # the tiny MoE model: experts whole on each TP rank, sliced over E = 4 (T x E = 8 ranks)
         (["--model.config=mula-tiny-moe", "--trainer.strategy.init_args.expert_parallel_size=4"], 13),
         # T = 2 x P = 2 with SP: rank 3 holds the last stage's TP shards (rank = (d * P + s) * T + t)
         (["--trainer.strategy.init_args.pipeline_parallel_size=2"], 3),
+        # DeepSeek-V3's MLA: the up projections split by heads, the down projections and latent norms whole;
+        # the tiny preset (a q latent) with SP, then Moonlight-16B-A3B (no q latent: q_proj split) without SP
+        # at E = 4
+        (["--model.config=deepseek-v3-tiny"], 1),
+        (
+            [
+                "--model.config=deepseek-v3-16b",
+                NO_SP,
+                "--trainer.strategy.init_args.expert_parallel_size=4",
+                "--data.global_batch_size=192",
+            ],
+            37,
+        ),
+        # Qwen3's per-head QK-norm: its head_dim weights whole on every TP rank; the tiny preset with SP,
+        # then the 15B-A2B preset without SP at E = 4
+        (["--model.config=qwen3-moe-tiny"], 5),
+        (
+            [
+                "--model.config=qwen3-moe-15b-a2b",
+                NO_SP,
+                "--trainer.strategy.init_args.expert_parallel_size=4",
+                "--data.global_batch_size=192",
+            ],
+            38,
+        ),
     ],
 )
 def test_tensor_parallel_dry_run_bytes_equal_the_plan(extra, rank):

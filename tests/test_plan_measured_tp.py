@@ -12,7 +12,11 @@ Layouts on the tiny dense model: T = 2 (RMSNorm, QK-norm over split heads, group
 same with sequence parallelism (norm and residual regions on 1/T of the sequence), T = 4 (the preset's
 LayerNorm), T = 2 with SP under attention checkpointing, T = 2 with SP and T = 4 under bf16 autocast;
 an MoE block after a dense one at T = 2, with and without SP (the MoE layer routes 1/T of the tokens
-through whole experts: strategies/tensor_parallel_moe.py).
+through whole experts: strategies/tensor_parallel_moe.py). DeepSeek-V3's multi-head latent attention
+(the down projections, latent norms and shared RoPE key whole on every rank, the up projections by heads)
+and Qwen3's per-head QK-norm (each rank's heads normalised on their own), each at T = 2, with SP, and with
+SP under bf16 autocast with the MoE layers recomputed: there nothing depends on the routing, and the plan
+equals the measured bytes (to a few bytes).
 Not vacuous: the measured numbers differ between layouts, the T = 1 plan of each misses them, and so
 does a plan without SP for the SP layouts.
 """
@@ -39,16 +43,31 @@ TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermedi
 # an MoE block after a dense one: under TP its layer routes 1/T of the tokens, experts whole
 MOE = {**RMS, "num_experts": 4, "top_k": 2, "expert_intermediate_size": 64, "num_dense_layers": 1,
        "num_shared_experts": 1}  # fmt: skip
-# (overrides, T, sequence parallel, precision, checkpointing)
+# DeepSeek-V3's MLA (a q latent; the down projections and latent norms whole on every rank, the up
+# projections split by heads), its dense first block and a shared-expert MoE block; small experts, as CPU's
+# padded layout gathers their weights or not by the routing's counts (which the planner cannot know)
+MLA = dict(vocab_size=512, num_layers=2, max_position_embeddings=256, intermediate_size=128, num_experts=8,
+           expert_intermediate_size=16)  # fmt: skip
+# Qwen3's per-head QK-norm (each rank normalises its own heads), GQA, head_dim != hidden / heads
+QWEN3 = dict(vocab_size=512, num_layers=2, num_dense_layers=1, max_position_embeddings=256, intermediate_size=128,
+             num_experts=8, expert_intermediate_size=16)  # fmt: skip
+# ((preset, overrides), T, sequence parallel, precision, checkpointing)
+DENSE = "mula-tiny-dense"
 LAYOUTS = [
-    (RMS, 2, False, "32-true", "none"),
-    (RMS, 2, True, "32-true", "none"),
-    (TINY, 4, False, "32-true", "none"),
-    (RMS, 2, True, "32-true", ["attention"]),
-    (RMS, 2, True, "bf16-mixed", "none"),
-    (TINY, 4, False, "bf16-mixed", "none"),
-    (MOE, 2, False, "32-true", "none"),
-    (MOE, 2, True, "32-true", "none"),
+    ((DENSE, RMS), 2, False, "32-true", "none"),
+    ((DENSE, RMS), 2, True, "32-true", "none"),
+    ((DENSE, TINY), 4, False, "32-true", "none"),
+    ((DENSE, RMS), 2, True, "32-true", ["attention"]),
+    ((DENSE, RMS), 2, True, "bf16-mixed", "none"),
+    ((DENSE, TINY), 4, False, "bf16-mixed", "none"),
+    ((DENSE, MOE), 2, False, "32-true", "none"),
+    ((DENSE, MOE), 2, True, "32-true", "none"),
+    (("deepseek-v3-tiny", MLA), 2, False, "32-true", "none"),
+    (("deepseek-v3-tiny", MLA), 2, True, "32-true", "none"),
+    (("deepseek-v3-tiny", MLA), 2, True, "bf16-mixed", ["moe"]),
+    (("qwen3-moe-tiny", QWEN3), 2, False, "32-true", "none"),
+    (("qwen3-moe-tiny", QWEN3), 2, True, "32-true", "none"),
+    (("qwen3-moe-tiny", QWEN3), 2, True, "bf16-mixed", ["moe"]),
 ]
 KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes")
 
@@ -75,16 +94,16 @@ def _local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _measure(rank: int, world: int) -> list[dict[str, float]]:
+def _measure(rank: int, world: int, layouts: list) -> list[dict[str, float]]:
     from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
     out = []
-    for overrides, tp, sp, precision, ckpt in LAYOUTS:
+    for (preset, overrides), tp, sp, precision, ckpt in layouts:
         strategy = XPUMoEStrategy(tensor_parallel_size=tp, sequence_parallel=sp, shard_optimizer=False)
         torch.manual_seed(0)
         module = MulaLightningModule(
-            "mula-tiny-dense", overrides=overrides, decay_steps=10, activation_checkpointing=ckpt
+            preset, overrides=overrides, decay_steps=10, activation_checkpointing=ckpt
         )
         trainer = cpu_trainer(
             world, strategy, max_steps=1, accumulate_grad_batches=1, callbacks=[MemoryMetrics()],
@@ -100,19 +119,19 @@ def _measure(rank: int, world: int) -> list[dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def measured() -> list[list[dict[str, float]]]:
-    return run_distributed(_measure, WORLD)
+    return run_distributed(_measure, WORLD, LAYOUTS)
 
 
 def _plan(index: int, tp: int | None = None, sp: bool | None = None):
     """The plan of layout `index` (with another T or sequence-parallel setting when given)."""
-    overrides, t, seq_par, precision, ckpt = LAYOUTS[index]
+    (preset, overrides), t, seq_par, precision, ckpt = LAYOUTS[index]
     t = t if tp is None else tp
     layout = Layout(
         world_size=WORLD, tp_size=t, sequence_parallel=(seq_par if sp is None else sp) and t > 1,
         micro_batch=B, seq_len=SEQ, precision=precision, checkpointing=ckpt, shard_optimizer=False,
         collectives="rooted",
     )  # fmt: skip
-    return plan_memory(resolve_config("mula-tiny-dense", overrides), layout)
+    return plan_memory(resolve_config(preset, overrides), layout)
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
@@ -124,6 +143,9 @@ def test_every_rank_matches_the_plan(measured, index: int) -> None:
         assert plan.grads == row["mem/grad_bytes"], where
         assert plan.params + plan.optimizer == row["state"], where  # torch AdamW's two moments
         assert plan.activations == pytest.approx(row["mem/activation_bytes"], rel=0.10), where
+        if LAYOUTS[index][4] == ["moe"]:
+            # with the MoE layers recomputed nothing depends on the routing: attention and the rest exact
+            assert abs(plan.activations - row["mem/activation_bytes"]) <= 8, where
 
 
 def test_tensor_parallelism_decides_the_numbers(measured) -> None:
@@ -131,7 +153,7 @@ def test_tensor_parallelism_decides_the_numbers(measured) -> None:
     ignores sequence parallelism misses the activations of the SP layouts."""
     rows = [measured[0][i] for i in range(len(LAYOUTS))]
     assert len({row["mem/activation_bytes"] for row in rows}) == len(LAYOUTS)
-    dense = [row for row, layout in zip(rows, LAYOUTS) if layout[0] is not MOE]
+    dense = [row for row, layout in zip(rows, LAYOUTS) if layout[0][0] == DENSE and layout[0][1] is not MOE]
     assert len({row["mem/param_bytes"] for row in dense}) == 2  # T = 2 and T = 4
     for index, row in enumerate(rows):
         flat = _plan(index, tp=1)

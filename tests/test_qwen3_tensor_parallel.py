@@ -14,8 +14,9 @@ losses and gradient norms, then every parameter (gathered to its full tensor, ex
 group). Dropping the TP sum of the QK-norm weights' partial gradients must break the equality. The
 sharded run's per-rank parameter, gradient and optimizer bytes equal `mula plan`'s (the norm weights
 whole on each TP rank), each run's DTensor collective bytes equal the step-time model's (no QK-norm
-statistics, the norm weights' partial gradients summed), and the T = 2 x E = 2 checkpoint exported
-with `mula export-hf` holds the one-process export's tensors.
+statistics, the norm weights' partial gradients summed), the T = 2 x E = 2 checkpoint exported
+with `mula export-hf` holds the one-process export's tensors, and each run's step-2 checkpoint resumes
+at T = 1 x E = 2 (DP = 4) and continues the one-process run by the same rule.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import lightning.pytorch as L
 import pytest
 import torch
 from dist_helpers import assert_plan_bytes, cpu_trainer, lightning_env, run_distributed, whole_params
-from equality import ADAMW_EPS, RoutingRecord, assert_same_training, assert_same_weights, seeded
+from equality import (
+    ADAMW_EPS,
+    RoutingRecord,
+    assert_same_training,
+    assert_same_weights,
+    compared_steps,
+    seeded,
+)
 from safetensors.torch import load_file
 from test_strategy import _StepLosses
 from test_tensor_parallel import MICRO, MICROS_PER_STEP, SEQ, STEPS, WORLD, _Batches
@@ -49,12 +57,21 @@ QK_NORMS = (".attn.q_norm.", ".attn.k_norm.")
 
 
 def _fit(
-    strategy, dp_rank: int = 0, dp_size: int = 1, save_dir=None, extra=(), model=(PRESET, QWEN3), lr=1e-2
+    strategy,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    save_dir=None,
+    extra=(),
+    model=(PRESET, QWEN3),
+    lr=1e-2,
+    ckpt_path=None,
+    first_step=0,
 ) -> tuple[dict, dict, object]:
-    """6 steps of `model` (preset, overrides) with `extra` callbacks; (the record equality.py compares,
+    """Train `model` (preset, overrides) to step 6 with `extra` callbacks (from `ckpt_path`, saved at
+    `first_step`, when given; checkpoints every 2 steps into `save_dir`); (the record equality.py compares,
     every parameter and buffer as its full tensor, the trainer). tests/test_deepseek_v3_tensor_parallel.py
     uses it too."""
-    batches = _Batches(dp_rank, dp_size)
+    batches = _Batches(dp_rank, dp_size, first_step)
     routing = RoutingRecord(near_ties=strategy is None)  # the one-process reference's near ties
     losses = _StepLosses(batches, routing)
     world = WORLD if strategy is not None else 1
@@ -67,7 +84,7 @@ def _fit(
     module = MulaLightningModule(
         model[0], overrides=model[1], lr=lr, min_lr=lr / 10, warmup_steps=1, decay_steps=10, eps=ADAMW_EPS
     )
-    trainer.fit(module, batches)
+    trainer.fit(module, batches, ckpt_path=ckpt_path)
     params = whole_params(trainer.lightning_module, getattr(strategy, "topology", None))
     return losses.record(), params, trainer
 
@@ -92,17 +109,31 @@ def _run(rank: int, world: int, root: str) -> dict:
         strategy = XPUMoEStrategy(
             tensor_parallel_size=2, expert_parallel_size=ep, sequence_parallel=sp, shard_optimizer=shard
         )
-        save = f"{root}/{key}" if key == "t2e2" else None
-        record, params, trainer = _fit(strategy, rank // 2, world // 2, save_dir=save)
+        record, params, trainer = _fit(strategy, rank // 2, world // 2, save_dir=f"{root}/{key}")
         meter = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter
         out[key] = {**record, "params": params, "tp_bytes": meter.bytes}
         if shard:
             opt = strategy._sharded_optimizer()
             module = trainer.lightning_module
             out["memory"] = {"params": param_bytes(module), "grads": grad_bytes(module, opt), **opt.metrics()}
+    out.update(resume_without_t(rank, world, root))  # before the planted bug below patches the reduction
     strategy = XPUMoEStrategy(tensor_parallel_size=2, expert_parallel_size=2, shard_optimizer=False)
     record, params, _ = _fit(strategy, rank // 2, world // 2, extra=[_DropQKNormSum()])
     out["dropped"] = {**record, "params": params}
+    return out
+
+
+def resume_without_t(rank: int, world: int, root: str, **fit) -> dict:
+    """Each run of RUNS resumed from its T = 2 checkpoint of step 2 under `root` at T = 1 x E = 2 (DP = 4:
+    each rank reads its own quarter of the batch), with the optimizer it was saved with; `fit`: `_fit`'s
+    model and lr. Returns {"<key>_resumed": the record and every parameter}."""
+    out = {}
+    for key, (_, _, shard) in RUNS.items():
+        strategy = XPUMoEStrategy(expert_parallel_size=2, shard_optimizer=shard)
+        ckpt = f"{root}/{key}/epoch=0-step=2.ckpt"
+        record, params, _ = _fit(strategy, rank, world, ckpt_path=ckpt, first_step=2, **fit)
+        assert strategy.data_parallel_size == world
+        out[f"{key}_resumed"] = {**record, "params": params}
     return out
 
 
@@ -121,16 +152,29 @@ def test_qwen3_under_tensor_parallelism_matches_single_process(runs, key: str) -
     assert_every_rank_matches(ref, out, key)
 
 
-def assert_every_rank_matches(ref: dict, out: list[dict], key: str) -> None:
+def assert_every_rank_matches(ref: dict, out: list[dict], key: str, first_step: int = 0) -> None:
     """Run `key` of every rank against the one-process reference by the equality rule: expert counts,
-    losses and gradient norms of every step, then every parameter and buffer."""
+    losses and gradient norms of every step, then every parameter and buffer. `first_step`: `key` resumed
+    at the reference's step `first_step` from the checkpoint of `key` without its "_resumed" suffix."""
     assert len(ref["losses"]) == STEPS
+    saver = key.removesuffix("_resumed")
+    # a resumed run continues the reference only if the run that saved it did (equality.py: top-k flips)
+    if first_step and compared_steps(out[0][saver], ref, what=f"{saver} saving") < first_step:
+        return
     for rank, rank_out in enumerate(out):
         run = rank_out[key]
-        assert len(run["counts"]) == STEPS
+        assert len(run["counts"]) == len(run["losses"]) == STEPS - first_step
         assert run["params"].keys() == ref["params"].keys()
-        if assert_same_training(run, ref, what=f"{key} rank {rank}"):
+        if assert_same_training(run, ref, first_step=first_step, what=f"{key} rank {rank}"):
             assert_same_weights(run["params"], ref["params"], what=f"{key} rank {rank}")
+
+
+@pytest.mark.parametrize("key", list(RUNS))
+def test_qwen3_tensor_parallel_checkpoint_resumes_without_t(runs, key: str) -> None:
+    """The step-2 checkpoint of T = 2 (x E = 2 with torch's AdamW; with SP and the sharded optimizer)
+    resumes at T = 1 x E = 2 and continues the one-process run by the equality rule."""
+    ref, out, _ = runs
+    assert_every_rank_matches(ref, out, f"{key}_resumed", first_step=2)
 
 
 def test_dropping_the_tp_sum_of_the_qk_norm_gradients_is_caught(runs) -> None:

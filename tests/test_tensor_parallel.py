@@ -199,12 +199,14 @@ def test_tensor_parallel_with_the_sharded_optimizer_matches_single_process() -> 
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(ref.losses), rtol=2e-2, atol=0)
 
 
-def _assert_matches(run: dict, ref: _StepLosses, ref_params: dict, what: str = "") -> bool:
-    """The equality rule (tests/equality.py): `run`'s per-step losses and norms against the reference's,
-    then, when every step was compared, its parameters (and router biases) against `ref_params`.
-    Returns whether every step was compared."""
+def _assert_matches(
+    run: dict, ref: _StepLosses, ref_params: dict, what: str = "", first_step: int = 0
+) -> bool:
+    """The equality rule (tests/equality.py): `run`'s per-step losses and norms against the reference's
+    (from its step `first_step` on: a run resumed there), then, when every step was compared, its
+    parameters (and router biases) against `ref_params`. Returns whether every step was compared."""
     assert run["params"].keys() == ref_params.keys(), what
-    whole = assert_same_training(run, ref.record(), what=what)
+    whole = assert_same_training(run, ref.record(), first_step=first_step, what=what)
     if whole:
         assert_same_weights(run["params"], ref_params, what=what)
     return whole

@@ -13,13 +13,17 @@ an MoE block with a shared expert and the router-bias update on stage 1) with to
 holds no MoE block, yet joins the step's expert-count all-reduce (it hung before). The planner's
 per-stage bytes are checked against one measured step of the dense layouts. Downstream evaluation's
 forward of the trained SP model (`spread_forward`, 7 tokens padded for SP's split) gives the whole
-logits on the last stage's TP ranks.
+logits on the last stage's TP ranks. Checkpoints reshard across T x P: the step-2 checkpoint of the
+sharded-optimizer run resumes at T = 1 x P = 1 (DP = 4) and that run's step-4 checkpoint back at
+T = 2 x P = 2; the MoE run's step-2 checkpoint resumes at P = 2 without T (DP = 2); each continues the
+one-process run by the same rule.
 """
 
 from __future__ import annotations
 
 import torch
 from dist_helpers import lightning_env, run_distributed
+from equality import compared_steps
 from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 from test_tensor_parallel import RMS, STEPS, WORLD, _assert_matches, _fit
 from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
@@ -35,49 +39,81 @@ RUNS = (
     ("sp_sharded", RMS, True, True),
     ("moe", MOE, False, False),
 )
+# resumes, in order: (key, the run of RUNS it continues, the run whose checkpoint it loads, that checkpoint's
+# step, T, P). The sharded-optimizer run out of T = 2 x P = 2 into no T and no P (DP = 4: the optimizer's
+# state over 4 ranks instead of 1) and from there back; the MoE run's stages kept without T (DP = 2).
+RESUMES = (
+    ("sharded_t1p1", "sharded", "sharded", 2, 1, 1),
+    ("sharded_back", "sharded", "sharded_t1p1", 4, 2, 2),
+    ("moe_p2", "moe", "moe", 2, 1, 2),
+)
+SAVED = {source for _, _, source, *_ in RESUMES}
+SETTINGS = {key: (model, shard) for key, model, _, shard in RUNS}  # what a resume keeps of its run
 
 
-def _run(rank: int, world: int) -> dict:
+def _run(rank: int, world: int, root: str) -> dict:
     lightning_env(rank, world)
     out = {}
     for key, model, sp, shard in RUNS:
         strategy = XPUMoEStrategy(
             tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=sp, shard_optimizer=shard
         )
-        losses, params = _fit(model, strategy, 0, 1)  # DP = 4 / (2 x 2) = 1: one data-parallel rank
+        save_dir = f"{root}/{key}" if key in SAVED else None
+        losses, params = _fit(model, strategy, 0, 1, save_dir=save_dir)  # DP = 4 / (2 x 2) = 1
         assert strategy.data_parallel_size == 1
         out[key] = {**losses.record(), "params": params}
         if key == "sp_sharded":  # downstream evaluation's forward, 7 tokens: padded for SP's split
             with torch.no_grad():
                 out["logits"] = strategy.spread_forward().logits(EVAL_TOKENS)
+    for key, base, source, step, tp, pp in RESUMES:
+        model, shard = SETTINGS[base]
+        strategy = XPUMoEStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, shard_optimizer=shard)
+        dp_rank, dp_size = rank // (tp * pp), world // (tp * pp)  # data parallelism outermost
+        ckpt = f"{root}/{source}/epoch=0-step={step}.ckpt"
+        save_dir = f"{root}/{key}" if key in SAVED else None
+        losses, params = _fit(
+            model, strategy, dp_rank, dp_size, save_dir=save_dir, ckpt_path=ckpt, first_step=step
+        )
+        assert (strategy.data_parallel_rank, strategy.data_parallel_size) == (dp_rank, dp_size)
+        out[key] = {**losses.record(), "params": params}
     return out
 
 
 EVAL_TOKENS = torch.arange(14).reshape(2, 7)
 
 
-def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict) -> bool:
+def _assert_stages_match(runs: list[dict], key: str, ref, ref_params: dict, first_step: int = 0) -> bool:
     """Every rank's losses and norms (and expert counts), and each stage's parameters on each of its TP
-    ranks, match the reference by the equality rule; the stages together hold every parameter of the
-    model. Returns whether every step of every rank was compared."""
+    ranks, match the reference (from its step `first_step` on) by the equality rule; the stages together
+    hold every parameter of the model. Returns whether every step of every rank was compared."""
     held: set = set()
     whole = True
     for rank, rank_out in enumerate(runs):
         params = rank_out[key]["params"]
         held |= params.keys()
         mine = {n: v for n, v in ref_params.items() if n in params}
-        whole &= _assert_matches(rank_out[key], ref, mine, what=f"{key} rank {rank}")
+        whole &= _assert_matches(rank_out[key], ref, mine, what=f"{key} rank {rank}", first_step=first_step)
     assert held == ref_params.keys()
     return whole
 
 
-def test_tensor_parallel_stages_match_single_process() -> None:
+def test_tensor_parallel_stages_match_single_process_and_reshard(tmp_path) -> None:
     refs = {id(model): _fit(model, None) for model in (RMS, MOE)}
-    runs = run_distributed(_run, WORLD)
+    runs = run_distributed(_run, WORLD, str(tmp_path))
     # the MoE runs' routing is recorded (every rank: the global counts), so that the rule can compare it
     assert len(refs[id(MOE)][0].record()["near_ties"]) == STEPS
     assert all(len(r["moe"]["counts"]) == STEPS for r in runs)
     compared = {key: _assert_stages_match(runs, key, *refs[id(model)]) for key, model, _, _ in RUNS}
+    # checkpoints (global tensors in DCP) resumed at another layout continue the one-process run, if the run
+    # that saved one followed the reference to it (equality.py: top-k flips; a dense model always does)
+    first = {key: 0 for key, *_ in RUNS}
+    for key, base, source, step, _, _ in RESUMES:
+        first[key] = step
+        ref = refs[id(SETTINGS[base][0])]
+        assert all(len(r[key]["losses"]) == STEPS - step for r in runs)
+        saving = compared_steps(runs[0][source], ref[0].record(), first[source], what=f"{source} saving")
+        if saving >= step - first[source]:
+            _assert_stages_match(runs, key, *ref, first_step=step)
     assert runs[0]["logits"] is None and runs[1]["logits"] is None
     # the trained SP model's logits, whole, on the last stage's TP ranks (2, 3); only for a run compared
     # to its last step (a dense model: always, equality.py)

@@ -24,14 +24,17 @@ per token and layer, with h the hidden size, q/kv the attention projection width
   experts (width num_shared_experts * their width) on the router's input;
 * multi-head latent attention (`_latent_attention`): the latents' norms and projections' inputs,
   SDPA's q, k (qk width), v (the kv expansion's storage), output (v width) and log-sum-exp;
-* tensor parallelism: heads and dense MLP features 1/T per rank, and an MoE layer routes 1/T of the
-  tokens (its experts whole: strategies/tensor_parallel_moe.py);
+* tensor parallelism: heads and dense MLP features 1/T per rank (per-head QK-norm: one rstd per local
+  head; MLA: its latents, their norms and the shared RoPE key whole on every rank, the q/kv expansions and
+  SDPA by heads), and an MoE layer routes 1/T of the tokens (its experts whole:
+  strategies/tensor_parallel_moe.py);
 * context parallelism (Ulysses, strategies/context_parallel.py): every per-token term on 1/C of the
   sequence; SDPA's saved tensors are S tokens x heads / C, the same bytes as S / C tokens x heads,
   its q, k and v one buffer (the all-to-all's), so grouped KV heads add their k and v before the
   repeat (2*b*kv);
 * mixed precision (fp32 weights, 16-bit autocast): every matmul keeps its own 16-bit copy of its input
-  (q, k and v three) and of its weight, outside recomputed parts;
+  (q, k and v three) and of its weight (this rank's TP shard: MLA's down projections whole), outside
+  recomputed parts;
 * checkpointing keeps only a recomputed part's inputs: "norms" the residual (r*h) per norm, "attention"
   and "moe" their (already counted) normalised input, "full" each block's input (r*h).
 
@@ -48,8 +51,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mula.model.activation_checkpointing import parse_activation_checkpointing
-from mula.model.config import MulaConfig
+from mula.model.config import MulaConfig, numel
 from mula.plan.layout import Layout
+from mula.plan.parameters import tp_local_shape
 
 
 def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
@@ -148,7 +152,12 @@ def _layer_bytes(config: MulaConfig, layout: Layout, parts: frozenset[str], toke
         if layout.cp_size > 1 and not config.is_mla and config.kv_heads != config.num_heads:
             # Ulysses: SDPA's k and v are views of the exchanged buffer, repeated to the q heads apart
             per_token += 2 * b * (config.kv_heads // t) * config.head_size  # this TP rank's KV heads
-        weights += config._attn_matmul_params() // t
+        # this rank's shard of each projection: MLA's down projections stay whole under TP
+        weights += sum(
+            numel(tp_local_shape("attn." + name, shape, t))
+            for name, shape in config._attn_shapes()
+            if len(shape) == 2
+        )
     moe_bytes = 0
     if moe:
         if "moe" in parts:  # the checkpoint's input: whole under TP alone, 1/T of the sequence under SP
