@@ -22,8 +22,9 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from mula.layout.rules import check_zero_stage
+from mula.layout.rules import check_optimizer, check_zero_stage
 from mula.training.lightning_compat import call_before_optimizer_step_hooks
+from mula.training.muon import MulaMuon, is_muon_group
 from strategies.optim.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
 from strategies.optim.sharding_options import torch_dtype
 
@@ -83,8 +84,14 @@ class OptimizerStep:
     def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
-        parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
+        parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay),
+        plus Muon's (momentum, ns_steps, adjust_lr) when param groups are marked as Muon's: then a
+        replicated `MulaMuon` (each rank updates the whole matrices it holds, an expert's on its EP rank)."""
         layout = self._layout()
+        params = list(params)
+        if any(isinstance(g, dict) and is_muon_group(g) for g in params):
+            check_optimizer("muon", layout.tp, self.options.shard_optimizer)
+            return MulaMuon(params, **adamw_kwargs)
         if not self.options.shard_optimizer:
             if layout.tp > 1:
                 # DTensor and plain parameters side by side: torch's multi-tensor kernels take one kind

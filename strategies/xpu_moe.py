@@ -50,7 +50,7 @@ from typing_extensions import override
 
 from mula.cluster_environments import PALSEnvironment, launched_by_mpiexec
 from mula.layout.parallel_layout import ParallelLayout
-from mula.layout.rules import check_compile, check_experts
+from mula.layout.rules import check_compile, check_experts, check_optimizer
 from mula.training.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -357,6 +357,10 @@ class XPUMoEStrategy(ParallelStrategy):
                 "gradient_clip_algorithm='value' is not supported with shard_optimizer=True; use 'norm' "
                 "(the global norm over all experts) or shard_optimizer=False."
             )
+        # before the model is laid out: the optimizer is built only after that
+        check_optimizer(
+            getattr(self.lightning_module, "optimizer", "adamw"), self.layout.tp, self.shard_optimizer
+        )
         module = self.lightning_module
         # before any split: a compiled tensor-parallel block would stop at its first step
         check_compile(getattr(module, "compile_settings", None) is not None, self.layout.tp)

@@ -64,6 +64,8 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "clip after step": (TINY_MOE, 2, [f"{S}optimizer_options={{clip_after_step: -1}}"]),
     "collectives": (TINY_MOE, 2, [f"{S}optimizer_options={{collectives: nccl}}"]),
     "unknown optimizer option": (TINY_MOE, 2, [f"{S}optimizer_options={{zero: 1}}"]),
+    "Muon with T": (TINY_DENSE, 2, [f"{S}tensor_parallel_size=2", f"{S}shard_optimizer=false", "--model.optimizer=muon"]),
+    "sharded Muon": (TINY_MOE, 2, ["--model.optimizer=muon"]),
 }  # fmt: skip
 
 # sentences no command line reaches, and why

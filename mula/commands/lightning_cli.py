@@ -30,7 +30,7 @@ from typing_extensions import override
 from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
 from mula.commands.constructor_refusals import constructor_refusals
 from mula.data import MulaDataModule
-from mula.layout.rules import check_compile
+from mula.layout.rules import check_compile, check_optimizer
 from mula.model.config import MulaConfig
 from mula.model.kernels.backends import resolve_backend
 from mula.training.module import MulaLightningModule, check_master_weights
@@ -244,6 +244,11 @@ class MulaCLI(LightningCLI):
         strategy = mula_strategy(self.trainer.strategy)
         check_compile(
             self.model.compile_settings is not None, 1 if strategy is None else strategy.tensor_parallel_size
+        )
+        check_optimizer(
+            getattr(self.model, "optimizer", "adamw"),
+            1 if strategy is None else strategy.tensor_parallel_size,
+            bool(getattr(self.trainer.strategy, "shard_optimizer", False)),
         )
 
 

@@ -120,6 +120,21 @@ def check_compile(compile_blocks: bool, tp_size: int) -> None:
         )
 
 
+def check_optimizer(optimizer: str, tp_size: int, shard_optimizer: bool) -> None:
+    """Refuse Muon (`model.optimizer: muon`) where its update cannot run yet: Newton-Schulz orthogonalises
+    whole matrices, and a tensor-parallel rank holds a slice of each dense one; the sharded optimizer's
+    owner-per-matrix layout is not built yet."""
+    if optimizer != "muon":
+        return
+    if tp_size > 1:
+        raise ValueError(
+            f"model.optimizer=muon is not available with tensor_parallel_size={tp_size} (Newton-Schulz needs "
+            "each whole matrix, and a tensor-parallel rank holds a slice of it); use tensor_parallel_size=1."
+        )
+    if shard_optimizer:
+        raise ValueError("sharded Muon is not yet available; set shard_optimizer=false.")
+
+
 def check_sequence_split(seq_len: int, cp_size: int) -> None:
     """Refuse a sequence the C ranks of a context-parallel group cannot split into equal slices."""
     if seq_len % cp_size:

@@ -1,4 +1,5 @@
-"""What a parameter's name says: whether it is an expert weight, whether it is decayed.
+"""What a parameter's name says: whether it is an expert weight, whether it is decayed, whether Muon
+trains it and as which matrices.
 
 Torch-free on purpose: `mula plan` reads the model's parameter names from `MulaConfig.parameter_shapes`
 without building a module, and must sort them exactly as the strategy and the optimizer do.
@@ -7,6 +8,7 @@ without building a module, and must sort them exactly as the strategy and the op
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Sequence
 
 EXPERTS_MODULE = "experts"  # the attribute of `MoELayer` that holds the stacked expert weights
@@ -25,3 +27,25 @@ def is_expert_param(name: str) -> bool:
 def is_no_decay(name: str, patterns: Sequence[str]) -> bool:
     """True when `name` matches one of the `no_decay` glob patterns (trained with weight decay 0)."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+_BLOCK = re.compile(r"(^|\.)layers\.\d+\.")
+# the fused stack of `GroupedExperts`: gate rows then up rows of each expert, two Linear weights in one
+_FUSED_ROWS = {"gate_up": 2}
+
+
+def is_muon_param(name: str, shape: Sequence[int]) -> bool:
+    """True when `model.optimizer: muon` trains parameter `name` (of `shape`) with Muon: a weight of the
+    transformer blocks (``layers.<i>.``) with two or more dimensions, the router's included (Moonlight's
+    rule gives Muon every matrix but the embedding and the LM head); AdamW trains the rest (embedding,
+    LM head, norms)."""
+    return len(shape) >= 2 and _BLOCK.search(name) is not None
+
+
+def muon_matrix_shape(name: str, shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, columns) of each matrix Muon orthogonalises in a Muon parameter: the last two dimensions,
+    except that an expert stack's fused gate_up [E, 2I, H] holds two matrices per expert (gate and up,
+    [I, H] each), as separate Linear weights would."""
+    rows, cols = int(shape[-2]), int(shape[-1])
+    fused = _FUSED_ROWS.get(name.rsplit(".", 1)[-1], 1) if is_expert_param(name) else 1
+    return rows // fused, cols

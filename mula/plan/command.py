@@ -275,6 +275,8 @@ def format_text(inputs: PlanInputs, result: dict[str, Any]) -> str:
         if lay.shard_optimizer
         else "replicated AdamW"
     )
+    if lay.optimizer == "muon":  # the blocks' matrices train with Muon, the rest with AdamW
+        opt = opt.replace("AdamW", "Muon + AdamW")
     lines = [
         f"mula plan: {inputs.config.name}, {lay.world_size} ranks ({inputs.device_note}): E={lay.ep_size}, "
         f"P={lay.pp_size} ({lay.pp_schedule}), "

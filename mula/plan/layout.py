@@ -51,7 +51,8 @@ class Layout:
     replicated state (DDP, single device). `SHARDING_FIELDS` are `ShardingOptions` fields, with its
     defaults, and make `sharding`, the options the optimizer would be built with (checked by it);
     collectives: as resolved for the device, "native" (reduce-scatter/all-gather: NCCL/XCCL) or
-    "rooted" (gloo on CPU). async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
+    "rooted" (gloo on CPU). no_decay, optimizer: `model.no_decay` and `model.optimizer` ("adamw" or
+    "muon": its matrices keep one fp32 momentum, `mula.training.muon`). async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
     copy of each rank's checkpoint state lives in host memory.
     """
 
@@ -83,6 +84,7 @@ class Layout:
     collectives: str = "native"
     async_checkpoint: bool = False
     no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
+    optimizer: str = "adamw"
     parallel: ParallelLayout = field(init=False, repr=False, compare=False)
     sharding: ShardingOptions = field(init=False, repr=False, compare=False)
 
@@ -165,9 +167,10 @@ def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
     cannot run (`ParallelLayout.validate`): the stage split, the experts, ZeRO-2 under pipeline stages,
     a global batch that does not split into whole micro-batches, too few micro-batches for the schedule,
     a sequence the context-parallel ranks cannot split evenly."""
-    from mula.layout.rules import check_sequence_split
+    from mula.layout.rules import check_optimizer, check_sequence_split
 
     check_sequence_split(layout.seq_len, layout.cp_size)
+    check_optimizer(layout.optimizer, layout.tp_size, layout.shard_optimizer)
     layout.parallel.validate(
         config,
         zero_stage=layout.zero_stage if layout.shard_optimizer else None,

@@ -102,8 +102,11 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     tensors = sum(e.numel for e in entries) * layout.param_bytes
     if not layout.shard_optimizer:
         # torch AdamW: every rank holds its parameters, a gradient each (or the all-reduce buckets,
-        # the same elements) and exp_avg + exp_avg_sq in the parameters' dtype
-        return tensors, tensors, tensors, 2 * tensors, 0, 0, 2 * tensors
+        # the same elements) and exp_avg + exp_avg_sq in the parameters' dtype; `MulaMuon` keeps one
+        # fp32 momentum per element of a Muon matrix instead
+        muon = sum(e.numel for e, p in zip(entries, params) if p.muon)
+        state = 2 * (tensors - muon * layout.param_bytes) + 4 * muon
+        return tensors, tensors, tensors, state, 0, 0, state
     # the domains of strategies.optim.grad_reduce.make_domains: dense sharded over the stage's ranks (over
     # EDP when not EP-aware), experts over EDP
     dense_group = layout.replica_size if layout.ep_aware else layout.edp_cp_size
@@ -151,12 +154,12 @@ def stage_state(
     """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
     key = (
         repr(config), layers, first, last,
-        tuple(layout.no_decay), *(getattr(layout, f) for f in _STATE_FIELDS),
+        tuple(layout.no_decay), layout.optimizer, *(getattr(layout, f) for f in _STATE_FIELDS),
     )  # fmt: skip
     if key not in _STATE_CACHE:
         if len(_STATE_CACHE) > 4096:  # bounded: a search visits a few hundred stages
             _STATE_CACHE.clear()
-        params = model_parameters(config, tuple(layout.no_decay))
+        params = model_parameters(config, tuple(layout.no_decay), layout.optimizer)
         _STATE_CACHE[key] = _state_bytes(stage_params(params, layers, first, last), layout)
     return _STATE_CACHE[key]
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from mula.model.config import MulaConfig, numel
-from mula.model.param_names import is_expert_param, is_no_decay
+from mula.model.param_names import is_expert_param, is_muon_param, is_no_decay
 
 # the LightningModule holds the Mula model as `.model`: the optimizer's names carry this prefix
 _MODULE_PREFIX = "model."
@@ -30,6 +30,7 @@ class ParamSpec:
     group: int
     layer: int | None  # the block index, None for the embedding, final norm and LM head
     tp_replicated: bool = False  # whole on every TP rank whatever its name (Qwen3's per-head QK-norm weights)
+    muon: bool = False  # trained by Muon (`model.optimizer: muon`, `is_muon_param`), else by AdamW
 
     @property
     def numel(self) -> int:
@@ -74,24 +75,31 @@ def tp_local_shape(
     return shape
 
 
-def model_parameters(config: MulaConfig, no_decay: tuple[str, ...] = ("embed.weight",)) -> list[ParamSpec]:
+def model_parameters(
+    config: MulaConfig, no_decay: tuple[str, ...] = ("embed.weight",), optimizer: str = "adamw"
+) -> list[ParamSpec]:
     """Every trainable parameter of `config`'s model in the sharded optimizer's registration order."""
-    return list(_cached(tuple(sorted(dataclasses.asdict(config).items())), tuple(no_decay)))
+    return list(_cached(tuple(sorted(dataclasses.asdict(config).items())), tuple(no_decay), optimizer))
 
 
 @functools.lru_cache(maxsize=16)
-def _cached(config_items: tuple, no_decay: tuple[str, ...]) -> tuple[ParamSpec, ...]:
+def _cached(config_items: tuple, no_decay: tuple[str, ...], optimizer: str) -> tuple[ParamSpec, ...]:
     config = MulaConfig(**dict(config_items))
     shapes = config.parameter_shapes()
     per_head = ("attn.q_norm.weight", "attn.k_norm.weight") if config.qk_norm_per_head else ()
-    # param_groups: decayed parameters (group 0), then those matching no_decay (group 1, when named)
-    groups = [[(n, s) for n, s in shapes if not is_no_decay(n, no_decay)]]
-    if no_decay:
-        groups.append([(n, s) for n, s in shapes if is_no_decay(n, no_decay)])
+    # param_groups: decayed parameters (group 0), then those matching no_decay (group 1, when named);
+    # with Muon these are AdamW's, and Muon's matrices follow in the same split (groups 2 and 3)
+    kinds = (False, True) if optimizer == "muon" else (False,)
+    groups = []
+    for muon in kinds:
+        mine = [(n, s) for n, s in shapes if muon == (optimizer == "muon" and is_muon_param(n, s))]
+        groups.append([(n, s, muon) for n, s in mine if not is_no_decay(n, no_decay)])
+        if no_decay:
+            groups.append([(n, s, muon) for n, s in mine if is_no_decay(n, no_decay)])
     out = []
     for gi, group in enumerate(groups):
-        for name, shape in group:
+        for name, shape, muon in group:
             match = _LAYER.search("." + name)
             layer = int(match.group(1)) if match else None
-            out.append(ParamSpec(_MODULE_PREFIX + name, shape, gi, layer, name.endswith(per_head)))
+            out.append(ParamSpec(_MODULE_PREFIX + name, shape, gi, layer, name.endswith(per_head), muon))
     return tuple(out)

@@ -62,7 +62,7 @@ _PLANNED_TYPES: dict[str, dict[str, Any]] = {
     },
     "model": {
         "config": str | dict, "overrides": dict | None, "activation_checkpointing": str | list[str],
-        "no_decay": list[str],
+        "no_decay": list[str], "optimizer": str,
     },
     "data": {"data_dir": str, "seq_len": int, "global_batch_size": int, "micro_batch_size": int},
     "strategy": {

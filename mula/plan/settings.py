@@ -169,6 +169,7 @@ def plan_inputs(
         checkpointing=model.get("activation_checkpointing") or "none",
         device_type=device_type,
         no_decay=list(model.get("no_decay") or ["embed.weight"]),
+        optimizer=str(model.get("optimizer") or "adamw"),
         async_checkpoint=_async_checkpoint(trainer),
         **kwargs,
     )

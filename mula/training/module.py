@@ -5,6 +5,9 @@ Loss = cross-entropy + `router_aux_loss_coef` * load-balancing loss + `router_z_
 linear warmup from `min_lr` to `lr`, then a cosine decay back to `min_lr`. Gradient clipping is the
 Trainer's (`gradient_clip_val` in the recipe) so that strategies can clip sharded gradients.
 
+With `optimizer="muon"` the blocks' matrices train with Muon and the rest with AdamW, in one optimizer
+under the same lr schedule (Moonlight's rule, `mula.training.muon`, docs/muon.md).
+
 Weight decay follows OLMo-core (the OLMo 2 / OLMoE training code): every parameter is decayed
 except the token embedding (`no_decay=["embed.weight"]`). Norm weights are decayed too; the paper's
 recipes use the same single weight decay of 0.1.
@@ -31,12 +34,14 @@ from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_
 from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
-from mula.model.param_names import is_no_decay
+from mula.model.param_names import is_muon_param, is_no_decay, muon_matrix_shape
 from mula.model.transformer import Mula, parse_activation_checkpointing
 from mula.training.host_allocator import reuse_freed_host_memory
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
+from mula.training.muon import MUON_KEY, MulaMuon, check_muon_options
 from mula.training.strategy_contract import MulaStrategy, mula_strategy
 
+OPTIMIZERS = ("adamw", "muon")
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
 STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
 
@@ -82,6 +87,12 @@ class MulaLightningModule(L.LightningModule):
         activation_checkpointing: What backward recomputes instead of keeping in memory: "none",
             "full" (every block) or a list of block parts among "moe", "attention", "norms", e.g.
             `[moe, attention]`. Gradients are unchanged; a training setting, not the architecture.
+        optimizer: "adamw" (every parameter) or "muon": Muon for the blocks' matrices, AdamW for the
+            embedding, LM head and norms, with the same lr, schedule and weight decay (docs/muon.md).
+        muon_momentum: Muon's (Nesterov) momentum.
+        muon_ns_steps: Newton-Schulz iterations per Muon update.
+        muon_adjust_lr: Muon's update scale: "match_rms_adamw" (0.2 * sqrt(max(m, n)), Moonlight's: AdamW's
+            lr and weight decay carry over) or "original" (sqrt(max(1, m / n)), Keller Jordan's).
         compile: `torch.compile` each transformer block: false, true, or a mapping of
             `mula.model.compile.CompileSettings` fields (`mode`, `dynamic`, `fullgraph`, `backend`, `options`,
             `cache_dir`, `warmup_steps`); applied when training starts, after the strategy laid the
@@ -104,6 +115,10 @@ class MulaLightningModule(L.LightningModule):
         verify_init_weights: bool = True,
         activation_checkpointing: str | list[str] = "none",
         compile: bool | dict[str, Any] = False,
+        optimizer: str = "adamw",
+        muon_momentum: float = 0.95,
+        muon_ns_steps: int = 5,
+        muon_adjust_lr: str = "match_rms_adamw",
     ) -> None:
         super().__init__()
         self.config = resolve_config(config, overrides)
@@ -115,6 +130,15 @@ class MulaLightningModule(L.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         parse_activation_checkpointing(activation_checkpointing)  # refuse an unknown part now
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}.")
+        check_muon_options(muon_momentum, muon_ns_steps, muon_adjust_lr)
+        self.optimizer = optimizer
+        self.muon_options = {
+            "momentum": muon_momentum,
+            "ns_steps": muon_ns_steps,
+            "adjust_lr": muon_adjust_lr,
+        }
         self.activation_checkpointing = activation_checkpointing
         self.compile_settings = parse_compile(compile)  # refuse a bad setting now
         self._compile_watch: CompileWatch | None = None
@@ -371,18 +395,29 @@ class MulaLightningModule(L.LightningModule):
 
     # ----- optimizer -----------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0;
-        present whenever `no_decay` names patterns)."""
-        decay, no_decay = [], []
+        """Parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0; present
+        whenever `no_decay` names patterns). With `optimizer="muon"` these two hold AdamW's parameters,
+        and two more, marked `{"muon": True}`, the Muon matrices (`is_muon_param`) in the same split,
+        with the (rows, cols) of each parameter's matrices under "matrix_shapes"."""
+        muon = self.optimizer == "muon"
+        groups = [
+            {"params": [], "weight_decay": self.weight_decay},
+            {"params": [], "weight_decay": 0.0},
+        ]
+        if muon:
+            groups += [{**g, "params": [], MUON_KEY: True, "matrix_shapes": []} for g in groups]
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
-            (no_decay if is_no_decay(name, self.no_decay) else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.weight_decay}]
-        if self.no_decay:
-            # kept when empty: every pipeline stage then has the same groups (the embedding is on one)
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-        return groups
+            group = groups[
+                int(is_no_decay(name, self.no_decay)) + (2 if muon and is_muon_param(name, p.shape) else 0)
+            ]
+            group["params"].append(p)
+            if MUON_KEY in group:
+                group["matrix_shapes"].append(muon_matrix_shape(name, p.shape))
+        # the no_decay groups are kept when empty: every pipeline stage then has the same groups (the
+        # embedding is on one)
+        return [g for i, g in enumerate(groups) if self.no_decay or i % 2 == 0]
 
     def _decay_steps(self) -> int:
         """Step where the cosine ends: `decay_steps`, else the Trainer's max_steps / estimated total."""
@@ -394,15 +429,24 @@ class MulaLightningModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW + per-step LambdaLR implementing `warmup_cosine`.
+        """AdamW (or Muon + AdamW, `optimizer`) + per-step LambdaLR implementing `warmup_cosine`.
 
-        The AdamW comes from the strategy's `build_optimizer` when it has one (XPUMoEStrategy: the
-        EP-aware sharded AdamW over this rank's parameters), else it is `torch.optim.AdamW`.
+        The optimizer comes from the strategy's `build_optimizer` when it has one (XPUMoEStrategy: the
+        EP-aware sharded AdamW over this rank's parameters), else it is `torch.optim.AdamW` or
+        `MulaMuon`; Muon's options are passed only with `optimizer="muon"`.
         """
         strategy = self._strategy()
-        build = strategy.build_optimizer if strategy is not None else torch.optim.AdamW
+        muon = self.optimizer == "muon"
+        default = MulaMuon if muon else torch.optim.AdamW
+        build = strategy.build_optimizer if strategy is not None else default
+        options = self.muon_options if muon else {}
         optimizer = build(
-            self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+            self.param_groups(),
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            **options,
         )
         # a partial of a module-level function: LambdaLR checkpoints no state for it, so a resumed run
         # follows the schedule of its (possibly edited) recipe
