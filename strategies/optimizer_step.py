@@ -22,7 +22,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from mula.layout.rules import check_optimizer, check_zero_stage
+from mula.layout.rules import check_zero_stage
 from mula.training.lightning_compat import call_before_optimizer_step_hooks
 from mula.training.muon import MulaMuon, is_muon_group
 from strategies.optim.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
@@ -90,7 +90,7 @@ class OptimizerStep:
         layout = self._layout()
         params = list(params)
         if any(isinstance(g, dict) and is_muon_group(g) for g in params):
-            check_optimizer("muon", layout.tp, self.options.shard_optimizer)
+            # its layout was checked in XPUMoEStrategy.setup (`check_optimizer`), before the model was split
             return MulaMuon(params, **adamw_kwargs)
         if not self.options.shard_optimizer:
             if layout.tp > 1:

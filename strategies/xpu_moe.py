@@ -357,11 +357,9 @@ class XPUMoEStrategy(ParallelStrategy):
                 "gradient_clip_algorithm='value' is not supported with shard_optimizer=True; use 'norm' "
                 "(the global norm over all experts) or shard_optimizer=False."
             )
-        # before the model is laid out: the optimizer is built only after that
-        check_optimizer(
-            getattr(self.lightning_module, "optimizer", "adamw"), self.layout.tp, self.shard_optimizer
-        )
         module = self.lightning_module
+        # before the model is laid out: the optimizer is built only after that
+        check_optimizer(getattr(module, "optimizer", "adamw"), self.layout.tp, self.shard_optimizer)
         # before any split: a compiled tensor-parallel block would stop at its first step
         check_compile(getattr(module, "compile_settings", None) is not None, self.layout.tp)
         if self.layout.pp > 1:
