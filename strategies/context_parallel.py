@@ -25,9 +25,11 @@ it runs on the slice as it is; attention (DeepSpeed-Ulysses) is the one place th
                gradient is the sum of the C ranks' upstream gradients).
 
 Composes with pipeline stages (the runner slices each step's batch, the stages send [B, S/C, H]
-between CP peers: strategies/pipeline/) and with tensor parallelism (applied after it: q, k, v hold the
+between CP peers: strategies/pipeline/), with tensor parallelism (applied after it: q, k, v hold the
 TP rank's heads, which Ulysses exchanges over the CP group; an MoE layer's TP token split sums its
-router statistics over TP before the CP sum), not yet with both (docs/context-parallel.md).
+router statistics over TP before the CP sum), and with both (docs/context-parallel.md). Downstream
+evaluation forwards each rank's slice and gathers the logits over the CP group
+(strategies/eval_forward.py).
 """
 
 from __future__ import annotations

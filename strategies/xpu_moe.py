@@ -390,11 +390,6 @@ class XPUMoEStrategy(ParallelStrategy):
     def spread_forward(self) -> Any:
         """The model's forward across this layout's ranks, for downstream evaluation (`DownstreamEval`,
         `mula eval` with a strategy): a `strategies.eval_forward.SpreadForward`."""
-        if self.layout.cp > 1:
-            raise ValueError(
-                f"Downstream evaluation is not yet available with context_parallel_size="
-                f"{self.layout.cp}; evaluate the checkpoint with context_parallel_size=1."
-            )
         return spread_forward(
             self.lightning_module.model,
             self.topology,

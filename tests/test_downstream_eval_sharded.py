@@ -5,7 +5,8 @@ and a sharded checkpoint every 2 steps. Against one process scoring each checkpo
 model, fp32): `mula eval --run --strategy ... --devices 4` at the same layout gives the same per-example
 log-likelihoods (1e-5; 1e-7 relative for a ~3e4-nat document, below fp32's spacing there) and metrics,
 and the accuracy DownstreamEval logged during the fit is the same. Tensor parallelism (T=2, sequence
-parallel) on a dense weights file matches too. A layout that cannot hold the model, or a bad strategy
+parallel) on a dense weights file matches too, and context parallelism: the step-4 checkpoint at C=2 x
+E=2, the dense weights file at C=2 x T=2 with sequence parallelism. A layout that cannot hold the model, or a bad strategy
 entry, is one sentence before anything loads; a corrupted shard, one sentence on every rank before the
 model is built. Tasks, data and model are local (tests/test_downstream_eval.py's).
 """
@@ -184,6 +185,76 @@ def test_mula_eval_tensor_parallel_weights_file_matches_one_device(workdir, tmp_
         assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in single[task]["samples"]]
         for mine, ref in zip(ours, single[task]["samples"]):
             assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
+
+
+def _copy_checkpoint(ckpt: Path, directory: Path) -> Path:
+    """A copy of the sharded checkpoint `ckpt` (and its manifest) under `directory`/checkpoints: its
+    `.eval.json` is then the copy's, not the one test_mula_eval_at_training_layout_matches_one_device reads."""
+    import shutil
+
+    from mula.checkpoint import manifest_path
+
+    copy = directory / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    shutil.copy(manifest_path(ckpt), manifest_path(copy))
+    return copy
+
+
+def _assert_matches(record: dict, single: dict) -> None:
+    """Per-example log-likelihoods within 1e-5 (1e-7 relative) and the same metrics as one process."""
+    for task in ("tiny_mc", "tiny_ppl"):
+        ours = sorted(record["tasks"][task]["samples"], key=lambda s: s["doc_id"])
+        theirs = single[task]["samples"]
+        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in theirs]
+        assert len(ours) == (len(QUESTIONS) if task == "tiny_mc" else 2)
+        for mine, ref in zip(ours, theirs):
+            assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
+        assert record["tasks"][task]["metrics"] == pytest.approx(single[task]["metrics"], rel=1e-6)
+
+
+def test_mula_eval_context_parallel_with_data_parallel_matches_one_device(workdir, tmp_path):
+    """The MoE's sharded step-4 checkpoint evaluated at C=2 x E=2 (4 ranks, 2 reading different documents,
+    each with its CP peer: batches right-padded to an even length, each CP rank forwarding half of every
+    sequence, the halves' logits gathered) == one process: per-example log-likelihoods within 1e-5
+    (1e-7 relative) and the same metrics."""
+    tasks = [str(workdir / "tasks" / "tiny_mc.yaml"), str(workdir / "tasks" / "tiny_ppl.yaml")]
+    ckpt = _copy_checkpoint(_checkpoint(workdir / "run", STEPS), tmp_path)
+    layout = {"expert_parallel_size": 2, "context_parallel_size": 2}
+    rc, log = _mula(
+        workdir, "eval", "--ckpt", str(ckpt), "--tasks", ",".join(tasks), "--batch_size", "3",
+        "--device", "cpu", "--dtype", "float32", "--devices", "4",
+        "--strategy", json.dumps({"class_path": "strategies.XPUMoEStrategy", "init_args": layout}),
+    )  # fmt: skip
+    assert rc == 0, log[-3000:]
+    record = json.loads(ckpt.with_name(ckpt.name + ".eval.json").read_text())
+    assert record["step"] == STEPS
+    _assert_matches(record, _one_process(workdir, STEPS, tasks))
+
+
+def test_mula_eval_context_and_tensor_parallel_weights_file_matches_one_device(workdir, tmp_path):
+    """A dense model's weights file evaluated at C=2 x T=2 with sequence parallelism (4 ranks: batches
+    right-padded to a multiple of 4, each CP rank's half split over its TP pair) == one process."""
+    import torch
+    from dist_helpers import run_distributed
+
+    from mula import Mula, MulaConfig
+    from mula.checkpoint import save_weights
+
+    torch.manual_seed(0)
+    weights = tmp_path / "dense.pt"
+    save_weights(Mula(MulaConfig.from_name("mula-tiny-dense")), weights)
+    tokenizer = workdir / "data" / "stdlib-tokenizer.json"
+    tasks = [str(workdir / "tasks" / "tiny_mc.yaml"), str(workdir / "tasks" / "tiny_ppl.yaml")]
+    layout = {"tensor_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2}
+    rc, log = _mula(
+        workdir, "eval", "--ckpt", str(weights), "--tasks", ",".join(tasks), "--tokenizer", str(tokenizer),
+        "--batch_size", "3", "--device", "cpu", "--dtype", "float32", "--devices", "4",
+        "--strategy", json.dumps({"class_path": "strategies.XPUMoEStrategy", "init_args": layout}),
+    )  # fmt: skip
+    assert rc == 0, log[-3000:]
+    record = json.loads(weights.with_name(weights.name + ".eval.json").read_text())
+    (single,) = run_distributed(_evaluate_checkpoint, 1, weights, tokenizer, tasks, _env(workdir))
+    _assert_matches(record, single)
 
 
 def test_mula_eval_at_layout_refuses_corrupted_checkpoint_on_every_rank(workdir, tmp_path):

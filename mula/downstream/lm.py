@@ -12,15 +12,15 @@ With `data_parallel=True` inside a torch.distributed process group, every rank h
 and lm-eval splits the documents over the ranks (`rank`, `world_size`, and the `all_gather`,
 `gather_object` and `barrier` it calls); rank 0 receives the results.
 
-With a `spread` model (`SpreadModel`: experts, pipeline stages or tensor shards on other ranks, as the
-training strategy laid them out) lm-eval runs on every rank and splits the documents over the
-*data-parallel* ranks; the ranks that share a data-parallel index (one per stage, one per tensor
-shard) build the same requests in the same order, so they run the same batches together. Ranks with
-different documents forward in lock step: before each forward every rank says whether it has a
-batch (`SpreadModel.any_active`, one small all-reduce) and a rank without one, waiting at one of
-lm-eval's gathers or barriers, runs a one-token dummy batch, so every expert all-to-all has all its
-ranks; the last stage's scores are sent to the other stages (`SpreadModel.share`). Global rank 0
-receives the results.
+With a `spread` model (`SpreadModel`: experts, pipeline stages, tensor shards or sequence slices on
+other ranks, as the training strategy laid them out) lm-eval runs on every rank and splits the
+documents over the *data-parallel* ranks; the ranks that share a data-parallel index (one per stage,
+one per tensor shard, one per context-parallel slice) build the same requests in the same order, so
+they run the same batches together. Ranks with different documents forward in lock step: before each
+forward every rank says whether it has a batch (`SpreadModel.any_active`, one small all-reduce) and a
+rank without one, waiting at one of lm-eval's gathers or barriers, runs a one-token dummy batch, so
+every expert all-to-all has all its ranks; the last stage's scores are sent to the other stages
+(`SpreadModel.share`). Global rank 0 receives the results.
 """
 
 from __future__ import annotations

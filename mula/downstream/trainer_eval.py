@@ -180,8 +180,11 @@ def evaluate_with_strategy(
         limit_test_batches=1,
     )
     # the test loop runs its hooks only with a batch: one short sequence, its loss computed and dropped
-    # two tokens per tensor-parallel rank: sequence parallelism splits the sequence over them
-    tokens = 2 * (contract.tensor_parallel_size if contract is not None else 1)
+    # two tokens per tensor-parallel and context-parallel rank: sequence parallelism and context
+    # parallelism split the sequence over them
+    world = settings.devices * settings.num_nodes
+    layout = contract.parallel_layout(world, config) if contract is not None else None
+    tokens = 2 * (layout.tp * layout.cp if layout is not None else 1)
     dummy = DataLoader([torch.zeros(tokens + 1, dtype=torch.long)], batch_size=1)
     with warnings.catch_warnings():  # Lightning's advice for test runs does not apply to this one
         warnings.filterwarnings("ignore", message=".*sync_dist=True.*")  # the dummy batch's test/loss
