@@ -33,19 +33,26 @@ import torch
 import torch.distributed as dist
 from common import (  # benchmarks/ is on sys.path when run as a script
     MiB,
+    host_line,
     markdown_table,
+    median_range,
     publish,
     run_gloo,
     slowest_rank_seconds,
+    spread,
     start_together,
 )
 
 from mula import Mula, MulaConfig
 from mula.model.moe import is_expert_param
+from mula.model.param_names import is_muon_param
+from mula.training.muon import MulaMuon, optimizer_param_groups
+from strategies.optim.sharded_muon import EPShardedMuon
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
 SECTION = "## optimizer"
+MUON_SECTION = "## optimizer: Muon"
 
 
 @dataclasses.dataclass
@@ -56,6 +63,7 @@ class BenchSpec:
     iters: int
     warmup: int
     bucket_mb: float
+    optimizer: str = "adamw"
 
 
 def _param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -72,6 +80,11 @@ def _local_params(specs, ep_size: int, seed: int) -> list[tuple[str, torch.nn.Pa
             shape = (shape[0] // ep_size, *shape[1:])
         out.append((name, torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)))
     return out
+
+
+def _muon_groups(named) -> list[dict[str, Any]]:
+    """The module's Muon grouping (embedding undecayed, as the recipes' `no_decay`)."""
+    return optimizer_param_groups(named, 0.1, ("embed.weight",), "muon")
 
 
 def _groups(named) -> list[dict[str, Any]]:
@@ -135,6 +148,9 @@ class _BucketedAllReduce:
 
 
 VARIANTS = ("a", "a,fused", "b", "EP-aware")
+# --optimizer muon: Moonlight's rule (mula.training.muon), replicated (every rank runs the Newton-Schulz of
+# every matrix it holds, after the same all-reduce as (a,fused)) against EP-aware sharded Muon
+MUON_VARIANTS = ("Muon, replicated", "Muon, EP-aware sharded")
 
 
 class _Variant:
@@ -149,6 +165,14 @@ class _Variant:
         if name.startswith("a"):
             self.opt = torch.optim.AdamW(_groups(self.named), lr=1e-3, fused=name == "a,fused")
             self.reduce = _BucketedAllReduce(self.named, topo, bucket_numel, rooted=name == "a,fused")
+        elif name == MUON_VARIANTS[0]:
+            self.opt = MulaMuon(_muon_groups(self.named), lr=1e-3)
+            self.reduce = _BucketedAllReduce(self.named, topo, bucket_numel, rooted=True)
+        elif name == MUON_VARIANTS[1]:
+            self.opt = EPShardedMuon(
+                _muon_groups(self.named), self.named, topo, lr=1e-3, overlap_grad_reduce=False,
+                bucket_numel=bucket_numel,
+            )  # fmt: skip
         else:
             self.opt = EPShardedAdamW(
                 _groups(self.named), self.named, topo, lr=1e-3, overlap_grad_reduce=False,
@@ -169,9 +193,12 @@ class _Variant:
             self.opt.step()
 
     def report(self) -> dict[str, Any]:
-        """Median step time and this rank's memory."""
+        """Median step time, every step's time and this rank's memory."""
         if isinstance(self.opt, EPShardedAdamW):
             state, grad_bytes = self.opt.state_bytes(), self.opt.grad_buffer_bytes()
+        elif isinstance(self.opt, MulaMuon):  # its fp32 parameters are the master weights
+            state = self.opt.state_bytes() + sum(p.numel() * 4 for _, p in self.named)
+            grad_bytes = sum(p.numel() * 4 for _, p in self.named)
         else:
             moments = sum(
                 t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values() if t.dim()
@@ -179,13 +206,14 @@ class _Variant:
             state = moments + sum(p.numel() * 4 for _, p in self.named)  # fp32 params are the master weights
             grad_bytes = sum(p.numel() * 4 for _, p in self.named)
         return {"variant": self.name, "step_ms": statistics.median(self.times), "state_bytes": state,
-                "grad_bytes": grad_bytes}  # fmt: skip
+                "grad_bytes": grad_bytes, "times": self.times}  # fmt: skip
 
 
 def _measure_layout(specs, topo, spec: BenchSpec) -> list[dict[str, Any]]:
     """All variants of one (W, E) layout, interleaved step by step so background load hits them alike."""
     bucket_numel = int(spec.bucket_mb * MiB) // 4
-    variants = [_Variant(name, specs, topo, bucket_numel) for name in VARIANTS]
+    names = MUON_VARIANTS if spec.optimizer == "muon" else VARIANTS
+    variants = [_Variant(name, specs, topo, bucket_numel) for name in names]
     for i in range(spec.warmup + spec.iters):
         for v in variants:
             v.set_grads()
@@ -259,6 +287,40 @@ def summary(rows: list[dict[str, Any]], p_dense: int, p_expert: int, w: int = 4,
     )
 
 
+def _muon_counts(specs) -> dict[tuple[bool, bool], int]:
+    """Parameter elements by (trained by Muon, expert)."""
+    counts = {(m, e): 0 for m in (False, True) for e in (False, True)}
+    for name, shape in specs:
+        counts[(is_muon_param(name, shape), is_expert_param(name))] += int(torch.Size(shape).numel())
+    return counts
+
+
+def _muon_formula_bytes(variant: str, counts: dict[tuple[bool, bool], int], w: int, e: int) -> float:
+    """State per rank: fp32 master (the replicated run's fp32 parameters) + momentum per Muon element, +
+    exp_avg + exp_avg_sq per AdamW element; experts 1/E of theirs per rank; sharded, all of it over W."""
+    per = {True: 8, False: 12}
+    if variant == MUON_VARIANTS[0]:
+        return sum(per[m] * n / (e if expert else 1) for (m, expert), n in counts.items())
+    return sum(per[m] * n for (m, _), n in counts.items()) / w
+
+
+def muon_table(rows: list[dict[str, Any]], counts: dict[tuple[bool, bool], int]) -> str:
+    """Markdown table of the Muon rows: state against the formula, the step's median and range, and the
+    sharded step's speedup as the median (and range) of the per-round ratios (rounds are interleaved)."""
+    cells = []
+    for r in rows:
+        base = next(x for x in rows if (x["W"], x["E"], x["variant"]) == (r["W"], r["E"], MUON_VARIANTS[0]))
+        ratios = [b / t for b, t in zip(base["times"], r["times"])]
+        f = _muon_formula_bytes(r["variant"], counts, r["W"], r["E"])
+        cells.append([
+            r["W"], r["E"], r["variant"], f"{r['state_bytes'] / MiB:.1f}", f"{f / MiB:.1f}",
+            median_range(r["times"]), spread(ratios),
+        ])  # fmt: skip
+    head = ["W", "E", "optimizer", "state MiB/rank", "formula MiB", "step ms [range]",
+            "speedup vs replicated [range]"]  # fmt: skip
+    return markdown_table(head, cells)
+
+
 def main(
     worlds: list[int] = [2, 4],  # noqa: B006 (jsonargparse reads the default from the signature)
     iters: int = 10,
@@ -270,25 +332,41 @@ def main(
     num_heads: int = 4,
     expert_intermediate_size: int = 256,
     vocab_size: int = 4096,
+    optimizer: str = "adamw",
     doc: str | None = None,
 ) -> str:
     """Run the comparison for each world size, print the table, optionally write it into ``doc``.
 
     The model defaults to Mula-7B-A1B's shape (64 experts, top-8) shrunk to fit a laptop-class CPU.
+    ``optimizer``: "adamw" (the sharded AdamW against its alternatives) or "muon" (replicated against
+    EP-aware sharded Muon, Moonlight's rule: Muon for the blocks' matrices, AdamW for the rest).
     """
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer must be adamw or muon, got {optimizer!r}.")
     if any(w < 1 for w in worlds) or iters < 1:
         raise ValueError(f"worlds must be positive and iters >= 1, got {worlds} and {iters}.")
     cfg = MulaConfig.from_name(
         model, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
         expert_intermediate_size=expert_intermediate_size, vocab_size=vocab_size,
     )  # fmt: skip
-    spec = BenchSpec(dataclasses.asdict(cfg), iters, warmup, bucket_mb)
+    spec = BenchSpec(dataclasses.asdict(cfg), iters, warmup, bucket_mb, optimizer)
     specs = _param_specs(spec.config)
     p_expert = sum(int(torch.Size(s).numel()) for n, s in specs if is_expert_param(n))
     p_dense = sum(int(torch.Size(s).numel()) for n, s in specs) - p_expert
     rows: list[dict[str, Any]] = []
     for w in worlds:
         rows += run_gloo(_rank_rows, w, spec)[0]
+    if optimizer == "muon":
+        counts = _muon_counts(specs)
+        header = (
+            f"Model: {model} shape shrunk to hidden {hidden_size}, {num_layers} layers, {cfg.num_experts} experts "
+            f"(FFN {expert_intermediate_size}), vocab {vocab_size}: Muon {sum(n for (m, _), n in counts.items() if m) / 1e6:.2f}M "
+            f"elements (experts {counts[(True, True)] / 1e6:.2f}M), AdamW {sum(n for (m, _), n in counts.items() if not m) / 1e6:.2f}M. "
+            f"fp32 master, bf16 Newton-Schulz (5 steps), gloo, 1 torch thread per rank, {iters} interleaved "
+            f"rounds after {warmup} warm-up (slowest rank), {bucket_mb:g} MiB buckets.\n{host_line()}"
+        )
+        result = header + "\n\n" + muon_table(rows, counts)
+        return publish(result, doc, MUON_SECTION, _muon_doc_section(result, worlds, iters, warmup))
     header = (
         f"Model: {model} shape shrunk to hidden {hidden_size}, {num_layers} layers, {cfg.num_experts} experts "
         f"(FFN {expert_intermediate_size}), vocab {vocab_size}: P_dense = {p_dense / 1e6:.2f}M, "
@@ -297,6 +375,36 @@ def main(
     )
     result = header + "\n\n" + table(rows, p_dense, p_expert) + summary(rows, p_dense, p_expert)
     return publish(result, doc, SECTION, _doc_section(result, worlds, iters))
+
+
+def _muon_doc_section(result: str, worlds: list[int], iters: int, warmup: int) -> str:
+    return f"""{MUON_SECTION}
+
+EP-aware sharded Muon (`strategies/optim/sharded_muon.py`) against replicated Muon (`MulaMuon` after the
+same per-shard reduce + broadcast all-reduce as (a,fused) above: every rank runs the Newton-Schulz of every
+matrix it holds). Made with:
+
+    .venv/bin/python benchmarks/optimizer.py --optimizer muon --worlds [{",".join(map(str, worlds))}] \\
+        --iters {iters} --warmup {warmup} --doc docs/benchmarks.md
+
+{result}
+
+How to read it.
+
+- "step" = gradient reduction + update (Newton-Schulz included) + parameter all-gather, slowest rank;
+  the variants alternate step by step, and the speedup is the median of the per-round ratios with their
+  range. No backward runs (nothing overlaps the reduction).
+- "state" = fp32 master weights (the replicated run's fp32 parameters) + Muon's momentum (AdamW's two
+  moments for its parameters) on the worst rank; the formula is 8 bytes per Muon element and 12 per
+  AdamW element, experts' divided by E, replicated; everything divided by W, sharded. Measured equals
+  the formula up to alignment padding.
+- Sharded, each matrix is orthogonalised once per data-parallel group (dense ones by one of the W ranks,
+  experts' by one of their EDP ranks), against once per rank replicated: at E = 1 the Newton-Schulz work
+  per rank falls W times, at E = W (EDP = 1) only the dense matrices' does. What sharding adds is one
+  bf16 all-gather and one bf16 reduce-scatter of the Muon elements per step.
+- On this 2-core machine W = 4 runs 4 single-threaded ranks on 2 cores: ranks' Newton-Schulz compete for
+  the cores, so the W = 4 speedups understate what 4 devices would see.
+"""
 
 
 def _doc_section(result: str, worlds: list[int], iters: int) -> str:

@@ -85,12 +85,14 @@ class OptimizerStep:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay),
-        plus Muon's (momentum, ns_steps, adjust_lr) when param groups are marked as Muon's: then a
-        replicated `MulaMuon` (each rank updates the whole matrices it holds, an expert's on its EP rank)."""
+        plus Muon's (momentum, ns_steps, adjust_lr) when param groups are marked as Muon's: then an
+        `EPShardedMuon` (Newton-Schulz split by matrix), or without `shard_optimizer` a replicated
+        `MulaMuon` (each rank updates the whole matrices it holds, an expert's on its EP rank)."""
         layout = self._layout()
         params = list(params)
-        if any(isinstance(g, dict) and is_muon_group(g) for g in params):
-            # its layout was checked in XPUMoEStrategy.setup (`check_optimizer`), before the model was split
+        muon = any(isinstance(g, dict) and is_muon_group(g) for g in params)
+        # (Muon's layout was checked in XPUMoEStrategy.setup, `check_optimizer`, before the model was split)
+        if muon and not self.options.shard_optimizer:
             return MulaMuon(params, **adamw_kwargs)
         if not self.options.shard_optimizer:
             if layout.tp > 1:
@@ -105,6 +107,10 @@ class OptimizerStep:
         check_zero_stage(layout.pp, options.get("zero_stage", 1))
         if options.get("overlap_param_gather"):
             options["module"] = self._module()  # waits for each bucket's gather in forward pre-hooks
+        if muon:
+            from strategies.optim.sharded_muon import EPShardedMuon
+
+            return EPShardedMuon(params, self.trainable(), topology, **adamw_kwargs, **options)
         return EPShardedAdamW(params, self.trainable(), topology, **adamw_kwargs, **options)
 
     def setup(self) -> None:

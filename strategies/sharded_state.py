@@ -204,6 +204,22 @@ def load_sharded(
                     f"Checkpoint {path} was saved without shard_optimizer; resume with shard_optimizer=False."
                 )
             sharded_opts[key] = state[key] = opt.sharded_state_dict()
+            # checked before dcp.load, which would fail on the first missing key with a dump of every
+            # rank's traceback (a CheckpointException, a BaseException): AdamW's state into Muon or back
+            absent = next(
+                (
+                    (entry.name, kind)
+                    for entry in opt.entries
+                    for kind in opt.state_kinds(entry)
+                    if f"{key}.state.{entry.name}.{kind}" not in saved
+                ),
+                None,
+            )
+            if absent is not None:
+                raise ValueError(
+                    f"Checkpoint {path} has no optimizer {absent[1]} for parameter {absent[0]}: it was saved "
+                    "by another optimizer, and model.optimizer must be the one the checkpoint was trained with."
+                )
         else:
             if any(k.startswith(f"{key}.step") for k in saved):
                 raise ValueError(

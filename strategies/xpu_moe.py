@@ -359,7 +359,8 @@ class XPUMoEStrategy(ParallelStrategy):
             )
         module = self.lightning_module
         # before the model is laid out: the optimizer is built only after that
-        check_optimizer(getattr(module, "optimizer", "adamw"), self.layout.tp, self.shard_optimizer)
+        offload = self.shard_optimizer and bool(self.optimizer_options.get("offload"))
+        check_optimizer(getattr(module, "optimizer", "adamw"), self.layout.tp, offload)
         # before any split: a compiled tensor-parallel block would stop at its first step
         check_compile(getattr(module, "compile_settings", None) is not None, self.layout.tp)
         if self.layout.pp > 1:

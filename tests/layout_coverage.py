@@ -42,11 +42,15 @@ ROWS: tuple[frozenset[str], ...] = tuple(
         {"C", "P-interleaved", "MLA", "dense-first-blocks", "recompute-full"},
         {"C", "P-GPipe", "ZeRO-1", "DeepSeek-routing", "QK-norm-per-head", "recompute-full"},
         {"P", "SP", "MLA", "DeepSeek-routing", "recompute-moe"},
+        # fp32 Muon (sharded or replicated), eager
+        {"Muon", "P", "E", "ZeRO-1", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
+        {"Muon", "P-interleaved", "E", "QK-norm-per-head", *PARTS},
+        {"Muon", "P-GPipe", "C", "ZeRO-1"},
         # fp32, compiled
         {"compile", "P", "C", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
         {"compile", "P-interleaved", "E", "QK-norm-per-head", *PARTS},
         {"compile", "P-GPipe", "ZeRO-1"},
-        {"compile", "ZeRO-2", "offload", "E"},
+        {"compile", "Muon", "E", "ZeRO-2"},
         # bf16-true
         {
             "bf16-true",
@@ -62,6 +66,7 @@ ROWS: tuple[frozenset[str], ...] = tuple(
         {"bf16-true", "C", "P", "offload", "QK-norm-per-head", *PARTS},
         {"bf16-true", "P-interleaved", "T", "ZeRO-1"},
         {"bf16-true", "P-GPipe", "E", "ZeRO-1", "compile"},
+        {"bf16-true", "Muon", "ZeRO-1"},
     )
 )
 

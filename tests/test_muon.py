@@ -254,12 +254,15 @@ def test_refusals_are_one_sentence() -> None:
         ValueError, match=r"^model\.optimizer=muon is not available with tensor_parallel_size=2 "
     ):
         check_optimizer("muon", 2, False)
-    with pytest.raises(ValueError, match=r"^sharded Muon is not yet available; set shard_optimizer=false\.$"):
+    with pytest.raises(ValueError, match=r"^model\.optimizer=muon does not offload its state to the host "):
         check_optimizer("muon", 1, True)
     check_optimizer("adamw", 2, True)  # AdamW runs everywhere
-    with pytest.raises(ValueError, match="sharded Muon is not yet available"):  # `mula plan` refuses it too
+    check_optimizer("muon", 1, False)  # sharded or not
+    with pytest.raises(ValueError, match="does not offload its state"):  # `mula plan` refuses it too
         check_runnable(
-            MulaConfig.from_name("mula-tiny-moe"), Layout(optimizer="muon", shard_optimizer=True), 8
+            MulaConfig.from_name("mula-tiny-moe"),
+            Layout(optimizer="muon", shard_optimizer=True, offload=True),
+            8,
         )
     with pytest.raises(ValueError, match="Muon trains only the blocks' matrices"):
         MulaMuon([{"params": [torch.nn.Parameter(torch.zeros(3))], "muon": True}])
@@ -335,3 +338,29 @@ def test_moonlight_recipe_header_command_reads_alike(monkeypatch) -> None:
     argv = header_command((root / "recipes" / "moonlight-16b-a3b-muon.yaml").read_text(), "mula plan")
     assert_read_alike(argv, monkeypatch)
     assert_read_alike([*argv, "--model.optimizer=adamw"], monkeypatch)
+
+
+def test_the_planner_prices_newton_schulz_as_torch_counts_it() -> None:
+    """`newton_schulz_flops`: replicated, every Muon matrix a rank holds, as torch's FLOP counter counts
+    `newton_schulz` on it; sharded at W=4, the busiest owner's share, between a quarter of that and a
+    quarter plus the largest matrix's per domain, dense and expert (the greedy split's bound); nothing
+    for AdamW."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mula.plan.step_overheads import newton_schulz_flops
+
+    config = MulaConfig.from_name("mula-tiny-moe")
+    with torch.device("meta"):
+        module = MulaLightningModule("mula-tiny-moe", optimizer="muon")
+        module.configure_model()
+    per_matrix = []
+    for group in module.param_groups():
+        for p, (rows, cols) in zip(group["params"], group.get("matrix_shapes", [])):
+            with FlopCounterMode(display=False) as counter:
+                newton_schulz(torch.zeros(rows, cols), 5)
+            per_matrix += [counter.get_total_flops()] * (p.numel() // (rows * cols))
+    replicated = newton_schulz_flops(config, Layout(world_size=4, optimizer="muon"))
+    assert replicated == sum(per_matrix) > 0
+    sharded = newton_schulz_flops(config, Layout(world_size=4, optimizer="muon", shard_optimizer=True))
+    assert replicated / 4 <= sharded <= replicated / 4 + 2 * max(per_matrix)
+    assert newton_schulz_flops(config, Layout(world_size=4)) == 0

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as L
 import pytest
@@ -61,6 +63,7 @@ def _module(
     dense_layers: int = 0,
     model: tuple[str, dict] = ("mula-tiny-moe", OVERRIDES),
     lr: float = 1e-2,
+    optimizer: str = "adamw",
 ) -> MulaLightningModule:
     """The test's module: `model` = (preset, overrides), by default the tiny OLMoE-style shape above."""
     torch.manual_seed(seeded(0))
@@ -69,7 +72,7 @@ def _module(
         overrides.update(num_dense_layers=dense_layers, intermediate_size=64)
     return MulaLightningModule(
         preset, overrides=overrides, lr=lr, min_lr=lr / 10, warmup_steps=1, decay_steps=10,
-        activation_checkpointing=activation_checkpointing, eps=ADAMW_EPS,
+        activation_checkpointing=activation_checkpointing, eps=ADAMW_EPS, optimizer=optimizer,
     )  # fmt: skip
 
 
@@ -140,6 +143,8 @@ def _fit(
     dense_layers: int = 0,
     model: tuple[str, dict] = ("mula-tiny-moe", OVERRIDES),
     lr: float = 1e-2,
+    optimizer: str = "adamw",
+    callbacks: Sequence[Any] = (),
 ):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, ep = (strategy.layout.pp, strategy.layout.ep) if strategy else (1, 1)
@@ -155,12 +160,12 @@ def _fit(
         strategy,
         max_steps=max_steps,
         accumulate_grad_batches=1 if pp > 1 else MICROS_PER_STEP // world,
-        callbacks=[losses, routing],
+        callbacks=[losses, routing, *callbacks],
         save_dir=save_dir,
         precision=precision,
         gradient_clip_val=0.05,  # small enough to clip: the norm must be the whole model's
     )
-    module = _module(activation_checkpointing, bias_rate, dense_layers, model, lr)
+    module = _module(activation_checkpointing, bias_rate, dense_layers, model, lr, optimizer)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return losses, trainer
 

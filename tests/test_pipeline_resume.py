@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from test_fault_tolerance import (
     REPO,
@@ -46,34 +47,47 @@ def _start(command: list[str], workdir: Path) -> subprocess.Popen:
     return proc
 
 
+def kill_after_step_5(command: list[str], workdir: Path) -> tuple[dict[int, list[dict]], Any]:
+    """Run `command` (2 ranks, run directory `workdir`/run) and SIGKILL all of it once step 5 is recorded
+    (checkpoints at steps 2 and 4 exist): each rank's recorded steps and the newest valid checkpoint."""
+    proc = _start(command, workdir)
+    _wait_for_step(workdir / "run", 5, proc, timeout=300)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    killed = {rank: _rows(workdir / "run", rank) for rank in (0, 1)}
+    valid = [
+        e for e in list_checkpoints(workdir / "run" / "checkpoints") if verify_checkpoint(e.path) is None
+    ]
+    newest = valid[0]
+    assert [r for r in killed[0] if r["step"] > newest.step], "no step recorded after the newest checkpoint"
+    return killed, newest
+
+
+def assert_rerun_repeats_the_killed_steps(
+    command: list[str], workdir: Path, killed: dict[int, list[dict]], newest: Any
+) -> None:
+    """The same `command` again auto-resumes from `newest` and repeats, bit for bit, every step each rank
+    recorded after it before the kill."""
+    rc, log = _finish(_start(command, workdir), timeout=420)
+    assert rc == 0, log[-3000:]
+    assert f"Auto-resuming from {newest.path}" in " ".join(log.split())
+    for rank in (0, 1):
+        resumed = _runs(workdir / "run", rank)[-1]
+        assert resumed[0]["step"] == newest.step + 1
+        # the steps this rank recorded before the kill: rank 1 may be a step behind rank 0, and then
+        # have recorded none past the checkpoint (rank 0 has, asserted in kill_after_step_5)
+        last = max(r["step"] for r in killed[rank])
+        if rank == 0 or last > newest.step:
+            _assert_same_as([r for r in resumed if r["step"] <= last], killed[rank])
+
+
 def test_pipelined_mula_fit_killed_and_rerun_resumes_exactly(tmp_path):
     command = [
         *_tiny_moe_command(tmp_path, "run", injector={"step_sleep_s": 0.3, "module_path": "model"}),
         *PIPELINE,
     ]
-    proc = _start(command, tmp_path)
-    _wait_for_step(tmp_path / "run", 5, proc, timeout=300)  # checkpoints at steps 2 and 4 exist
-    os.killpg(proc.pid, signal.SIGKILL)
-    assert _finish(proc)[0] == -signal.SIGKILL
-    killed = {rank: _rows(tmp_path / "run", rank) for rank in (0, 1)}
-    valid = [
-        e for e in list_checkpoints(tmp_path / "run" / "checkpoints") if verify_checkpoint(e.path) is None
-    ]
-    newest = valid[0]
-    repeated = [r for r in killed[0] if r["step"] > newest.step]
-    assert repeated, "the killed run recorded no step after its newest checkpoint"
-
-    rc, log = _finish(_start(command, tmp_path), timeout=420)
-    assert rc == 0, log[-3000:]
-    assert f"Auto-resuming from {newest.path}" in " ".join(log.split())
-    for rank in (0, 1):
-        resumed = _runs(tmp_path / "run", rank)[-1]
-        assert resumed[0]["step"] == newest.step + 1
-        # the steps this rank recorded before the kill: rank 1 may be a step behind rank 0, and then
-        # have recorded none past the checkpoint (rank 0 has, asserted above)
-        last = max(r["step"] for r in killed[rank])
-        if rank == 0 or last > newest.step:
-            _assert_same_as([r for r in resumed if r["step"] <= last], killed[rank])
+    killed, newest = kill_after_step_5(command, tmp_path)
+    assert_rerun_repeats_the_killed_steps(command, tmp_path, killed, newest)
     # every stage saw the same (global) loss at every step (a step recorded twice, before the kill and
     # after the resume, is the same step: compared by step)
     losses = [{r["step"]: r["loss"] for r in _rows(tmp_path / "run", rank)} for rank in (0, 1)]

@@ -195,11 +195,17 @@ class Trainer:
         options = dict(run.options)
         if options.pop("with_module", False):
             options["module"] = self.local
-        self.opt = EPShardedAdamW(
-            _groups(self.named), self.named, topo_for_opt, lr=LR, eps=ADAMW_EPS, **options
-        )
+        self.opt = self.optimizer(topo_for_opt, options)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule)
         self.steps = 0
+
+    def optimizer(self, topology: LayoutMesh, options: dict) -> EPShardedAdamW:
+        """The optimizer under test over this rank's parameters (tests/test_sharded_muon.py: Muon's)."""
+        return EPShardedAdamW(_groups(self.named), self.named, topology, lr=LR, eps=ADAMW_EPS, **options)
+
+    def replica_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient a rank contributes, from its replica's (tests/test_sharded_muon.py rounds it)."""
+        return grad
 
     def _sync_replica(self) -> None:
         if self.opt.options.overlap_param_gather:
@@ -219,7 +225,7 @@ class Trainer:
         (_loss(self.replica, x, y) / self.run.accum).backward()
         grads = []
         for name, p in self.replica.named_parameters():
-            g = p.grad
+            g = self.replica_grad(p.grad)
             if is_expert_param(name) and self.topo.size("ep") > 1:
                 dist.all_reduce(g, group=self.topo.group("ep"))  # what the all-to-all backward delivers
             grads.append(_slice(name, g, self.topo.rank("ep"), self.topo.size("ep")).contiguous())
@@ -329,9 +335,9 @@ def _train_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     return out
 
 
-def _checkpoint_save_and_reload(rank: int, ckpt_dir: str) -> dict:
+def _checkpoint_save_and_reload(rank: int, ckpt_dir: str, trainer: type[Trainer] = Trainer) -> dict:
     """Save at (4, 2) after STEPS - 1 steps; one more step there; reload at (4, 4) and (4, 1) and step."""
-    t = Trainer(Run(2, clip=CLIP))
+    t = trainer(Run(2, clip=CLIP))
     for _ in range(STEPS - 1):
         t.train_step()
     dcp.save(t.opt.sharded_state_dict(), checkpoint_id=ckpt_dir)
@@ -341,14 +347,14 @@ def _checkpoint_save_and_reload(rank: int, ckpt_dir: str) -> dict:
     t.train_step()
     result = {"continued": t.params(), "saved_ep_rank": t.topo.rank("ep")}
     for ep in (4, 1):
-        result[ep] = _resume(ckpt_dir, ep)
+        result[ep] = _resume(ckpt_dir, ep, trainer)
         result[ep]["saved"] = saved
     return result
 
 
-def _resume(ckpt_dir: str, ep_size: int) -> dict:
+def _resume(ckpt_dir: str, ep_size: int, trainer: type[Trainer] = Trainer) -> dict:
     """Fresh model (zeros) and optimizer at another layout, load the checkpoint, take one step."""
-    t = Trainer(Run(ep_size, clip=CLIP))
+    t = trainer(Run(ep_size, clip=CLIP))
     with torch.no_grad():
         for _, p in t.named:
             p.zero_()
@@ -362,8 +368,8 @@ def _resume(ckpt_dir: str, ep_size: int) -> dict:
     return {"loaded": loaded, "next": t.params(), "ep_rank": t.topo.rank("ep"), "ep_size": ep_size}
 
 
-def _resume_worker(rank: int, world: int, ckpt_dir: str) -> dict:
-    return {ep: _resume(ckpt_dir, ep) for ep in (1, 2)}
+def _resume_worker(rank: int, world: int, ckpt_dir: str, trainer: type[Trainer] = Trainer) -> dict:
+    return {ep: _resume(ckpt_dir, ep, trainer) for ep in (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -426,8 +432,15 @@ def test_state_bytes_is_12_P_over_W_plus_padding(results: dict, key: str) -> Non
 
 
 def test_checkpoint_reshards_across_layouts(results: dict) -> None:
-    ref = results["refs"][CLIP]
-    for rank, o in enumerate(results["four"]):
+    assert_checkpoint_reshards(results["four"], results["two"], results["refs"][CLIP])
+
+
+def assert_checkpoint_reshards(four: list[dict], two: list[dict], ref: list[dict[str, torch.Tensor]]) -> None:
+    """What `_checkpoint_save_and_reload` (every rank's "ckpt" in `four`) and `_resume_worker` (`two`)
+    give equals the reference's steps: the run saved at (4, 2) continues there, and reloaded at (4, 4),
+    (4, 1), (2, 1) and (2, 2) its master weights alone restore the model and its next step is the
+    reference's."""
+    for rank, o in enumerate(four):
         ck = o["ckpt"]
         _assert_same_weights(
             ck["continued"], ref[STEPS - 1], ck["saved_ep_rank"], 2, what=f"(4, 2) rank {rank}"
@@ -438,7 +451,7 @@ def test_checkpoint_reshards_across_layouts(results: dict) -> None:
             # the master weights alone restore the model, at the new layout's slices
             _assert_same_weights(res["loaded"], ref[STEPS - 2], res["ep_rank"], ep, what=f"{what} loaded")
             _assert_same_weights(res["next"], ref[STEPS - 1], res["ep_rank"], ep, what=f"{what} next")
-    for rank, o in enumerate(results["two"]):
+    for rank, o in enumerate(two):
         for ep, res in o.items():
             what = f"(4, 2) -> (2, {ep}) rank {rank}"
             _assert_same_weights(res["loaded"], ref[STEPS - 2], res["ep_rank"], ep, what=f"{what} loaded")

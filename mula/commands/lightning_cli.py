@@ -248,7 +248,8 @@ class MulaCLI(LightningCLI):
         check_optimizer(
             getattr(self.model, "optimizer", "adamw"),
             1 if strategy is None else strategy.tensor_parallel_size,
-            bool(getattr(self.trainer.strategy, "shard_optimizer", False)),
+            bool(getattr(self.trainer.strategy, "shard_optimizer", False))
+            and bool(getattr(self.trainer.strategy, "optimizer_options", {}).get("offload")),
         )
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mula.layout.parallel_layout import ParallelLayout
-from mula.layout.rules import check_compile, check_sequence_split
+from mula.layout.rules import check_compile, check_optimizer, check_sequence_split
 from mula.model.config import resolve_config
 
 
@@ -52,6 +52,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("C", "C", f"{S}context_parallel_size", "context parallelism (Ulysses): every sequence split over C ranks"),
     Feature("ZeRO-1", "ZeRO", f"{S}shard_optimizer", "the EP-aware sharded optimizer, full gradient buckets"),
     Feature("ZeRO-2", "ZeRO", f"{S}optimizer_options.zero_stage: 2", "the sharded optimizer, gradients reduce-scattered after every backward"),
+    Feature("Muon", "optimizer", "model.optimizer: muon", "Muon for the blocks' matrices, AdamW for the rest (sharded by matrix with ZeRO)"),
     Feature("offload", "offload", f"{S}optimizer_options.offload", "optimizer state and update on the host (needs the sharded optimizer)"),
     Feature("bf16-true", "precision", "trainer.precision: bf16-true", "bf16 weights, fp32 masters in the sharded optimizer"),
     Feature("recompute-full", "recompute", "model.activation_checkpointing: full", "every block recomputed in backward"),
@@ -98,8 +99,8 @@ RECOMPUTE_PARTS = {"recompute-moe": "moe", "recompute-attention": "attention", "
 class Probe:
     """One concrete run that turns on `features` (what an equality run of them trains, and what the
     validator is asked about): `world_size` ranks, `strategy` (XPUMoEStrategy's keyword arguments),
-    `overrides` of the `PRESET` model, the trainer's `precision`, the module's `activation_checkpointing`
-    and `compile`; `dp_size` data-parallel ranks (each reads MICROS / dp_size micro-batches per step)."""
+    `overrides` of the `PRESET` model, the trainer's `precision`, the module's `activation_checkpointing`,
+    `compile` and `optimizer`; `dp_size` data-parallel ranks (each reads MICROS / dp_size micro-batches per step)."""
 
     features: frozenset[str]
     world_size: int
@@ -108,6 +109,7 @@ class Probe:
     precision: str = "32-true"
     activation_checkpointing: str | list[str] = "none"
     compile: bool = False
+    optimizer: str = "adamw"
 
     @property
     def layout(self) -> ParallelLayout:
@@ -186,6 +188,7 @@ def probe(features: Iterable[str]) -> Probe:
         precision="bf16-true" if "bf16-true" in names else "32-true",
         activation_checkpointing=recompute,
         compile="compile" in names,
+        optimizer="muon" if "Muon" in names else "adamw",
     )  # fmt: skip
 
 
@@ -202,6 +205,9 @@ def refusal(features: Iterable[str]) -> str | None:
         )
         check_sequence_split(SEQ, layout.cp)
         check_compile(run.compile, layout.tp)
+        check_optimizer(
+            run.optimizer, layout.tp, bool(run.strategy.get("optimizer_options", {}).get("offload"))
+        )
         layout.validate(
             config, zero_stage=zero, global_batch=MICROS * MICRO, micro_batch=MICRO,
             micro_batches=MICROS // layout.dp_size,

@@ -38,6 +38,16 @@ class ParamEntry:
     global_offset: int
     global_numel: int
     global_shape: tuple[int, ...]
+    # (rows, cols) of the matrices Muon orthogonalises in this parameter (`numel / (rows * cols)` of them,
+    # consecutive in its flattened form); None for a parameter AdamW trains
+    matrix: tuple[int, int] | None = None
+
+    @property
+    def matrices(self) -> int:
+        """How many Muon matrices the parameter holds (0 for an AdamW parameter)."""
+        if self.matrix is None:
+            return 0
+        return self.numel // (self.matrix[0] * self.matrix[1])
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Bucket:
     group_size: int
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0  # padded size of the full buffer
+    muon: bool = False  # holds Muon matrices only (else AdamW parameters only)
 
     @property
     def shard_numel(self) -> int:
@@ -111,29 +122,86 @@ def plan_buckets(
     A bucket closes when the next parameter would push it past ``bucket_numel`` elements (a larger
     parameter gets a bucket of its own) or has another dtype. Dense buckets come first, then expert
     buckets, so each domain's shards are contiguous in the per-rank state buffers.
+
+    Muon's matrices (``ParamEntry.matrix``) and AdamW's parameters fill buckets of their own, two open
+    at a time, so that a bucket's update is one kind (only AdamW's hold a second moment); within a
+    domain the buckets are then ordered by when backward completes them (their earliest-registered
+    parameter's gradient comes last), the order in which reductions launch.
     """
     if bucket_numel < 1 or align < 1:
         raise ValueError(f"bucket_numel and align must be positive, got {bucket_numel} and {align}.")
     buckets: list[Bucket] = []
     for domain in ("dense", "expert"):
         n = group_sizes[domain]
-        current: Bucket | None = None
+        mine: list[Bucket] = []
+        current: dict[bool, Bucket] = {}
         for entry in reversed([e for e in entries if e.domain == domain]):
-            needed = _round_up(current.numel, align) + entry.numel if current else 0
+            kind = entry.matrix is not None
+            bucket = current.get(kind)
+            needed = _round_up(bucket.numel, align) + entry.numel if bucket else 0
             if (
-                current is None
-                or current.dtype_key != entry.dtype_key
-                or (current.slots and needed > bucket_numel)
+                bucket is None
+                or bucket.dtype_key != entry.dtype_key
+                or (bucket.slots and needed > bucket_numel)
             ):
-                current = Bucket(len(buckets), domain, entry.dtype_key, n)
-                buckets.append(current)
-            start = _round_up(current.numel, align)
-            current.slots.append(Slot(entry, current.index, start))
-            current.numel = start + entry.numel
-        for bucket in buckets:
-            if bucket.domain == domain:
-                bucket.numel = _round_up(max(bucket.numel, 1), n * align)
+                bucket = current[kind] = Bucket(len(mine), domain, entry.dtype_key, n, muon=kind)
+                mine.append(bucket)
+            start = _round_up(bucket.numel, align)
+            bucket.slots.append(Slot(entry, bucket.index, start))
+            bucket.numel = start + entry.numel
+        if any(b.muon for b in mine):  # one kind only: creation order is already completion order
+            mine.sort(key=lambda b: -min(s.entry.index for s in b.slots))
+        for bucket in mine:
+            bucket.index = len(buckets)
+            bucket.slots = [Slot(s.entry, bucket.index, s.start) for s in bucket.slots]
+            bucket.numel = _round_up(max(bucket.numel, 1), n * align)
+            buckets.append(bucket)
     return buckets
+
+
+@dataclass(frozen=True)
+class MatrixTask:
+    """One Muon matrix of a bucket: ``rows`` x ``cols`` elements from ``start`` of the bucket's full flat
+    buffer, of a parameter of param group ``group``, orthogonalised by domain rank ``owner``."""
+
+    start: int
+    rows: int
+    cols: int
+    group: int
+    owner: int
+
+    @property
+    def cost(self) -> int:
+        """Newton-Schulz work, proportional to its FLOPs: m * n * min(m, n)."""
+        return self.rows * self.cols * min(self.rows, self.cols)
+
+
+def matrix_owners(buckets: list[Bucket]) -> dict[int, list[MatrixTask]]:
+    """Who orthogonalises each matrix of the Muon buckets: per bucket index its ``MatrixTask`` list.
+
+    Each domain's ranks share its matrices by Newton-Schulz FLOPs, not bytes (longest processing time
+    first within a bucket, the least-loaded rank so far taking the next matrix, ties to the lower rank;
+    the loads carry over from bucket to bucket, so a bucket of fewer matrices than ranks still
+    balances over the step). Every rank computes the same answer from the same layout."""
+    out: dict[int, list[MatrixTask]] = {}
+    loads: dict[str, list[int]] = {}
+    for b in buckets:
+        if not b.muon:
+            continue
+        load = loads.setdefault(b.domain, [0] * b.group_size)
+        found = []
+        for slot in b.slots:
+            rows, cols = slot.entry.matrix  # type: ignore[misc]
+            group = slot.entry.group
+            found += [(slot.start + k * rows * cols, rows, cols, group) for k in range(slot.entry.matrices)]
+        tasks = []
+        for start, rows, cols, group in sorted(found, key=lambda t: (-t[1] * t[2] * min(t[1], t[2]), t[0])):
+            owner = min(range(len(load)), key=lambda r: (load[r], r))
+            task = MatrixTask(start, rows, cols, group, owner)
+            load[owner] += task.cost
+            tasks.append(task)
+        out[b.index] = sorted(tasks, key=lambda t: t.start)
+    return out
 
 
 def padding_bound(buckets: list[Bucket], align: int) -> int:

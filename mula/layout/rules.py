@@ -120,10 +120,10 @@ def check_compile(compile_blocks: bool, tp_size: int) -> None:
         )
 
 
-def check_optimizer(optimizer: str, tp_size: int, shard_optimizer: bool) -> None:
-    """Refuse Muon (`model.optimizer: muon`) where its update cannot run yet: Newton-Schulz orthogonalises
-    whole matrices, and a tensor-parallel rank holds a slice of each dense one; the sharded optimizer's
-    owner-per-matrix layout is not built yet."""
+def check_optimizer(optimizer: str, tp_size: int, offload: bool) -> None:
+    """Refuse Muon (`model.optimizer: muon`) where its update cannot run: Newton-Schulz orthogonalises
+    whole matrices, and a tensor-parallel rank holds a slice of each dense one; the offloaded host update
+    is AdamW's. (Sharded, `shard_optimizer: true`, it runs: strategies/optim/sharded_muon.py.)"""
     if optimizer != "muon":
         return
     if tp_size > 1:
@@ -131,8 +131,11 @@ def check_optimizer(optimizer: str, tp_size: int, shard_optimizer: bool) -> None
             f"model.optimizer=muon is not available with tensor_parallel_size={tp_size} (Newton-Schulz needs "
             "each whole matrix, and a tensor-parallel rank holds a slice of it); use tensor_parallel_size=1."
         )
-    if shard_optimizer:
-        raise ValueError("sharded Muon is not yet available; set shard_optimizer=false.")
+    if offload:
+        raise ValueError(
+            "model.optimizer=muon does not offload its state to the host (the host update is AdamW's); "
+            "set optimizer_options.offload=false."
+        )
 
 
 def check_sequence_split(seq_len: int, cp_size: int) -> None:

@@ -52,7 +52,8 @@ class Layout:
     defaults, and make `sharding`, the options the optimizer would be built with (checked by it);
     collectives: as resolved for the device, "native" (reduce-scatter/all-gather: NCCL/XCCL) or
     "rooted" (gloo on CPU). no_decay, optimizer: `model.no_decay` and `model.optimizer` ("adamw" or
-    "muon": its matrices keep one fp32 momentum, `mula.training.muon`). async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
+    "muon": its matrices keep one fp32 momentum, `mula.training.muon`); muon_ns_steps: Muon's
+    Newton-Schulz iterations (`model.muon_ns_steps`), priced in the step time. async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
     copy of each rank's checkpoint state lives in host memory.
     """
 
@@ -85,6 +86,7 @@ class Layout:
     async_checkpoint: bool = False
     no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
     optimizer: str = "adamw"
+    muon_ns_steps: int = 5
     parallel: ParallelLayout = field(init=False, repr=False, compare=False)
     sharding: ShardingOptions = field(init=False, repr=False, compare=False)
 
@@ -170,7 +172,7 @@ def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
     from mula.layout.rules import check_optimizer, check_sequence_split
 
     check_sequence_split(layout.seq_len, layout.cp_size)
-    check_optimizer(layout.optimizer, layout.tp_size, layout.shard_optimizer)
+    check_optimizer(layout.optimizer, layout.tp_size, layout.shard_optimizer and layout.offload)
     layout.parallel.validate(
         config,
         zero_stage=layout.zero_stage if layout.shard_optimizer else None,

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mula.layout.flat_buffers import ParamEntry, plan_buckets
+from mula.layout.flat_buffers import Bucket, ParamEntry, plan_buckets
 from mula.model.config import MulaConfig
+from mula.model.param_names import muon_matrix_shape
 from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
 from mula.plan.parameters import ParamSpec, model_parameters, tp_local_shape
@@ -90,8 +91,19 @@ def optimizer_entries(params: Sequence[ParamSpec], layout: Layout) -> list[Param
         for d in shape:
             n *= d
         domain = "expert" if p.is_expert else "dense"
-        out.append(ParamEntry(i, p.name, shape, n, dtype, p.group, domain, 0, n, shape))
+        matrix = muon_matrix_shape(p.name, shape) if p.muon and layout.shard_optimizer else None
+        out.append(ParamEntry(i, p.name, shape, n, dtype, p.group, domain, 0, n, shape, matrix))
     return out
+
+
+def sharded_buckets(params: Sequence[ParamSpec], layout: Layout) -> list[Bucket]:
+    """The sharded optimizer's flat buckets of a rank holding `params` (strategies.optim.grad_reduce's
+    domains: dense sharded over the stage's ranks, or over EDP when EP-unaware; experts over EDP)."""
+    dense_group = layout.replica_size if layout.ep_aware else layout.edp_cp_size
+    return plan_buckets(
+        optimizer_entries(params, layout), {"dense": dense_group, "expert": layout.edp_cp_size}, layout.bucket_numel,
+        layout.align,
+    )  # fmt: skip
 
 
 def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int, int, int, int, int, int]:
@@ -107,17 +119,14 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
         muon = sum(e.numel for e, p in zip(entries, params) if p.muon)
         state = 2 * (tensors - muon * layout.param_bytes) + 4 * muon
         return tensors, tensors, tensors, state, 0, 0, state
-    # the domains of strategies.optim.grad_reduce.make_domains: dense sharded over the stage's ranks (over
-    # EDP when not EP-aware), experts over EDP
-    dense_group = layout.replica_size if layout.ep_aware else layout.edp_cp_size
-    buckets = plan_buckets(
-        entries, {"dense": dense_group, "expert": layout.edp_cp_size}, layout.bucket_numel, layout.align
-    )
+    buckets = sharded_buckets(params, layout)
     full = sum(b.numel for b in buckets)
     shard = sum(b.shard_numel for b in buckets)
     params_alloc = full * layout.param_bytes  # strategies.optim.param_gather: one flat buffer per bucket
     grads = (shard + (full if layout.zero_stage == 1 else 0)) * layout.reduce_bytes
-    optimizer = 12 * shard  # fp32 master + exp_avg + exp_avg_sq of the owned shard
+    # fp32 master + exp_avg + exp_avg_sq of the owned shard; a Muon bucket's: master + momentum
+    saved = sum((8 if b.muon else 12) * b.shard_numel for b in buckets)
+    optimizer = saved
     buffers = 0
     if layout.collectives == "native":
         # the all-gather's send buffer in the parameters' dtype, for every bucket with peers that is
@@ -137,10 +146,10 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
         # the tail buckets keep their state on the device
         tail = min(layout.offload_tail_buckets, len(buckets))
         on_host = sum(b.shard_numel for b in buckets[: len(buckets) - tail])
-        state = 24 if layout.offload_speculation else 12
-        host = on_host * (state + layout.reduce_bytes + layout.param_bytes)
+        per_element = 24 if layout.offload_speculation else 12
+        host = on_host * (per_element + layout.reduce_bytes + layout.param_bytes)
         optimizer = 12 * (shard - on_host)
-    return params_alloc, tensors, grads, optimizer, buffers, host, 12 * shard
+    return params_alloc, tensors, grads, optimizer, buffers, host, saved
 
 
 _STATE_FIELDS = ("ep_size", "tp_size", "replica_size", "edp_cp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",

@@ -170,6 +170,7 @@ def plan_inputs(
         device_type=device_type,
         no_decay=list(model.get("no_decay") or ["embed.weight"]),
         optimizer=str(model.get("optimizer") or "adamw"),
+        muon_ns_steps=int(model.get("muon_ns_steps") or 5),
         async_checkpoint=_async_checkpoint(trainer),
         **kwargs,
     )

@@ -9,7 +9,9 @@ update's elementwise passes and the training loop's fixed work per step and per 
   shard into the parameters' flat buffer (fp32 read, parameters' dtype written), and `zero_grad`
   writes the whole gradient buffer (full buckets under ZeRO-1, the shard under ZeRO-2); with optimizer
   offload only the buckets whose state stays on the device count (the host's update overlaps backward,
-  docs/offload.md, and is not priced). Replicated
+  docs/offload.md, and is not priced). With `model.optimizer: muon` the update adds Newton-Schulz
+  (`newton_schulz_flops`: 3 matmuls per iteration of every matrix the rank orthogonalises) at the
+  calibrated bf16 compute rate. Replicated
   torch AdamW (`shard_optimizer: false`, and a one-device run without XPUMoEStrategy) is not fused:
   torch's default is its single-tensor loop on CPU and its foreach kernels on CUDA and XPU, the same
   eight passes over every local parameter in the parameters' dtype, 20 words an element (decoupled
@@ -27,11 +29,17 @@ update's elementwise passes and the training loop's fixed work per step and per 
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+from mula.layout.flat_buffers import matrix_owners
 from mula.model.config import MulaConfig
+from mula.model.param_names import muon_matrix_shape
 from mula.plan.calibrated import collective_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
-from mula.plan.memory import stage_state
+from mula.plan.memory import sharded_buckets, stage_params, stage_state
+from mula.plan.parameters import model_parameters
 
 # fused AdamW per element: master, gradient, exp_avg, exp_avg_sq read; master, exp_avg, exp_avg_sq written
 _ADAMW_FP32_WORDS = 6  # the fp32 words besides the gradient's read
@@ -50,14 +58,62 @@ def update_bytes(config: MulaConfig, layout: Layout) -> float:
         )
         if layout.shard_optimizer:
             # fp32 master + exp_avg + exp_avg_sq of the owned shard on the device (with offload, the
-            # tail buckets': the host updates the rest during backward, docs/offload.md)
-            n = device_state // 12
+            # tail buckets': the host updates the rest during backward, docs/offload.md); Muon's
+            # elements (8 state bytes: master, momentum) move about as many words (its lerps, the bf16
+            # update and the decayed master), counted at AdamW's
+            n = device_state // 12 if layout.optimizer != "muon" else _owned_elements(config, layout, held)
             rb = layout.reduce_bytes
             moved = n * (rb + _ADAMW_FP32_WORDS * 4 + rb + 4 + layout.param_bytes) + grads
         else:
             n = tensors // layout.param_bytes
             moved = n * _TORCH_ADAMW_WORDS * layout.param_bytes
         worst = max(worst, float(moved))
+    return worst
+
+
+def _owned_elements(config: MulaConfig, layout: Layout, held: Any) -> int:
+    """Elements of one rank's optimizer shards (padding included) on the stage of `held`."""
+    params = stage_params(
+        model_parameters(config, tuple(layout.no_decay), layout.optimizer), held.blocks, held.first, held.last
+    )
+    return sum(b.shard_numel for b in sharded_buckets(params, layout))
+
+
+def newton_schulz_flops(config: MulaConfig, layout: Layout) -> float:
+    """Newton-Schulz FLOPs per optimizer step (`model.optimizer: muon`) on the rank that runs the most.
+
+    One iteration on an [m, n] matrix with a = min(m, n), b = max(m, n) is three matmuls on its wide
+    side: X X^T (2 a^2 b), the Gram matrix's square (2 a^3) and its product with X (2 a^2 b). Replicated,
+    a rank runs it for every matrix it holds; sharded (strategies/optim/sharded_muon.py), for the matrices
+    it owns (`matrix_owners`: the dense domain's busiest rank plus the expert domain's)."""
+    if layout.optimizer != "muon":
+        return 0.0
+    steps = layout.muon_ns_steps
+
+    def flops(rows: int, cols: int) -> int:
+        a, b = min(rows, cols), max(rows, cols)
+        return steps * (4 * a * a * b + 2 * a**3)
+
+    params = model_parameters(config, tuple(layout.no_decay), layout.optimizer)
+    worst = 0.0
+    for held in layout.stage_holdings(config):
+        mine = stage_params(params, held.blocks, held.first, held.last)
+        if not layout.shard_optimizer:
+            total = 0
+            for p in mine:
+                if p.muon:
+                    shape = (p.shape[0] // layout.ep_size, *p.shape[1:]) if p.is_expert else p.shape
+                    rows, cols = muon_matrix_shape(p.name, shape)
+                    total += math.prod(shape) // (rows * cols) * flops(rows, cols)
+            worst = max(worst, float(total))
+            continue
+        buckets = sharded_buckets(mine, layout)
+        loads: dict[str, dict[int, int]] = {}
+        for index, tasks in matrix_owners(buckets).items():
+            domain = loads.setdefault(buckets[index].domain, {})
+            for t in tasks:
+                domain[t.owner] = domain.get(t.owner, 0) + flops(t.rows, t.cols)
+        worst = max(worst, float(sum(max(d.values()) for d in loads.values())))
     return worst
 
 

@@ -58,7 +58,7 @@ from mula.plan.split_volumes import (
     expert_all_to_all_sends,
     tensor_parallel_sends,
 )
-from mula.plan.step_overheads import loop_seconds, update_bytes, update_seconds
+from mula.plan.step_overheads import loop_seconds, newton_schulz_flops, update_bytes, update_seconds
 
 
 @dataclass
@@ -303,6 +303,7 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
         machine, "all_to_all", layout.cp_size, vol.context_parallel, vol.context_parallel_calls, intra
     )
     optimizer = update_seconds(machine, update_bytes(config, layout))
+    optimizer += newton_schulz_flops(config, layout) / compute_flops_per_s(machine, 2)
     loop = loop_seconds(machine, layout)
     return StepTime(
         compute, a2a, grad_sync, gather, pipeline, tokens, flops, w, peak, tp, cp, optimizer, loop

@@ -34,11 +34,10 @@ from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_
 from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
-from mula.model.param_names import is_muon_param, is_no_decay, muon_matrix_shape
 from mula.model.transformer import Mula, parse_activation_checkpointing
 from mula.training.host_allocator import reuse_freed_host_memory
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
-from mula.training.muon import MUON_KEY, MulaMuon, check_muon_options
+from mula.training.muon import MulaMuon, check_muon_options, optimizer_param_groups
 from mula.training.strategy_contract import MulaStrategy, mula_strategy
 
 OPTIMIZERS = ("adamw", "muon")
@@ -395,29 +394,11 @@ class MulaLightningModule(L.LightningModule):
 
     # ----- optimizer -----------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
-        """Parameter groups: decayed parameters, then those matching `no_decay` (weight_decay 0; present
-        whenever `no_decay` names patterns). With `optimizer="muon"` these two hold AdamW's parameters,
-        and two more, marked `{"muon": True}`, the Muon matrices (`is_muon_param`) in the same split,
-        with the (rows, cols) of each parameter's matrices under "matrix_shapes"."""
-        muon = self.optimizer == "muon"
-        groups = [
-            {"params": [], "weight_decay": self.weight_decay},
-            {"params": [], "weight_decay": 0.0},
-        ]
-        if muon:
-            groups += [{**g, "params": [], MUON_KEY: True, "matrix_shapes": []} for g in groups]
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            group = groups[
-                int(is_no_decay(name, self.no_decay)) + (2 if muon and is_muon_param(name, p.shape) else 0)
-            ]
-            group["params"].append(p)
-            if MUON_KEY in group:
-                group["matrix_shapes"].append(muon_matrix_shape(name, p.shape))
-        # the no_decay groups are kept when empty: every pipeline stage then has the same groups (the
-        # embedding is on one)
-        return [g for i, g in enumerate(groups) if self.no_decay or i % 2 == 0]
+        """The trainable parameters' groups by `weight_decay`, `no_decay` and `optimizer`
+        (`mula.training.muon.optimizer_param_groups`: AdamW's decayed and no_decay groups, then, with
+        Muon, Muon's two)."""
+        trainable = ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+        return optimizer_param_groups(trainable, self.weight_decay, self.no_decay, self.optimizer)
 
     def _decay_steps(self) -> int:
         """Step where the cosine ends: `decay_steps`, else the Trainer's max_steps / estimated total."""

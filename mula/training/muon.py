@@ -22,17 +22,42 @@ sharded optimizer can run them on the matrices a rank owns.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from mula.model.param_names import is_muon_param, is_no_decay, muon_matrix_shape
+
 ADJUST_LR = ("match_rms_adamw", "original")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's defaults
 NS_EPS = 1e-7
 MUON_KEY = "muon"  # a param group whose parameters Muon trains carries {MUON_KEY: True}
+
+
+def optimizer_param_groups(
+    named_params: Iterable[tuple[str, Tensor]], weight_decay: float, no_decay: Sequence[str], optimizer: str
+) -> list[dict[str, Any]]:
+    """Param groups of `named_params`: decayed (`weight_decay`), then those matching the `no_decay` glob
+    patterns (weight decay 0; kept, even empty, whenever `no_decay` names patterns, so every pipeline
+    stage has the same groups). With `optimizer="muon"` these two hold AdamW's parameters, and two
+    more, marked `{MUON_KEY: True}`, the Muon matrices (`is_muon_param`) in the same split, with the
+    (rows, cols) of each parameter's matrices under "matrix_shapes" (`muon_matrix_shape`)."""
+    muon = optimizer == "muon"
+    groups: list[dict[str, Any]] = [
+        {"params": [], "weight_decay": weight_decay},
+        {"params": [], "weight_decay": 0.0},
+    ]
+    if muon:
+        groups += [{**g, "params": [], MUON_KEY: True, "matrix_shapes": []} for g in groups]
+    for name, p in named_params:
+        group = groups[int(is_no_decay(name, no_decay)) + (2 if muon and is_muon_param(name, p.shape) else 0)]
+        group["params"].append(p)
+        if MUON_KEY in group:
+            group["matrix_shapes"].append(muon_matrix_shape(name, p.shape))
+    return [g for i, g in enumerate(groups) if no_decay or i % 2 == 0]
 
 
 def check_muon_options(momentum: float, ns_steps: int, adjust_lr: str) -> None:
@@ -48,6 +73,19 @@ def check_muon_options(momentum: float, ns_steps: int, adjust_lr: str) -> None:
 def is_muon_group(group: dict[str, Any]) -> bool:
     """Whether the parameters of param group `group` are Muon's matrices (else AdamW trains them)."""
     return bool(group.get(MUON_KEY, False))
+
+
+def check_matrix_shapes(group: dict[str, Any]) -> None:
+    """Give Muon param `group` its "matrix_shapes" (default: each parameter's last two dimensions) and
+    refuse a parameter that does not hold whole matrices of its shape, in one sentence."""
+    shapes = group.setdefault("matrix_shapes", [tuple(p.shape[-2:]) for p in group["params"]])
+    for p, shape in zip(group["params"], shapes, strict=True):
+        rows, cols = (*shape, 1, 1)[:2]
+        if p.dim() < 2 or len(shape) != 2 or p.shape[-1] != cols or p.shape[-2] % rows:
+            raise ValueError(
+                f"A Muon parameter of shape {tuple(p.shape)} does not hold matrices of "
+                f"{rows} x {cols}; Muon trains only the blocks' matrices."
+            )
 
 
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
@@ -146,16 +184,8 @@ class MulaMuon(torch.optim.Optimizer):
         }  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
-            if not is_muon_group(group):
-                continue
-            shapes = group.setdefault("matrix_shapes", [tuple(p.shape[-2:]) for p in group["params"]])
-            for p, shape in zip(group["params"], shapes, strict=True):
-                rows, cols = (*shape, 1, 1)[:2]
-                if p.dim() < 2 or len(shape) != 2 or p.shape[-1] != cols or p.shape[-2] % rows:
-                    raise ValueError(
-                        f"A Muon parameter of shape {tuple(p.shape)} does not hold matrices of "
-                        f"{rows} x {cols}; Muon trains only the blocks' matrices."
-                    )
+            if is_muon_group(group):
+                check_matrix_shapes(group)
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(p, is_muon_group(group))

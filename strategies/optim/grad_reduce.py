@@ -89,14 +89,19 @@ def local_grad(p: Tensor, grad: Tensor) -> Tensor:
     return local_tensor(laid_out_grad(p, grad))
 
 
-def param_entry(index: int, name: str, p: Tensor, group: int, topology: LayoutMesh) -> ParamEntry:
+def param_entry(
+    index: int, name: str, p: Tensor, group: int, topology: LayoutMesh, matrix: tuple[int, int] | None = None
+) -> ParamEntry:
     """The layout planner's view of parameter ``p``: its domain and its place in the global parameter
     (stacked expert parameters ``[E_local, ...]`` sit at ``ep_rank * numel`` of ``ep_size * numel``).
-    A tensor-parallel (DTensor) parameter is its local shard: buckets hold local tensors."""
+    A tensor-parallel (DTensor) parameter is its local shard: buckets hold local tensors. ``matrix``:
+    the (rows, cols) of its Muon matrices, None when AdamW trains it."""
     p = local_tensor(p)
     shape = tuple(p.shape)
     if not is_expert_param(name):
-        return ParamEntry(index, name, shape, p.numel(), str(p.dtype), group, "dense", 0, p.numel(), shape)
+        return ParamEntry(
+            index, name, shape, p.numel(), str(p.dtype), group, "dense", 0, p.numel(), shape, matrix
+        )
     if p.dim() < 1:
         raise ValueError(f"Expert parameter {name} must be stacked [E_local, ...], got a scalar.")
     t = topology
@@ -111,6 +116,7 @@ def param_entry(index: int, name: str, p: Tensor, group: int, topology: LayoutMe
         t.rank("ep") * p.numel(),
         t.size("ep") * p.numel(),
         (shape[0] * t.size("ep"), *shape[1:]),
+        matrix,
     )
 
 
@@ -367,27 +373,22 @@ class GradReducer:
             if slot.entry.index not in st.written:
                 st.grad_full[slot.start : slot.start + slot.entry.numel].zero_()
         st.written.clear()
-        full, n, r = st.grad_full, dom.size, dom.rank
-        mine = full[r * b.shard_numel : (r + 1) * b.shard_numel]
+        full, r = st.grad_full, dom.rank
         add = not st.shard_fresh
         st.shard_fresh = False
         if dom.all_reduce:  # whole-bucket sum, then keep this rank's slice (all of it in plain mode)
-            handles, source = [dist.all_reduce(full, group=dom.reduce_group, async_op=True)], mine
-        elif n == 1:
-            handles, source = [], mine
-        elif dom.rooted:  # shard i is reduced onto its owner, in place
-            chunks = full.chunk(n)
-            handles = [
-                dist.reduce(chunks[i], dst=dom.global_ranks[i], group=dom.group, async_op=True)
-                for i in range(n)
-            ]
-            source = mine
+            handles = [dist.all_reduce(full, group=dom.reduce_group, async_op=True)]
+            source: Tensor | None = full[r * b.shard_numel : (r + 1) * b.shard_numel]
         else:
-            shard = self.shard_grad[st.shard_offset : st.shard_offset + b.shard_numel]
-            source = torch.empty_like(shard) if add else None
-            handles = [
-                _reduce_scatter(shard if source is None else source, full, group=dom.group, async_op=True)
-            ]
+            shard = (
+                None
+                if self.shard_grad is None
+                else self.shard_grad[st.shard_offset : st.shard_offset + b.shard_numel]
+            )
+            out = torch.empty_like(shard) if add and shard is not None else shard
+            source, handles = reduce_scatter_shards(full, dom, out)
+            if source is shard:  # landed in place
+                source = None
         if not self.sharded:
             source = None  # plain: the result stays in grad_full, where the .grad views point
         st.reduce_work.append(_Work(handles, full, source, add))
@@ -467,6 +468,23 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def reduce_scatter_shards(full: Tensor, dom: Domain, out: Tensor | None) -> tuple[Tensor, list[Any]]:
+    """Start summing ``full`` (a bucket's flat buffer, one shard per rank of ``dom``) over the domain so
+    that this rank gets the sum of its shard: (where it lands, the work handles). A reduce-scatter
+    into ``out``, or, in a rooted domain, one reduce per shard onto its owner, landing in place in
+    ``full`` (whose other shards are then scratch); with one rank, ``full`` is the result."""
+    n, r = dom.size, dom.rank
+    if n == 1:  # (every domain of the plain, unsharded mode: no `out`)
+        return full, []
+    if dom.rooted:
+        chunks = full.chunk(n)
+        handles = [
+            dist.reduce(chunks[i], dst=dom.global_ranks[i], group=dom.group, async_op=True) for i in range(n)
+        ]
+        return chunks[r], handles
+    return out, [_reduce_scatter(out, full, group=dom.group, async_op=True)]
 
 
 def _use_rooted(choice: str, group: Any, size: int, device: torch.device) -> bool:

@@ -19,10 +19,27 @@ from torch.distributed.tensor import DTensor
 
 from mula.layout.flat_buffers import Bucket
 from mula.torch_compat import dtensor_local_tensor
-from strategies.optim.grad_reduce import ReduceState, local_tensor
+from strategies.optim.grad_reduce import Domain, ReduceState, local_tensor
 
 # torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_shards(full: Tensor, shard: Tensor, dom: Domain, *, non_blocking: bool = False) -> list[Any]:
+    """Start filling ``full`` (a bucket's flat buffer) with every rank of ``dom``'s ``shard`` in rank
+    order; returns the work handles. An all-gather, or, in a rooted domain (and with one rank), this
+    rank's shard copied in place (``non_blocking``: from pinned host memory) and one broadcast per
+    shard from its owner."""
+    n, r = dom.size, dom.rank
+    if dom.rooted or n == 1:
+        chunks = full.chunk(n)
+        chunks[r].copy_(shard, non_blocking=non_blocking)
+        return [
+            dist.broadcast(chunks[i], src=dom.global_ranks[i], group=dom.group, async_op=True)
+            for i in range(n)
+            if n > 1
+        ]
+    return [_all_gather(full, shard, group=dom.group, async_op=True)]
 
 
 def _repoint(p: Tensor, view: Tensor) -> None:
@@ -88,24 +105,13 @@ class ParamGather:
 
     def launch(self, index: int, shard: Tensor) -> None:
         """Start filling bucket ``index`` from every rank's ``shard`` (this rank's fp32 master shard)."""
-        dom = self._domains[index]
-        n, r = dom.size, dom.rank
         src, off = shard, self.offload[index]
         if off:
             src = self._host_send[index].copy_(shard)  # cast on the host, then one transfer
-        if dom.rooted or n == 1:  # write the own shard in place, then its owner broadcasts each
-            chunks = self.full[index].chunk(n)
-            chunks[r].copy_(src, non_blocking=off)
-            self._work[index] = [
-                dist.broadcast(chunks[i], src=dom.global_ranks[i], group=dom.group, async_op=True)
-                for i in range(n)
-                if n > 1
-            ]
-            return
-        send = self._send[index]
+        send = self._send[index]  # (only for a native all-gather)
         if send is not None:
             src = send.copy_(src, non_blocking=off)
-        self._work[index] = [_all_gather(self.full[index], src, group=dom.group, async_op=True)]
+        self._work[index] = gather_shards(self.full[index], src, self._domains[index], non_blocking=off)
 
     def wait(self, index: int) -> None:
         """Block until bucket ``index``'s parameters have landed."""

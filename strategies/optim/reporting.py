@@ -42,8 +42,14 @@ class ShardReporting:
         )
 
     def padding_bytes(self) -> int:
-        """State bytes spent on alignment padding on this rank (``state_bytes() - 12 * owned_numel()``)."""
-        return self.state_bytes() - 12 * self.owned_numel()
+        """State bytes spent on alignment padding on this rank: ``state_bytes()`` less 12 per owned
+        element of AdamW's buckets and 8 per owned element of Muon's (master + momentum)."""
+        owned = sum(
+            (8 if b.muon else 12) * s.length
+            for b, st in zip(self.buckets, self.reducer.states)
+            for s in b.segments(st.domain.rank)
+        )
+        return self.state_bytes() - owned
 
     def padding_bound_bytes(self) -> int:
         """The stated upper bound on ``padding_bytes()`` (``flat_buffers.padding_bound``) plus the

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mula.layout.flat_buffers import ParamEntry, Segment
+from mula.training.muon import is_muon_group
 from strategies.optim import state as optim_state
 from strategies.optim.adamw import shard_runs, update_runs
 from strategies.optim.clipping import ShardClipping
@@ -141,6 +142,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         self._params: list[Tensor] = []
         entries: list[ParamEntry] = []
         for gi, group in enumerate(self.param_groups):
+            first = len(entries)
             for p in group["params"]:
                 if id(p) not in names:
                     raise ValueError(
@@ -150,7 +152,8 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
                     raise ValueError(
                         f"Parameter {names[id(p)]} does not require grad; leave it out of the optimizer."
                     )
-                entries.append(param_entry(len(self._params), names[id(p)], p, gi, self.topology))
+                matrix = self._matrix_shape(group, len(entries) - first)
+                entries.append(param_entry(len(self._params), names[id(p)], p, gi, self.topology, matrix))
                 self._params.append(p)
         if not self._params:
             raise ValueError("EPShardedAdamW got no parameters.")
@@ -241,6 +244,15 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         """Optimizer steps taken so far (restored from checkpoints)."""
         return self._p.steps_done
 
+    def _matrix_shape(self, group: dict[str, Any], position: int) -> tuple[int, int] | None:
+        """(rows, cols) of the Muon matrices of the `position`-th parameter of param `group`, None when
+        AdamW trains it: here always (``EPShardedMuon`` trains the groups marked as Muon's)."""
+        if is_muon_group(group):
+            raise ValueError(
+                "EPShardedAdamW got a Muon param group; build an EPShardedMuon for model.optimizer=muon."
+            )
+        return None
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the flat layout is fixed once built."""
         if not self._initialising:
@@ -271,7 +283,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         zeros = {"dtype": torch.float32, "device": self.state_device}
         self.master = torch.zeros(self.tail_start, **zeros)
         self.exp_avg = torch.zeros(self.tail_start, **zeros)
-        self.exp_avg_sq = torch.zeros(self.tail_start, **zeros)
+        self.exp_avg_sq = torch.zeros(self._second_moment_numel(), **zeros)
         on_device = {"dtype": torch.float32, "device": self.device}
         self.tail_state = tuple(torch.zeros(numel - self.tail_start, **on_device) for _ in range(3))
         self.shard_grad = self.reducer.shard_grad
@@ -299,6 +311,14 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
                 self._update_bucket,
                 speculate=opt.offload_speculation,
             )
+
+    def _second_moment_numel(self) -> int:
+        """Elements of ``exp_avg_sq`` (beyond offload's tail): the whole shard, every bucket is AdamW's."""
+        return self.tail_start
+
+    def state_kinds(self, entry: ParamEntry) -> tuple[str, ...]:
+        """The state ``entry``'s parameter keeps (what checkpoints save for it)."""
+        return _KINDS
 
     def state_buffer(self, kind: str, offset: int) -> tuple[Tensor, int]:
         """(flat tensor, offset in it) holding ``kind`` ("master", "exp_avg", "exp_avg_sq") at offset
@@ -364,17 +384,21 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         self.step_count.add_(1)
         if self._host is not None:  # validate the speculative host updates, run the rest
             self._host.finish()
-        step = self.step_count.to(self.device)  # for the buckets updated on the device
-        for i in range(len(self.buckets)):
-            if self._host is None or i in self.tail_buckets:
-                self._update_bucket(i, self.shard_grad, step)
-            self._gather.launch(i, self.bucket_state(i)[0])
+        self._update_and_gather(self.step_count.to(self.device))  # (the device buckets' step count)
         if not self.options.overlap_param_gather:
             self.wait_for_params()
         self._p.steps_done += 1
         self._p.clipped = False
         self._p.last_step_ms = (time.perf_counter() - t0) * 1e3
         return loss
+
+    def _update_and_gather(self, step: Tensor) -> None:
+        """Update every bucket's shard (the device ones; offload's host updates are done) and launch
+        each bucket's parameter all-gather as soon as it is updated."""
+        for i in range(len(self.buckets)):
+            if self._host is None or i in self.tail_buckets:
+                self._update_bucket(i, self.shard_grad, step)
+            self._gather.launch(i, self.bucket_state(i)[0])
 
     def _shard_range(self, index: int) -> tuple[int, int]:
         lo = self.reducer.states[index].shard_offset

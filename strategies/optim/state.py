@@ -1,6 +1,7 @@
 """Distributed checkpoints of ``EPShardedAdamW``: its state as a dict ``torch.distributed.checkpoint`` saves.
 
-Per parameter (global name) the fp32 master weights, exp_avg and exp_avg_sq are 1-D tensors over
+Per parameter (global name) the fp32 master weights, exp_avg and exp_avg_sq (a Muon matrix's:
+master and momentum_buffer, ``opt.state_kinds``) are 1-D tensors over
 the flattened *global* parameter (expert parameters in global expert order), each rank contributing
 the piece its shards hold, so a checkpoint saved at one (W, E) layout loads at any other. A
 tensor-parallel parameter's pieces are its local shard's runs mapped into the global tensor
@@ -28,8 +29,6 @@ from strategies.topology import gather_groups_over_stages, names_cover
 # `opt` below is an `EPShardedAdamW`, typed `Any`: sharded_optimizer.py imports this module, and importing
 # the class back (even for type checking) would make the two one circle.
 
-_KINDS = ("master", "exp_avg", "exp_avg_sq")
-
 
 def sharded_state_dict(opt: Any) -> dict[str, Any]:
     """``opt``'s state for DCP: per parameter a global DTensor per kind, the step count and the param
@@ -41,7 +40,7 @@ def sharded_state_dict(opt: Any) -> dict[str, Any]:
     mesh = opt.topology.mesh("world")  # None without a process group
     state: dict[str, Any] = {}
     for entry in opt.entries:
-        state[entry.name] = {kind: _global_tensor(opt, kind, entry, mesh) for kind in _KINDS}
+        state[entry.name] = {kind: _global_tensor(opt, kind, entry, mesh) for kind in opt.state_kinds(entry)}
     # Param groups keyed by index (strings), not a list of dicts: if DCP ever falls back to its
     # pre-2.4 key format (it does when a saved key is missing here), the keys stay the same.
     mine = [
@@ -76,7 +75,12 @@ def load_sharded_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         saved = state_dict["state"].get(entry.name)
         if saved is None:
             raise ValueError(f"The optimizer checkpoint has no state for parameter {entry.name}.")
-        for kind in _KINDS:
+        for kind in opt.state_kinds(entry):
+            if kind not in saved:
+                raise ValueError(
+                    f"The optimizer checkpoint has no {kind} for parameter {entry.name} (saved by another "
+                    "optimizer: model.optimizer must be the one the checkpoint was trained with)."
+                )
             _copy_in(opt, entry, saved[kind], kind)
 
 
@@ -103,7 +107,7 @@ def _global_tensor(opt: Any, kind: str, entry: ParamEntry, mesh: Any) -> Any:
     """``entry``'s flattened global state as a DTensor over the world whose local part is this rank's
     pieces (views of ``buf``), or a plain view when there is no process group (one rank holds all)."""
     pieces = _pieces(opt, entry, kind)
-    buf = getattr(opt, kind)
+    buf = opt.master  # (an empty view of it stands in for a rank holding nothing)
     if mesh is None:
         return buf[:0] if not pieces else pieces[0][0]
     from torch.distributed.tensor import DTensor, Shard

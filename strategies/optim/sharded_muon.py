@@ -1,0 +1,213 @@
+"""EP-aware sharded Muon (`model.optimizer: muon` with `shard_optimizer: true`): Muon's state split once
+across the data-parallel ranks like AdamW's, Newton-Schulz split by matrix.
+
+The layout is `EPShardedAdamW`'s (strategies/optim/sharded_optimizer.py): dense parameters sharded
+over all data-parallel ranks, expert parameters over their expert-data-parallel (EDP) group, each rank
+owning an even, element-wise slice of every bucket. Muon's matrices fill buckets of their own
+(`mula.layout.flat_buffers.plan_buckets`), so a rank keeps 8 bytes per owned Muon element (fp32 master
++ momentum) and 12 per owned AdamW element (master + exp_avg + exp_avg_sq): the second moment exists
+only for AdamW's buckets.
+
+Newton-Schulz needs each matrix whole, so every matrix has one owner in its domain, chosen by
+Newton-Schulz FLOPs (m * n * min(m, n), `mula.layout.flat_buffers.matrix_owners`): dense matrices over
+all data-parallel ranks, experts' over their EDP group. Per Muon bucket and step:
+
+1. every rank updates the momentum of its slice and forms the Nesterov update U there (elementwise,
+   as `torch.optim.Muon`), and the bucket's U is all-gathered in bfloat16 -- exactly what
+   Newton-Schulz reads, its first operation being the cast to bfloat16;
+2. each owner orthogonalises its matrices into an otherwise zero bfloat16 buffer of the bucket;
+3. a reduce-scatter of that buffer hands every rank the orthogonalised update of its slice (each
+   element has one non-zero contribution, so the sum is exact);
+4. every rank applies decoupled weight decay and the scaled update to its fp32 master slice, and the
+   bucket's parameter all-gather starts, as for AdamW's buckets.
+
+Against replicated Muon (every rank runs every Newton-Schulz of the matrices it holds) this divides
+the Newton-Schulz work by the domain's size, for one bf16 all-gather and one bf16 reduce-scatter per
+step of the Muon elements (a third of the gradient reduce-scatter's fp32 bytes each). Gathers run one
+bucket ahead of the Newton-Schulz and at most two reduce-scatters are in flight, so the transient
+buffers are a few buckets, never the model. AdamW's buckets update first, their parameter all-gathers
+overlapping Muon's work. The gradient norm, clipping and the non-finite skip are the step's, as for
+AdamW (`strategies.optim.clipping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mula.layout.flat_buffers import Bucket, MatrixTask, ParamEntry, matrix_owners
+from mula.training.muon import (
+    adjusted_lr,
+    check_matrix_shapes,
+    check_muon_options,
+    is_muon_group,
+    newton_schulz,
+)
+from strategies.optim.grad_reduce import reduce_scatter_shards
+from strategies.optim.param_gather import gather_shards
+from strategies.optim.sharded_optimizer import EPShardedAdamW
+from strategies.topology import LayoutMesh
+
+__all__ = ["EPShardedMuon"]
+
+_MUON_KINDS = ("master", "momentum_buffer")
+
+
+class EPShardedMuon(EPShardedAdamW):
+    """`EPShardedAdamW` whose param groups marked `{"muon": True}` train with Muon, sharded by matrix.
+
+    Args: those of `EPShardedAdamW`, plus Muon's `momentum`, `ns_steps` and `adjust_lr`
+    (`mula.training.muon.check_muon_options`), the defaults of the Muon groups; a Muon group lists the
+    (rows, cols) of its parameters' matrices under "matrix_shapes" (`MulaLightningModule.param_groups`).
+    Offload (its host update is AdamW's) is refused. Equal to `mula.training.muon.MulaMuon` on one
+    process (tests/test_sharded_muon.py).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        named_params: Iterable[tuple[str, Tensor]],
+        topology: LayoutMesh | None = None,
+        *,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        adjust_lr: str = "match_rms_adamw",
+        **kwargs: Any,
+    ) -> None:
+        check_muon_options(momentum, ns_steps, adjust_lr)
+        if kwargs.get("offload"):
+            raise ValueError(
+                "Sharded Muon does not offload its state to the host (the host update is AdamW's); "
+                "set optimizer_options.offload=false or model.optimizer=adamw."
+            )
+        self._muon_defaults = {"momentum": momentum, "ns_steps": ns_steps, "adjust_lr": adjust_lr}
+        super().__init__(params, named_params, topology, **kwargs)
+        states = self.reducer.states
+        self._tasks = matrix_owners(self.buckets)
+        self._mine = {
+            i: [t for t in tasks if t.owner == states[i].domain.rank] for i, tasks in self._tasks.items()
+        }
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As `EPShardedAdamW`'s; a Muon group also gets Muon's defaults and its matrix shapes checked."""
+        if is_muon_group(param_group):
+            for key, value in self._muon_defaults.items():
+                param_group.setdefault(key, value)
+            check_matrix_shapes(param_group)
+        super().add_param_group(param_group)
+
+    def _matrix_shape(self, group: dict[str, Any], position: int) -> tuple[int, int] | None:
+        if not is_muon_group(group):
+            return None
+        rows, cols = group["matrix_shapes"][position]
+        return int(rows), int(cols)
+
+    # ----------------------------------------------------------------------------------------
+    # state: master + momentum for Muon's buckets, AdamW's three for the others
+
+    def _second_moment_numel(self) -> int:
+        """Only AdamW's buckets keep exp_avg_sq: a compact buffer, `_sq_offset` maps a bucket's shard
+        offset into it."""
+        self._sq_offset: dict[int, int] = {}
+        numel = 0
+        for b, st in zip(self.buckets, self.reducer.states):
+            if not b.muon:
+                self._sq_offset[st.shard_offset] = numel
+                numel += b.shard_numel
+        return numel
+
+    def state_kinds(self, entry: ParamEntry) -> tuple[str, ...]:
+        """A Muon matrix keeps its fp32 master and "momentum_buffer", an AdamW parameter AdamW's."""
+        return _MUON_KINDS if entry.matrix is not None else super().state_kinds(entry)
+
+    def state_buffer(self, kind: str, offset: int) -> tuple[Tensor, int]:
+        if kind == "momentum_buffer":  # (Muon's momentum shares the first-moment buffer)
+            return self.exp_avg, offset
+        if kind == "exp_avg_sq":
+            return self.exp_avg_sq, self._sq_offset[offset]
+        return super().state_buffer(kind, offset)
+
+    def bucket_state(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Bucket ``index``'s shard of (master, exp_avg or Muon's momentum, exp_avg_sq: empty for Muon)."""
+        if not self.buckets[index].muon:
+            return super().bucket_state(index)
+        lo, hi = self._shard_range(index)
+        return self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[:0]
+
+    # ----------------------------------------------------------------------------------------
+    # update
+
+    def _update_and_gather(self, step: Tensor) -> None:
+        muon = [i for i, b in enumerate(self.buckets) if b.muon]
+        for i, b in enumerate(self.buckets):
+            if not b.muon:
+                self._update_bucket(i, self.shard_grad, step)
+                self._gather.launch(i, self.bucket_state(i)[0])
+        gathers: dict[int, tuple[Tensor, list[Any]]] = {}
+        returns: list[tuple[int, Tensor, Tensor, list[Any]]] = []
+        if muon:
+            gathers[muon[0]] = self._gather_update(muon[0])
+        for k, i in enumerate(muon):
+            if k + 1 < len(muon):  # the next bucket's gather overlaps this one's Newton-Schulz
+                gathers[muon[k + 1]] = self._gather_update(muon[k + 1])
+            full, handles = gathers.pop(i)
+            for handle in handles:
+                handle.wait()
+            returns.append((i, *self._orthogonalise(i, full)))
+            del full
+            if len(returns) > 2:
+                self._apply(*returns.pop(0))
+        for pending in returns:
+            self._apply(*pending)
+
+    def _gather_update(self, index: int) -> tuple[Tensor, list[Any]]:
+        """Momentum and Nesterov update of this rank's slice of Muon bucket ``index`` (fp32, as
+        `mula.training.muon.muon_matrix_update`), and the start of the bucket's bf16 all-gather of it."""
+        lo, hi = self._shard_range(index)
+        _, momentum, _ = self.bucket_state(index)
+        grads = self.shard_grad[lo:hi]
+        update = torch.zeros(hi - lo, dtype=torch.bfloat16, device=self.device)
+        for run in self._runs[index]:  # (padding between a run's segments: zero gradient, zero update)
+            mu = float(self.param_groups[run.group]["momentum"])
+            g, buf = grads[run.lo : run.hi].float(), momentum[run.lo : run.hi]
+            buf.lerp_(g, 1 - mu)
+            update[run.lo : run.hi].copy_(g.lerp(buf, mu))
+        full = torch.empty(self.buckets[index].numel, dtype=torch.bfloat16, device=self.device)
+        return full, gather_shards(full, update, self.reducer.states[index].domain)
+
+    def _orthogonalise(self, index: int, full: Tensor) -> tuple[Tensor, list[Any]]:
+        """Newton-Schulz of the matrices this rank owns in bucket ``index`` (whose gathered update is
+        ``full``) into a zero buffer, and the start of its reduce-scatter: (this rank's slice, handles)."""
+        orthogonal = torch.zeros_like(full)
+        for task in self._mine[index]:
+            n = task.rows * task.cols
+            x = full[task.start : task.start + n].view(task.rows, task.cols)
+            steps = int(self.param_groups[task.group]["ns_steps"])
+            orthogonal[task.start : task.start + n].view(task.rows, task.cols).copy_(newton_schulz(x, steps))
+        dom = self.reducer.states[index].domain
+        out = torch.empty(self.buckets[index].shard_numel, dtype=torch.bfloat16, device=self.device)
+        return reduce_scatter_shards(orthogonal, dom, out)
+
+    def _apply(self, index: int, mine: Tensor, handles: list[Any]) -> None:
+        """Decoupled weight decay and the scaled orthogonal update on this rank's master slice of Muon
+        bucket ``index``, then the start of the bucket's parameter all-gather."""
+        for handle in handles:
+            handle.wait()
+        master, _, _ = self.bucket_state(index)
+        bucket: Bucket = self.buckets[index]
+        for seg in bucket.segments(self.reducer.states[index].domain.rank):
+            entry = seg.slot.entry
+            group = self.param_groups[entry.group]
+            lr, rows, cols = float(group["lr"]), *entry.matrix  # type: ignore[misc]
+            piece = master[seg.shard_start : seg.shard_start + seg.length]
+            piece.mul_(1 - lr * float(group["weight_decay"]))
+            scale = adjusted_lr(lr, group["adjust_lr"], rows, cols)
+            piece.add_(mine[seg.shard_start : seg.shard_start + seg.length], alpha=-scale)
+        self._gather.launch(index, master)
+
+    def owned_matrices(self) -> list[MatrixTask]:
+        """The Muon matrices this rank orthogonalises each step."""
+        return [t for tasks in self._mine.values() for t in tasks]
