@@ -65,7 +65,7 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "collectives": (TINY_MOE, 2, [f"{S}optimizer_options={{collectives: nccl}}"]),
     "unknown optimizer option": (TINY_MOE, 2, [f"{S}optimizer_options={{zero: 1}}"]),
     "Muon with T": (TINY_DENSE, 2, [f"{S}tensor_parallel_size=2", f"{S}shard_optimizer=false", "--model.optimizer=muon"]),
-    "sharded Muon": (TINY_MOE, 2, ["--model.optimizer=muon"]),
+    "Muon with offload": (TINY_MOE, 2, [f"{S}shard_optimizer=true", f"{S}optimizer_options={{offload: true}}", "--model.optimizer=muon"]),
 }  # fmt: skip
 
 # sentences no command line reaches, and why
