@@ -9,7 +9,7 @@ Each command in RUN runs as written, in a scratch directory holding a copy of re
 (and `.venv/bin/mula`) as this interpreter's `python -m mula`. A training command gets small settings
 (`FIT_SMALL`: 2 steps of 64-token sequences on a few stdlib files) after its recipe files and before
 its own options, so what it documents is what runs; a run other than the README's first gets a run
-directory of its own, so none resumes another. `mula calibrate` runs with `--quick true`, and the machine
+directory of its own, so none resumes another. `mula calibrate` runs with `--quick true --seq_len 64`, and the machine
 file it writes is read by `mula plan --machine`. A command in NOT_RUN needs a cluster launcher, a
 download or the network; the recipe files and scripts it names must still exist.
 """
@@ -255,7 +255,8 @@ def test_a_documented_command_runs(command: str, workdir: Path) -> None:
         own_dir = None if tokens[1] == "validate" else f"runs/doc-{list(RUN).index(command)}"
         output = _run(_with_small_settings(tokens, own_dir), workdir)
     elif kind == "quick":
-        output = _run([*tokens, "--quick", "true", "--progress", "false"], workdir)
+        # (tests/test_calibrate.py's settings: fewer sizes and repetitions, 64-token sequences)
+        output = _run([*tokens, "--quick", "true", "--seq_len", "64", "--progress", "false"], workdir)
         written = tokens[tokens.index("--output") + 1]
         plan = ["mula", "plan", "-c", "recipes/mula-tiny-moe.yaml", f"--machine={written}"]
         assert "priced with the calibration measured" in _run(plan, workdir)

@@ -238,13 +238,14 @@ def peak_activations(layout: Layout, stage: int, per_micro_batch: Sequence[int])
     backward frees them; the result is the largest sum, and the micro-batches alive then, counted in
     whole ranks' worth (V virtual-stage micro-batches make one; a fraction only when interleaved).
     """
-    live = [0] * len(per_micro_batch)
-    best, count = 0, 0
+    # the running sums, kept up to date event by event (`mula plan --search` walks this for every stage
+    # of thousands of layouts)
+    held = alive = best = count = 0
     for v, change in schedule_order(layout, stage):
-        live[v] += change
-        held = sum(n * b for n, b in zip(live, per_micro_batch))
+        held += change * per_micro_batch[v]
+        alive += change
         if held > best:
-            best, count = held, sum(live)
+            best, count = held, alive
     v = len(per_micro_batch)
     return best, (count // v if count % v == 0 else count / v)
 

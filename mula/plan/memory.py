@@ -157,14 +157,20 @@ _STATE_FIELDS = ("ep_size", "tp_size", "replica_size", "edp_cp_size", "param_byt
                  "offload_tail_buckets", "offload_speculation")  # fmt: skip
 
 
+def stage_key(config: MulaConfig, layout: Layout, layers: tuple[int, ...], first: bool, last: bool) -> tuple:
+    """What a stage's optimizer layout (its parameters, buckets and their sharding) depends on: the key
+    of the planner's memoised per-stage results (`--search` plans thousands of layouts)."""
+    return (
+        repr(config), tuple(layers), first, last,
+        tuple(layout.no_decay), layout.optimizer, *(getattr(layout, f) for f in _STATE_FIELDS),
+    )  # fmt: skip
+
+
 def stage_state(
     config: MulaConfig, layout: Layout, layers: tuple[int, ...], first: bool, last: bool
 ) -> tuple[int, int, int, int, int, int, int]:
     """`_state_bytes` of one stage, memoised on what it depends on (`--search` plans many layouts)."""
-    key = (
-        repr(config), layers, first, last,
-        tuple(layout.no_decay), layout.optimizer, *(getattr(layout, f) for f in _STATE_FIELDS),
-    )  # fmt: skip
+    key = stage_key(config, layout, layers, first, last)
     if key not in _STATE_CACHE:
         if len(_STATE_CACHE) > 4096:  # bounded: a search visits a few hundred stages
             _STATE_CACHE.clear()

@@ -49,7 +49,7 @@ from mula.plan.calibrated import collective_seconds, compute_flops_per_s, node_c
 from mula.plan.grad_reduction import optimizer_volumes, reduction_overhead_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
-from mula.plan.memory import stage_params
+from mula.plan.memory import stage_key, stage_params
 from mula.plan.parameters import model_parameters
 from mula.plan.split_compute import layout_split_factor
 from mula.plan.split_volumes import (
@@ -179,17 +179,25 @@ def _pipeline_send_count(layout: Layout, stages: tuple[int, ...]) -> int:
     return sum((s < last) + (s > 0) for s in stages)
 
 
+_VOLUME_CACHE: dict[tuple, tuple[float, float, int, int, float]] = {}
+
+
 def comm_volumes(config: MulaConfig, layout: Layout) -> list[Volumes]:
     """Bytes each pipeline rank (one entry per rank of the pipeline, the first first) sends per step."""
-    params = model_parameters(config, tuple(layout.no_decay))
+    params = model_parameters(config, tuple(layout.no_decay), layout.optimizer)
     stages = layout.stage_holdings(config)
     m = max(1, layout.micro_batches)
     rounds = m if layout.shard_optimizer and layout.zero_stage == 2 else 1
     out = []
     for holds in stages:
         a2a, a2a_calls = expert_all_to_all_sends(config, layout, holds.blocks)
-        held = stage_params(params, holds.blocks, holds.first, holds.last)
-        reduce, gather, reduce_calls, gather_calls, bucket_bytes = optimizer_volumes(held, layout)
+        key = stage_key(config, layout, tuple(holds.blocks), holds.first, holds.last)
+        if key not in _VOLUME_CACHE:
+            if len(_VOLUME_CACHE) > 4096:  # bounded, as memory.stage_state's
+                _VOLUME_CACHE.clear()
+            held = stage_params(params, holds.blocks, holds.first, holds.last)
+            _VOLUME_CACHE[key] = optimizer_volumes(held, layout)
+        reduce, gather, reduce_calls, gather_calls, bucket_bytes = _VOLUME_CACHE[key]
         sends = _pipeline_sends(config, layout, holds.stages)
         # each send carries the residual stream and, for an MoE model, the router-loss sums: two operations
         send_calls = _pipeline_send_count(layout, holds.stages) * m * (2 if config.is_moe else 1)
