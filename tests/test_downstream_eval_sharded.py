@@ -158,7 +158,21 @@ def test_mula_eval_layout_errors_are_one_sentence_before_loading(workdir, capsys
 def test_mula_eval_tensor_parallel_weights_file_matches_one_device(workdir, tmp_path):
     """A dense model's weights file (read whole by every rank, then split) evaluated at T=2 with sequence
     parallelism (batches padded to an even length) == one process, within 1e-5 (1e-7 relative)."""
+    record, single = _dense_weights_at_layout(
+        workdir, tmp_path, {"tensor_parallel_size": 2, "sequence_parallel": True}, devices=2
+    )
+    for task in ("tiny_mc", "tiny_ppl"):
+        ours = sorted(record["tasks"][task]["samples"], key=lambda s: s["doc_id"])
+        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in single[task]["samples"]]
+        for mine, ref in zip(ours, single[task]["samples"]):
+            assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
+
+
+def _dense_weights_at_layout(workdir: Path, tmp_path: Path, layout: dict, devices: int) -> tuple[dict, dict]:
+    """A tiny dense model's weights file evaluated by `mula eval` on `devices` ranks at XPUMoEStrategy
+    `layout`, and in one process: (the run's .eval.json record, the one-process results by task)."""
     import torch
+    from dist_helpers import run_distributed
 
     from mula import Mula, MulaConfig
     from mula.checkpoint import save_weights
@@ -168,23 +182,15 @@ def test_mula_eval_tensor_parallel_weights_file_matches_one_device(workdir, tmp_
     save_weights(Mula(MulaConfig.from_name("mula-tiny-dense")), weights)
     tokenizer = workdir / "data" / "stdlib-tokenizer.json"
     tasks = [str(workdir / "tasks" / "tiny_mc.yaml"), str(workdir / "tasks" / "tiny_ppl.yaml")]
-    tp = {"tensor_parallel_size": 2, "sequence_parallel": True}
     rc, log = _mula(
         workdir, "eval", "--ckpt", str(weights), "--tasks", ",".join(tasks), "--tokenizer", str(tokenizer),
-        "--batch_size", "3", "--device", "cpu", "--dtype", "float32", "--devices", "2",
-        "--strategy", json.dumps({"class_path": "strategies.XPUMoEStrategy", "init_args": tp}),
+        "--batch_size", "3", "--device", "cpu", "--dtype", "float32", "--devices", str(devices),
+        "--strategy", json.dumps({"class_path": "strategies.XPUMoEStrategy", "init_args": layout}),
     )  # fmt: skip
     assert rc == 0, log[-3000:]
     record = json.loads(weights.with_name(weights.name + ".eval.json").read_text())
-
-    from dist_helpers import run_distributed
-
     (single,) = run_distributed(_evaluate_checkpoint, 1, weights, tokenizer, tasks, _env(workdir))
-    for task in ("tiny_mc", "tiny_ppl"):
-        ours = sorted(record["tasks"][task]["samples"], key=lambda s: s["doc_id"])
-        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in single[task]["samples"]]
-        for mine, ref in zip(ours, single[task]["samples"]):
-            assert mine["loglikelihoods"] == pytest.approx(ref["loglikelihoods"], abs=1e-5, rel=1e-7)
+    return record, single
 
 
 def _copy_checkpoint(ckpt: Path, directory: Path) -> Path:
@@ -234,27 +240,8 @@ def test_mula_eval_context_parallel_with_data_parallel_matches_one_device(workdi
 def test_mula_eval_context_and_tensor_parallel_weights_file_matches_one_device(workdir, tmp_path):
     """A dense model's weights file evaluated at C=2 x T=2 with sequence parallelism (4 ranks: batches
     right-padded to a multiple of 4, each CP rank's half split over its TP pair) == one process."""
-    import torch
-    from dist_helpers import run_distributed
-
-    from mula import Mula, MulaConfig
-    from mula.checkpoint import save_weights
-
-    torch.manual_seed(0)
-    weights = tmp_path / "dense.pt"
-    save_weights(Mula(MulaConfig.from_name("mula-tiny-dense")), weights)
-    tokenizer = workdir / "data" / "stdlib-tokenizer.json"
-    tasks = [str(workdir / "tasks" / "tiny_mc.yaml"), str(workdir / "tasks" / "tiny_ppl.yaml")]
     layout = {"tensor_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2}
-    rc, log = _mula(
-        workdir, "eval", "--ckpt", str(weights), "--tasks", ",".join(tasks), "--tokenizer", str(tokenizer),
-        "--batch_size", "3", "--device", "cpu", "--dtype", "float32", "--devices", "4",
-        "--strategy", json.dumps({"class_path": "strategies.XPUMoEStrategy", "init_args": layout}),
-    )  # fmt: skip
-    assert rc == 0, log[-3000:]
-    record = json.loads(weights.with_name(weights.name + ".eval.json").read_text())
-    (single,) = run_distributed(_evaluate_checkpoint, 1, weights, tokenizer, tasks, _env(workdir))
-    _assert_matches(record, single)
+    _assert_matches(*_dense_weights_at_layout(workdir, tmp_path, layout, devices=4))
 
 
 def test_mula_eval_at_layout_refuses_corrupted_checkpoint_on_every_rank(workdir, tmp_path):

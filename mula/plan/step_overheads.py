@@ -29,7 +29,6 @@ update's elementwise passes and the training loop's fixed work per step and per 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from mula.layout.flat_buffers import matrix_owners
@@ -38,7 +37,7 @@ from mula.model.param_names import muon_matrix_shape
 from mula.plan.calibrated import collective_seconds
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine
-from mula.plan.memory import sharded_buckets, stage_params, stage_state
+from mula.plan.memory import optimizer_entries, sharded_buckets, stage_params, stage_state
 from mula.plan.parameters import model_parameters
 
 # fused AdamW per element: master, gradient, exp_avg, exp_avg_sq read; master, exp_avg, exp_avg_sq written
@@ -98,13 +97,12 @@ def newton_schulz_flops(config: MulaConfig, layout: Layout) -> float:
     worst = 0.0
     for held in layout.stage_holdings(config):
         mine = stage_params(params, held.blocks, held.first, held.last)
-        if not layout.shard_optimizer:
+        if not layout.shard_optimizer:  # the rank's local tensors, as the optimizer sees them
             total = 0
-            for p in mine:
+            for p, entry in zip(mine, optimizer_entries(mine, layout)):
                 if p.muon:
-                    shape = (p.shape[0] // layout.ep_size, *p.shape[1:]) if p.is_expert else p.shape
-                    rows, cols = muon_matrix_shape(p.name, shape)
-                    total += math.prod(shape) // (rows * cols) * flops(rows, cols)
+                    rows, cols = muon_matrix_shape(p.name, entry.shape)
+                    total += entry.numel // (rows * cols) * flops(rows, cols)
             worst = max(worst, float(total))
             continue
         buckets = sharded_buckets(mine, layout)
