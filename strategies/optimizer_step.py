@@ -85,7 +85,7 @@ class OptimizerStep:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
         parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay),
-        plus Muon's (momentum, ns_steps, adjust_lr) when param groups are marked as Muon's: then an
+        plus Muon's (momentum, ns_steps, adjust_lr, ns_dtype) when param groups are marked as Muon's: then an
         `EPShardedMuon` (Newton-Schulz split by matrix), or without `shard_optimizer` a replicated
         `MulaMuon` (each rank updates the whole matrices it holds, an expert's on its EP rank)."""
         layout = self._layout()

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 from dist_helpers import cpu_trainer, whole_params
-from equality import ADAMW_EPS, RoutingRecord, assert_same_training, assert_same_weights, seeded
+from equality import (
+    ADAMW_EPS,
+    MUON_NS_DTYPE,
+    RoutingRecord,
+    assert_same_training,
+    assert_same_weights,
+    seeded,
+)
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 
 from mula.layout.features import MICRO, MICROS, PRESET, SEQ, probe
@@ -33,13 +40,6 @@ STEPS = 4
 # the router bias, whose update is the sign of each expert's integer load error, is compared by the
 # fp32 rows only (a flipped choice flips a sign).
 BF16_LR = 1e-4
-# fp32 Muon rows: Newton-Schulz runs in bf16 (as torch's Muon), so where a layout's summation order moves
-# an element of the Nesterov update across a bf16 rounding boundary, the orthogonalised update moves by
-# a bf16 ulp there (2^-8 of it), whatever the gradient's size; at lr 1e-2 that moved the router's scores
-# past the rule's FLIP_MARGIN (1e-5) within 3 steps (a routing change with no near tie), at MUON_LR ten
-# times less (the update is lr * 0.2 * sqrt(max(m, n)) times an orthogonal matrix, so the moves scale
-# with lr).
-MUON_LR = 1e-3
 BF16_LOSS_RTOL = 1e-3
 BF16_NORM_RTOL = 1e-2
 BF16_WEIGHT_RTOL = 1e-2
@@ -87,11 +87,12 @@ def fit_row(features, rank: int | None = None, root: str | None = None) -> dict:
     )  # fmt: skip
     torch.manual_seed(seeded(0))
     exact = reference and not bf16  # the plain model: nothing recomputed or compiled
-    lr = BF16_LR if bf16 else MUON_LR if run.optimizer == "muon" else 1e-2
+    lr = BF16_LR if bf16 else 1e-2
     module = MulaLightningModule(
         PRESET, overrides=run.overrides, lr=lr, min_lr=lr / 10, warmup_steps=1, decay_steps=10, eps=ADAMW_EPS,
         activation_checkpointing="none" if exact else run.activation_checkpointing,
         compile=False if exact else run.compile, optimizer=run.optimizer,
+        muon_ns_dtype="bfloat16" if bf16 else MUON_NS_DTYPE,  # fp32 rows: tests/equality.py, mechanism 3
     )  # fmt: skip
     trainer.fit(module, batches)
     topology = None if strategy is None else strategy.topology

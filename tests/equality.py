@@ -2,7 +2,7 @@
 
 Two correct runs that add the same numbers in another order (two ranks' partial gradient sums against
 one process's, a fused kernel against eager) differ by rounding, and how they round depends on the host
-(Intel and AMD CPUs round differently). Two mechanisms can turn that rounding into differences far
+(Intel and AMD CPUs round differently). Three mechanisms can turn that rounding into differences far
 above it; the rule removes them by construction instead of widening allowances until one host passes:
 
 1. **AdamW's epsilon.** The update lr * m / (sqrt(v) + eps) moves a weight by at most about 2 lr / eps
@@ -24,6 +24,17 @@ above it; the rule removes them by construction instead of widening allowances u
    gained or lost more choices than the reference had near ties involving that expert in that step,
    else it is a bug (a bug that moves choices where there was no near tie, or more than the near ties);
    from that step on, nothing more is compared, and a warning says so.
+3. **Muon's bf16 Newton-Schulz.** Muon casts its fp32 update to bf16 before orthogonalising it, so a
+   rounding-level difference in the summed gradient moves an element across a bf16 rounding boundary
+   now and then (which elements, depends on the host), a move of 2^-8 of it; Newton-Schulz then
+   amplifies the matrix's near-null directions ~500x (5 quintic steps of slope 3.4), so the update
+   moves by bf16 amounts (a gradient norm 2.2e-5 off one process at step 4 of a covering-array row on an
+   AMX Xeon, where an AMD EPYC stayed inside 1e-5). Every equality run with Muon therefore runs
+   Newton-Schulz in fp32 (`MUON_NS_DTYPE`, `model.muon_ns_dtype`): the same difference then stays at
+   fp32 rounding times that amplification (measured ~1e-7 relative in the gradient norms at lr 1e-2).
+   bf16 Newton-Schulz is checked where no rounding boundary decides the result: against torch's Muon on
+   the same inputs (tests/test_muon.py), on exact-grid gradients (tests/test_sharded_muon.py), and by
+   bf16's own rule (the bf16-true rows of tests/composition.py).
 
 What the rule cannot remove is a test whose training amplifies rounding by itself: a one-process run
 against itself with each step's micro-batches accumulated in another order must stay well within
@@ -54,6 +65,7 @@ from mula.model.moe.router import Router, group_scores
 from mula.training.lightning_compat import ends_optimizer_step
 
 ADAMW_EPS = 1e-5
+MUON_NS_DTYPE = "float32"  # what equality runs with Muon run Newton-Schulz in (mechanism 3)
 LOSS_RTOL = 1e-5  # per-step losses and gradient norms (relative)
 WEIGHT_ATOL = 1e-4  # weights after the last step (absolute)
 # a reference decision this close to a tie (in score units) may flip once the weights differ by rounding:

@@ -266,6 +266,12 @@ def test_refusals_are_one_sentence() -> None:
         )
     with pytest.raises(ValueError, match="Muon trains only the blocks' matrices"):
         MulaMuon([{"params": [torch.nn.Parameter(torch.zeros(3))], "muon": True}])
+    with pytest.raises(
+        ValueError, match=r"^muon_ns_dtype must be one of bfloat16, float32, got 'float16'\.$"
+    ):
+        MulaLightningModule("mula-tiny-moe", optimizer="muon", muon_ns_dtype="float16")
+    with pytest.raises(ValueError, match=r"^muon_ns_dtype must be one of bfloat16, float32, got 'fp32'\.$"):
+        Layout(optimizer="muon", muon_ns_dtype="fp32")  # `mula plan` reads model.muon_ns_dtype
 
 
 @pytest.mark.parametrize("name", ["mula-tiny-moe", "deepseek-v3-tiny"])
@@ -320,7 +326,9 @@ def test_moonlight_recipe_trains_muon_and_its_header_states_the_plan(capsys, mon
     cli = probe(recipe, extra=("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1"))
     module = cli.model
     assert module.optimizer == "muon" and module.config.name == "deepseek-v3-16b"
-    assert module.muon_options == {"momentum": 0.95, "ns_steps": 5, "adjust_lr": "match_rms_adamw"}
+    assert module.muon_options == {
+        "momentum": 0.95, "ns_steps": 5, "adjust_lr": "match_rms_adamw", "ns_dtype": "bfloat16",
+    }  # fmt: skip
     assert (module.lr, module.weight_decay) == (4e-4, 0.1)  # AdamW's, carried over by the RMS match
 
 
@@ -364,3 +372,64 @@ def test_the_planner_prices_newton_schulz_as_torch_counts_it() -> None:
     sharded = newton_schulz_flops(config, Layout(world_size=4, optimizer="muon", shard_optimizer=True))
     assert replicated / 4 <= sharded <= replicated / 4 + 2 * max(per_matrix)
     assert newton_schulz_flops(config, Layout(world_size=4)) == 0
+
+
+def _newton_schulz_float64(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """Keller Jordan's quintic iteration written out in float64 (the fp32 option's reference)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.double()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm()
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (32, 32)])
+def test_fp32_newton_schulz_is_the_iteration_in_fp32(shape: tuple[int, int]) -> None:
+    """`muon_ns_dtype: float32`: the same iteration without bf16's rounding. A Gaussian matrix is well
+    conditioned (its smallest singular value is far from 0), so fp32's rounding stays near 1e-6 through
+    the 5 steps, where bf16's is ~1e-2 of an element: the two dtypes are told apart by orders of magnitude."""
+    update = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    exact = _newton_schulz_float64(update, 5)
+    fp32, bf16 = newton_schulz(update, 5, torch.float32), newton_schulz(update, 5)
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert (fp32.double() - exact).abs().max() < 1e-4 < (bf16.double() - exact).abs().max()
+
+
+def test_muon_ns_dtype_reaches_the_optimizer_and_the_planner() -> None:
+    """The module's `muon_ns_dtype` is the optimizer's (its step runs Newton-Schulz in it: the float32 and
+    bfloat16 modules' first steps differ), and the planner prices it: sharded Muon's update all-gather
+    and result reduce-scatter carry 4 bytes per element instead of 2."""
+    from mula.plan.grad_reduction import optimizer_volumes, sharded_buckets
+    from mula.plan.memory import stage_params
+    from mula.plan.parameters import model_parameters
+
+    weights = {}
+    for dtype in ("float32", "bfloat16"):
+        module = _module(muon_ns_dtype=dtype)
+        opt = module.configure_optimizers()["optimizer"]
+        assert opt.ns_dtype == dtype
+        module._losses(_batch(0))[0].backward()
+        opt.step()
+        weights[dtype] = module.model.layers[0].attn.o_proj.weight.detach().clone()
+    assert not torch.equal(weights["float32"], weights["bfloat16"])
+
+    config = MulaConfig.from_name("mula-tiny-moe")
+    layouts = {
+        dtype: Layout(world_size=4, ep_size=2, optimizer="muon", shard_optimizer=True, muon_ns_dtype=dtype)
+        for dtype in ("bfloat16", "float32")
+    }
+    params = stage_params(
+        model_parameters(config, ("embed.weight",), "muon"), range(config.num_layers), True, True
+    )
+    gathers = {dtype: optimizer_volumes(params, layout)[1] for dtype, layout in layouts.items()}
+    # per Muon bucket, two collectives of (group - 1) / group of its elements, 2 more bytes each
+    extra = sum(
+        2 * 2 * b.numel * (b.group_size - 1) / b.group_size
+        for b in sharded_buckets(params, layouts["float32"])
+        if b.muon
+    )
+    assert extra > 0 and gathers["float32"] - gathers["bfloat16"] == pytest.approx(extra)

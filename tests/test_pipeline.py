@@ -30,6 +30,7 @@ from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from equality import (
     ADAMW_EPS,
     LOSS_RTOL,
+    MUON_NS_DTYPE,
     RoutingRecord,
     assert_same_training,
     assert_same_weights,
@@ -73,6 +74,7 @@ def _module(
     return MulaLightningModule(
         preset, overrides=overrides, lr=lr, min_lr=lr / 10, warmup_steps=1, decay_steps=10,
         activation_checkpointing=activation_checkpointing, eps=ADAMW_EPS, optimizer=optimizer,
+        muon_ns_dtype=MUON_NS_DTYPE,
     )  # fmt: skip
 
 

@@ -14,11 +14,11 @@ owner in its domain (experts' in their EDP group), balanced by Newton-Schulz FLO
 at (W=4, E=2) reloads at (4, 4), (4, 1), (2, 1), (2, 2) and takes the reference's next step. A negative
 control (every rank orthogonalises every matrix, so the reduce-scatter sums W copies) fails the rule.
 
-Why the distributed runs agree: each rank's Nesterov update is the same elementwise arithmetic on its
-slice, and Newton-Schulz reads the update in bf16, so a matrix's owner computes what one process
-computes up to the gradients' summation order; that order moves a few update elements across a bf16
-rounding boundary, which moves the orthogonal update by a bf16 ulp there. The stand-in's learning rate
-keeps those moves ~1e-6 per step, far inside the rule's 1e-4.
+Why the distributed runs agree by construction: every gradient a rank contributes is put on a 2^-20 grid
+per unit of the reference's sum (one of its WORLD micro-batches; a rank of a 2-rank world grids each of
+its two on its own), so every layout's reduced gradient is the reference's to the bit, whatever the
+summation order or the host's rounding; the Nesterov update is then the same elementwise arithmetic on
+each rank's slice, and a matrix's owner runs Newton-Schulz on the same bf16 matrix as one process.
 """
 
 from __future__ import annotations
@@ -89,8 +89,16 @@ class MuonTrainer(Trainer):
     def __init__(self, run: Run) -> None:
         super().__init__(dataclasses.replace(run, clip=None))
 
-    def replica_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        return on_grid(grad)
+    def replica_grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        # The reference grids each of the WORLD ranks' micro-batch gradients; a rank of a smaller world
+        # holds several of them and grids each on its own (gridding their sum would round it elsewhere:
+        # (4, 2) -> (2, 1) then missed the reference's next step on an AMX Xeon, a bf16 rounding away)
+        parts = WORLD // self.topo.size("replica")
+        total: list[torch.Tensor] = []
+        for xp, yp in zip(x.chunk(parts), y.chunk(parts), strict=True):
+            grads = [on_grid(g) / parts for g in super().replica_grads(xp, yp)]  # / 2^k: exact
+            total = [a + b for a, b in zip(total, grads, strict=True)] if total else grads
+        return total
 
     def optimizer(self, topology: LayoutMesh, options: dict) -> EPShardedMuon:
         opt = EPShardedMuon(
@@ -111,18 +119,19 @@ RUNS = {
     "e4_zero2_accum_native_smallbuckets": Run(
         4, accum=2, options={"zero_stage": 2, "collectives": "native", "bucket_numel": 200, "align": 8}
     ),
+    "e2_ns_float32": Run(2, options={"ns_dtype": "float32"}),  # the update's collectives in fp32
 }
 WORLD = 4
 
 
-def _reference(steps: int, accum: int = 1) -> list[dict[str, torch.Tensor]]:
+def _reference(steps: int, accum: int = 1, ns_dtype: str = "bfloat16") -> list[dict[str, torch.Tensor]]:
     """One process on the whole global batch: each of the WORLD ranks' micro-batch gradients on the grid,
     summed and divided by WORLD (exact), `MulaMuon` on the Muon groups beside `EPShardedAdamW` (the same
     AdamW kernel as the sharded runs') on the others; parameters after each step."""
     model = StandIn()
     named = list(model.named_parameters())
     groups = _muon_groups(named)
-    muon = MulaMuon([g for g in groups if g.get(MUON_KEY)], lr=LR, eps=ADAMW_EPS, **MUON)
+    muon = MulaMuon([g for g in groups if g.get(MUON_KEY)], lr=LR, eps=ADAMW_EPS, **MUON, ns_dtype=ns_dtype)
     adamw = EPShardedAdamW(
         [g for g in groups if not g.get(MUON_KEY)], named, lr=LR, eps=ADAMW_EPS, overlap_grad_reduce=False
     )
@@ -147,6 +156,15 @@ def _reference(steps: int, accum: int = 1) -> list[dict[str, torch.Tensor]]:
             sched.step()
         out.append({n: p.detach().clone() for n, p in named})
     return out
+
+
+def _ref_key(run: Run) -> tuple[int, str]:
+    """The reference a run is compared with: its accumulation and Newton-Schulz dtype."""
+    return run.accum, run.options.get("ns_dtype", "bfloat16")
+
+
+def _ref_keys() -> set[tuple[int, str]]:
+    return {_ref_key(run) for run in RUNS.values()} | {(1, "bfloat16")}
 
 
 def _owned(opt: EPShardedMuon) -> dict[str, int]:
@@ -184,7 +202,7 @@ def _train_worker(rank: int, world: int, ckpt_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    refs = {accum: _reference(STEPS, accum) for accum in (1, 2)}
+    refs = {key: _reference(STEPS, *key) for key in _ref_keys()}
     with tempfile.TemporaryDirectory() as d:
         four = run_distributed(_train_worker, 4, d)
         two = run_distributed(_resume_worker, 2, d, MuonTrainer)
@@ -193,14 +211,14 @@ def results() -> dict:
 
 @pytest.mark.parametrize("key", list(RUNS))
 def test_matches_one_process_muon(results: dict, key: str) -> None:
-    ref = results["refs"][RUNS[key].accum][-1]
+    ref = results["refs"][_ref_key(RUNS[key])][-1]
     for rank, rank_out in enumerate(results["four"]):
         r = rank_out[key]
         _assert_same_weights(r["params"], ref, r["ep_rank"], RUNS[key].ep_size, what=f"{key} rank {rank}")
 
 
 def test_every_rank_orthogonalising_every_matrix_is_caught(results: dict) -> None:
-    ref = results["refs"][1][-1]
+    ref = results["refs"][1, "bfloat16"][-1]
     errs = [
         _max_rel_error(o["wrong_owners"]["params"], ref, _topo(o["wrong_owners"]["ep_rank"], 2))
         for o in results["four"]
@@ -256,7 +274,7 @@ def test_each_matrix_has_one_owner_in_its_domain(results: dict, key: str) -> Non
 
 
 def test_checkpoint_reshards_across_layouts(results: dict) -> None:
-    assert_checkpoint_reshards(results["four"], results["two"], results["refs"][1])
+    assert_checkpoint_reshards(results["four"], results["two"], results["refs"][1, "bfloat16"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ Lightning level: SIGKILL and resume, and resharding across pipeline and expert p
    comparison one step later (one does at step 4 on the host this was written on). Why it holds by
    construction: the optimizer state is saved per parameter over the flattened global tensor
    (strategies/optim/state.py), so any layout reads the same values back; what remains between layouts
-   is gradient summation order, which moves the moments by rounding and which Newton-Schulz (bf16) can
-   turn into bf16-ulp moves of an update, kept far inside the rule by Muon's lr of 1e-3
-   (tests/composition.py, MUON_LR), and near-tied top-k flips, which the rule detects.
+   is gradient summation order, which moves the moments by rounding (Newton-Schulz runs in fp32 here,
+   so no bf16 rounding boundary amplifies it: tests/equality.py, mechanism 3), and near-tied top-k
+   flips, which the rule detects.
    A checkpoint saved by a sharded AdamW run refuses to load into a sharded Muon run, and the reverse,
    with one sentence naming model.optimizer (a ValueError: `mula fit` prints it as one line, exit 2),
    raised before torch.distributed.checkpoint reads anything (it would fail on the first missing key
@@ -37,7 +37,6 @@ import tempfile
 
 import lightning.pytorch as L
 import torch
-from composition import MUON_LR
 from dist_helpers import lightning_env, run_distributed
 from equality import (
     assert_same_training,
@@ -131,11 +130,11 @@ def _fit(
     save_dir=None,
     state: _OptimizerState | None = None,
 ):
-    """tests/test_pipeline.py's `_fit` with `optimizer` (Muon at MUON_LR); the optimizer's state into
+    """tests/test_pipeline.py's `_fit` with `optimizer` (Muon's Newton-Schulz in fp32); the optimizer's state into
     `state` when given; the run's record."""
     losses, _ = pipeline_fit(
         world, strategy, max_steps=max_steps, ckpt_path=ckpt_path, save_dir=save_dir, optimizer=optimizer,
-        lr=MUON_LR if optimizer == "muon" else 1e-2, callbacks=[state] if state is not None else (),
+        callbacks=[state] if state is not None else (),
     )  # fmt: skip
     return losses.record()
 

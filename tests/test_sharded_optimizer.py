@@ -203,9 +203,12 @@ class Trainer:
         """The optimizer under test over this rank's parameters (tests/test_sharded_muon.py: Muon's)."""
         return EPShardedAdamW(_groups(self.named), self.named, topology, lr=LR, eps=ADAMW_EPS, **options)
 
-    def replica_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient a rank contributes, from its replica's (tests/test_sharded_muon.py rounds it)."""
-        return grad
+    def replica_grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        """The gradient a rank contributes for its micro-batch (x, y), per parameter of its replica
+        (tests/test_sharded_muon.py puts it on a grid)."""
+        self.replica.zero_grad()
+        (_loss(self.replica, x, y) / self.run.accum).backward()
+        return [p.grad for p in self.replica.parameters()]
 
     def _sync_replica(self) -> None:
         if self.opt.options.overlap_param_gather:
@@ -221,11 +224,8 @@ class Trainer:
                     p.copy_(q)
 
     def _grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        self.replica.zero_grad()
-        (_loss(self.replica, x, y) / self.run.accum).backward()
         grads = []
-        for name, p in self.replica.named_parameters():
-            g = self.replica_grad(p.grad)
+        for (name, _), g in zip(self.replica.named_parameters(), self.replica_grads(x, y), strict=True):
             if is_expert_param(name) and self.topo.size("ep") > 1:
                 dist.all_reduce(g, group=self.topo.group("ep"))  # what the all-to-all backward delivers
             grads.append(_slice(name, g, self.topo.rank("ep"), self.topo.size("ep")).contiguous())

@@ -23,6 +23,7 @@ SHARDING_FIELDS = ("zero_stage", "reduce_dtype", "bucket_numel", "align", "ep_aw
 
 # trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
 # residual stream and runs the matmuls in 16 bits under autocast.
+NS_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # Muon's Newton-Schulz dtype -> bytes per element
 PRECISIONS = {
     "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8),
     "bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2),
@@ -53,7 +54,9 @@ class Layout:
     collectives: as resolved for the device, "native" (reduce-scatter/all-gather: NCCL/XCCL) or
     "rooted" (gloo on CPU). no_decay, optimizer: `model.no_decay` and `model.optimizer` ("adamw" or
     "muon": its matrices keep one fp32 momentum, `mula.training.muon`); muon_ns_steps: Muon's
-    Newton-Schulz iterations (`model.muon_ns_steps`), priced in the step time. async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
+    Newton-Schulz iterations (`model.muon_ns_steps`), priced in the step time, and muon_ns_dtype what
+    it runs in (`model.muon_ns_dtype`: its FLOP rate, and sharded Muon's two collectives' bytes).
+    async_checkpoint: `FaultTolerantCheckpoint(async_save=True)`, whose staging
     copy of each rank's checkpoint state lives in host memory.
     """
 
@@ -87,6 +90,7 @@ class Layout:
     no_decay: list[str] = field(default_factory=lambda: ["embed.weight"])
     optimizer: str = "adamw"
     muon_ns_steps: int = 5
+    muon_ns_dtype: str = "bfloat16"
     parallel: ParallelLayout = field(init=False, repr=False, compare=False)
     sharding: ShardingOptions = field(init=False, repr=False, compare=False)
 
@@ -105,6 +109,10 @@ class Layout:
         )
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
+        if self.muon_ns_dtype not in NS_DTYPE_BYTES:
+            raise ValueError(
+                f"muon_ns_dtype must be one of {', '.join(NS_DTYPE_BYTES)}, got {self.muon_ns_dtype!r}."
+            )
         for name in ("micro_batch", "seq_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")

@@ -154,7 +154,7 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
 
 _STATE_FIELDS = ("ep_size", "tp_size", "replica_size", "edp_cp_size", "param_bytes", "reduce_bytes", "zero_stage", "bucket_numel",
                  "align", "ep_aware", "shard_optimizer", "collectives", "offload",
-                 "offload_tail_buckets", "offload_speculation")  # fmt: skip
+                 "offload_tail_buckets", "offload_speculation", "muon_ns_dtype")  # fmt: skip
 
 
 def stage_key(config: MulaConfig, layout: Layout, layers: tuple[int, ...], first: bool, last: bool) -> tuple:

@@ -171,6 +171,7 @@ def plan_inputs(
         no_decay=list(model.get("no_decay") or ["embed.weight"]),
         optimizer=str(model.get("optimizer") or "adamw"),
         muon_ns_steps=int(model.get("muon_ns_steps") or 5),
+        muon_ns_dtype=str(model.get("muon_ns_dtype") or "bfloat16"),
         async_checkpoint=_async_checkpoint(trainer),
         **kwargs,
     )

@@ -92,6 +92,7 @@ class MulaLightningModule(L.LightningModule):
         muon_ns_steps: Newton-Schulz iterations per Muon update.
         muon_adjust_lr: Muon's update scale: "match_rms_adamw" (0.2 * sqrt(max(m, n)), Moonlight's: AdamW's
             lr and weight decay carry over) or "original" (sqrt(max(1, m / n)), Keller Jordan's).
+        muon_ns_dtype: What Newton-Schulz runs in: "bfloat16" (torch's, Moonlight's) or "float32".
         compile: `torch.compile` each transformer block: false, true, or a mapping of
             `mula.model.compile.CompileSettings` fields (`mode`, `dynamic`, `fullgraph`, `backend`, `options`,
             `cache_dir`, `warmup_steps`); applied when training starts, after the strategy laid the
@@ -118,6 +119,7 @@ class MulaLightningModule(L.LightningModule):
         muon_momentum: float = 0.95,
         muon_ns_steps: int = 5,
         muon_adjust_lr: str = "match_rms_adamw",
+        muon_ns_dtype: str = "bfloat16",
     ) -> None:
         super().__init__()
         self.config = resolve_config(config, overrides)
@@ -131,13 +133,12 @@ class MulaLightningModule(L.LightningModule):
         parse_activation_checkpointing(activation_checkpointing)  # refuse an unknown part now
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}.")
-        check_muon_options(muon_momentum, muon_ns_steps, muon_adjust_lr)
+        check_muon_options(muon_momentum, muon_ns_steps, muon_adjust_lr, muon_ns_dtype)
         self.optimizer = optimizer
         self.muon_options = {
-            "momentum": muon_momentum,
-            "ns_steps": muon_ns_steps,
-            "adjust_lr": muon_adjust_lr,
-        }
+            "momentum": muon_momentum, "ns_steps": muon_ns_steps,
+            "adjust_lr": muon_adjust_lr, "ns_dtype": muon_ns_dtype,
+        }  # fmt: skip
         self.activation_checkpointing = activation_checkpointing
         self.compile_settings = parse_compile(compile)  # refuse a bad setting now
         self._compile_watch: CompileWatch | None = None

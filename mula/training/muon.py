@@ -10,7 +10,10 @@ computes it and Moonlight (arXiv 2502.16982) publishes it:
 with s = 0.2 * sqrt(max(m, n)) for "match_rms_adamw" (the update's RMS matches AdamW's, so AdamW's
 learning rate and weight decay carry over) or sqrt(max(1, m / n)) for "original" (Keller Jordan's).
 Newton-Schulz runs in bfloat16 on the fp32 momentum, as torch's, Keller Jordan's and Moonlight's
-implementations do: the iteration is built to be stable there.
+implementations do: the iteration is built to be stable there. `ns_dtype="float32"` runs it in fp32
+instead (twice the bytes and slower matmuls): bf16's rounding of the update is then gone, and with it
+the update's sensitivity to the order a layout sums the gradients in (docs/muon.md), which is what the
+suite's equality runs against one process need.
 
 Which parameters are matrices is `mula.model.param_names.is_muon_param`; an expert stack is E matrices
 (its fused gate_up 2E: `muon_matrix_shape`), each orthogonalised on its own. `MulaMuon` is one
@@ -34,6 +37,7 @@ from mula.model.param_names import is_muon_param, is_no_decay, muon_matrix_shape
 ADJUST_LR = ("match_rms_adamw", "original")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's defaults
 NS_EPS = 1e-7
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # `ns_dtype` -> what Newton-Schulz runs in
 MUON_KEY = "muon"  # a param group whose parameters Muon trains carries {MUON_KEY: True}
 
 
@@ -60,8 +64,10 @@ def optimizer_param_groups(
     return [g for i, g in enumerate(groups) if no_decay or i % 2 == 0]
 
 
-def check_muon_options(momentum: float, ns_steps: int, adjust_lr: str) -> None:
+def check_muon_options(momentum: float, ns_steps: int, adjust_lr: str, ns_dtype: str = "bfloat16") -> None:
     """Refuse a Muon option outside its range, in one sentence naming it."""
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"muon_ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}.")
     if adjust_lr not in ADJUST_LR:
         raise ValueError(f"muon_adjust_lr must be one of {', '.join(ADJUST_LR)}, got {adjust_lr!r}.")
     if not 0.0 <= momentum < 1.0:
@@ -95,12 +101,13 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
     return lr * math.sqrt(max(1, rows / cols))
 
 
-def newton_schulz(update: Tensor, steps: int) -> Tensor:
-    """The orthogonalised `update` [m, n] (about U V^T of its SVD), in bfloat16: `steps` quintic
-    Newton-Schulz iterations on the update scaled to a spectral norm of at most 1, on its wide side
-    (X X^T is then the smaller Gram matrix). The same operations as torch.optim.Muon's, in its order."""
+def newton_schulz(update: Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The orthogonalised `update` [m, n] (about U V^T of its SVD), in `dtype` (bfloat16 as torch's):
+    `steps` quintic Newton-Schulz iterations on the update scaled to a spectral norm of at most 1, on
+    its wide side (X X^T is then the smaller Gram matrix). The same operations as torch.optim.Muon's,
+    in its order."""
     a, b, c = NS_COEFFICIENTS
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -122,12 +129,13 @@ def muon_matrix_update(
     momentum: float,
     ns_steps: int,
     adjust_lr: str,
+    ns_dtype: str = "bfloat16",
 ) -> None:
     """One Muon step of one matrix `param` [m, n] in place, from its fp32 `grad` and fp32
     `momentum_buffer` (updated in place)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     nesterov = grad.lerp(momentum_buffer, momentum)
-    orthogonal = newton_schulz(nesterov, ns_steps)
+    orthogonal = newton_schulz(nesterov, ns_steps, NS_DTYPES[ns_dtype])
     param.mul_(1 - lr * weight_decay)
     param.add_(orthogonal, alpha=-adjusted_lr(lr, adjust_lr, param.shape[0], param.shape[1]))
 
@@ -138,6 +146,7 @@ def muon_update(
     momentum_buffer: Tensor,
     group: dict[str, Any],
     matrix_shape: Sequence[int] | None = None,
+    ns_dtype: str = "bfloat16",
 ) -> None:
     """One Muon step of every matrix of `param` (a matrix, or a stack [..., m, n] of them) with the
     hyperparameters of its param `group`; `matrix_shape` (rows, cols) splits each of the stack's slices
@@ -147,7 +156,7 @@ def muon_update(
     options = {k: group[k] for k in ("lr", "weight_decay", "momentum", "ns_steps", "adjust_lr")}
     # matrix by matrix (never a batched Newton-Schulz): each matrix is computed exactly as alone
     for p, g, b in zip(*(t.view(-1, rows, cols) for t in (param, grad, momentum_buffer))):
-        muon_matrix_update(p, g, b, **options)
+        muon_matrix_update(p, g, b, **options, ns_dtype=ns_dtype)
 
 
 class MulaMuon(torch.optim.Optimizer):
@@ -159,6 +168,8 @@ class MulaMuon(torch.optim.Optimizer):
             lists the (rows, cols) of its parameters' matrices under "matrix_shapes".
         lr, betas, eps, weight_decay: AdamW's, and Muon's lr and weight decay (Moonlight's one lr).
         momentum, ns_steps, adjust_lr: Muon's (`check_muon_options`).
+        ns_dtype: what Newton-Schulz runs in, "bfloat16" (torch's) or "float32": a setting of the run,
+            not a hyperparameter of the param groups (a checkpoint does not carry it).
 
     State: a Muon parameter keeps one fp32 "momentum_buffer" (4 bytes per element), an AdamW parameter
     torch AdamW's "step", "exp_avg" and "exp_avg_sq" (8 bytes per element in fp32). It is allocated
@@ -176,8 +187,10 @@ class MulaMuon(torch.optim.Optimizer):
         momentum: float = 0.95,
         ns_steps: int = 5,
         adjust_lr: str = "match_rms_adamw",
+        ns_dtype: str = "bfloat16",
     ) -> None:
-        check_muon_options(momentum, ns_steps, adjust_lr)
+        check_muon_options(momentum, ns_steps, adjust_lr, ns_dtype)
+        self.ns_dtype = ns_dtype
         defaults = {
             "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
             "momentum": momentum, "ns_steps": ns_steps, "adjust_lr": adjust_lr, MUON_KEY: False,
@@ -234,7 +247,7 @@ class MulaMuon(torch.optim.Optimizer):
                 continue
             state = self._init_state(p, True)
             # the fp32 update of the fp32 parameter itself (bf16 weights are refused without masters)
-            muon_update(p, p.grad.float(), state["momentum_buffer"], group, shape)
+            muon_update(p, p.grad.float(), state["momentum_buffer"], group, shape, self.ns_dtype)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -13,19 +13,20 @@ Newton-Schulz FLOPs (m * n * min(m, n), `mula.layout.flat_buffers.matrix_owners`
 all data-parallel ranks, experts' over their EDP group. Per Muon bucket and step:
 
 1. every rank updates the momentum of its slice and forms the Nesterov update U there (elementwise,
-   as `torch.optim.Muon`), and the bucket's U is all-gathered in bfloat16 -- exactly what
-   Newton-Schulz reads, its first operation being the cast to bfloat16;
-2. each owner orthogonalises its matrices into an otherwise zero bfloat16 buffer of the bucket;
+   as `torch.optim.Muon`), and the bucket's U is all-gathered in Newton-Schulz's dtype (bfloat16 as
+   torch's, or `ns_dtype="float32"`) -- exactly what Newton-Schulz reads, its first operation being
+   the cast to that dtype;
+2. each owner orthogonalises its matrices into an otherwise zero buffer of the bucket, in that dtype;
 3. a reduce-scatter of that buffer hands every rank the orthogonalised update of its slice (each
    element has one non-zero contribution, so the sum is exact);
 4. every rank applies decoupled weight decay and the scaled update to its fp32 master slice, and the
    bucket's parameter all-gather starts, as for AdamW's buckets.
 
 Against replicated Muon (every rank runs every Newton-Schulz of the matrices it holds) this divides
-the Newton-Schulz work by the domain's size, for one bf16 all-gather and one bf16 reduce-scatter per
-step of the Muon elements (a third of the gradient reduce-scatter's fp32 bytes each). Gathers run one
-bucket ahead of the Newton-Schulz and at most two reduce-scatters are in flight, so the transient
-buffers are a few buckets, never the model. AdamW's buckets update first, their parameter all-gathers
+the Newton-Schulz work by the domain's size, for one all-gather and one reduce-scatter per step of the
+Muon elements in Newton-Schulz's dtype (in bf16 a third of the gradient reduce-scatter's fp32 bytes
+each). Gathers run one bucket ahead of the Newton-Schulz and at most two reduce-scatters are in flight,
+so the transient buffers are a few buckets, never the model. AdamW's buckets update first, their parameter all-gathers
 overlapping Muon's work. The gradient norm, clipping and the non-finite skip are the step's, as for
 AdamW (`strategies.optim.clipping`).
 """
@@ -40,6 +41,7 @@ from torch import Tensor
 
 from mula.layout.flat_buffers import Bucket, MatrixTask, ParamEntry, matrix_owners
 from mula.training.muon import (
+    NS_DTYPES,
     adjusted_lr,
     check_matrix_shapes,
     check_muon_options,
@@ -59,8 +61,9 @@ _MUON_KINDS = ("master", "momentum_buffer")
 class EPShardedMuon(EPShardedAdamW):
     """`EPShardedAdamW` whose param groups marked `{"muon": True}` train with Muon, sharded by matrix.
 
-    Args: those of `EPShardedAdamW`, plus Muon's `momentum`, `ns_steps` and `adjust_lr`
-    (`mula.training.muon.check_muon_options`), the defaults of the Muon groups; a Muon group lists the
+    Args: those of `EPShardedAdamW`, plus Muon's `momentum`, `ns_steps`, `adjust_lr` and `ns_dtype`
+    (`mula.training.muon.check_muon_options`), the defaults of the Muon groups (`ns_dtype`, also the
+    dtype of the update's collectives, is the optimizer's, as `MulaMuon`'s); a Muon group lists the
     (rows, cols) of its parameters' matrices under "matrix_shapes" (`MulaLightningModule.param_groups`).
     Offload (its host update is AdamW's) is refused. Equal to `mula.training.muon.MulaMuon` on one
     process (tests/test_sharded_muon.py).
@@ -75,15 +78,17 @@ class EPShardedMuon(EPShardedAdamW):
         momentum: float = 0.95,
         ns_steps: int = 5,
         adjust_lr: str = "match_rms_adamw",
+        ns_dtype: str = "bfloat16",
         **kwargs: Any,
     ) -> None:
-        check_muon_options(momentum, ns_steps, adjust_lr)
+        check_muon_options(momentum, ns_steps, adjust_lr, ns_dtype)
         if kwargs.get("offload"):
             raise ValueError(
                 "Sharded Muon does not offload its state to the host (the host update is AdamW's); "
                 "set optimizer_options.offload=false or model.optimizer=adamw."
             )
         self._muon_defaults = {"momentum": momentum, "ns_steps": ns_steps, "adjust_lr": adjust_lr}
+        self._ns_dtype = NS_DTYPES[ns_dtype]
         super().__init__(params, named_params, topology, **kwargs)
         states = self.reducer.states
         self._tasks = matrix_owners(self.buckets)
@@ -165,17 +170,18 @@ class EPShardedMuon(EPShardedAdamW):
 
     def _gather_update(self, index: int) -> tuple[Tensor, list[Any]]:
         """Momentum and Nesterov update of this rank's slice of Muon bucket ``index`` (fp32, as
-        `mula.training.muon.muon_matrix_update`), and the start of the bucket's bf16 all-gather of it."""
+        `mula.training.muon.muon_matrix_update`), and the start of the bucket's all-gather of it in
+        Newton-Schulz's dtype."""
         lo, hi = self._shard_range(index)
         _, momentum, _ = self.bucket_state(index)
         grads = self.shard_grad[lo:hi]
-        update = torch.zeros(hi - lo, dtype=torch.bfloat16, device=self.device)
+        update = torch.zeros(hi - lo, dtype=self._ns_dtype, device=self.device)
         for run in self._runs[index]:  # (padding between a run's segments: zero gradient, zero update)
             mu = float(self.param_groups[run.group]["momentum"])
             g, buf = grads[run.lo : run.hi].float(), momentum[run.lo : run.hi]
             buf.lerp_(g, 1 - mu)
             update[run.lo : run.hi].copy_(g.lerp(buf, mu))
-        full = torch.empty(self.buckets[index].numel, dtype=torch.bfloat16, device=self.device)
+        full = torch.empty(self.buckets[index].numel, dtype=self._ns_dtype, device=self.device)
         return full, gather_shards(full, update, self.reducer.states[index].domain)
 
     def _orthogonalise(self, index: int, full: Tensor) -> tuple[Tensor, list[Any]]:
@@ -186,9 +192,11 @@ class EPShardedMuon(EPShardedAdamW):
             n = task.rows * task.cols
             x = full[task.start : task.start + n].view(task.rows, task.cols)
             steps = int(self.param_groups[task.group]["ns_steps"])
-            orthogonal[task.start : task.start + n].view(task.rows, task.cols).copy_(newton_schulz(x, steps))
+            orthogonal[task.start : task.start + n].view(task.rows, task.cols).copy_(
+                newton_schulz(x, steps, self._ns_dtype)
+            )
         dom = self.reducer.states[index].domain
-        out = torch.empty(self.buckets[index].shard_numel, dtype=torch.bfloat16, device=self.device)
+        out = torch.empty(self.buckets[index].shard_numel, dtype=self._ns_dtype, device=self.device)
         return reduce_scatter_shards(orthogonal, dom, out)
 
     def _apply(self, index: int, mine: Tensor, handles: list[Any]) -> None:
