@@ -1,8 +1,15 @@
-"""Test isolation shared by the whole suite."""
+"""Test isolation shared by the whole suite, and its one thread per process."""
 
 import os
 
 import pytest
+
+# The suite runs in two pytest-xdist workers on the CI's two cores (README: `-n 2`), each test's ranks and
+# subprocesses beside the other worker's. A process with an OpenMP team of two waits at every barrier for
+# a core the other worker holds (a 50-step `mula fit` took 157 s instead of 20): every test process, and
+# every process it starts, runs one intra-op thread, as the multi-rank tests' ranks always did. Set before
+# any test module imports torch; a user's own OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -69,7 +69,7 @@ CLUSTER = "a cluster launcher's job (SLURM, torchrun across nodes, PBS + mpiexec
 NOT_RUN = {
     "bash scripts/setup.sh": "sets up the environment these tests run in (.ci/run runs its dev variant first)",
     "bash scripts/setup.sh dev": "sets up the environment these tests run in (.ci/run runs it first)",
-    ".venv/bin/python -m pytest -q": "the test suite itself",
+    ".venv/bin/python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
     "mula eval --ckpt runs/mula-1b/checkpoints/step=000010000.ckpt --tasks arc_easy,hellaswag,piqa,sciq":
         "lm-eval downloads these tasks' datasets from the Hugging Face Hub (tests/test_downstream_eval.py runs local tasks)",
     "mula eval --run runs/mula-1b --tasks arc_easy,hellaswag --limit 500":
