@@ -1,5 +1,5 @@
 """What a parameter's name says: whether it is an expert weight, whether it is decayed, whether Muon
-trains it and as which matrices.
+trains it and as which matrices (and the dtypes Muon's Newton-Schulz runs in, which the planner prices).
 
 Torch-free on purpose: `mula plan` reads the model's parameter names from `MulaConfig.parameter_shapes`
 without building a module, and must sort them exactly as the strategy and the optimizer do.
@@ -49,3 +49,12 @@ def muon_matrix_shape(name: str, shape: Sequence[int]) -> tuple[int, int]:
     rows, cols = int(shape[-2]), int(shape[-1])
     fused = _FUSED_ROWS.get(name.rsplit(".", 1)[-1], 1) if is_expert_param(name) else 1
     return rows // fused, cols
+
+
+MUON_NS_DTYPES = {"bfloat16": 2, "float32": 4}  # `model.muon_ns_dtype` -> bytes per element
+
+
+def check_muon_ns_dtype(ns_dtype: str) -> None:
+    """Refuse a Newton-Schulz dtype Muon does not run in, in one sentence."""
+    if ns_dtype not in MUON_NS_DTYPES:
+        raise ValueError(f"muon_ns_dtype must be one of {', '.join(MUON_NS_DTYPES)}, got {ns_dtype!r}.")

@@ -27,8 +27,9 @@ import dataclasses
 
 from mula.layout.flat_buffers import plan_buckets
 from mula.model.config import MulaConfig
+from mula.model.param_names import MUON_NS_DTYPES
 from mula.plan.calibrated import collective_seconds, nearest_group
-from mula.plan.layout import NS_DTYPE_BYTES, Layout
+from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import optimizer_entries, sharded_buckets, stage_params
 from mula.plan.parameters import model_parameters
@@ -44,8 +45,9 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
     """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, the
     collective calls behind each (per round), and the gradient bytes the sharded optimizer's buckets take
     (padding included, in the reduction's dtype: what its reducer writes every micro-batch; 0 for
-    replicated AdamW), from one plan of the buckets. Sharded Muon's two collectives of its buckets
-    (the update's all-gather, the orthogonalised update's reduce-scatter, in `muon_ns_dtype`) count with the gather."""
+    replicated AdamW), from one plan of the buckets. Sharded Muon's two collectives of its buckets (the
+    update's all-gather, the orthogonalised update's reduce-scatter, in `muon_ns_dtype`) count with the
+    gather."""
     if not layout.shard_optimizer:
         # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
         # in the parameters' dtype, bucketed as the sharded optimizer would bucket it (grad_sync.py)
@@ -74,7 +76,7 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
             reduce_calls += shards
         gather += _ring(b.numel, layout.param_bytes, b.group_size)
         if b.muon:  # sharded Muon: the all-gather of its update, the reduce-scatter of the result
-            gather += 2 * _ring(b.numel, NS_DTYPE_BYTES[layout.muon_ns_dtype], b.group_size)
+            gather += 2 * _ring(b.numel, MUON_NS_DTYPES[layout.muon_ns_dtype], b.group_size)
             gather_calls += 2 * shards
     held = float(sum(b.numel for b in buckets) * layout.reduce_bytes)
     return reduce, gather, reduce_calls, gather_calls, held

@@ -15,6 +15,7 @@ from typing import Any
 
 from mula.layout.parallel_layout import Holdings, ParallelLayout
 from mula.layout.sharding_options import ShardingOptions
+from mula.model.param_names import check_muon_ns_dtype
 
 _OPTIONS = ShardingOptions()  # the sharded optimizer's defaults
 # Layout fields that are ShardingOptions fields of the same name (`Layout.sharding`)
@@ -23,7 +24,6 @@ SHARDING_FIELDS = ("zero_stage", "reduce_dtype", "bucket_numel", "align", "ep_aw
 
 # trainer.precision -> (parameter bytes, matmul/activation bytes); "mixed" keeps fp32 weights and
 # residual stream and runs the matmuls in 16 bits under autocast.
-NS_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # Muon's Newton-Schulz dtype -> bytes per element
 PRECISIONS = {
     "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8),
     "bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2),
@@ -109,10 +109,7 @@ class Layout:
         )
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
-        if self.muon_ns_dtype not in NS_DTYPE_BYTES:
-            raise ValueError(
-                f"muon_ns_dtype must be one of {', '.join(NS_DTYPE_BYTES)}, got {self.muon_ns_dtype!r}."
-            )
+        check_muon_ns_dtype(self.muon_ns_dtype)
         for name in ("micro_batch", "seq_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")

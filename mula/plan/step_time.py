@@ -45,9 +45,10 @@ from dataclasses import dataclass
 
 from mula.model.activation_checkpointing import parse_activation_checkpointing
 from mula.model.config import MulaConfig
+from mula.model.param_names import MUON_NS_DTYPES
 from mula.plan.calibrated import collective_seconds, compute_flops_per_s, node_calls_seconds
 from mula.plan.grad_reduction import optimizer_volumes, reduction_overhead_seconds
-from mula.plan.layout import NS_DTYPE_BYTES, Layout
+from mula.plan.layout import Layout
 from mula.plan.machines import Machine
 from mula.plan.memory import stage_key, stage_params
 from mula.plan.parameters import model_parameters
@@ -312,7 +313,7 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     )
     optimizer = update_seconds(machine, update_bytes(config, layout))
     optimizer += newton_schulz_flops(config, layout) / compute_flops_per_s(
-        machine, NS_DTYPE_BYTES[layout.muon_ns_dtype]
+        machine, MUON_NS_DTYPES[layout.muon_ns_dtype]
     )
     loop = loop_seconds(machine, layout)
     return StepTime(

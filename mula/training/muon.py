@@ -32,12 +32,20 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
-from mula.model.param_names import is_muon_param, is_no_decay, muon_matrix_shape
+from mula.model.param_names import (
+    MUON_NS_DTYPES,
+    check_muon_ns_dtype,
+    is_muon_param,
+    is_no_decay,
+    muon_matrix_shape,
+)
 
 ADJUST_LR = ("match_rms_adamw", "original")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's defaults
 NS_EPS = 1e-7
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # `ns_dtype` -> what Newton-Schulz runs in
+NS_DTYPES = {
+    name: getattr(torch, name) for name in MUON_NS_DTYPES
+}  # `ns_dtype` -> what Newton-Schulz runs in
 MUON_KEY = "muon"  # a param group whose parameters Muon trains carries {MUON_KEY: True}
 
 
@@ -66,8 +74,7 @@ def optimizer_param_groups(
 
 def check_muon_options(momentum: float, ns_steps: int, adjust_lr: str, ns_dtype: str = "bfloat16") -> None:
     """Refuse a Muon option outside its range, in one sentence naming it."""
-    if ns_dtype not in NS_DTYPES:
-        raise ValueError(f"muon_ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}.")
+    check_muon_ns_dtype(ns_dtype)
     if adjust_lr not in ADJUST_LR:
         raise ValueError(f"muon_adjust_lr must be one of {', '.join(ADJUST_LR)}, got {adjust_lr!r}.")
     if not 0.0 <= momentum < 1.0:
