@@ -2,8 +2,9 @@
 optimizers (`torch.optim.Muon` on every block matrix, each expert's gate, up and down its own matrix, plus
 `torch.optim.AdamW` for the rest, same grouping and lr schedule): losses and every weight within 1e-6 over
 10 fp32 steps of a tiny MoE. Also: the grouping rule against explicit lists (tiny MoE, tiny DeepSeek-V3 with
-MLA), a wrong reference (no Nesterov, Keller Jordan's scale) is told apart, the refusals, the state bytes
-and `mula plan`'s count of them.
+MLA), a wrong reference (no Nesterov, Keller Jordan's scale) is told apart, an expert stack's update is its
+matrices' (not one Newton-Schulz of the stack or of a fused gate_up), the momentum buffer is torch's and
+(1 - momentum) times Moonlight's, the refusals, the state bytes and `mula plan`'s count of them.
 
 Why the runs agree by construction, on any host: both models start from one copy and see the same batches,
 so their gradients are the same bits as long as their weights are; Muon's matrix update is the same
@@ -25,7 +26,14 @@ from mula.model.param_names import is_muon_param, muon_matrix_shape
 from mula.plan import Layout, plan_memory
 from mula.plan.layout import check_runnable
 from mula.training.module import MulaLightningModule, warmup_cosine
-from mula.training.muon import MulaMuon, is_muon_group, newton_schulz
+from mula.training.muon import (
+    MulaMuon,
+    adjusted_lr,
+    is_muon_group,
+    muon_matrix_update,
+    muon_update,
+    newton_schulz,
+)
 
 TINY = {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "vocab_size": 64, "num_experts": 4, "top_k": 2,
         "expert_intermediate_size": 32, "max_position_embeddings": 64}  # fmt: skip
@@ -165,16 +173,78 @@ def test_a_wrong_reference_is_told_apart(trained: dict, wrong: dict) -> None:
     assert _max_weight_difference(trained["module"].model, reference.model) > 1e-4
 
 
+GROUP = {"lr": 2e-2, "weight_decay": 0.1, "momentum": 0.95, "ns_steps": 5, "adjust_lr": "match_rms_adamw"}
+
+
 def test_an_expert_stack_is_its_matrices() -> None:
-    """Newton-Schulz of a stack's matrix equals that matrix alone, and orthogonalises (singular values of
-    the quintic's ~[0.7, 1.2] band)."""
-    g = torch.randn(3, 2 * 8, 24, generator=torch.Generator().manual_seed(0))
-    alone = [newton_schulz(m, 5) for m in g.view(-1, 8, 24)]
-    assert torch.equal(
-        torch.stack(alone), torch.stack([newton_schulz(m.clone(), 5) for m in g.view(-1, 8, 24)])
-    )
-    s = torch.linalg.svdvals(alone[0].float())
-    assert 0.5 < s.min() and s.max() < 1.3
+    """`muon_update` of a stack [3, 16, 24] whose matrices are [8, 24] (a fused gate_up of 3 experts: each
+    one's gate, then its up) is the 6 matrices' updates, each computed alone by `muon_matrix_update`, bit
+    for bit, momentum included, and each of them orthogonal; one Newton-Schulz of the flattened stack
+    [48, 24], or of each expert's fused [16, 24], at the same scale, is another update."""
+    gen = torch.Generator().manual_seed(0)
+    weight, grad, buffer = (torch.randn(3, 16, 24, generator=gen) for _ in range(3))
+    stack, stack_buffer = weight.clone(), buffer.clone()
+    muon_update(stack, grad, stack_buffer, GROUP, (8, 24))
+    alone = []
+    for w, g, b in zip(*(t.view(6, 8, 24) for t in (weight, grad, buffer))):
+        w, b = w.clone(), b.clone()
+        muon_matrix_update(w, g.clone(), b, **GROUP)
+        alone.append((w, b))
+    assert torch.equal(stack, torch.stack([w for w, _ in alone]).view(3, 16, 24))
+    assert torch.equal(stack_buffer, torch.stack([b for _, b in alone]).view(3, 16, 24))
+    lr, scale = GROUP["lr"], adjusted_lr(GROUP["lr"], GROUP["adjust_lr"], 8, 24)
+    decayed = weight * (1 - lr * GROUP["weight_decay"])
+    for matrix in (stack - decayed).view(6, 8, 24) / -scale:  # the orthogonalised update, to rounding
+        s = torch.linalg.svdvals(matrix)
+        assert 0.5 < s.min() and s.max() < 1.3
+    nesterov = grad.lerp(buffer.lerp(grad, 1 - GROUP["momentum"]), GROUP["momentum"])
+    for rows in (48, 16):  # the whole stack as one matrix; gate and up of each expert as one
+        orthogonal = torch.cat([newton_schulz(m, 5) for m in nesterov.view(-1, rows, 24)]).view(3, 16, 24)
+        wrong = weight.clone().mul_(1 - lr * GROUP["weight_decay"]).add_(orthogonal, alpha=-scale)
+        assert (wrong - stack).abs().max() > 1e-3
+
+
+def _moonlight_step(weight: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor) -> None:
+    """One step of Moonlight's published Muon (arXiv 2502.16982's code) on one matrix, in place: its
+    momentum M <- mu M + G, the Nesterov input G + mu M; Newton-Schulz in fp32 and the rest as Mula's."""
+    momentum.mul_(GROUP["momentum"]).add_(grad)
+    orthogonal = newton_schulz(grad.add(momentum, alpha=GROUP["momentum"]), 5, torch.float32)
+    weight.mul_(1 - GROUP["lr"] * GROUP["weight_decay"])
+    weight.add_(orthogonal, alpha=-adjusted_lr(GROUP["lr"], GROUP["adjust_lr"], *weight.shape))
+
+
+def test_the_momentum_is_torch_muons_and_1_minus_mu_times_moonlights() -> None:
+    """`MulaMuon`'s "momentum_buffer" is torch.optim.Muon's bit for bit (B <- mu B + (1 - mu) G) and
+    (1 - mu) times Moonlight's (M <- mu M + G), whose Nesterov input is larger by the same 1 / (1 - mu),
+    which Newton-Schulz's normalisation divides out: in fp32, 3 steps of each from one matrix agree to
+    rounding. Moonlight's buffer given to Mula's update times (1 - mu) takes Moonlight's next step; as
+    it is, another (docs/muon.md)."""
+    mu = GROUP["momentum"]
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(16, 24, generator=gen)
+    grads = [torch.randn(16, 24, generator=gen) for _ in range(4)]
+    mula_weight, torch_weight = (torch.nn.Parameter(start.clone()) for _ in range(2))
+    options = {"lr": GROUP["lr"], "weight_decay": GROUP["weight_decay"], "momentum": mu}
+    mula = MulaMuon([{"params": [mula_weight], "muon": True}], **options, ns_dtype="float32")
+    reference = torch.optim.Muon([torch_weight], **options, adjust_lr_fn=GROUP["adjust_lr"])
+    moonlight_weight, moonlight_momentum = start.clone(), torch.zeros_like(start)
+    for grad in grads[:3]:
+        for weight, opt in ((mula_weight, mula), (torch_weight, reference)):
+            weight.grad = grad.clone()
+            opt.step()
+        _moonlight_step(moonlight_weight, grad, moonlight_momentum)
+    buffer = mula.state[mula_weight]["momentum_buffer"]
+    assert torch.equal(buffer, reference.state[torch_weight]["momentum_buffer"])
+    torch.testing.assert_close(buffer, (1 - mu) * moonlight_momentum, rtol=1e-6, atol=1e-7)
+    assert (buffer - moonlight_momentum).abs().max() > 0.1  # the factor is not rounding
+    torch.testing.assert_close(mula_weight.detach(), moonlight_weight, rtol=0, atol=1e-6)
+    before = moonlight_weight.clone(), moonlight_momentum.clone()
+    _moonlight_step(moonlight_weight, grads[3], moonlight_momentum)
+    for imported, converted in (((1 - mu) * before[1], True), (before[1].clone(), False)):
+        weight = before[0].clone()
+        muon_matrix_update(weight, grads[3], imported, **GROUP, ns_dtype="float32")
+        off = (weight - moonlight_weight).abs().max().item()
+        assert off < 1e-6 if converted else off > 1e-4, (converted, off)
 
 
 def _grouping(name: str, **overrides) -> dict[str, list[str]]:
