@@ -12,9 +12,11 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 
+from mula.calibrate.estimate import Probe, announcement, duration, phase_seconds
 from mula.calibrate.fit import fit_curve
 from mula.calibrate.job import cpu_threads_per_rank
 from mula.calibrate.measure import busy_times
+from mula.calibrate.settings import Settings
 from mula.model.config import MulaConfig
 from mula.plan import Layout
 from mula.plan.grad_reduction import overhead_per_byte
@@ -92,6 +94,7 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
     done = _mula("calibrate", "--devices", "2", "--quick", "true", "--seq_len", "64", "--progress", "false",
                  "--output", str(out), cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "mula: calibrating 2 ranks takes about " in done.stdout  # said before it measures
     text = out.read_text()
     assert text.startswith("# Measured by `mula calibrate` on ")  # how and when, in the file
     machine = load_machine(str(out))
@@ -165,6 +168,41 @@ def test_bad_input_stops_before_measuring(tmp_path, args, said, capsys, monkeypa
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and said in lines[0], lines
     assert not (tmp_path / "m.yaml").exists()
+
+
+def _settings(quick: bool) -> Settings:
+    return Settings(
+        output="m.yaml", name="m", model="mula-tiny-moe", overrides={}, seq_len=256, micro_batch=1,
+        backend="gloo", quick=quick, peak_bf16_tflops=None, memory_per_tile_gb=None, progress=True,
+        command="mula calibrate",
+    )  # fmt: skip
+
+
+def test_the_estimate_prices_each_phase_the_job_runs():
+    config = MulaConfig.from_name("mula-tiny-moe")
+    # a host whose bf16 pass of the small model takes twice its fp32 one
+    units = Probe({"float32": 0.1, "bfloat16": 0.2}, {"float32": 1e11, "bfloat16": 1e11}, 1e-4, 1e-9)
+    groups, kinds = {"intra": [2, 4], "inter": [2]}, {2: ["tp", "ep"], 4: ["ep"]}
+    quick = phase_seconds(_settings(True), config, groups, kinds, units)
+    # the phases the job reports done, in its order: compute, the loop, then group by group
+    assert list(quick)[:8] == [
+        "compute float32", "compute bfloat16", "loop", "intra 2 all_to_all", "intra 2 reduce_scatter",
+        "intra 2 all_gather", "intra 2 all_reduce", "intra 2 send_recv",
+    ]  # fmt: skip
+    assert list(quick)[8:13] == [
+        "intra 2 functional", "intra 2 float32 tp", "intra 2 float32 ep", "intra 2 float32 reduction",
+        "intra 2 bfloat16 tp",
+    ]  # fmt: skip
+    assert "inter 2 send_recv" in quick and "inter 2 functional" not in quick  # TP/CP stay in a node
+    assert "intra 4 float32 ep" in quick and "intra 4 float32 tp" not in quick  # only the kinds it splits
+    assert quick["intra 2 bfloat16 tp"] == pytest.approx(2 * quick["intra 2 float32 tp"])
+    # the full calibration: more message sizes and repetitions, every phase but the loop's longer
+    full = phase_seconds(_settings(False), config, groups, kinds, units)
+    assert full.keys() == quick.keys()
+    assert all(full[p] > quick[p] for p in quick if p != "loop")
+    line = announcement(_settings(True), units, quick, 2)
+    assert line.startswith(f"mula: calibrating 2 ranks takes about {duration(sum(quick.values()))} here")
+    assert (duration(40), duration(210)) == ("40 s", "3.5 min")
 
 
 def test_matmul_shapes_follow_the_attention_and_expert_kinds():

@@ -12,6 +12,10 @@ from mula.calibrate.settings import Settings
 
 BACKENDS = ("auto", "gloo", "nccl", "xccl")
 DEFAULT_SEQ_LEN = 2048  # tokens per sequence timed when the model allows as many
+# --quick's: the tiny recipes' sequence, a quarter of the tiny models' positions; each pass of the small
+# model, nearly all of the job's time, costs a third of one at 1024 tokens, and splits by every group
+# size up to 256
+QUICK_SEQ_LEN = 256
 
 
 def calibrate(
@@ -35,7 +39,9 @@ def calibrate(
     Mula issues (all-to-all with uneven splits, reduce-scatter, all-gather, all-reduce, pipeline
     send/recv) latency and bandwidth over message sizes, per group size, inside a node and across nodes.
     Launch it like `mula fit` (torchrun, srun or mpiexec: one rank per device), or locally with
-    `--devices N`. A few minutes on a node (`--quick`: under one).
+    `--devices N`. It prints how long it expects to take (from what it will time, priced by a probe of
+    this host) before it measures, then shows its progress. mula-tiny-moe on a 2-core CPU host: about 2
+    minutes, `--quick true` about one (more while other work shares the cores).
 
     Args:
         output: The machine file to write (.yaml), e.g. recipes/machines/mycluster.yaml.
@@ -44,14 +50,21 @@ def calibrate(
         model: The preset whose matmul shapes are timed (the model you will train).
         overrides: MulaConfig fields changed from the preset (as a recipe's `model.overrides`).
         seq_len: Tokens per sequence of those shapes (default: 2048, or the model's
-            max_position_embeddings when it is smaller).
+            max_position_embeddings when it is smaller; 256 with --quick).
         micro_batch: Sequences per micro-batch of those shapes.
         backend: auto (nccl on CUDA, xccl on XPU, else gloo), gloo, nccl or xccl.
-        quick: Fewer message sizes (up to 4 MiB) and repetitions.
+        quick: A calibration to try the planner with, sized by what its fits need (mula-tiny-moe: under
+            2 minutes on a 2-core CPU host): message sizes 1 KiB to 4 MiB by factors of 4 (latency- to
+            bandwidth-bound on a node: the two parameters of each curve, and five points more for its
+            error band), 3 timed repetitions of each (the fewest whose median one disturbed repetition
+            cannot move; 9, in turns, of the rates that are differences of two timings) and 256-token
+            sequences unless --seq_len is given (the small model's passes, nearly all of the job's time,
+            cost a third of theirs at 1024 tokens; the rates are a short sequence's: calibrate in full
+            to plan a real run).
         peak_bf16_tflops: The device's published bf16 peak (default: the fastest bf16 matmul measured).
         memory_per_tile_gb: Device memory, GB (default: what the device reports; on CPU the host's memory
             divided by the ranks on the node).
-        progress: Show a progress bar on rank 0.
+        progress: Show a progress bar on rank 0, with the time it expects is left.
         strategy: The strategy whose tensor-, context- and expert-parallel splits and sharded optimizer are
             timed, as a recipe's trainer.strategy names its class.
     """
@@ -75,7 +88,7 @@ def calibrate(
     config = MulaConfig.from_name(model, **(overrides or {}))  # an unknown preset or field is refused here
     positions = config.max_position_embeddings
     if seq_len is None:
-        seq_len = min(DEFAULT_SEQ_LEN, positions)
+        seq_len = min(QUICK_SEQ_LEN if quick else DEFAULT_SEQ_LEN, positions)
     elif not 0 < seq_len <= positions:
         raise ValueError(
             f"--seq_len {seq_len} does not fit {model}, whose max_position_embeddings is {positions}; "
@@ -111,6 +124,8 @@ def calibrate(
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
+    # the ranks take a while to import torch and probe the host: say something at once
+    print(f"mula: starting {world} local ranks; they say how long they take once they are up", flush=True)
     mp.spawn(run_rank, args=(world, settings, timings), nprocs=world, join=True)
 
 

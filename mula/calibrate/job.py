@@ -11,10 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mula.calibrate.estimate import announcement, phase_seconds, probe
 from mula.calibrate.fit import fit_curve
 from mula.calibrate.loop import loop_seconds
 from mula.calibrate.measure import (
     COLLECTIVES,
+    PEAK_SIZES,
     TRAINING_RATES,
     elementwise_gbps,
     functional_call_seconds,
@@ -29,6 +31,7 @@ from mula.calibrate.settings import DTYPES, Settings, host_description, now, wri
 from mula.calibrate.splits import splits_for
 from mula.calibrate.strategy import StrategyCalibration
 from mula.model.config import MulaConfig
+from mula.torch_compat import xpu_available
 from mula.training.host_allocator import reuse_freed_host_memory
 
 
@@ -45,7 +48,7 @@ def _device_and_backend(backend: str, local_rank: int) -> tuple[torch.device, st
 
 
 def _xpu() -> bool:
-    return hasattr(torch, "xpu") and torch.xpu.is_available()
+    return xpu_available()
 
 
 def _powers_up_to(n: int) -> list[int]:
@@ -120,21 +123,30 @@ def _measure(
     config = MulaConfig.from_name(settings.model, **settings.overrides)
     shapes = matmul_shapes(config, settings.micro_batch * settings.seq_len)
     counts = {"attention": 2 * config.num_heads}  # scores and values, per head
-    work = len(DTYPES) + sum(len(g) for g in groups.values()) * len(COLLECTIVES)
-    bar = _bar(work, settings.progress and rank == 0)
+    kinds = {g: splits_for(config, g, settings.seq_len) for g in groups["intra"]}
+    # what the job will take, said before it measures; the bar advances by each phase's share
+    units = probe(config, settings, device)
+    phases = phase_seconds(settings, config, {s: list(sized) for s, sized in groups.items()}, kinds, units)
+    if rank == 0:
+        print(announcement(settings, units, phases, world), flush=True)
+    bar = _bar(sum(phases.values()), settings.progress and rank == 0)
+
+    def done(phase: str) -> None:
+        bar.update(min(phases[phase], bar.total - bar.n))  # the sum's rounding never past the end
 
     # compute: every rank at once (as in training), the slowest rank's rate per shape
     local = {}
     for dtype_name in DTYPES:
         dtype = getattr(torch, dtype_name)
         local[dtype_name] = matmul_tflops(shapes, dtype, device, settings.reps)
-        local[dtype_name + "_peak"] = peak_tflops(dtype, device, settings.reps, (512, 1024, 2048))
+        local[dtype_name + "_peak"] = peak_tflops(dtype, device, settings.reps, PEAK_SIZES)
         local[dtype_name + "_training"] = training_tflops(
             config, settings.micro_batch, settings.seq_len, dtype, device, settings.reps
         )
-        bar.update(1)
+        done(f"compute {dtype_name}")
     local["elementwise_gbps"] = elementwise_gbps(device, 1 << 24, settings.reps)
     local["loop_s"] = loop_seconds(config)
+    done("loop")
     local["threads"] = torch.get_num_threads()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, local)
@@ -160,20 +172,22 @@ def _measure(
                         curves.setdefault(scope, {}).setdefault(kind, {})[g] = entry
                 synchronize(device)
                 dist.barrier()
-                bar.update(1)
+                done(f"{scope} {g} {kind}")
             if scope == "intra" and rank in ranks:  # TP and CP groups stay in a node
                 seconds = functional_call_seconds(group, device, 3 * settings.reps)
                 if rank == ranks[0]:
                     calls[g] = seconds
+                done(f"intra {g} functional")
                 # the model split over the group as the strategy splits it (strategies/calibrate/splits.py)
                 for dtype_name in DTYPES:
-                    for kind in splits_for(config, g, settings.seq_len):
+                    for kind in kinds[g]:
                         measured = strategy.split_training_seconds(
                             config, kind, settings.micro_batch, settings.seq_len, getattr(torch, dtype_name),
                             device, group, ranks.index(rank), g, 3 * settings.reps,
                         )  # fmt: skip
                         if rank == ranks[0]:
                             splits.setdefault(dtype_name, {}).setdefault(kind, {})[g] = measured
+                        done(f"intra {g} {dtype_name} {kind}")
                     # the sharded optimizer's reduction over the group (strategies/calibrate/reduction.py)
                     by_stage = strategy.reduction_seconds(
                         config, settings.micro_batch, settings.seq_len, getattr(torch, dtype_name), device,
@@ -182,6 +196,7 @@ def _measure(
                     if rank == ranks[0]:
                         for stage, measured in by_stage.items():
                             reductions.setdefault(dtype_name, {}).setdefault(stage, {})[g] = measured
+                    done(f"intra {g} {dtype_name} reduction")
             dist.barrier()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (curves, calls, splits, reductions))
@@ -206,10 +221,15 @@ def _merge(parts: Any) -> dict[str, Any]:
     return merged
 
 
-def _bar(total: int, enabled: bool) -> Any:
+def _bar(seconds: float, enabled: bool) -> Any:
+    """A progress bar counting the job's estimated seconds (its remaining time: the estimate's rest, at
+    the pace the finished phases went)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="calibrate", disable=not enabled, dynamic_ncols=True)
+    return tqdm(
+        total=seconds, desc="calibrate", disable=not enabled, dynamic_ncols=True,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed, about {remaining} left",
+    )  # fmt: skip
 
 
 def _write(

@@ -23,6 +23,7 @@ from mula.model.config import MulaConfig
 
 ACCUMULATE = 3  # micro-batches per step of the second run
 ROUNDS = 3  # runs of each, in turns
+STEPS = 8  # optimizer steps timed per run (after two warm-up steps)
 _TINY = dict(
     vocab_size=64, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32, max_position_embeddings=16
 )
@@ -108,7 +109,7 @@ def _manual_s(steps: int, name: str, overrides: dict[str, Any]) -> tuple[float, 
     return statistics.median(fb[2:]), statistics.median(up[2:])
 
 
-def loop_seconds(config: MulaConfig | None = None, steps: int = 8) -> dict[str, float]:
+def loop_seconds(config: MulaConfig | None = None, steps: int = STEPS) -> dict[str, float]:
     """{"step": s, "batch": s}: the loop's fixed seconds per optimizer step and per micro-batch on this
     rank for a model of `config`'s kind (each at least 0: on a loaded host the difference of two
     timings can come out negative)."""

@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from mula.model.config import MulaConfig
-from mula.torch_compat import c10d_functional_ops
+from mula.torch_compat import all_gather_single, c10d_functional_ops, reduce_scatter_single
 
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce", "send_recv")
 # `training_tflops`' rates: a block's forward + backward and forward, and the rest of the model's
 TRAINING_RATES = ("step", "forward", "head_step", "head_forward")
+PEAK_SIZES = (512, 1024, 2048)  # the square matmuls whose fastest is the device's practical peak
 # torch >= 2.10 names the tensor collectives *_single (as strategies/optim/grad_reduce.py uses them)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = reduce_scatter_single
+_all_gather = all_gather_single
 
 
 def synchronize(device: torch.device) -> None:
@@ -219,6 +220,15 @@ def small_model_config(config: MulaConfig) -> MulaConfig:
     return dataclasses.replace(config, num_layers=min(config.num_layers, config.num_dense_layers + 2))
 
 
+def training_loss(net: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The training loss of `net` (a `Mula`) on token windows `ids` (micro-batch x (seq_len + 1)):
+    cross-entropy plus the router losses at the model's weights."""
+    config = net.config
+    out = net(ids[:, :-1])
+    ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
+    return ce + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+
+
 def training_tflops(
     config: MulaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, reps: int
 ) -> dict[str, float]:
@@ -246,9 +256,7 @@ def training_tflops(
     ids = torch.randint(0, small.vocab_size, (micro_batch, seq_len + 1), device=device)
 
     def loss(net: Any) -> torch.Tensor:
-        out = net(ids[:, :-1])
-        ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
-        return ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
+        return training_loss(net, ids)
 
     def step(net: Any) -> None:
         # the gradients accumulate, as over a step's micro-batches (adding into them costs a pass more
@@ -282,8 +290,16 @@ def training_tflops(
     return out
 
 
+FUNCTIONAL_CALLS, FUNCTIONAL_NUMEL, FUNCTIONAL_WIDTH = 32, 4096, 256  # `functional_call_seconds`' loop
+
+
 def functional_call_seconds(
-    group: Any, device: torch.device, reps: int, calls: int = 32, numel: int = 4096, width: int = 256
+    group: Any,
+    device: torch.device,
+    reps: int,
+    calls: int = FUNCTIONAL_CALLS,
+    numel: int = FUNCTIONAL_NUMEL,
+    width: int = FUNCTIONAL_WIDTH,
 ) -> float:
     """Seconds one small functional all-reduce (torch's `_c10d_functional` ops, as DTensor and Ulysses
     issue them: launched, then waited on) adds between two pieces of compute: a loop of `calls` (matmul,
