@@ -9,9 +9,12 @@ Each command in RUN runs as written, in a scratch directory holding a copy of re
 (and `.venv/bin/mula`) as this interpreter's `python -m mula`. A training command gets small settings
 (`FIT_SMALL`: 2 steps of 64-token sequences on a few stdlib files) after its recipe files and before
 its own options, so what it documents is what runs; a run other than the README's first gets a run
-directory of its own, so none resumes another. `mula calibrate` runs with `--quick true --seq_len 64`, and the machine
+directory of its own, so none resumes another. `mula calibrate` runs as written (the documented
+`--quick true`: under 2 minutes on a 2-core host), says how long it takes before it measures, and the machine
 file it writes is read by `mula plan --machine`. A command in NOT_RUN needs a cluster launcher, a
-download or the network; the recipe files and scripts it names must still exist.
+download or the network; the recipe files and scripts it names must still exist, and a cluster job's
+`mula fit` (under srun, torchrun or mpiexec, and scripts/mula-resilient) runs as `mula plan --dry_run` with
+the same files and options (`test_a_cluster_fit_dry_runs`: the rule is written there).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ FIT_SMALL = [*FAST, "--trainer.max_steps=2", "--trainer.val_check_interval=8", "
              "--data.micro_batch_size=4"]  # fmt: skip
 MAIN_JOB = ".venv/bin/mula fit -c recipes/mula-tiny-moe.yaml"  # the README's first command (after setup)
 
-# how each runnable command runs: "fit" (FIT_SMALL inserted), "as is", or "quick" (calibrate)
+# how each runnable command runs: "fit" (FIT_SMALL inserted), "as is", or "calibrate" (as is, then planned with)
 RUN = {
     MAIN_JOB: "fit",
     ".venv/bin/ruff check .": "lint",
@@ -54,7 +57,7 @@ RUN = {
     "mula fit -c recipes/mula-tiny-moe.yaml -c recipes/strategies/pipeline.yaml --trainer.devices=4": "fit",
     "mula fit -c recipes/mula-tiny-dense.yaml -c recipes/strategies/tensor-parallel.yaml --trainer.devices=4": "fit",
     "mula plan -c recipes/mula-220b-a10b.yaml -c recipes/strategies/aurora-xpu-moe.yaml --machine aurora --nodes 32": "as is",
-    "mula calibrate --devices 2 --output recipes/machines/this-host.yaml --model mula-tiny-moe": "quick",
+    "mula calibrate --devices 2 --output recipes/machines/this-host.yaml --model mula-tiny-moe --quick true": "calibrate",
     "mula plan -c recipes/mula-tiny-moe.yaml --trainer.devices=2 --trainer.strategy=strategies.XPUMoEStrategy --trainer.strategy.init_args.expert_parallel_size=2 --machine recipes/machines/example-cpu-calibrated.yaml": "as is",
     "mula plan -c recipes/mula-220b-a10b.yaml -c recipes/strategies/aurora-pipeline.yaml --machine=aurora --nodes=1024 --data.global_batch_size=12288 --dry_run": "as is",
     "mula plan -c recipes/frontier/mula-gpt-22b.yaml --machine=frontier": "as is",
@@ -66,6 +69,11 @@ RUN = {
 }  # fmt: skip
 
 CLUSTER = "a cluster launcher's job (SLURM, torchrun across nodes, PBS + mpiexec on Aurora)"
+# the two cluster fits whose node count no line of their document states (see CHOSEN_NODES)
+TORCHRUN_1B = ("torchrun --nnodes=$NNODES --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 "
+               "-m mula.cli fit -c recipes/mula-1b.yaml --trainer.num_nodes=$NNODES")  # fmt: skip
+AURORA_PIPELINE_220B = ("mpiexec -n $((NNODES * 12)) --ppn 12 mula fit -c recipes/mula-220b-a10b.yaml "
+                        "-c recipes/strategies/aurora-pipeline.yaml --trainer.num_nodes=$NNODES")  # fmt: skip
 NOT_RUN = {
     "bash scripts/setup.sh": "sets up the environment these tests run in (.ci/run runs its dev variant first)",
     "bash scripts/setup.sh dev": "sets up the environment these tests run in (.ci/run runs it first)",
@@ -81,8 +89,7 @@ NOT_RUN = {
     "--num_workers 64": "needs the downloaded OLMoE-mix-0924 corpus and OLMoE tokenizer (tests/test_data.py prepares local files)",
     "srun --nodes 128 --ntasks-per-node 1 --cpus-per-task 64 mula prepare -c recipes/datasets/olmoe-mix-0924.yaml "
     "--tokenizer_path /path/to/OLMoE-1B-7B-0924/tokenizer.json": CLUSTER,
-    "torchrun --nnodes=$NNODES --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 -m mula.cli fit "
-    "-c recipes/mula-1b.yaml --trainer.num_nodes=$NNODES": CLUSTER,
+    TORCHRUN_1B: CLUSTER,
     "srun .venv/bin/mula fit -c recipes/mula-7b-a1b.yaml -c recipes/strategies/xpu-moe.yaml --trainer.devices=8 "
     "--trainer.num_nodes=$SLURM_NNODES": CLUSTER,
     "cd $PBS_O_WORKDIR": CLUSTER,
@@ -92,8 +99,7 @@ NOT_RUN = {
     "-c recipes/strategies/aurora-xpu-moe.yaml --trainer.num_nodes=$NNODES": CLUSTER,
     "wandb login": "needs the network (W&B's servers); runs log offline here",
     "WANDB_MODE=online mula fit -c recipes/mula-7b-a1b.yaml": "needs the network (W&B's servers) and a 7B model",
-    "mpiexec -n $((NNODES * 12)) --ppn 12 mula fit -c recipes/mula-220b-a10b.yaml "
-    "-c recipes/strategies/aurora-pipeline.yaml --trainer.num_nodes=$NNODES": CLUSTER,
+    AURORA_PIPELINE_220B: CLUSTER,
     "srun mula fit -c recipes/mula-7b-a1b.yaml -c recipes/strategies/xpu-moe.yaml --trainer.devices=8 "
     "--trainer.num_nodes=64 --trainer.strategy.init_args.expert_parallel_size=8": CLUSTER,
     "scripts/mula-resilient -n 5 -d 30 -- mpiexec -n 1536 --ppn 12 mula fit -c recipes/mula-20b-a2b.yaml "
@@ -103,7 +109,7 @@ NOT_RUN = {
     "qsub -W depend=afterany:$PBS_JOBID $0": CLUSTER,
     "exit $rc": CLUSTER,
     "torchrun --nnodes=16 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 --max-restarts=3 "
-    "$(which mula) fit -c recipes/mula-1b.yaml": CLUSTER,
+    "$(which mula) fit -c recipes/mula-1b.yaml --trainer.num_nodes=16": CLUSTER,
     "srun --nodes 2 --ntasks-per-node 8 mula calibrate --output recipes/machines/mycluster.yaml --model mula-7b-a1b "
     "--peak_bf16_tflops 989": CLUSTER,
 }  # fmt: skip
@@ -197,6 +203,145 @@ def test_a_command_not_run_names_files_that_exist(command: str) -> None:
                 assert (ROOT / path).exists(), f"{command}: {path} does not exist"
 
 
+# A cluster job's `mula fit` runs here as `mula plan --dry_run` with the same `-c` files and options: the
+# launcher (srun, torchrun, mpiexec; scripts/mula-resilient around it) is stripped, and its variables take
+# the values the job script states -- `#SBATCH --nodes=N` is $SLURM_NNODES (and `--ntasks-per-node=K` srun's
+# ranks per node), `#PBS -l select=N` is $NNODES (the node file's line count) -- or, where no line of the
+# document states them, the value CHOSEN_NODES gives with its source. The plan prices the node the launcher
+# fills, one rank per device: `--machine` is NODE_MACHINES[ranks per node] (12: an Aurora node of tiles, as
+# the docs' mpiexec jobs say; 8: an 8-GPU node, H100's machine file). It must (1) plan as many ranks as the
+# launcher starts (trainer.devices x num_nodes: mpiexec's cluster environment refuses a difference, and
+# `mula fit`'s memory check plans trainer.num_nodes), with an explicit trainer.devices equal to the ranks per
+# node, (2) fit the device, as `mula fit`'s start-of-run check requires, and (3) build its rank on the meta
+# device with every byte equal to the plan's (`mula plan --dry_run`'s own exit status).
+CHOSEN_NODES = {
+    TORCHRUN_1B: (16, "the node count of docs/resilience.md's torchrun job of the same recipe"),
+    AURORA_PIPELINE_220B: (32, "the Aurora nodes recipes/mula-220b-a10b.yaml's header plans it on"),
+}
+NODE_MACHINES = {12: "aurora", 8: "h100"}
+CLUSTER_FITS = [c for c, why in NOT_RUN.items() if why == CLUSTER and "fit" in c.split()]
+
+
+def _job_directives() -> dict[str, list[str]]:
+    """Each documented command -> the scheduler lines (`#SBATCH`, `#PBS`) of the block it is in."""
+    found: dict[str, list[str]] = {}
+    for path in DOCS:
+        for lang, lines in _blocks(path):
+            if lang in ("bash", "sh"):
+                directives = [line.strip() for line in lines if line.strip().startswith(("#SBATCH", "#PBS"))]
+                for line in _logical_lines(lines):
+                    found.update((" ".join(tokens), directives) for tokens in _commands(line))
+    return found
+
+
+def _option(tokens: list[str], *names: str) -> str | None:
+    """The value of a launcher option written `--name=V` or `--name V` (the first of `names` present)."""
+    for i, token in enumerate(tokens):
+        for name in names:
+            if token == name and i + 1 < len(tokens):
+                return tokens[i + 1]
+            if token.startswith(name + "="):
+                return token[len(name) + 1 :]
+    return None
+
+
+def _number(text: str, env: dict[str, int]) -> int:
+    """A launcher count: a number, `$VAR`, or `$((VAR * 12))` (a product), with the job's variables."""
+    expression = text.removeprefix("$((").removesuffix("))").removeprefix("$")
+    factors = [f.strip().removeprefix("$") for f in expression.split("*")]
+    value = 1
+    for factor in factors:
+        value *= int(env[factor]) if factor in env else int(factor)
+    return value
+
+
+def cluster_fit_as_plan(command: str, directives: list[str]) -> tuple[list[str], int, int]:
+    """(the `mula plan --dry_run` tokens of a cluster job's `mula fit`, the ranks its launcher starts, and
+    the ranks per node), by the rule above."""
+    env: dict[str, int] = {}
+    for line in directives:
+        if line.startswith("#SBATCH") and (nodes := _option(line.split(), "--nodes")):
+            env["SLURM_NNODES"] = int(nodes)
+        if line.startswith("#PBS") and (select := re.search(r"select=(\d+)", line)):
+            env["NNODES"] = int(select.group(1))
+    if command in CHOSEN_NODES:
+        env["NNODES"] = CHOSEN_NODES[command][0]
+    # `$((NNODES * 12))` is one launcher count: shlex splits it at its spaces
+    tokens = shlex.split(re.sub(r"\$\(\((\w+) \* (\d+)\)\)", r"$((\1*\2))", command))
+    if tokens[0] == "scripts/mula-resilient":
+        tokens = tokens[tokens.index("--") + 1 :]
+    launcher, fit = tokens[0], tokens.index("fit")
+    options = tokens[1:fit]
+    sbatch = [token for line in directives if line.startswith("#SBATCH") for token in line.split()[1:]]
+    if launcher == "torchrun":
+        nodes, per_node = _option(options, "--nnodes"), _option(options, "--nproc-per-node")
+    elif launcher == "srun":
+        nodes = _option(options, "--nodes", "-N") or _option(sbatch, "--nodes", "-N")
+        per_node = _option(options, "--ntasks-per-node") or _option(sbatch, "--ntasks-per-node")
+    elif launcher == "mpiexec":
+        total, per_node = _option(options, "-n", "-np"), _option(options, "--ppn", "-ppn")
+        assert total and per_node, command
+        nodes = str(_number(total, env) // _number(per_node, env))
+    else:
+        raise AssertionError(f"{command}: no launcher this test knows (srun, torchrun, mpiexec)")
+    assert nodes and per_node, f"{command}: the launcher's nodes and ranks per node are not stated"
+    nodes_count, per_node_count = _number(nodes, env), _number(per_node, env)
+    own = [re.sub(r"\$(\w+)", lambda m: str(env[m.group(1)]), token) for token in tokens[fit + 1 :]]
+    plan = ["mula", "plan", *own, f"--machine={NODE_MACHINES[per_node_count]}", "--dry_run"]
+    return plan, nodes_count * per_node_count, per_node_count
+
+
+_PLANNED: dict[tuple[str, ...], str] = {}  # one run per distinct plan (two documents may show the same job)
+
+
+def test_a_cluster_fit_becomes_its_plan() -> None:
+    """The rule above on planted jobs: the scheduler's lines and the launcher's counts give the plan's nodes,
+    the machine and the ranks the launcher starts (which test_a_cluster_fit_dry_runs compares with the plan's)."""
+    slurm = "srun .venv/bin/mula fit -c recipes/x.yaml --trainer.devices=8 --trainer.num_nodes=$SLURM_NNODES"
+    assert cluster_fit_as_plan(slurm, ["#SBATCH --nodes=4 --ntasks-per-node=8 --gpus-per-node=8"]) == (
+        ["mula", "plan", "-c", "recipes/x.yaml", "--trainer.devices=8", "--trainer.num_nodes=4", "--machine=h100",
+         "--dry_run"], 32, 8,
+    )  # fmt: skip
+    pbs = "scripts/mula-resilient -n 5 -- mpiexec -n $((NNODES * 12)) --ppn 12 mula fit -c recipes/x.yaml"
+    assert cluster_fit_as_plan(pbs, ["#PBS -l select=3 -l walltime=06:00:00"]) == (
+        ["mula", "plan", "-c", "recipes/x.yaml", "--machine=aurora", "--dry_run"],
+        36,
+        12,
+    )  # a Trainer left at num_nodes=1: its plan has 12 ranks, not the 36 started, and the dry run fails
+    torchrun = (
+        "torchrun --nnodes=2 --nproc-per-node=8 -m mula.cli fit -c recipes/x.yaml --trainer.num_nodes=2"
+    )
+    assert cluster_fit_as_plan(torchrun, [])[1:] == (16, 8)
+
+
+@pytest.mark.parametrize("command", CLUSTER_FITS)
+def test_a_cluster_fit_dry_runs(command: str) -> None:
+    from mula.plan.command import PLAN_OPTIONS
+    from mula.plan.recipe_reader import read_plan_command
+
+    plan, ranks, per_node = cluster_fit_as_plan(command, _job_directives()[command])
+    output = _PLANNED.get(tuple(plan)) or _run(plan, ROOT)
+    _PLANNED[tuple(plan)] = output
+    head = re.search(r"^mula plan: [\w.-]+, (\d+) ranks \(", output, re.MULTILINE)
+    assert head, output
+    assert int(head.group(1)) == ranks, (
+        f"{shlex.join(plan)} plans {head.group(1)} ranks; the launcher starts {ranks}"
+    )
+    parsed = read_plan_command(
+        plan[2:], {name: (tp, default) for name, (tp, default, _) in PLAN_OPTIONS.items()}
+    )
+    assert parsed is not None, plan
+    devices = parsed["trainer"].get("devices")
+    assert devices in (None, "auto", -1, "-1", per_node, str(per_node)), (
+        f"trainer.devices={devices}, {per_node} per node"
+    )
+    assert re.search(r"^  total .*: fits", output, re.MULTILINE), output
+    rows = re.findall(
+        r"^  [a-z ]+?\s+[\d,]+\s+[\d,]+\s+(\w+)$", output[output.index("dry run: rank") :], re.MULTILINE
+    )
+    assert len(rows) >= 4 and set(rows) == {"yes"}, output
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A scratch directory with a copy of recipes/ (a documented command may write into it)."""
@@ -254,9 +399,9 @@ def test_a_documented_command_runs(command: str, workdir: Path) -> None:
         _main_job(workdir)  # the data (prepared on first use) and, for `validate`, the checkpoint
         own_dir = None if tokens[1] == "validate" else f"runs/doc-{list(RUN).index(command)}"
         output = _run(_with_small_settings(tokens, own_dir), workdir)
-    elif kind == "quick":
-        # (tests/test_calibrate.py's settings: fewer sizes and repetitions, 64-token sequences)
-        output = _run([*tokens, "--quick", "true", "--seq_len", "64", "--progress", "false"], workdir)
+    elif kind == "calibrate":
+        output = _run(tokens, workdir)
+        assert "mula: calibrating 2 ranks takes about " in output  # said before it measures
         written = tokens[tokens.index("--output") + 1]
         plan = ["mula", "plan", "-c", "recipes/mula-tiny-moe.yaml", f"--machine={written}"]
         assert "priced with the calibration measured" in _run(plan, workdir)
