@@ -45,7 +45,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from callbacks import _dist
+from callbacks import _dist, _peers
 from callbacks.exit_codes import TrainingDiverged
 from mula.torch_compat import foreach_norm
 from mula.training.strategy_contract import mula_strategy
@@ -271,7 +271,7 @@ class AnomalyGuard(Callback):
             self._stop(
                 f"Training stopped: {reason}, and the {self.max_rollbacks} allowed rollbacks are used up."
             )
-        checkpointer = next((cb for cb in trainer.callbacks if hasattr(cb, "latest_valid_checkpoint")), None)
+        checkpointer = _peers.checkpointer(trainer)
         bound = self.streak_start
         path = checkpointer.latest_valid_checkpoint(trainer, bound) if checkpointer is not None else None
         if path is None:
@@ -288,7 +288,7 @@ class AnomalyGuard(Callback):
             f" next batches (rollback {self.rollbacks}/{self.max_rollbacks})."
         )
 
-    def _rollback(self, trainer: pl.Trainer, checkpointer: Any, path: Any) -> None:
+    def _rollback(self, trainer: pl.Trainer, checkpointer: _peers.Checkpointer, path: Any) -> None:
         """Load model/optimizer/scheduler/RNG state; loop counters and data position stay where they are."""
         strategy = trainer.strategy
         checkpoint = strategy.load_checkpoint(path)
@@ -296,8 +296,7 @@ class AnomalyGuard(Callback):
         strategy.load_optimizer_state_dict(checkpoint)
         for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
             config.scheduler.load_state_dict(state)
-        if hasattr(checkpointer, "apply_rng_from"):
-            checkpointer.apply_rng_from(checkpoint, trainer)
+        checkpointer.apply_rng_from(checkpoint, trainer)
         strategy.barrier("AnomalyGuard.rollback")
 
     def _stop(self, message: str) -> None:

@@ -26,6 +26,7 @@ from typing_extensions import override
 from callbacks import _dist
 from callbacks._peers import heartbeat
 from callbacks.rng_state import capture_rng_state, restore_rng_state
+from mula.data.datamodule import MulaDataModule
 from mula.training.step_boundary import StepBoundary
 from mula.training.strategy_contract import mula_strategy
 
@@ -85,7 +86,8 @@ class DownstreamEval(L.Callback):
         require_lm_eval()
         from mula.downstream.tasks import check_documents_per_rank, resolve_tasks
 
-        path = self.tokenizer or getattr(trainer.datamodule, "tokenizer_path", None)
+        data = trainer.datamodule
+        path = self.tokenizer or (data.tokenizer_path if isinstance(data, MulaDataModule) else None)
         if path is None:
             raise ValueError("DownstreamEval cannot tell the run's tokenizer; give it as tokenizer=PATH.")
         self._loaded_tokenizer = load_tokenizer(path)
@@ -139,7 +141,8 @@ class DownstreamEval(L.Callback):
         metrics = metric_keys(results)
         if not metrics:
             return metrics
-        tokens = getattr(trainer.datamodule, "tokens_seen", None)
+        data = trainer.datamodule
+        tokens = data.tokens_seen if isinstance(data, MulaDataModule) else None
         if isinstance(tokens, int):
             metrics["eval/tokens_seen"] = float(tokens)
         return metrics

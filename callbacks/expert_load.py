@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from mula.commands.report import LOAD_COLUMNS, LOAD_FILE, plot_expert_load
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
+from mula.training.module import mula_module
 
 HEATMAP_FILE = "moe_load.png"
 
@@ -56,8 +57,9 @@ class ExpertLoad(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """After an optimizer step: add its counts to the window; on logged steps, log and write them."""
-        counts = getattr(pl_module, "step_expert_counts", None)
-        if counts is None or not ends_optimizer_step(trainer):
+        module = mula_module(pl_module)
+        counts = None if module is None else module.step_expert_counts
+        if module is None or counts is None or not ends_optimizer_step(trainer):
             return  # a dense model, or mid-accumulation (the step's counts are not complete yet)
         self._window = counts if self._window is None else self._window + counts
         if not logs_train_step(trainer):
@@ -67,7 +69,7 @@ class ExpertLoad(L.Callback):
         imbalance = step_counts.max(dim=1).values / step_counts.mean(dim=1).clamp_min(1e-9)
         dead = (window == 0).sum(dim=1)
         # row r is the r-th MoE block, block first + r
-        first = pl_module.config.num_dense_layers
+        first = module.config.num_dense_layers
         for r in range(counts.shape[0]):
             i = first + r
             pl_module.log(f"moe/layer_{i}/load_imbalance", imbalance[r], on_step=True, on_epoch=False)

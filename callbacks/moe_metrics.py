@@ -22,10 +22,13 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from mula.model.moe import iter_moe_layers
+from mula.model.moe import MeteredDispatcher, iter_moe_layers
 from mula.training.lightning_compat import ends_optimizer_step
+from mula.training.module import mula_module
+from mula.training.strategy_contract import ShardedOptimizer
 
 
 class MoEMetrics(L.Callback):
@@ -54,22 +57,23 @@ class MoEMetrics(L.Callback):
             return
         sent = 0
         for layer in self._layers:
-            sent += int(getattr(layer.dispatcher, "bytes_sent", 0))
-            if hasattr(layer.dispatcher, "bytes_sent"):
+            if isinstance(layer.dispatcher, MeteredDispatcher):
+                sent += int(layer.dispatcher.bytes_sent)
                 layer.dispatcher.bytes_sent = 0
         pl_module.log("moe/a2a_bytes", float(sent), on_step=True, on_epoch=False, sync_dist=False)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         """After an optimizer step: log the global load imbalance and the optimizer's metrics."""
-        counts = getattr(pl_module, "step_expert_counts", None)
+        module = mula_module(pl_module)
+        counts = None if module is None else module.step_expert_counts
         if self.load_imbalance and counts is not None and ends_optimizer_step(trainer):
             ratio = counts.float().max(dim=1).values / counts.float().mean(dim=1).clamp_min(1e-9)
             pl_module.log("moe/load_imbalance_global", ratio.mean(), on_step=True, on_epoch=False)
         if not trainer.optimizers or trainer.global_step == 0:
             return
         optimizer = trainer.optimizers[0]
-        if hasattr(optimizer, "metrics"):
+        if isinstance(optimizer, ShardedOptimizer):
             values = optimizer.metrics()
         else:
             values = {"optim/state_bytes": float(_state_bytes(optimizer))}
@@ -91,5 +95,5 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = t.to_local() if isinstance(t, DTensor) else t
     return local.numel() * local.element_size()

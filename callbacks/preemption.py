@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from callbacks import _dist
+from callbacks import _dist, _peers
 from callbacks.exit_codes import ExitCode, Preempted
 from mula.training.lightning_compat import cluster_environment, forget_lightning_sigterm, log_train_step_now
 from mula.training.step_boundary import StepBoundary
@@ -77,7 +77,7 @@ class PreemptionHandler(Callback):
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._steps = StepBoundary()
-        self._checkpoint: Any = None
+        self._checkpoint: _peers.Checkpointer | None = None
 
     # ------------------------------------------------------------------ signal handling
 
@@ -116,16 +116,12 @@ class PreemptionHandler(Callback):
         """Find the checkpoint callback; install handlers early (a SIGUSR1 would otherwise kill the process)."""
         if stage != "fit":
             return
-        found = [
-            cb
-            for cb in trainer.callbacks
-            if callable(getattr(cb, "save", None)) and hasattr(cb, "resolve_dirpath")
-        ]
-        if not found:
+        found = _peers.checkpointer(trainer)
+        if found is None:
             raise ValueError(
                 "PreemptionHandler needs a callbacks.FaultTolerantCheckpoint in trainer.callbacks to save with."
             )
-        self._checkpoint = found[0]
+        self._checkpoint = found
         self._install(trainer)
 
     @override
@@ -182,7 +178,7 @@ class PreemptionHandler(Callback):
         env = cluster_environment(trainer)
         on_slurm = isinstance(env, SLURMEnvironment) and "SLURM_JOB_ID" in os.environ
         if self.requeue is None:
-            return on_slurm and bool(getattr(env, "auto_requeue", False))
+            return on_slurm and bool(env.auto_requeue)
         return self.requeue and on_slurm
 
 

@@ -13,9 +13,9 @@ from collections import deque
 
 import lightning.pytorch as L
 import torch
-from typing_extensions import override
+from typing_extensions import Protocol, override, runtime_checkable
 
-from mula.training.devices import device_name
+from mula.training.devices import device_module, device_name
 from mula.training.strategy_contract import mula_strategy
 
 # Dense (no sparsity) bf16 peak FLOP/s of ONE device as torch enumerates it, keyed by a lower-case
@@ -49,11 +49,25 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 def _synchronize(device: torch.device) -> None:
     """Wait for queued kernels so that wall-clock time measures the step (no-op on CPU)."""
-    if device.type == "cpu":
-        return
-    backend = getattr(torch, device.type, None)
-    if backend is not None and hasattr(backend, "synchronize"):
-        backend.synchronize(device)
+    module = device_module(device)
+    if module is not None:
+        module.synchronize(device)
+
+
+@runtime_checkable  # typing_extensions': `isinstance` runs none of the module's properties
+class CountsBatches(Protocol):
+    """A LightningModule that says what its last micro-batch held (`MulaLightningModule`); any other
+    module's tokens are its batch's elements, and its MFU is not logged."""
+
+    @property
+    def tokens_per_batch(self) -> int | None:
+        """Input tokens of the last micro-batch (None before the first)."""
+        ...
+
+    @property
+    def flops_per_batch(self) -> float | None:
+        """Training FLOPs (forward + backward) of the last micro-batch (None before the first)."""
+        ...
 
 
 class Throughput(L.Callback):
@@ -110,14 +124,15 @@ class Throughput(L.Callback):
         """Log tokens/s and MFU over the window ending with this batch."""
         _synchronize(pl_module.device)
         self._times.append(time.perf_counter())
-        tokens = getattr(pl_module, "tokens_per_batch", None)
+        counts = pl_module if isinstance(pl_module, CountsBatches) else None
+        tokens = None if counts is None else counts.tokens_per_batch
         if tokens is None:
             tokens = batch.numel() if isinstance(batch, torch.Tensor) else 0
         # data-parallel ranks, not all ranks: pipeline stages of one data-parallel rank share its tokens
-        strategy = mula_strategy(getattr(trainer, "strategy", None))  # a stand-in trainer may have none
+        strategy = mula_strategy(trainer.strategy)
         dp_size = strategy.data_parallel_size if strategy is not None else trainer.world_size
         self._tokens.append(tokens * dp_size)
-        flops = getattr(pl_module, "flops_per_batch", None)
+        flops = None if counts is None else counts.flops_per_batch
         self._flops.append(float(flops or 0) * dp_size)
         elapsed = self._times[-1] - self._times[0]
         if elapsed <= 0:

@@ -12,6 +12,8 @@ inside the functions that need them, as their call sites did: importing this mod
 and torch's functional collectives only. `import mula` and the torch-free planner never import it.
 
 Private names Mula's own classes define for torch, rather than read off it, are in `DEFINED_FOR_TORCH`.
+Public names that only some torch releases (or builds) have are read here too, each with its stand-in
+where it is missing (`VERSION_SHIMS`), so no other module asks torch for a name by a string.
 Lightning's private names are not here: mula/training/lightning_compat.py holds those.
 """
 
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 TESTED_TORCH = ("2.11", "2.13")  # "major.minor" of the oldest and the newest torch Mula is tested with
 
@@ -81,6 +84,16 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.distributed.tensor._shards_wrapper.LocalShardsWrapper": "local_shards_wrapper_class",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "local_shape_and_global_offset",
     "torch.testing._internal.distributed.fake_pg.FakeStore": "fake_store",
+}
+
+# torch's public name that some releases or builds lack (a dotted path from `torch`) -> the entry of this
+# module that reads it, with its stand-in where it is missing
+VERSION_SHIMS: dict[str, str] = {
+    "torch.distributed.reduce_scatter_single": "reduce_scatter_single",
+    "torch.distributed.all_gather_single": "all_gather_single",
+    "torch.distributed.is_xccl_available": "xccl_available",
+    "torch.nn.functional.grouped_mm": "public_grouped_mm",
+    "torch.xpu": "xpu_available",
 }
 
 # Private members of torch classes that Mula's classes define themselves -> the torch class that has it.
@@ -210,6 +223,37 @@ foreach_sqrt = _attribute(torch, "_foreach_sqrt")
 """Square root of each tensor of a list (AdamW's denominator)."""
 
 
+# --- public names of some torch releases (VERSION_SHIMS)
+
+reduce_scatter_single: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+"""Reduce-scatter of one flat tensor: torch >= 2.10's name, `reduce_scatter_tensor` before (torch >= 2.4)."""
+
+all_gather_single: Callable[..., Any] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+"""All-gather into one flat tensor: torch >= 2.10's name, `all_gather_into_tensor` before (torch >= 2.4)."""
+
+
+def xccl_available() -> bool:
+    """Whether this torch has the XCCL backend for Intel GPUs (`is_xccl_available`, torch >= 2.8)."""
+    available = getattr(dist, "is_xccl_available", None)
+    return bool(available is not None and available())
+
+
+def public_grouped_mm() -> Callable[..., torch.Tensor] | None:
+    """`torch.nn.functional.grouped_mm` (torch >= 2.10), or None (`private_grouped_mm` is older torch's)."""
+    return getattr(torch.nn.functional, "grouped_mm", None)
+
+
+def xpu_available() -> bool:
+    """Whether torch has its XPU module (`torch.xpu`, native since 2.4, else from IPEX) and sees an Intel
+    GPU through it."""
+    xpu = getattr(torch, "xpu", None)
+    return xpu is not None and bool(xpu.is_available())
+
+
 # --- collectives
 
 
@@ -290,7 +334,9 @@ __all__ = [
     "FUNCTIONAL_ALL_REDUCE_HAS_BACKWARD",
     "PRIVATE_NAMES",
     "TESTED_TORCH",
+    "VERSION_SHIMS",
     "AsyncCollectiveTensor",
+    "all_gather_single",
     "all_gather_tensor_autograd",
     "all_to_all_single_autograd",
     "allow_nested_graph_breaks",
@@ -316,6 +362,10 @@ __all__ = [
     "local_shape_and_global_offset",
     "local_shards_wrapper_class",
     "private_grouped_mm",
+    "public_grouped_mm",
+    "reduce_scatter_single",
     "running_backward",
     "triggered_by_dynamo",
+    "xccl_available",
+    "xpu_available",
 ]

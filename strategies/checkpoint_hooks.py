@@ -19,6 +19,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from mula.checkpoint.settle import settle
 from mula.layout.parallel_layout import ParallelLayout
+from mula.training.strategy_contract import ShardedOptimizer
 from strategies.sharded_state import (
     checkpoint_parts,
     load_sharded,
@@ -67,7 +68,7 @@ class ShardedCheckpointIO:
     def optimizer_state(self, state: CheckpointState, optimizer: Any) -> dict[str, Any]:
         """Optimizer state in a layout DCP can reshard (addressed by parameter name)."""
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if hasattr(optimizer, "sharded_state_dict"):
+        if isinstance(optimizer, ShardedOptimizer):
             return optimizer.sharded_state_dict()
         names = {id(p): n for n, p in state.module.named_parameters()}
         return plain_optimizer_state(optimizer, names, state.mesh, state.topology)

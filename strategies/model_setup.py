@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from mula.model.moe import is_expert_param
 from mula.model.transformer import Mula
+from mula.training.module import mula_module
 from strategies.context_parallel import apply_context_parallel
 from strategies.optim.grad_reduce import local_tensor
 from strategies.tensor_parallel import apply_tensor_parallel
@@ -34,10 +35,16 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         child.reset_parameters()
 
 
+def _mula_model(module: nn.Module) -> Mula | None:
+    """The `Mula` of a MulaLightningModule (built), else None."""
+    mula = mula_module(module)
+    return mula.model if mula is not None and isinstance(mula.model, Mula) else None
+
+
 def split_tensors(module: nn.Module, topology: LayoutMesh, sequence_parallel: bool) -> None:
     """Split the model over this rank's TP group (once: Lightning calls setup again after fit)."""
-    model = getattr(module, "model", None)
-    if not isinstance(model, Mula):
+    model = _mula_model(module)
+    if model is None:
         raise ValueError("tensor_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         apply_tensor_parallel(model, topology.mesh("tp"), sequence_parallel)
@@ -45,8 +52,8 @@ def split_tensors(module: nn.Module, topology: LayoutMesh, sequence_parallel: bo
 
 def split_sequences(module: nn.Module, topology: LayoutMesh) -> None:
     """Make the model hold this rank's slice of every sequence (Ulysses attention over its CP group)."""
-    model = getattr(module, "model", None)
-    if not isinstance(model, Mula):
+    model = _mula_model(module)
+    if model is None:
         raise ValueError("context_parallel_size > 1 needs a MulaLightningModule (a `Mula` model).")
     topo = topology
     apply_context_parallel(model, topo.group("cp"), topo.rank("cp"), topo.size("cp"), topo.size("tp"))

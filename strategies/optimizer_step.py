@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from mula.layout.rules import check_zero_stage
 from mula.training.lightning_compat import call_before_optimizer_step_hooks
 from mula.training.muon import MulaMuon, is_muon_group
+from mula.training.strategy_contract import ShardedOptimizer
 from strategies.optim.grad_sync import GradientSynchronizer, grad_norm, scale_grads_
 from strategies.optim.sharding_options import torch_dtype
 
@@ -121,7 +122,7 @@ class OptimizerStep:
             self.grad_sync = None
         if self.options.shard_optimizer:
             optimizers = self._optimizers()
-            if len(optimizers) != 1 or not hasattr(optimizers[0], "reduce_gradients"):
+            if len(optimizers) != 1 or not isinstance(_unwrapped(optimizers[0]), ShardedOptimizer):
                 found = ", ".join(type(o).__name__ for o in optimizers) or "none"
                 raise ValueError(
                     "shard_optimizer=True needs configure_optimizers to return one optimizer built with "
@@ -141,7 +142,7 @@ class OptimizerStep:
         if self.grad_sync is not None:
             self.grad_sync.remove_hooks()
         sharded = self.sharded_optimizer()
-        if sharded is not None and hasattr(sharded, "close"):
+        if sharded is not None:
             sharded.close()
 
     # ----- the training step -----------------------------------------------------------------
@@ -253,13 +254,17 @@ class OptimizerStep:
         return [(n, p) for n, p in self._module().named_parameters() if p.requires_grad]
 
     def sharded_optimizer(self) -> Any:
-        """The `EPShardedAdamW` in use (unwrapped from Lightning's wrapper), else None."""
+        """The sharded optimizer in use (`EPShardedAdamW`, unwrapped from Lightning's wrapper), else None."""
         optimizers = self._optimizers()
         if not self.options.shard_optimizer or not optimizers:
             return None
-        opt = optimizers[0]
-        opt = opt.optimizer if isinstance(opt, LightningOptimizer) else opt
-        return opt if hasattr(opt, "reduce_gradients") else None
+        opt = _unwrapped(optimizers[0])
+        return opt if isinstance(opt, ShardedOptimizer) else None
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer Lightning's `LightningOptimizer` wraps (or `optimizer` itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def parse_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:

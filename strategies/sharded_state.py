@@ -38,6 +38,7 @@ from mula.checkpoint.sharded import (
     write_sharded_checkpoint,
 )
 from mula.model.moe import is_expert_param
+from mula.training.strategy_contract import ShardedOptimizer
 from strategies.topology import LayoutMesh, gather_groups_over_stages, names_cover
 
 
@@ -141,7 +142,7 @@ def checkpoint_parts(checkpoint: dict[str, Any], layout: Any, world_size: int, m
         "pipeline_parallel_size": layout.pp,
         "tensor_parallel_size": layout.tp,
         "context_parallel_size": layout.cp,
-        "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+        "accumulate_grad_batches": None if trainer is None else trainer.accumulate_grad_batches,
     }
     return optimizer_states
 
@@ -198,7 +199,7 @@ def load_sharded(
             raise ValueError(
                 f"Checkpoint {path} holds no optimizer state; resume it with fit from weights instead."
             )
-        if hasattr(opt, "sharded_state_dict"):
+        if isinstance(opt, ShardedOptimizer):
             if not any(k.startswith(f"{key}.step") for k in saved):
                 raise ValueError(
                     f"Checkpoint {path} was saved without shard_optimizer; resume with shard_optimizer=False."

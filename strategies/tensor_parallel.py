@@ -133,7 +133,7 @@ def _split_latent_attention(attn: LatentAttention, tp_mesh: Any, sequence_parall
     `kv_a_proj_with_mqa` to this rank's heads: `_complete_shared_key` all-reduces its gradient too. The
     attention's input gradient is then complete (no partial weight gradients, no sum over TP after)."""
     t = tp_mesh.size()
-    up = "q_proj" if hasattr(attn, "q_proj") else "q_b_proj"
+    up = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
     o_proj = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     plan = {up: ColwiseParallel(), "kv_b_proj": ColwiseParallel(), "o_proj": o_proj}
     parallelize_module(attn, tp_mesh, plan)

@@ -39,7 +39,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -50,7 +50,10 @@ from typing_extensions import override
 
 from mula.cluster_environments import PALSEnvironment, launched_by_mpiexec
 from mula.layout.parallel_layout import ParallelLayout
-from mula.layout.rules import check_compile, check_experts, check_optimizer
+from mula.layout.rules import check_experts, check_sequence_parallel
+from mula.layout.run_check import RunSettings, check_run
+from mula.layout.sharding_options import check_bucket_size
+from mula.model.config import MulaConfig
 from mula.training.lightning_compat import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -58,6 +61,7 @@ from mula.training.lightning_compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
+from mula.training.module import mula_module
 from strategies.calibrate import Calibration
 from strategies.checkpoint_hooks import CheckpointState, ShardedCheckpointIO
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
@@ -94,15 +98,17 @@ class XPUMoEStrategy(ParallelStrategy):
     and `ShardedCheckpointIO` (strategies/checkpoint_hooks.py: sharded DCP checkpoints).
 
     bf16 weights with fp32 masters: `precision: bf16-true` with `shard_optimizer: true` (the sharded
-    optimizer always keeps fp32 masters and moments in its shard). Lightning builds the model in bf16
+    optimizer, AdamW's or Muon's, always keeps fp32 masters and its fp32 moments in its shard). Lightning builds the model in bf16
     before the optimizer exists, so the masters start from the bf16-rounded initial weights.
 
     Args:
         expert_parallel_size: E; must divide the world size and the model's number of experts.
-        shard_optimizer: `build_optimizer` builds an `EPShardedAdamW` (state split once across all
-            ranks); False: a `torch.optim.AdamW`, gradients all-reduced.
-        optimizer_options: keyword options of `EPShardedAdamW` (e.g. `zero_stage`, `bucket_numel`,
-            `overlap_param_gather`, `offload`, `reduce_dtype: bf16`).
+        shard_optimizer: `build_optimizer` builds a sharded optimizer (state split once across all
+            ranks): `EPShardedAdamW`, or `EPShardedMuon` (strategies/optim/sharded_muon.py, docs/muon.md)
+            when the module's optimizer is Muon (`model.optimizer: muon`); False: a `torch.optim.AdamW`
+            (a replicated `MulaMuon` for Muon), gradients all-reduced.
+        optimizer_options: keyword options of the sharded optimizer (e.g. `zero_stage`, `bucket_numel`,
+            `overlap_param_gather`, `offload` (AdamW's only), `reduce_dtype: bf16`).
         bucket_size_mb: gradient bucket size for the unsharded path.
         overlap_grad_reduce: start bucket all-reduces from backward hooks (unsharded path).
         pipeline_parallel_size: P, pipeline stages (rank order: EP innermost, then stages, data
@@ -128,7 +134,8 @@ class XPUMoEStrategy(ParallelStrategy):
             data-parallel size is W / (P x T x C), gradients are averaged over the W / (P x T) replicas.
             With pipeline stages each stage sends its CP rank's slice to the next; with tensor
             parallelism (C x T must divide the heads) Ulysses exchanges each TP rank's heads over its CP
-            group. Not yet available with both at once.
+            group; with both at once (C x T x P) each stage's T x C ranks split its layers by heads and
+            its sequences by slices (tests/test_context_tensor_pipeline.py, with experts too).
         meta_init: let `configure_model` build on the meta device; each rank then materialises only its
             own experts and initialises them with the model's `reset_parameters` (dense weights are
             broadcast from rank 0). Use for models too large to build whole on one device.
@@ -182,10 +189,8 @@ class XPUMoEStrategy(ParallelStrategy):
             virtual_stages=int(pipeline_virtual_stages),
             stage_layers=None if pipeline_stage_layers is None else tuple(pipeline_stage_layers),
         )
-        if sequence_parallel and self.layout.tp == 1:
-            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
+        check_sequence_parallel(sequence_parallel, self.layout.tp)
+        check_bucket_size(bucket_size_mb)
         # Micro-batches per optimizer step with P > 1, for data that is not a MulaDataModule (whose
         # micro_batch_size the strategy reads itself).
         self.pipeline_microbatches: int | None = None
@@ -310,7 +315,8 @@ class XPUMoEStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         world = dist.get_world_size() if _distributed_is_initialized() else 1
-        self.layout = self.parallel_layout(world, getattr(self.lightning_module, "config", None))
+        module = mula_module(self.lightning_module)
+        self.layout = self.parallel_layout(world, None if module is None else module.config)
         self.topology = topology_from_layout(self.layout, self.root_device.type)
         self._mesh = expert_mesh(self.topology)
 
@@ -320,7 +326,7 @@ class XPUMoEStrategy(ParallelStrategy):
         the experts, the heads): what `setup_environment` builds, and `mula plan` too (one sentence for a
         layout that cannot run, before any process group or model exists)."""
         layout = self.layout.with_world_size(world_size)
-        if hasattr(config, "num_layers"):
+        if isinstance(config, MulaConfig):
             layout.validate(config)
         return layout
 
@@ -347,7 +353,7 @@ class XPUMoEStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None and self.topology is not None
         self.accelerator.setup(trainer)
         fix_mixed_precision_device(self.precision_plugin, self.root_device.type)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
                 "precision='16-mixed' (loss scaling) is not supported by XPUMoEStrategy; use "
                 "precision='bf16-mixed' or 'bf16-true'."
@@ -358,11 +364,19 @@ class XPUMoEStrategy(ParallelStrategy):
                 "(the global norm over all experts) or shard_optimizer=False."
             )
         module = self.lightning_module
-        # before the model is laid out: the optimizer is built only after that
-        offload = self.shard_optimizer and bool(self.optimizer_options.get("offload"))
-        check_optimizer(getattr(module, "optimizer", "adamw"), self.layout.tp, offload)
-        # before any split: a compiled tensor-parallel block would stop at its first step
-        check_compile(getattr(module, "compile_settings", None) is not None, self.layout.tp)
+        mula = mula_module(module)
+        # the run's one validation, before the model is laid out (the optimizer is built only after that)
+        # and before any split (a compiled tensor-parallel block would stop at its first step)
+        check_run(
+            RunSettings(
+                self.layout, None if mula is None else mula.config, precision=str(trainer.precision),
+                fp32_masters=self.keeps_fp32_master_weights, strategy=type(self).__name__,
+                zero_stage=self.optimizer_options.get("zero_stage", 1) if self.shard_optimizer else None,
+                offload=self.offloads_optimizer, optimizer="adamw" if mula is None else mula.optimizer,
+                compile=mula is not None and mula.compile_settings is not None,
+                sequence_parallel=self.sequence_parallel,
+            )
+        )  # fmt: skip
         if self.layout.pp > 1:
             stage_model(module)  # checked first, each setup
             if self._pipeline is None:  # Lightning calls setup again for validate/test after fit
@@ -372,8 +386,7 @@ class XPUMoEStrategy(ParallelStrategy):
         if apply_expert_parallel(module, self.topology) is None:
             # no MoE layer on this rank: a dense model (refused under E > 1), or a pipeline stage of dense
             # blocks of an MoE model, whose experts live on other stages
-            config = getattr(module, "config", None)
-            check_experts(0 if config is None else config.num_experts, self.layout.ep)
+            check_experts(0 if mula is None else mula.config.num_experts, self.layout.ep)
         materialize(module, self.root_device)
         if self.layout.tp > 1:
             split_tensors(module, self.topology, self.sequence_parallel)
@@ -410,18 +423,26 @@ class XPUMoEStrategy(ParallelStrategy):
     # ----- the optimizer and the training step (`OptimizerStep`) ---------------------------------
     @property
     def shard_optimizer(self) -> bool:
-        """Whether `build_optimizer` builds an `EPShardedAdamW` (the constructor's option)."""
+        """Whether `build_optimizer` builds a sharded optimizer, `EPShardedAdamW` or `EPShardedMuon` (the
+        constructor's option)."""
         return self._optimizer_step.options.shard_optimizer
 
     @property
     def optimizer_options(self) -> dict[str, Any]:
-        """`EPShardedAdamW`'s keyword options, parsed (the constructor's `optimizer_options`)."""
+        """The sharded optimizer's keyword options, parsed (the constructor's `optimizer_options`)."""
         return self._optimizer_step.options.optimizer_options
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Whether the sharded optimizer keeps its state on the host (`optimizer_options.offload`)."""
+        return self.shard_optimizer and bool(self.optimizer_options.get("offload"))
 
     def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
         `shard_optimizer` an `EPShardedAdamW` over this rank's (already sliced and materialised)
-        parameters, else a `torch.optim.AdamW`. `adamw_kwargs` are AdamW's (lr, betas, eps, weight_decay)."""
+        parameters, else a `torch.optim.AdamW`; when the module marks param groups as Muon's, an
+        `EPShardedMuon`, else a replicated `MulaMuon` (`OptimizerStep.build_optimizer`). `adamw_kwargs`
+        are AdamW's (lr, betas, eps, weight_decay), plus Muon's for Muon."""
         return self._optimizer_step.build_optimizer(params, **adamw_kwargs)
 
     @override
@@ -480,7 +501,7 @@ class XPUMoEStrategy(ParallelStrategy):
         self._optimizer_step.skip_optimizer_step(reason)
 
     def _sharded_optimizer(self) -> Any:
-        """The `EPShardedAdamW` in use, else None."""
+        """The sharded optimizer in use (`EPShardedAdamW` or `EPShardedMuon`), else None."""
         return self._optimizer_step.sharded_optimizer()
 
     # ----- the steps' hooks (`TensorParallelLoss` around them, `PipelineSteps` when P > 1) ------------

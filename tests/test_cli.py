@@ -192,7 +192,7 @@ def test_bf16_weights_without_fp32_masters(capsys, sandbox):
     expect_error(
         capsys,
         ["fit", "-c", str(TINY_MOE), "--trainer.precision=bf16-true"],
-        r"trainer.precision=bf16-true .* SingleDeviceStrategy keeps no fp32 master weights",
+        r"trainer.precision=bf16-true .* SingleDeviceStrategy keeps no fp32 masters",
     )
     assert not (sandbox / "data").exists()  # checked before preparing the data
 

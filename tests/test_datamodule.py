@@ -316,7 +316,7 @@ def test_bad_inputs_fail_with_one_sentence(data, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"data directory .*empty is empty"):
         MulaDataModule(str(tmp_path / "empty"), seq_len=SEQ).validate_against(
-            SimpleNamespace(vocab_size=10**6)
+            SimpleNamespace(vocab_size=10**6, max_position_embeddings=SEQ)
         )
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.txt").write_text("x")

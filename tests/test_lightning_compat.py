@@ -216,3 +216,99 @@ def test_a_planted_private_name_read_through_a_string_is_found(tmp_path):
         "mula/a.py:3: getattr(..., '_signal_connector')",
         "mula/a.py:3: hasattr(..., '_timeout')",
     ]
+
+
+# Public names read through a string: a capability of Mula's own objects is declared (a Protocol or a
+# typed attribute: `MulaStrategy`, `ShardedOptimizer`, `mula_module`, the callbacks' `_peers`) and asked
+# with `isinstance`, and a torch-version shim lives in mula/torch_compat.py. What stays is an optional
+# member of another library's object, each listed here with the reason it is optional.
+PUBLIC_LOOKUPS_ALLOWED: dict[tuple[str, str], str] = {
+    ("mula/checkpoint/atomic.py", "O_DIRECTORY"): "os: POSIX only",
+    ("mula/checkpoint/atomic.py", "syncfs"): "libc through ctypes: glibc >= 2.14 only",
+    ("mula/data/prepare.py", "sched_getaffinity"): "os: Linux only",
+    ("mula/training/host_allocator.py", "mallopt"): "libc through ctypes: glibc only",
+    ("mula/checkpoint/lock.py", "cluster_environment"): "Lightning: only a parallel strategy has one",
+    ("mula/plan/dry_run.py", "rank"): "Lightning's rank_zero_only: set on the function once a rank is known",
+    ("mula/training/devices.py", "max_memory_allocated"): "torch's device modules differ by backend",
+    ("mula/training/devices.py", "get_device_name"): "torch's device modules differ by backend",
+    ("mula/training/devices.py", "is_bf16_supported"): "torch's device modules differ by backend",
+    ("strategies/model_setup.py", "reset_parameters"): "torch's convention: a module that initialises "
+    "its own parameters defines it, a container does not",
+    # torch-version shims still outside mula/torch_compat.py (its `reduce_scatter_single`,
+    # `all_gather_single` and `xpu_available` are the replacements)
+}
+
+
+def public_string_lookups(root: Path) -> list[str]:
+    """`getattr(x, "name")` (or hasattr, setattr, delattr) of a public, non-dunder literal name in mula/,
+    strategies/ and callbacks/ outside the compat modules, each as 'path:line: call'; (path, name) pairs
+    of PUBLIC_LOOKUPS_ALLOWED are left out."""
+    found = []
+    for path in layer_sources(root):
+        rel = path.relative_to(root).as_posix()
+        if rel in COMPAT_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            name = string_lookup(node)
+            if name is None or name.startswith("_") or (rel, name) in PUBLIC_LOOKUPS_ALLOWED:
+                continue
+            found.append(f"{rel}:{node.lineno}: {node.func.id}(..., {name!r})")
+    return sorted(found)
+
+
+def test_no_public_name_is_read_through_a_string_but_an_allowed_one():
+    """A capability is asked with `isinstance` against its declared contract, not looked up by name."""
+    assert public_string_lookups(ROOT) == []
+
+
+def test_every_allowed_public_lookup_is_still_there():
+    """An allowed lookup that is gone leaves the list (so the list stays the real exceptions)."""
+    seen = set()
+    for path in layer_sources(ROOT):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            name = string_lookup(node)
+            if name is not None:
+                seen.add((rel, name))
+    assert set(PUBLIC_LOOKUPS_ALLOWED) <= seen, sorted(set(PUBLIC_LOOKUPS_ALLOWED) - seen)
+
+
+def test_a_planted_public_capability_read_through_a_string_is_found(tmp_path):
+    """The scan can fail: a capability of our own objects asked by name in each package, a torch name
+    read by a string outside torch_compat, and an allowed name in another file are found; dunder names,
+    non-literal names, private names (the scan above), the compat modules and an allowed pair are not."""
+    files = {
+        "mula/a.py": """
+            def f(strategy, module, name):
+                return getattr(strategy, "shard_optimizer", False), getattr(module, "optimizer", "adamw"), getattr(module, name)
+        """,
+        "strategies/b.py": """
+            import torch.distributed as dist
+            def g(opt):
+                return hasattr(opt, "reduce_gradients"), getattr(dist, "reduce_scatter_single", None), getattr(opt, "__class__")
+        """,
+        "callbacks/c.py": """
+            def h(callback, os):
+                setattr(callback, "heartbeat", None)
+                return getattr(os, "sched_getaffinity", None), getattr(callback, "_private")
+        """,
+        "mula/data/prepare.py": """
+            import os
+            cores = hasattr(os, "sched_getaffinity")
+        """,
+        "mula/torch_compat.py": """
+            import torch
+            xpu = getattr(torch, "xpu", None)
+        """,
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    assert public_string_lookups(tmp_path) == [
+        "callbacks/c.py:3: setattr(..., 'heartbeat')",
+        "callbacks/c.py:4: getattr(..., 'sched_getaffinity')",
+        "mula/a.py:3: getattr(..., 'optimizer')",
+        "mula/a.py:3: getattr(..., 'shard_optimizer')",
+        "strategies/b.py:4: getattr(..., 'reduce_scatter_single')",
+        "strategies/b.py:4: hasattr(..., 'reduce_gradients')",
+    ]

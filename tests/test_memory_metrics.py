@@ -105,9 +105,15 @@ def test_param_and_grad_bytes_are_exact_sums() -> None:
     model.half()
     assert param_bytes(model) == expected // 2
 
-    class Sharded:
+    class Sharded:  # an optimizer that counts its bytes (`OptimizerBytes`)
+        def param_bytes(self) -> int:
+            return 0
+
         def grad_buffer_bytes(self) -> int:
             return 123
+
+        def state_bytes(self) -> int:
+            return 0
 
     assert grad_bytes(model, Sharded()) == 123
 

@@ -214,6 +214,7 @@ def test_throughput_mfu_arithmetic(monkeypatch):
 
     class FakeTrainer:
         world_size = 2
+        strategy = None
 
     trainer, module = FakeTrainer(), FakeModule()
     cb.on_train_batch_start(trainer, module, None, 0)

@@ -246,10 +246,25 @@ def test_every_declared_private_name_resolves_on_the_installed_torch():
     assert not missing, missing
 
 
+def test_every_version_shim_reads_a_name_the_tested_torch_has():
+    """The public names only some torch releases have: each is on the installed torch (the tested range
+    has them all; the stand-ins are for older stacks), and each entry answers."""
+    for dotted in torch_compat.VERSION_SHIMS:
+        _resolve(dotted)
+    import torch.distributed as dist
+
+    assert torch_compat.reduce_scatter_single is dist.reduce_scatter_single
+    assert torch_compat.all_gather_single is dist.all_gather_single
+    assert torch_compat.public_grouped_mm() is torch.nn.functional.grouped_mm
+    assert torch_compat.xccl_available() == dist.is_xccl_available()
+    assert torch_compat.xpu_available() == torch.xpu.is_available()
+
+
 def test_every_entry_is_declared_and_every_declaration_has_its_entry():
-    tables = {"TESTED_TORCH", "PRIVATE_NAMES", "DEFINED_FOR_TORCH"}
+    tables = {"TESTED_TORCH", "PRIVATE_NAMES", "DEFINED_FOR_TORCH", "VERSION_SHIMS"}
     entries = set(torch_compat.__all__) - tables
-    assert set(torch_compat.PRIVATE_NAMES.values()) == entries
+    declared = set(torch_compat.PRIVATE_NAMES.values()) | set(torch_compat.VERSION_SHIMS.values())
+    assert declared == entries
     assert all(getattr(torch_compat, name) is not None for name in entries)
 
 

@@ -30,13 +30,14 @@ from mula.model.moe import iter_moe_layers
 from mula.training.devices import device_module
 from mula.training.lightning_compat import ends_optimizer_step
 from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
+from mula.training.strategy_contract import OptimizerBytes
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes of the optimizer's per-element state: the sharded optimizer's own count, else the state
     tensors shaped like their parameter (AdamW's moments; per-parameter scalars such as `step` are left
     out, as the planner leaves them out)."""
-    if hasattr(optimizer, "state_bytes"):
+    if isinstance(optimizer, OptimizerBytes):
         return int(optimizer.state_bytes())
     total = 0
     for p, state in optimizer.state.items():

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from mula.checkpoint.group_verify import defer
 from mula.checkpoint.manifest import MANIFEST_SUFFIX, Verify, manifest_path, verify_checkpoint
@@ -152,21 +152,29 @@ def no_valid_checkpoint(
     )
 
 
+@runtime_checkable
+class ResumeFinder(Protocol):
+    """A callback that knows the checkpoint a run resumes from (`callbacks.FaultTolerantCheckpoint`)."""
+
+    def resume_checkpoint_path(self, trainer: Any) -> Path | str | None:
+        """The newest valid checkpoint of the run directory, or None (NoValidCheckpoint: none is valid)."""
+        ...
+
+
 def auto_resume_ckpt_path(trainer: Any, restart_from_scratch: bool = False) -> str | None:
     """The checkpoint a ``fit`` run should resume from when the user passed no ``ckpt_path``.
 
-    Asks the trainer's callbacks that offer ``resume_checkpoint_path(trainer)`` (duck-typed, so that
-    mula does not import ``callbacks``); the first non-None answer wins. Returns None for a fresh run.
+    Asks the trainer's callbacks that are a :class:`ResumeFinder` (a protocol, so that mula does not
+    import ``callbacks``); the first non-None answer wins. Returns None for a fresh run.
     A run directory whose checkpoints are all invalid raises :class:`NoValidCheckpoint`, unless
     ``restart_from_scratch``: then the run starts from step 0 (the invalid checkpoints stay until the
     new run's saves replace or prune them). A valid checkpoint is resumed from either way, so that
     re-running a command that carries the flag (a requeue) continues the run.
     """
-    for callback in getattr(trainer, "callbacks", []):
-        finder = getattr(callback, "resume_checkpoint_path", None)
-        if callable(finder):
+    for callback in trainer.callbacks:
+        if isinstance(callback, ResumeFinder):
             try:
-                path = finder(trainer)
+                path = callback.resume_checkpoint_path(trainer)
             except NoValidCheckpoint as err:
                 if not restart_from_scratch:
                     raise

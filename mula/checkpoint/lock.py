@@ -37,7 +37,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -302,22 +302,30 @@ class RunDirLock:
                 self.path.unlink()
 
 
+@runtime_checkable
+class RunDirLocker(Protocol):
+    """A callback that holds the run-directory lock for the run (`callbacks.FaultTolerantCheckpoint`)."""
+
+    def lock_run_dir(self, trainer: Any) -> None:
+        """Take the lock (one sentence naming the holder if another run has it)."""
+        ...
+
+
 def lock_run_dir_before_launch(trainer: Any) -> None:
     """Take the run-directory lock in ``mula fit`` before any work, where that cannot strand other ranks.
 
-    Asks the trainer's callbacks that offer ``lock_run_dir(trainer)`` (duck-typed, as
-    ``auto_resume_ckpt_path``). Only in the process that will be global rank 0 and only when the
-    trainer starts the other ranks itself (one device, or Lightning's own launcher, which has not
-    started them yet): ranks started by torchrun, srun or mpiexec already run, and learn a refusal
-    from rank 0 in ``FaultTolerantCheckpoint.setup`` (a broadcast) instead of waiting forever for it.
+    Asks the trainer's callbacks that are a :class:`RunDirLocker` (a protocol, as
+    ``auto_resume_ckpt_path`` asks a ``ResumeFinder``). Only in the process that will be global rank 0
+    and only when the trainer starts the other ranks itself (one device, or Lightning's own launcher,
+    which has not started them yet): ranks started by torchrun, srun or mpiexec already run, and learn a
+    refusal from rank 0 in ``FaultTolerantCheckpoint.setup`` (a broadcast) instead of waiting forever for it.
     """
-    env = getattr(trainer.strategy, "cluster_environment", None)
-    external = bool(getattr(env, "creates_processes_externally", False))
+    env = getattr(trainer.strategy, "cluster_environment", None)  # a parallel strategy's
+    external = env is not None and bool(env.creates_processes_externally)
     if trainer.world_size > 1 and external:
         return
     if trainer.global_rank != 0:
         return
-    for callback in getattr(trainer, "callbacks", []):
-        lock = getattr(callback, "lock_run_dir", None)
-        if callable(lock):
-            lock(trainer)
+    for callback in trainer.callbacks:
+        if isinstance(callback, RunDirLocker):
+            callback.lock_run_dir(trainer)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from mula.checkpoint.atomic import atomic_write, save_torch
 from mula.checkpoint.staging import HostStager
@@ -87,7 +88,8 @@ def start_sharded_write(
     upload = dcp.async_save(
         tensors, storage_writer=FileSystemWriter(str(path)), process_group=group, async_stager=HostStager()
     )
-    upload = getattr(upload, "upload_completion", upload)  # an AsyncSaveResponse with a custom stager
+    if isinstance(upload, AsyncSaveResponse):  # what async_save returns with a custom stager
+        upload = upload.upload_completion
     done: Future = Future()
 
     def finish(future: Future) -> None:  # in DCP's writer thread, once the shards are written
@@ -150,7 +152,7 @@ def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     weights = {
         key[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(md, "size")
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
     dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
     meta = read_sharded_meta(path)

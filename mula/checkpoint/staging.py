@@ -76,10 +76,9 @@ def staged_bytes(obj: Any) -> int:
 
     if isinstance(obj, DTensor):
         return staged_bytes(obj.to_local())
+    if isinstance(obj, local_shards_wrapper_class()):
+        return sum(c.numel() * c.element_size() for c in obj.local_shards())
     if isinstance(obj, Tensor):
-        shards = getattr(obj, "local_shards", None)
-        if callable(shards):
-            return sum(c.numel() * c.element_size() for c in shards())
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(staged_bytes(v) for v in obj.values())

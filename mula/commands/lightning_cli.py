@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -30,10 +30,13 @@ from typing_extensions import override
 from mula.checkpoint import auto_resume_ckpt_path, check_ckpt_path, lock_run_dir_before_launch
 from mula.commands.constructor_refusals import constructor_refusals
 from mula.data import MulaDataModule
-from mula.layout.rules import check_compile, check_optimizer
+from mula.layout.parallel_layout import ParallelLayout
+from mula.layout.run_check import RunSettings, check_run
 from mula.model.config import MulaConfig
 from mula.model.kernels.backends import resolve_backend
-from mula.training.module import MulaLightningModule, check_master_weights
+from mula.training.lightning_compat import leave_wandb_anonymous_unset
+from mula.training.model_summary import StepFlopsSummary
+from mula.training.module import MulaLightningModule
 from mula.training.progress_bar import StepProgressBar
 from mula.training.strategy_contract import mula_strategy
 
@@ -146,15 +149,30 @@ class MulaCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """LightningCLI's trainer, with `StepProgressBar` (optimizer steps against max_steps) as its progress
-        bar unless the recipe turns the bar off or names a progress bar of its own."""
+        bar unless the recipe turns the bar off or names a progress bar of its own, and `StepFlopsSummary`
+        (the model's FLOPs per step, not Lightning's 0) as its model summary on the same terms; a W&B
+        logger's `wandb.init` is not given `anonymous` unless the recipe sets it (wandb warns on every run
+        that the setting has no effect)."""
         # (no subcommand: `mula plan` and `mula bench` parse one configuration without one)
         config = (self.config_init[self.subcommand] if self.subcommand else self.config_init).trainer
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        added: list[Any] = []
         shows_bar = config.get("enable_progress_bar") is not False
         if shows_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs.setdefault("callbacks", [*callbacks, StepProgressBar()])
-        return super().instantiate_trainer(**kwargs)
+            added.append(StepProgressBar())
+        shows_summary = config.get("enable_model_summary") is not False
+        if shows_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
+            added.append(StepFlopsSummary())
+        if added:
+            kwargs.setdefault("callbacks", [*callbacks, *added])
+        trainer = super().instantiate_trainer(**kwargs)
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                leave_wandb_anonymous_unset(logger)
+        return trainer
 
     def fit(
         self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None, **kwargs: Any
@@ -240,17 +258,19 @@ class MulaCLI(LightningCLI):
         """The data fits the model and the expert backend runs on the trainer's device and precision."""
         self.datamodule.validate_against(self.model.config)
         check_expert_backend(self.model.config, self.trainer)
-        check_master_weights(str(self.trainer.precision), self.trainer.strategy)
         strategy = mula_strategy(self.trainer.strategy)
-        check_compile(
-            self.model.compile_settings is not None, 1 if strategy is None else strategy.tensor_parallel_size
+        layout = (
+            ParallelLayout(None) if strategy is None else strategy.parallel_layout(self.trainer.world_size)
         )
-        check_optimizer(
-            getattr(self.model, "optimizer", "adamw"),
-            1 if strategy is None else strategy.tensor_parallel_size,
-            bool(getattr(self.trainer.strategy, "shard_optimizer", False))
-            and bool(getattr(self.trainer.strategy, "optimizer_options", {}).get("offload")),
-        )
+        check_run(
+            RunSettings(
+                layout, precision=str(self.trainer.precision),
+                fp32_masters=strategy is not None and strategy.keeps_fp32_master_weights,
+                strategy=type(self.trainer.strategy).__name__,
+                offload=strategy is not None and strategy.offloads_optimizer, optimizer=self.model.optimizer,
+                compile=self.model.compile_settings is not None,
+            )
+        )  # fmt: skip
 
 
 class PlanCLI(MulaCLI):

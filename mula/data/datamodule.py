@@ -18,7 +18,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as L
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -81,6 +81,14 @@ class PrepareSpec:
 
 def _as_dataclass(value: Any, cls: type) -> Any:
     return cls(**value) if isinstance(value, dict) else value
+
+
+@runtime_checkable
+class ConfiguredModule(Protocol):
+    """A LightningModule whose model `config` the data is checked against before the first step
+    (`MulaLightningModule`): its `vocab_size` and `max_position_embeddings` (`validate_against`)."""
+
+    config: Any
 
 
 class MulaDataModule(L.LightningDataModule):
@@ -239,15 +247,15 @@ class MulaDataModule(L.LightningDataModule):
         prepared on first use), a tokenizer vocabulary larger than the model's, or ``seq_len`` beyond the
         model's positions.
         """
-        max_pos = getattr(model_config, "max_position_embeddings", None)
-        if max_pos is not None and self.seq_len > max_pos:
+        max_pos = model_config.max_position_embeddings
+        if self.seq_len > max_pos:
             raise ValueError(
                 f"data seq_len {self.seq_len} exceeds the model's max_position_embeddings {max_pos}; "
                 "lower data.seq_len or use a model with more positions."
             )
         vocab = self._tokenizer_vocab_size()
-        model_vocab = getattr(model_config, "vocab_size", None)
-        if vocab is not None and model_vocab is not None and vocab > model_vocab:
+        model_vocab = model_config.vocab_size
+        if vocab is not None and vocab > model_vocab:
             raise ValueError(
                 f"the tokenizer has {vocab} tokens but the model's vocab_size is {model_vocab}; "
                 "use a smaller tokenizer or a model with a larger vocabulary."
@@ -345,9 +353,9 @@ class MulaDataModule(L.LightningDataModule):
                     f"{self.layout.accumulation} from global_batch_size; remove it from the trainer settings."
                 )
             trainer.accumulate_grad_batches = self.layout.accumulation
-            config = getattr(trainer.lightning_module, "config", None) if trainer.lightning_module else None
-            if config is not None:
-                self.validate_against(config)
+            module = trainer.lightning_module
+            if isinstance(module, ConfiguredModule):
+                self.validate_against(module.config)
 
     def _ready(self) -> tuple[WindowReader, MixtureOrder, BatchLayout]:
         if self._reader is None or self.order is None or self.layout is None:

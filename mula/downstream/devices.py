@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from mula.training.devices import bf16_supported
+
 # `--dtype` choices besides "auto": the autocast dtype each means (None: no autocast, fp32 as stored)
 EVAL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -23,10 +25,7 @@ def default_device() -> torch.device:
 def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
     """The autocast dtype for `dtype` on `device`: "auto" is bf16 on an accelerator that has it, else fp32 (None)."""
     if dtype == "auto":
-        if device.type == "cpu":
-            return None
-        module = torch.get_device_module(device.type)
-        return torch.bfloat16 if getattr(module, "is_bf16_supported", lambda: False)() else None
+        return torch.bfloat16 if bf16_supported(device) else None
     if dtype not in EVAL_DTYPES:
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}.")
     return EVAL_DTYPES[dtype]

@@ -65,6 +65,10 @@ class SpreadModel(Protocol):
         """The scores computed where the logits are, on every rank that ran this forward."""
         ...
 
+    def close(self) -> None:
+        """The evaluation is over: release what was kept for its batch shapes (this rank)."""
+        ...
+
 
 class GenerationNotSupported(ValueError):
     """A task asked Mula's lm-eval model to generate text (a ValueError: `mula` prints one line, exit 2)."""

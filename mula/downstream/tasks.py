@@ -83,6 +83,7 @@ def documents_per_task(tasks: ResolvedTasks, limit: int | float | None = None) -
     as lm-eval applies it (the first N, or a fraction of each task, rounded up). Loads the tasks' data."""
     import math
 
+    from lm_eval.api.group import ConfigurableGroup
     from lm_eval.tasks import get_task_dict
 
     counts: dict[str, int] = {}
@@ -95,7 +96,8 @@ def documents_per_task(tasks: ResolvedTasks, limit: int | float | None = None) -
             n = len(task.eval_docs)
             if limit is not None:
                 n = min(n, int(math.ceil(n * limit)) if limit < 1 else int(limit))
-            counts[getattr(key, "group_name", None) or str(key)] = n
+            group = key.group_name if isinstance(key, ConfigurableGroup) else None
+            counts[group or str(key)] = n
 
     walk(get_task_dict(tasks.specs, tasks.manager))
     return counts

@@ -63,7 +63,7 @@ def evaluate_trainer_model(
         with trainer.precision_plugin.forward_context():  # the trainer's precision (autocast or none)
             results = evaluate(lm, tasks, limit)
     finally:
-        if spread is not None and hasattr(spread, "close"):
+        if spread is not None:
             spread.close()  # buffers kept for the evaluation's batch shapes, not for training
     return results if trainer.is_global_zero else {}
 

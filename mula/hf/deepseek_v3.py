@@ -94,7 +94,7 @@ def check_expressible(config: MulaConfig) -> None:
         problems.append("an MoE model with shared experts")
     if config.shared_intermediate_size != config.num_shared_experts * config.expert_intermediate_size:
         problems.append("shared experts as wide as the routed ones (shared_expert_intermediate_size None)")
-    if getattr(config, "router_scoring", "softmax") != "sigmoid":
+    if config.router_scoring != "sigmoid":
         problems.append("router_scoring='sigmoid'")
     if problems:
         raise ValueError(f"transformers' DeepSeek-V3 needs {' and '.join(problems)}; this config has not.")

@@ -11,7 +11,7 @@ docs/layouts.md calls accepted or refused is what a run meets.
 
 Features of one `group` are one setting (a schedule, a ZeRO stage, an attention kind): they never
 combine with each other, nor does the full recompute with a part of it (`excluded`). Some features bring another with them: sequence parallelism
-needs T, and offload needs the sharded optimizer (ZeRO-1 when no stage is named).
+needs T, and offload and bf16-true need the sharded optimizer (ZeRO-1 when no stage is named).
 
 The equality runs that cover the accepted combinations are the suite's (tests/layout_coverage.py); the
 suite checks that every accepted pair, and every accepted triple of parallel dimensions, is covered.
@@ -21,12 +21,13 @@ Torch-free.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mula.layout.parallel_layout import ParallelLayout
-from mula.layout.rules import check_compile, check_optimizer, check_sequence_split
+from mula.layout.run_check import RunSettings, check_run
 from mula.model.config import resolve_config
 
 
@@ -62,6 +63,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("compile", "compile", "model.compile", "torch.compile of every block"),
     Feature("MLA", "attention", "model.overrides.kv_lora_rank", "multi-head latent attention (DeepSeek-V3)"),
     Feature("QK-norm-per-head", "attention", "model.overrides.qk_norm_per_head", "per-head QK RMSNorm (Qwen3)"),
+    Feature("GQA", "kv-heads", "model.overrides.num_kv_heads", "grouped-query attention: fewer key/value heads than query heads (OLMoE-style 4 heads over 2 KV heads)"),
     Feature("DeepSeek-routing", "routing", "model.overrides.router_scoring: sigmoid", "sigmoid scores, group-limited top-k, scaling, router bias (DeepSeek-V3)"),
     Feature("dense-first-blocks", "dense-first", "model.overrides.num_dense_layers", "dense MLPs in the first blocks of an MoE model (DeepSeek-V3)"),
 )  # fmt: skip
@@ -85,6 +87,7 @@ MODEL_FEATURES: dict[str, dict[str, Any]] = {
         qk_rope_head_dim=4, v_head_dim=8,
     ),
     "QK-norm-per-head": dict(qk_norm_per_head=True, head_dim=16),
+    "GQA": dict(num_kv_heads=2),
     "DeepSeek-routing": dict(
         router_scoring="sigmoid", n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         router_bias=True,
@@ -100,7 +103,8 @@ class Probe:
     """One concrete run that turns on `features` (what an equality run of them trains, and what the
     validator is asked about): `world_size` ranks, `strategy` (XPUMoEStrategy's keyword arguments),
     `overrides` of the `PRESET` model, the trainer's `precision`, the module's `activation_checkpointing`,
-    `compile` and `optimizer`; `dp_size` data-parallel ranks (each reads MICROS / dp_size micro-batches per step)."""
+    `compile` and `optimizer`; `dp_size` data-parallel ranks (each reads `micro_batches` micro-batches of
+    `micro_batch` sequences per step: its share of the step's MICROS * MICRO)."""
 
     features: frozenset[str]
     world_size: int
@@ -126,20 +130,59 @@ class Probe:
         """Ranks reading different data."""
         return self.layout.dp_size
 
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch: MICRO, or fewer where the ranks reading data leave a rank fewer of
+        the step's MICROS * MICRO sequences."""
+        return min(MICRO, MICROS * MICRO // self.dp_size)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank accumulates per step."""
+        return MICROS * MICRO // (self.dp_size * self.micro_batch)
+
+
+class Row(frozenset):
+    """A set of features with the sizes of some of its parallel dimensions (`sizes`: feature name ->
+    ranks, e.g. {"E": 4}; every other dimension named has size 2) and its ranks (`world`, 0: as `probe`
+    chooses): a run at sizes the plain probe does not reach. Equal to the plain set of its features
+    wherever sets are compared."""
+
+    sizes: dict[str, int]
+    world: int
+
+    def __new__(cls, features: Iterable[str], sizes: dict[str, int] | None = None, world: int = 0) -> Row:
+        row = super().__new__(cls, closure(features))
+        row.sizes, row.world = dict(sizes or {}), world
+        named = (row & {"E", "T", "C"}) | ({"P"} if row & set(PIPELINES) else set())
+        if not set(row.sizes) <= named:
+            raise ValueError(
+                f"A row's sizes name its parallel dimensions ({sorted(named)}), got {sorted(row.sizes)}."
+            )
+        return row
+
+    def __reduce__(self):  # pickled into the ranks of a launch with its sizes
+        return Row, (frozenset(self), self.sizes, self.world)
+
 
 def closure(features: Iterable[str]) -> frozenset[str]:
-    """`features` with the ones they bring (SP brings T; offload brings ZeRO-1 when no ZeRO stage is
-    named); an unknown name or two features of one group is one ValueError sentence."""
+    """`features` with the ones they bring (SP brings T; offload and bf16-true bring ZeRO-1 when no ZeRO
+    stage is named: the sharded optimizer's host update, its fp32 masters); an unknown name or two
+    features of one group is one ValueError sentence."""
     names = set(features)
     unknown = sorted(names - BY_NAME.keys())
     if unknown:
         raise ValueError(f"Unknown layout feature(s) {unknown}; known: {[f.name for f in FEATURES]}.")
     if "SP" in names:
         names.add("T")
-    if "offload" in names and not names & {"ZeRO-1", "ZeRO-2"}:
-        names.add("ZeRO-1")
+    if names & {"offload", "bf16-true"} and not names & {"ZeRO-1", "ZeRO-2"}:
+        names.add("ZeRO-1")  # offload's host update and bf16's fp32 masters are the sharded optimizer's
     if "recompute-full" in names and names & RECOMPUTE_PARTS.keys():
         raise ValueError("recompute-full recomputes every part already; name it or the parts, not both.")
+    if {"MLA", "GQA"} <= names:
+        raise ValueError(
+            "MLA has one key/value head per query head, so it has no KV heads to group; choose one."
+        )
     for group, members in itertools.groupby(
         sorted(names, key=lambda n: BY_NAME[n].group), lambda n: BY_NAME[n].group
     ):
@@ -150,17 +193,19 @@ def closure(features: Iterable[str]) -> frozenset[str]:
 
 
 def probe(features: Iterable[str]) -> Probe:
-    """The one tiny run of `features` (module docstring): every parallel dimension named has size 2, on
-    max(4, their product) ranks (the rest data-parallel)."""
+    """The one tiny run of `features` (module docstring): every parallel dimension named has size 2 (or
+    a `Row`'s size), on max(4, their product) ranks (or a `Row`'s; the rest data-parallel)."""
     names = closure(features)
+    row = features if isinstance(features, Row) else Row(names)
+    size = {"E": 2, "P": 2, "T": 2, "C": 2, **row.sizes}
     strategy: dict[str, Any] = {}
     pipeline = names & set(PIPELINES)
-    sizes = {"E": "expert_parallel_size", "T": "tensor_parallel_size", "C": "context_parallel_size"}
-    for name, arg in sizes.items():
+    args = {"E": "expert_parallel_size", "T": "tensor_parallel_size", "C": "context_parallel_size"}
+    for name, arg in args.items():
         if name in names:
-            strategy[arg] = 2
+            strategy[arg] = size[name]
     if pipeline:
-        strategy["pipeline_parallel_size"] = 2
+        strategy["pipeline_parallel_size"] = size["P"]
         if "P-interleaved" in pipeline:
             strategy.update(pipeline_schedule="interleaved-1f1b", pipeline_virtual_stages=2)
         elif "P-GPipe" in pipeline:
@@ -179,10 +224,10 @@ def probe(features: Iterable[str]) -> Probe:
             overrides.update(extra)
     parts = [part for name, part in RECOMPUTE_PARTS.items() if name in names]
     recompute: str | list[str] = "full" if "recompute-full" in names else parts or "none"
-    product = 2 ** len(names & {"E", "T", "C"}) * (2 if pipeline else 1)
+    product = math.prod(size[name] for name in names & {"E", "T", "C"}) * (size["P"] if pipeline else 1)
     return Probe(
         features=names,
-        world_size=max(4, product),
+        world_size=row.world or max(4, product),
         strategy=strategy,
         overrides=overrides,
         precision="bf16-true" if "bf16-true" in names else "32-true",
@@ -193,24 +238,20 @@ def probe(features: Iterable[str]) -> Probe:
 
 
 def refusal(features: Iterable[str]) -> str | None:
-    """The sentence the validator stops `features`' run with (`probe`), or None when it accepts it."""
+    """The sentence a run of `features` (`probe`) is stopped with (`mula.layout.run_check.check_run`, as
+    its strategy, `mula fit` and `mula plan` apply it), or None when it is accepted."""
     try:
         run = probe(features)
-        config = resolve_config(PRESET, run.overrides)
-        layout = run.layout
-        zero = (
-            run.strategy.get("optimizer_options", {}).get("zero_stage")
-            if run.strategy.get("shard_optimizer")
-            else None
-        )
-        check_sequence_split(SEQ, layout.cp)
-        check_compile(run.compile, layout.tp)
-        check_optimizer(
-            run.optimizer, layout.tp, bool(run.strategy.get("optimizer_options", {}).get("offload"))
-        )
-        layout.validate(
-            config, zero_stage=zero, global_batch=MICROS * MICRO, micro_batch=MICRO,
-            micro_batches=MICROS // layout.dp_size,
+        options = run.strategy.get("optimizer_options", {})
+        sharded = bool(run.strategy.get("shard_optimizer"))
+        check_run(
+            RunSettings(
+                run.layout, resolve_config(PRESET, run.overrides), seq_len=SEQ, global_batch=MICROS * MICRO,
+                micro_batch=run.micro_batch, micro_batches=run.micro_batches, precision=run.precision,
+                fp32_masters=sharded, zero_stage=options.get("zero_stage") if sharded else None,
+                offload=bool(options.get("offload")), optimizer=run.optimizer, compile=run.compile,
+                sequence_parallel=bool(run.strategy.get("sequence_parallel")),
+            )
         )  # fmt: skip
     except ValueError as err:
         return str(err)
@@ -218,10 +259,11 @@ def refusal(features: Iterable[str]) -> str | None:
 
 
 def excluded(a: str, b: str) -> bool:
-    """Whether features `a` and `b` are one setting (one group, or the full recompute and a part of it):
+    """Whether features `a` and `b` are one setting (one group, the full recompute and a part of it, or
+    MLA and GQA: MLA's keys and values have one head per query head, so it has no KV heads to group):
     not a combination."""
     full = {a, b} & {"recompute-full"} and {a, b} & RECOMPUTE_PARTS.keys()
-    return BY_NAME[a].group == BY_NAME[b].group or bool(full)
+    return BY_NAME[a].group == BY_NAME[b].group or bool(full) or {a, b} == {"MLA", "GQA"}
 
 
 def combinations() -> list[frozenset[str]]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mula.layout.sharding_options import SENTENCES
+
 
 @dataclass(frozen=True)
 class ParamEntry:
@@ -129,7 +131,7 @@ def plan_buckets(
     parameter's gradient comes last), the order in which reductions launch.
     """
     if bucket_numel < 1 or align < 1:
-        raise ValueError(f"bucket_numel and align must be positive, got {bucket_numel} and {align}.")
+        raise SENTENCES.refuse("bucket-numel", bucket_numel=bucket_numel, align=align)
     buckets: list[Bucket] = []
     for domain in ("dense", "expert"):
         n = group_sizes[domain]

@@ -153,7 +153,7 @@ class ParallelLayout:
         check_tensor_parallel(config, self.tp)
         check_context_parallel(config, self.cp, self.tp)
         if config is not None:
-            check_experts(int(getattr(config, "num_experts", 0)), self.ep)
+            check_experts(int(config.num_experts), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step
         if global_batch is not None and micro_batch is not None:
             check_batch_split(global_batch, self.dp_size, micro_batch)

@@ -1,7 +1,9 @@
-"""Options of the EP-aware sharded optimizer (``strategies.optim.sharded_optimizer.EPShardedAdamW``).
+"""Options of the EP-aware sharded optimizer (``strategies.optim.sharded_optimizer.EPShardedAdamW``),
+and the unsharded path's bucket size (`check_bucket_size`).
 
 Torch-free, so that the optimizer and the planner (`mula plan`, which reads a recipe's
-``optimizer_options`` into the same object) share one definition, defaults and checks.
+``optimizer_options`` into the same object) share one definition, defaults and checks; each refusal
+sentence once, under its key in `SENTENCES` (`mula.layout.sentences`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,26 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, fields
 from typing import Any
+
+from mula.layout.sentences import Sentences
+
+# key -> the sentence (tests/test_cli_refusals.py runs a `mula fit` command line for each)
+SENTENCES = Sentences({
+    "reduce-dtype": "reduce_dtype must be a floating-point dtype ({dtypes}), got {dtype!r}.",
+    "zero-stage": "zero_stage must be 1 or 2, got {zero_stage}.",
+    "bucket-numel": "bucket_numel and align must be positive, got {bucket_numel}, {align}.",
+    "max-grad-norm": "max_grad_norm must be positive or None, got {max_grad_norm}.",
+    "at-least-0": "{name} must be >= 0, got {value}.",
+    "tail-buckets-without-offload": (
+        "offload_tail_buckets keeps some buckets on the device under offload; set offload: true."
+    ),
+    "collectives": "collectives must be 'auto', 'native' or 'rooted', got {collectives!r}.",
+    "unknown-option": (
+        "Unknown EPShardedAdamW option {name!r}{hint}; the options are the fields of "
+        "mula.layout.sharding_options.ShardingOptions."
+    ),
+    "bucket-size": "bucket_size_mb must be positive, got {bucket_size_mb}.",
+})  # fmt: skip
 
 # a recipe's names for the gradient dtype -> torch's attribute name; the bytes of one element
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
@@ -21,9 +43,7 @@ def dtype_name(dtype: Any) -> str:
     name = str(dtype).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_BYTES:
-        raise ValueError(
-            f"reduce_dtype must be a floating-point dtype ({', '.join(DTYPE_BYTES)}), got {dtype!r}."
-        )
+        raise SENTENCES.refuse("reduce-dtype", dtypes=", ".join(DTYPE_BYTES), dtype=dtype)
     return name
 
 
@@ -84,23 +104,19 @@ class ShardingOptions:
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}.")
+            raise SENTENCES.refuse("zero-stage", zero_stage=self.zero_stage)
         if self.bucket_numel < 1 or self.align < 1:
-            raise ValueError(
-                f"bucket_numel and align must be positive, got {self.bucket_numel}, {self.align}."
-            )
+            raise SENTENCES.refuse("bucket-numel", bucket_numel=self.bucket_numel, align=self.align)
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}.")
+            raise SENTENCES.refuse("max-grad-norm", max_grad_norm=self.max_grad_norm)
         if self.offload_tail_buckets < 0:
-            raise ValueError(f"offload_tail_buckets must be >= 0, got {self.offload_tail_buckets}.")
+            raise SENTENCES.refuse("at-least-0", name="offload_tail_buckets", value=self.offload_tail_buckets)
         if self.offload_tail_buckets and not self.offload:
-            raise ValueError(
-                "offload_tail_buckets keeps some buckets on the device under offload; set offload: true."
-            )
+            raise SENTENCES.refuse("tail-buckets-without-offload")
         if self.clip_after_step < 0:
-            raise ValueError(f"clip_after_step must be >= 0, got {self.clip_after_step}.")
+            raise SENTENCES.refuse("at-least-0", name="clip_after_step", value=self.clip_after_step)
         if self.collectives not in ("auto", "native", "rooted"):
-            raise ValueError(f"collectives must be 'auto', 'native' or 'rooted', got {self.collectives!r}.")
+            raise SENTENCES.refuse("collectives", collectives=self.collectives)
         self.reduce_dtype = dtype_name(self.reduce_dtype)
 
     @property
@@ -116,8 +132,11 @@ class ShardingOptions:
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(
-                    f"Unknown EPShardedAdamW option {name!r}{hint}; the options are the fields of "
-                    "mula.layout.sharding_options.ShardingOptions."
-                )
+                raise SENTENCES.refuse("unknown-option", name=name, hint=hint)
         return cls(**kwargs)
+
+
+def check_bucket_size(bucket_size_mb: float) -> None:
+    """Refuse a gradient bucket of the unsharded path (`XPUMoEStrategy(bucket_size_mb=...)`) that holds nothing."""
+    if bucket_size_mb <= 0:
+        raise SENTENCES.refuse("bucket-size", bucket_size_mb=bucket_size_mb)

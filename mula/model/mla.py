@@ -53,7 +53,8 @@ class LatentAttention(nn.Module):
         qk_dim = self.nope_dim + self.rope_dim
         self.scale = qk_dim**-0.5  # transformers' scaling without YaRN's mscale
         # registration order = transformers' (and `MulaConfig._attn_shapes`')
-        if config.q_lora_rank is None:
+        self.q_lora_rank = config.q_lora_rank  # None: queries by one plain projection, `q_proj`
+        if self.q_lora_rank is None:
             self.q_proj = nn.Linear(h, heads * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=False)
@@ -67,7 +68,7 @@ class LatentAttention(nn.Module):
         self.core: Callable[..., Tensor] = causal_attention
 
     def _queries(self, x: Tensor) -> Tensor:
-        if hasattr(self, "q_proj"):
+        if self.q_lora_rank is None:
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 

@@ -40,6 +40,7 @@ from mula.plan.parameters import model_parameters
 from mula.plan.settings import PlanInputs
 from mula.torch_compat import fake_store
 from mula.training.module import MulaLightningModule
+from mula.training.strategy_contract import OptimizerBytes
 
 # what the dry run measures and compares: its name -> the plan's MemoryPlan field
 MEASURED = {
@@ -143,12 +144,11 @@ def _measure(strategy: Any, module: Any) -> tuple[dict[str, int], dict[str, int]
     """The rank's bytes from the optimizer's reporting methods and the shape of its checkpoint state."""
     optimizer = strategy.optimizers[0]
     optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-    for method in ("param_bytes", "grad_buffer_bytes", "state_bytes"):
-        if not hasattr(optimizer, method):
-            raise ValueError(
-                f"--dry_run reads the optimizer's {method}(); {type(optimizer).__name__} has none "
-                "(use the sharded optimizer: shard_optimizer=true)."
-            )
+    if not isinstance(optimizer, OptimizerBytes):
+        raise ValueError(
+            f"--dry_run reads the optimizer's param_bytes(), grad_buffer_bytes() and state_bytes(); "
+            f"{type(optimizer).__name__} has none (use the sharded optimizer: shard_optimizer=true)."
+        )
     # this rank's tensors: a tensor-parallel DTensor parameter holds its local shard (numel() is global)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
     tensors = sum(t.numel() * t.element_size() for t in shards)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mula.layout.parallel_layout import Holdings, ParallelLayout
+from mula.layout.rules import SENTENCES, check_sequence_parallel
 from mula.layout.sharding_options import ShardingOptions
 from mula.model.param_names import check_muon_ns_dtype
 
@@ -107,12 +108,11 @@ class Layout:
             virtual_stages=self.pp_virtual_stages,
             stage_layers=None if self.pp_stage_layers is None else tuple(self.pp_stage_layers),
         )
-        if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
+        check_sequence_parallel(self.sequence_parallel, self.tp_size)
         check_muon_ns_dtype(self.muon_ns_dtype)
-        for name in ("micro_batch", "seq_len"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name, size in (("micro_batch", self.micro_batch), ("seq_len", self.seq_len)):
+            if int(size) < 1:
+                raise SENTENCES.refuse("at-least-1", name=name, size=size)
         self.sharding = ShardingOptions(**{name: getattr(self, name) for name in SHARDING_FIELDS})
 
     @property
@@ -171,17 +171,19 @@ def _stage_holdings(par: ParallelLayout, num_layers: int, num_experts: int) -> t
 
 def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:
     """Refuse, with the sentence `mula fit` would stop with, a layout the strategy or the data module
-    cannot run (`ParallelLayout.validate`): the stage split, the experts, ZeRO-2 under pipeline stages,
-    a global batch that does not split into whole micro-batches, too few micro-batches for the schedule,
-    a sequence the context-parallel ranks cannot split evenly."""
-    from mula.layout.rules import check_optimizer, check_sequence_split
+    cannot run (`mula.layout.run_check.check_run`: the stage split, the experts, ZeRO-2 under pipeline
+    stages, a global batch that does not split into whole micro-batches, too few micro-batches for the
+    schedule, a sequence the context-parallel ranks cannot split evenly, bf16 weights without fp32
+    masters, Muon where it cannot run)."""
+    from mula.layout.run_check import RunSettings, check_run
 
-    check_sequence_split(layout.seq_len, layout.cp_size)
-    check_optimizer(layout.optimizer, layout.tp_size, layout.shard_optimizer and layout.offload)
-    layout.parallel.validate(
-        config,
-        zero_stage=layout.zero_stage if layout.shard_optimizer else None,
-        global_batch=global_batch,
-        micro_batch=layout.micro_batch,
-        micro_batches=layout.micro_batches,
-    )
+    check_run(
+        RunSettings(
+            layout.parallel, config, seq_len=layout.seq_len, global_batch=global_batch,
+            micro_batch=layout.micro_batch, micro_batches=layout.micro_batches, precision=layout.precision,
+            fp32_masters=layout.shard_optimizer, strategy="the recipe's strategy",
+            zero_stage=layout.zero_stage if layout.shard_optimizer else None,
+            offload=layout.shard_optimizer and layout.offload, optimizer=layout.optimizer,
+            sequence_parallel=layout.sequence_parallel,
+        )
+    )  # fmt: skip

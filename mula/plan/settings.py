@@ -87,7 +87,9 @@ def _local_device_type(accelerator: Any) -> str:
         return "cuda"
     import torch  # only to look for this machine's devices: a plan for --machine never imports it
 
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
+    from mula.torch_compat import xpu_available
+
+    if xpu_available():
         return "xpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 

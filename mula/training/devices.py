@@ -1,8 +1,10 @@
 """Which device a rank runs on: torch's module for an accelerator, and the device's name.
 
-One lookup for every reader: `callbacks.Throughput` (the published peak of the device's name),
-`callbacks.MemoryMetrics` and `mula bench` (the allocator's peak and device events), `mula bench`'s
-table and `mula calibrate`'s machine file (which device or CPU measured them), and the benchmarks.
+One lookup for every reader, and the one place that asks torch's device modules for members only some
+backends have: `callbacks.Throughput` (the published peak of the device's name, a step's end),
+`callbacks.MemoryMetrics` and `mula bench` (the allocator's peak and device events), `mula eval`
+(bf16 on an accelerator that has it), `mula bench`'s table and `mula calibrate`'s machine file (which
+device or CPU measured them), and the benchmarks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ def device_module(device: torch.device) -> Any:
     """torch.cuda / torch.xpu for an accelerator with an allocator peak and events, else None (CPU)."""
     module = getattr(torch, device.type, None)
     return module if device.type != "cpu" and hasattr(module, "max_memory_allocated") else None
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether an accelerator computes in bfloat16 (its module's `is_bf16_supported`; False on a CPU or
+    a device module without it)."""
+    if device.type == "cpu":
+        return False
+    module = torch.get_device_module(device.type)
+    return hasattr(module, "is_bf16_supported") and bool(module.is_bf16_supported())
 
 
 def _cpuinfo(key: str) -> str | None:

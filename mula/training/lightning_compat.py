@@ -13,8 +13,9 @@ XPUMoEStrategy overrides Lightning's private `_configure_launcher` hook (setting
 imports a private Lightning name or overrides a private Lightning method (tests/test_lightning_compat.py).
 
 The private attributes Mula reads or writes on Lightning's objects (the trainer's connectors and loops,
-a strategy's process-group timeout) are reached through the named functions below, with the same tested
-range; no other module reads a private name through a string (`getattr(x, "_name")`, same test).
+a strategy's process-group timeout, a WandbLogger's `wandb.init` arguments) are reached through the
+named functions below, with the same tested range; no other module reads a private name through a
+string (`getattr(x, "_name")`, same test).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ __all__ = [
     "dump_checkpoint",
     "ends_optimizer_step",
     "forget_lightning_sigterm",
+    "leave_wandb_anonymous_unset",
     "log_train_step_now",
     "logs_train_step",
     "process_group_timeout",
@@ -145,3 +147,16 @@ def forget_lightning_sigterm(trainer: Any) -> None:
     start-up reached both handlers.
     """
     trainer._signal_connector.received_sigterm = False
+
+
+def leave_wandb_anonymous_unset(logger: Any) -> None:
+    """Leave `anonymous` out of the `wandb.init` arguments of Lightning's `WandbLogger` unless the recipe
+    asked for anonymous logging.
+
+    Lightning puts `anonymous=None` among the arguments it keeps for `wandb.init` (its private
+    `_wandb_init`) whatever the recipe says, and wandb, which deprecated the setting, warns on every run
+    that "the anonymous setting has no effect" whenever the argument is given at all.
+    """
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and init.get("anonymous") is None:
+        init.pop("anonymous", None)

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mula.torch_compat import AsyncCollectiveTensor
+from mula.training.strategy_contract import OptimizerBytes
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:
@@ -34,7 +36,7 @@ def _storage_key(t: Tensor) -> tuple[str, int]:
 def _local(t: Tensor) -> Tensor:
     """This rank's part of a (possibly distributed) tensor: a DTensor's local shard; the waited result
     of a functional collective (tensor parallelism's), a wrapper without storage of its own."""
-    if hasattr(t, "to_local"):
+    if isinstance(t, DTensor):
         t = t.to_local()
     return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
@@ -141,7 +143,7 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 def grad_bytes(module: torch.nn.Module, optimizer: Any = None) -> int:
     """Gradient bytes held: the optimizer's own buffer if it has one, else `module`'s `.grad` storages."""
-    if hasattr(optimizer, "grad_buffer_bytes"):
+    if isinstance(optimizer, OptimizerBytes):
         return int(optimizer.grad_buffer_bytes())
     storages = {}
     for p in module.parameters():

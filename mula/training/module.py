@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
+from mula.layout.rules import check_master_weights as rules_check_master_weights
 from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
 from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
@@ -489,19 +490,16 @@ def load_imbalance(tokens_per_expert: Tensor) -> Tensor:
 
 
 def check_master_weights(precision: str, strategy: Any) -> None:
-    """Refuse bf16/fp16 weights that no optimizer keeps fp32 master weights for.
-
-    Under `precision: bf16-true` Lightning holds the weights in bf16; a plain AdamW would then update
-    them in bf16, where most updates at pretraining learning rates are below one ulp of the weight and
-    are lost. Only a strategy that says it keeps fp32 masters (`keeps_fp32_master_weights`, e.g.
-    `XPUMoEStrategy` with its sharded optimizer) may train such weights.
+    """Refuse bf16/fp16 weights that `strategy` keeps no fp32 master weights for
+    (`mula.layout.rules.check_master_weights`): only a strategy that says it keeps them
+    (`keeps_fp32_master_weights`, e.g. `XPUMoEStrategy` with its sharded optimizer) may train such weights.
     """
     contract = mula_strategy(strategy)
     masters = contract is not None and contract.keeps_fp32_master_weights
-    if precision in ("bf16-true", "16-true") and not masters:
-        raise ValueError(
-            f"trainer.precision={precision} holds the weights in half precision, and "
-            f"{type(strategy).__name__} keeps no fp32 master weights (AdamW updates would be lost to "
-            "rounding): use XPUMoEStrategy with shard_optimizer: true (recipes/strategies/xpu-moe.yaml, "
-            "or the paper recipes' default strategy), or --trainer.precision=bf16-mixed."
-        )
+    rules_check_master_weights(precision, masters, type(strategy).__name__)
+
+
+def mula_module(module: Any) -> MulaLightningModule | None:
+    """`module` as a `MulaLightningModule` (its config, optimizer choice, compile settings and step
+    counts, typed), or None for any other module: how strategies and callbacks ask for Mula's module."""
+    return module if isinstance(module, MulaLightningModule) else None

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from mula.model.param_names import (
@@ -280,5 +281,5 @@ class MulaMuon(torch.optim.Optimizer):
 
 def _local_bytes(t: Tensor) -> int:
     """Bytes of `t` on this rank (a DTensor's local shard)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = t.to_local() if isinstance(t, DTensor) else t
     return local.numel() * local.element_size()

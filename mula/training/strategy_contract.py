@@ -1,10 +1,17 @@
-"""What Mula's LightningModule, data module, downstream evaluation and callbacks may ask of the strategy.
+"""What Mula's LightningModule, data module, downstream evaluation and callbacks may ask of the strategy,
+and of the optimizer it builds.
 
 `MulaStrategy` names each capability once, with its type and meaning; `strategies.XPUMoEStrategy`
 provides all of them (tests/test_strategy_contract.py). A caller asks `mula_strategy(trainer.strategy)`:
 the strategy when it provides the whole contract, None for Lightning's own strategies (single device,
 DDP, FSDP, ...), where the caller does what it always did under them (`torch.optim.AdamW`, the trainer's
 ranks as data-parallel ranks, no asynchronous save, ...). No caller looks a capability up by name.
+
+The optimizers: `OptimizerBytes` is an optimizer that counts what it holds on this rank (`MulaMuon`, and
+the sharded optimizers), which the memory metrics, `mula bench` and `mula plan --dry_run` report;
+`ShardedOptimizer` is the one `build_optimizer` returns with `shard_optimizer: true` (`EPShardedAdamW`,
+`EPShardedMuon`), which reduces the gradients itself and saves its state sharded. A caller asks
+`isinstance(optimizer, ShardedOptimizer)`; a plain torch optimizer is neither.
 
 Torch-free: the types below are for readers and type checkers only.
 """
@@ -19,7 +26,9 @@ from typing_extensions import Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
+    from contextlib import AbstractContextManager
 
+    from torch import Tensor
     from torch.optim import Optimizer
 
     from mula.downstream.lm import SpreadModel
@@ -43,6 +52,11 @@ class MulaStrategy(Protocol):
     @property
     def keeps_fp32_master_weights(self) -> bool:
         """Whether half-precision weights (`precision: bf16-true`) get fp32 master weights in the optimizer."""
+        ...
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Whether the optimizer keeps its state in host memory and updates there (`optimizer_options.offload`)."""
         ...
 
     @property
@@ -99,3 +113,58 @@ def mula_strategy(strategy: object) -> MulaStrategy | None:
     """`strategy` when it provides the whole `MulaStrategy` contract, else None (Lightning's own
     strategies, or no strategy): the caller's plain-Lightning behaviour then applies."""
     return strategy if isinstance(strategy, MulaStrategy) else None
+
+
+@runtime_checkable
+class OptimizerBytes(Protocol):
+    """An optimizer that counts the bytes it holds on this rank (`MulaMuon`, `EPShardedAdamW`)."""
+
+    def param_bytes(self) -> int:
+        """Bytes of the parameters it updates, this rank's part of each."""
+        ...
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of the gradients a step reads (the sharded optimizer's buckets; else one per parameter)."""
+        ...
+
+    def state_bytes(self) -> int:
+        """Bytes of its per-element state (master weights, moments, momentum; not step counters)."""
+        ...
+
+
+@runtime_checkable
+class ShardedOptimizer(OptimizerBytes, Protocol):
+    """The optimizer `MulaStrategy.build_optimizer` builds with `shard_optimizer: true`: gradients reduced
+    into its own buckets, its state sharded over the ranks (`EPShardedAdamW`, `EPShardedMuon`)."""
+
+    def reduce_gradients(self) -> None:
+        """Finish reducing this step's gradients into this rank's shards (launched from backward hooks)."""
+        ...
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Gradient-accumulation micro-batches: accumulate locally, reduce nothing."""
+        ...
+
+    def grad_norm(self, norm_type: float = 2.0) -> tuple[Tensor, Tensor]:
+        """(global gradient norm, whether every gradient is finite: a 0-dim bool tensor), the same on every rank."""
+        ...
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, norm: Tensor | None = None) -> Tensor:
+        """Scale the gradient shards to `max_norm` by the global norm (`norm`: already computed)."""
+        ...
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Its state for a sharded checkpoint (DTensors over the layout), loadable at another layout."""
+        ...
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what `sharded_state_dict` saved, at this layout."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Its `optim/...` metrics (state bytes, padding, host bytes, ...)."""
+        ...
+
+    def close(self) -> None:
+        """Land the parameter gathers in flight, remove its hooks, stop an offloaded update's host worker."""
+        ...

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mula.calibrate.measure import busy_times, small_model_config
@@ -62,7 +63,7 @@ def split_training_seconds(
         with context():
             out = model(shard.take(ids[:, :-1]))
             ce = F.cross_entropy(out.logits.float().flatten(0, 1), shard.take(ids[:, 1:]).flatten())
-            if hasattr(ce, "full_tensor"):  # vocabulary-parallel logits: a replicated DTensor loss
+            if isinstance(ce, DTensor):  # vocabulary-parallel logits: a replicated DTensor loss
                 ce = ce.full_tensor()
             loss = ce + small.router_aux_loss_coef * out.aux_loss + small.router_z_loss_coef * out.z_loss
             loss.backward()  # the gradients accumulate, as over a step's micro-batches

@@ -13,11 +13,11 @@ import importlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
+from mula import torch_compat
 from mula.training.lightning_compat import _AcceleratorRegistry
 
 
@@ -33,9 +33,8 @@ def xpu_available() -> bool:
 
 
 def _native_xpu_count() -> int:
-    xpu = getattr(torch, "xpu", None)
     try:
-        return int(xpu.device_count()) if xpu is not None and xpu.is_available() else 0
+        return int(torch.xpu.device_count()) if torch_compat.xpu_available() else 0
     except RuntimeError:  # a driver present but unusable counts as no device
         return 0
 
@@ -43,7 +42,7 @@ def _native_xpu_count() -> int:
 def process_group_backend(device: torch.device) -> str:
     """The collective backend for a device type: xccl for XPU, nccl for CUDA, gloo for CPU."""
     if device.type == "xpu":
-        if getattr(dist, "is_xccl_available", lambda: False)():
+        if torch_compat.xccl_available():
             return "xccl"
         try:  # torch < 2.8 on Intel GPUs: oneCCL bindings register the "ccl" backend
             importlib.import_module("oneccl_bindings_for_pytorch")

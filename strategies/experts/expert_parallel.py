@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mula.model.moe import iter_moe_layers, num_global_experts
+from mula.model.moe import GroupedExperts, LocalDispatcher, iter_moe_layers, num_global_experts
 from strategies.experts.all_to_all import AllToAllDispatcher
 from strategies.topology import LayoutMesh
 
@@ -40,10 +40,11 @@ def apply_expert_parallel(model: nn.Module, topology: LayoutMesh) -> int | None:
                 # clone() so the full stack's storage is freed instead of kept alive by a view
                 sliced = param.data[local.start : local.stop].clone()
                 setattr(experts, pname, nn.Parameter(sliced, requires_grad=param.requires_grad))
-        if hasattr(experts, "num_experts"):
+        if isinstance(experts, GroupedExperts):
             experts.num_experts = len(local)
         if topology.size("ep") > 1:
-            backend = getattr(layer.dispatcher, "backend", "auto")  # the experts' kernels, as before
+            # the experts' kernels, as before
+            backend = layer.dispatcher.backend if isinstance(layer.dispatcher, LocalDispatcher) else "auto"
             layer.dispatcher = AllToAllDispatcher(
                 total, topology.size("ep"), topology.rank("ep"), topology.group("ep"), backend
             )

@@ -34,10 +34,8 @@ from torch.distributed.tensor import DTensor, Partial
 
 from mula.layout.flat_buffers import Bucket, ParamEntry, Slot, plan_buckets
 from mula.model.moe import is_expert_param
+from mula.torch_compat import reduce_scatter_single as _reduce_scatter
 from strategies.topology import LayoutMesh
-
-# torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -18,11 +18,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from mula.layout.flat_buffers import Bucket
+from mula.torch_compat import all_gather_single as _all_gather
 from mula.torch_compat import dtensor_local_tensor
 from strategies.optim.grad_reduce import Domain, ReduceState, local_tensor
-
-# torch >= 2.10 renamed the tensor collectives; keep working on the older names (torch >= 2.4).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gather_shards(full: Tensor, shard: Tensor, dom: Domain, *, non_blocking: bool = False) -> list[Any]:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from mula.layout.flat_buffers import Bucket, MatrixTask, ParamEntry, matrix_owners
+from mula.layout.rules import check_optimizer
 from mula.training.muon import (
     NS_DTYPES,
     adjusted_lr,
@@ -65,8 +66,8 @@ class EPShardedMuon(EPShardedAdamW):
     (`mula.training.muon.check_muon_options`), the defaults of the Muon groups (`ns_dtype`, also the
     dtype of the update's collectives, is the optimizer's, as `MulaMuon`'s); a Muon group lists the
     (rows, cols) of its parameters' matrices under "matrix_shapes" (`MulaLightningModule.param_groups`).
-    Offload (its host update is AdamW's) is refused. Equal to `mula.training.muon.MulaMuon` on one
-    process (tests/test_sharded_muon.py).
+    Offload (its host update is AdamW's) and tensor parallelism are refused (`check_optimizer`). Equal
+    to `mula.training.muon.MulaMuon` on one process (tests/test_sharded_muon.py).
     """
 
     def __init__(
@@ -82,11 +83,7 @@ class EPShardedMuon(EPShardedAdamW):
         **kwargs: Any,
     ) -> None:
         check_muon_options(momentum, ns_steps, adjust_lr, ns_dtype)
-        if kwargs.get("offload"):
-            raise ValueError(
-                "Sharded Muon does not offload its state to the host (the host update is AdamW's); "
-                "set optimizer_options.offload=false or model.optimizer=adamw."
-            )
+        check_optimizer("muon", 1 if topology is None else topology.size("tp"), bool(kwargs.get("offload")))
         self._muon_defaults = {"momentum": momentum, "ns_steps": ns_steps, "adjust_lr": adjust_lr}
         self._ns_dtype = NS_DTYPES[ns_dtype]
         super().__init__(params, named_params, topology, **kwargs)

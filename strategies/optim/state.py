@@ -54,6 +54,32 @@ def sharded_state_dict(opt: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups, "step": opt.step_count.detach().clone()}
 
 
+def whole_state(opt: Any, kind: str = "master") -> dict[str, Tensor]:
+    """Every parameter's whole flattened ``kind`` state (global name -> fp32 1-D tensor over the global
+    parameter, experts in global order), the same on every rank: the pieces every rank owns written
+    into place (a piece held by several ranks -- a tensor-parallel replicated weight's -- is one piece,
+    as DCP keeps one chunk per offset). What a comparison of two layouts' optimizers reads (the fp32
+    masters of a bf16-true run); it gathers the whole model's state as Python objects over the world, so
+    it is for small models (tests, debugging), not for a checkpoint."""
+    opt.wait_for_params()
+    mine: dict[str, tuple[int, list[tuple[int, Tensor]]]] = {}
+    for entry in opt.entries:
+        if kind in opt.state_kinds(entry):
+            pieces = [(start, p.detach().to("cpu", torch.float32)) for p, start in _pieces(opt, entry, kind)]
+            mine[entry.name] = (_global_numel(opt, entry), pieces)
+    ranks: list[Any] = [mine]
+    if opt.topology.mesh("world") is not None:  # pipeline stages hold different parameters
+        ranks = [None] * torch.distributed.get_world_size(opt.topology.group("world"))
+        torch.distributed.all_gather_object(ranks, mine, group=opt.topology.group("world"))
+    out: dict[str, Tensor] = {}
+    for theirs in ranks:
+        for name, (numel, pieces) in theirs.items():
+            whole = out.setdefault(name, torch.zeros(numel, dtype=torch.float32))
+            for start, piece in pieces:
+                whole[start : start + piece.numel()] = piece
+    return out
+
+
 def load_sharded_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     """Copy what ``sharded_state_dict`` produced (after ``dcp.load`` filled it, possibly at another
     layout) into ``opt``: param-group hyperparameters, step count and the state shards."""
@@ -85,8 +111,8 @@ def load_sharded_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
 
 
 def _copy_in(opt: Any, entry: ParamEntry, saved: Any, kind: str) -> None:
-    local = saved.to_local() if hasattr(saved, "to_local") else saved
-    if isinstance(local, Tensor) and hasattr(local, "local_shards"):
+    local = saved.to_local() if isinstance(saved, DTensor) else saved
+    if isinstance(local, local_shards_wrapper_class()):
         by_offset = {o[0]: t for t, o in zip(local.local_shards(), local.local_offsets())}
     elif isinstance(local, Tensor) and local.numel() == _global_numel(opt, entry):
         by_offset = {0: local}

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
 )
 
 from mula.model.transformer import router_losses
+from mula.training.module import MulaLightningModule
 from strategies.pipeline.split import MulaStage
 from strategies.tensor_parallel import check_sequence_split
 from strategies.topology import LayoutMesh
@@ -81,7 +82,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        module: Any,
+        module: MulaLightningModule,
         topology: LayoutMesh,
         device: torch.device,
         sequence_parallel: bool = False,
@@ -102,7 +103,7 @@ class PipelineRunner:
             for s, blocks in zip(holdings.stages, holdings.blocks_per_stage)
         ]
         for stage in self.stages:  # expert counts by global block (router bias, ExpertLoad, MoEMetrics)
-            stage.count_sink = getattr(module, "add_expert_counts", None)
+            stage.count_sink = module.add_expert_counts
             stage.seq_parts = topology.size("tp") if sequence_parallel else 1
         self.has_first = 0 in self.stage_ids
         self.has_last = last in self.stage_ids

@@ -22,17 +22,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mula.data.datamodule import MulaDataModule
 from mula.layout.rules import micro_batches_per_step
+from mula.model.transformer import Mula
+from mula.training.module import mula_module
 from strategies.pipeline.schedule import PipelineRunner
 from strategies.pipeline.split import split_model
 
 
 def stage_model(module: Any) -> Any:
-    """The model of `module` that pipeline stages split: a MulaLightningModule's (one with `layers`)."""
-    model = getattr(module, "model", None)
-    if model is None or not hasattr(model, "layers"):
+    """The model of `module` that pipeline stages split: a MulaLightningModule's `Mula`."""
+    mula = mula_module(module)
+    if mula is None or not isinstance(mula.model, Mula):
         raise ValueError("pipeline_parallel_size > 1 needs a MulaLightningModule (a model with `layers`).")
-    return model
+    return mula.model
 
 
 def microbatches_per_step(batch: Tensor, pipeline_microbatches: int | None, trainer: Any) -> int:
@@ -40,14 +43,13 @@ def microbatches_per_step(batch: Tensor, pipeline_microbatches: int | None, trai
     `micro_batch_size` (or `pipeline_microbatches`, set by whoever feeds other data)."""
     if pipeline_microbatches is not None:
         return pipeline_microbatches
-    datamodule = getattr(trainer, "datamodule", None)
-    micro = getattr(datamodule, "micro_batch_size", None)
-    if micro is None:
+    datamodule = trainer.datamodule
+    if not isinstance(datamodule, MulaDataModule):
         raise ValueError(
             "pipeline_parallel_size > 1 needs the micro-batch size: train with a MulaDataModule, or set "
             "the strategy's pipeline_microbatches to the micro-batches per step."
         )
-    return micro_batches_per_step(batch.shape[0], 1, micro)
+    return micro_batches_per_step(batch.shape[0], 1, datamodule.micro_batch_size)
 
 
 class PipelineSteps:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from mula.model.config import check_backend_name
 from mula.model.kernels import torch_gmm
+from mula.torch_compat import xpu_available
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def _triton_has_xpu() -> bool:
         from triton.backends import backends as triton_backends
     except ImportError:
         return False
-    return "intel" in triton_backends and hasattr(torch, "xpu") and torch.xpu.is_available()
+    return "intel" in triton_backends and xpu_available()
 
 
 @functools.cache

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mula.torch_compat import private_grouped_mm
+from mula.torch_compat import private_grouped_mm, public_grouped_mm
 
 _ALIGN_BYTES = 16
 
 
 def grouped_mm_fn() -> Callable[..., Tensor] | None:
     """`torch.nn.functional.grouped_mm` (torch >= 2.10) or `torch._grouped_mm` (2.8-2.9), or None."""
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    fn = public_grouped_mm()
     return fn if fn is not None else private_grouped_mm()
 
 

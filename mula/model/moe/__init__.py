@@ -1,7 +1,7 @@
 """Mixture-of-Experts building blocks: router, dispatcher, grouped experts, and the layer."""
 
 from mula.model.moe.contract import is_expert_param, iter_moe_layers, num_global_experts
-from mula.model.moe.dispatcher import Dispatcher, LocalDispatcher
+from mula.model.moe.dispatcher import Dispatcher, LocalDispatcher, MeteredDispatcher
 from mula.model.moe.experts import GroupedExperts
 from mula.model.moe.layer import MoELayer, MoEStats
 from mula.model.moe.router import Router, RouterOutput, expert_counts, load_balancing_loss, router_z_loss
@@ -10,6 +10,7 @@ __all__ = [
     "Dispatcher",
     "GroupedExperts",
     "LocalDispatcher",
+    "MeteredDispatcher",
     "MoELayer",
     "MoEStats",
     "Router",

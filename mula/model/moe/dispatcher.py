@@ -39,6 +39,14 @@ class Dispatcher(Protocol[StateT]):
         ...
 
 
+@runtime_checkable
+class MeteredDispatcher(Protocol):
+    """A dispatcher that counts the bytes this rank sends in its exchanges (the all-to-all dispatcher):
+    `callbacks.MoEMetrics` logs `bytes_sent` once per step as `moe/a2a_bytes` and sets it back to 0."""
+
+    bytes_sent: int
+
+
 class LocalDispatcher:
     """Groups assignments by expert with one stable sort (no loop over experts, no host sync).
 
