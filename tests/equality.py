@@ -23,7 +23,10 @@ above it; the rule removes them by construction instead of widening allowances u
    first step whose counts differ. That step must be explainable as top-k flips: no expert of any layer
    gained or lost more choices than the reference had near ties involving that expert in that step,
    else it is a bug (a bug that moves choices where there was no near tie, or more than the near ties);
-   from that step on, nothing more is compared, and a warning says so.
+   from that step on, nothing more is compared, and a warning says so. At least `MIN_COMPARED_STEPS`
+   steps must be compared: a flip before that fails the test with the reason (a comparison of nothing,
+   or of one step that only shows the first forward, proves nothing), and the test chooses data and
+   seeds whose first steps flip nothing on any host.
 3. **Muon's bf16 Newton-Schulz.** Muon casts its fp32 update to bf16 before orthogonalising it, so a
    rounding-level difference in the summed gradient moves an element across a bf16 rounding boundary
    now and then (which elements, depends on the host), a move of 2^-8 of it; Newton-Schulz then
@@ -71,6 +74,9 @@ WEIGHT_ATOL = 1e-4  # weights after the last step (absolute)
 # a reference decision this close to a tie (in score units) may flip once the weights differ by rounding:
 # the scores of two runs were measured up to ~2e-7 apart after a few steps (~1e-6 with eps=1e-8)
 FLIP_MARGIN = 1e-5
+# steps a comparison must reach before a top-k flip may end it: step 2's loss and gradient norm are the
+# first to show step 1's update
+MIN_COMPARED_STEPS = 2
 
 
 def seeded(seed: int) -> int:
@@ -223,6 +229,11 @@ def compared_steps(
             f"to explain it ([MoE layer, expert]: {beyond}; choices gained or lost {changed.tolist()}, reference's "
             f"choices within {FLIP_MARGIN} of a tie {near.tolist()}): not a top-k flip"
         )
+        assert s >= min(MIN_COMPARED_STEPS, steps), (
+            f"{what}: a near-tied top-k choice flipped at step {first_step + s + 1}, so only {s} step(s) could "
+            f"be compared (at least {MIN_COMPARED_STEPS} must be): choose data or seeds whose first "
+            f"{MIN_COMPARED_STEPS} steps have no choice within {FLIP_MARGIN} of a tie"
+        )
         warnings.warn(
             f"{what}: a near-tied top-k choice flipped at step {first_step + s + 1} "
             f"({int(changed.sum()) // 2} choices moved); compared steps {first_step + 1}-{first_step + s} only",
@@ -230,6 +241,19 @@ def compared_steps(
         )
         return s
     return steps
+
+
+def assert_compared_through(
+    run: Mapping[str, Any], ref: Mapping[str, Any], steps: int, first_step: int = 0, what: str = ""
+) -> None:
+    """The rule compares `run` with the reference through its `steps`-th step at least (a run that saved
+    the checkpoint another run resumes from must have followed the reference to it): else the test
+    fails with the reason, it does not skip what depends on it."""
+    compared = compared_steps(run, ref, first_step, what)
+    assert compared >= steps, (
+        f"{what}: compared with the reference through step {first_step + compared} only (a near-tied top-k "
+        f"flip), where what follows needs step {first_step + steps}: choose data or seeds without a near tie there"
+    )
 
 
 def assert_same_training(

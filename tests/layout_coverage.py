@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 
-from mula.layout.features import PIPELINES, closure, matrix
+from mula.layout.features import PIPELINES, Row, closure, matrix, probe
 
 PARTS = ("recompute-moe", "recompute-attention", "recompute-norms")
 ROWS: tuple[frozenset[str], ...] = tuple(
@@ -24,15 +24,16 @@ ROWS: tuple[frozenset[str], ...] = tuple(
     for row in (
         # fp32, eager
         {"E", "SP", "ZeRO-2", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
-        {"C", "P", "ZeRO-1", "offload", "QK-norm-per-head", *PARTS},
+        {"C", "P", "ZeRO-1", "offload", "QK-norm-per-head", "GQA", *PARTS},
         {"P-interleaved", "SP", "ZeRO-1", "MLA", "DeepSeek-routing", "recompute-full"},
-        {"P-GPipe", "SP", "ZeRO-1", "offload", "QK-norm-per-head", "dense-first-blocks", *PARTS},
+        {"P-GPipe", "SP", "ZeRO-1", "offload", "QK-norm-per-head", "GQA", "dense-first-blocks", *PARTS},
         {"E", "C", "ZeRO-2", "MLA", "dense-first-blocks", "recompute-moe", "recompute-attention"},
         {
             "E",
             "P-interleaved",
             "offload",
             "QK-norm-per-head",
+            "GQA",
             "DeepSeek-routing",
             "dense-first-blocks",
             "recompute-attention",
@@ -40,7 +41,7 @@ ROWS: tuple[frozenset[str], ...] = tuple(
         {"E", "P-GPipe", "MLA", "DeepSeek-routing", "recompute-norms"},
         {"C", "SP", "ZeRO-2", "offload", "QK-norm-per-head", "DeepSeek-routing", "recompute-norms"},
         {"C", "P-interleaved", "MLA", "dense-first-blocks", "recompute-full"},
-        {"C", "P-GPipe", "ZeRO-1", "DeepSeek-routing", "QK-norm-per-head", "recompute-full"},
+        {"C", "P-GPipe", "ZeRO-1", "DeepSeek-routing", "QK-norm-per-head", "GQA", "recompute-full"},
         {"P", "SP", "MLA", "DeepSeek-routing", "recompute-moe"},
         # fp32 Muon (sharded or replicated), eager
         {"Muon", "P", "E", "ZeRO-1", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
@@ -50,7 +51,7 @@ ROWS: tuple[frozenset[str], ...] = tuple(
         {"compile", "P", "C", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
         {"compile", "P-interleaved", "E", "QK-norm-per-head", *PARTS},
         {"compile", "P-GPipe", "ZeRO-1"},
-        {"compile", "Muon", "E", "ZeRO-2"},
+        {"compile", "Muon", "E", "ZeRO-2", "GQA"},
         # bf16-true
         {
             "bf16-true",
@@ -63,11 +64,16 @@ ROWS: tuple[frozenset[str], ...] = tuple(
             "dense-first-blocks",
             "recompute-full",
         },  # fmt: skip
-        {"bf16-true", "C", "P", "offload", "QK-norm-per-head", *PARTS},
+        {"bf16-true", "C", "P", "offload", "QK-norm-per-head", "GQA", *PARTS},
         {"bf16-true", "P-interleaved", "T", "ZeRO-1"},
         {"bf16-true", "P-GPipe", "E", "ZeRO-1", "compile"},
         {"bf16-true", "Muon", "ZeRO-1"},
+        # offload's host updates where every shard group it writes has two ranks or more
+        {"P-GPipe", "offload", "recompute-moe"},
     )
+) + (
+    # a dimension of size 4, on 8 ranks: 4 experts one per rank, their state sharded over EDP groups of 2
+    Row({"E", "ZeRO-1", "offload", "GQA"}, {"E": 4}, world=8),
 )
 
 # test node id -> the features of its run (every parallel dimension at size 2)
@@ -78,15 +84,40 @@ DECLARED: dict[str, frozenset[str]] = {
 }
 
 
+SHARDED = frozenset({"ZeRO-1", "ZeRO-2", "offload"})
+
+
+def groups_used(combo: frozenset[str]) -> set[str]:
+    """The process groups (`mula.layout.parallel_layout.DIMS`) a combination's features work over: each
+    parallel dimension its own; the sharded optimizer and offload the dense shard group ("replica") and,
+    with experts, the expert shard group ("edp_cp")."""
+    dims = {"E": "ep", "T": "tp", "SP": "tp", "C": "cp", **{p: "pp" for p in PIPELINES}}
+    used = {dims[f] for f in combo if f in dims}
+    if combo & SHARDED:
+        used.add("replica")
+        if "E" in combo:
+            used.add("edp_cp")
+    return used
+
+
+def exercises(run: frozenset[str], combo: frozenset[str]) -> bool:
+    """Whether `run` (a row or a declared test's features) works `combo`'s features over groups of two
+    ranks or more: a sharded optimizer on a replica group of one shards nothing."""
+    layout = probe(run).layout
+    return all(layout.size(group) > 1 for group in groups_used(combo))
+
+
 def covering_runs(combo: frozenset[str]) -> list[str]:
     """The rows (`row <i>`) and declared tests whose runs cover `combo` by the rule its features allow (a
-    P schedule standing for P in a triple of parallel dimensions)."""
+    P schedule standing for P in a triple of parallel dimensions), each group the combination works over
+    of two ranks or more (`exercises`)."""
     bf16 = "bf16-true" in combo
 
     def holds(run: frozenset[str]) -> bool:
         if ("bf16-true" in run) != bf16:
             return False
-        return all(f in run or (f == "P" and len(combo) == 3 and run & set(PIPELINES)) for f in combo)
+        held = all(f in run or (f == "P" and len(combo) == 3 and run & set(PIPELINES)) for f in combo)
+        return held and exercises(run, combo)
 
     runs = [f"row {i}" for i, row in enumerate(ROWS) if holds(row)]
     return runs + [test for test, features in DECLARED.items() if holds(features)]
@@ -95,6 +126,13 @@ def covering_runs(combo: frozenset[str]) -> list[str]:
 def coverage() -> dict[frozenset[str], tuple[str | None, list[str]]]:
     """Every combination of the matrix -> (the validator's refusal or None, the runs covering it)."""
     return {combo: (refused, [] if refused else covering_runs(combo)) for combo, refused in matrix().items()}
+
+
+def _row_label(row: frozenset[str]) -> str:
+    """A row's features, a dimension of another size than 2 written with it (`E=4`), and its ranks."""
+    sizes = row.sizes if isinstance(row, Row) else {}
+    names = [f"{f}={sizes[f]}" if f in sizes else f for f in sorted(row)]
+    return f"{', '.join(names)} ({probe(row).world_size} ranks)"
 
 
 def _run_label(run: str) -> str:
@@ -120,9 +158,13 @@ def render_markdown() -> str:
         "the validator (`mula fit` and `mula plan` stop with the sentence below). Nothing in between.",
         "",
         "A run turns a set of features into one tiny training run (`mula.layout.features.probe`: every",
-        "parallel dimension named has size 2, on 4 ranks, or 16 for the four-dimensional test) and compares it",
-        "with one process: fp32 runs by the suite's equality rule (tests/equality.py: losses and gradient",
-        "norms of every step, then every weight), bf16-true runs by bf16's own rule (tests/composition.py).",
+        "parallel dimension named has size 2 unless the row says otherwise, on 4 ranks, 8 for the row with",
+        "E = 4, or 16 for the four-dimensional test) and compares it with one process: fp32 runs by the",
+        "suite's equality rule (tests/equality.py: losses and gradient norms of every step, then every",
+        "weight), bf16-true runs by bf16's own rule (tests/composition.py: losses, gradient norms and the",
+        "fp32 master weights). A run covers a combination only when every process group the combination",
+        "works over has two ranks or more (`tests/layout_coverage.py` `groups_used`: each parallel",
+        "dimension; the sharded optimizer and offload the dense shard group and, with E, the expert one).",
         "",
         "## Features",
         "",
@@ -166,6 +208,6 @@ def render_markdown() -> str:
     lines += ["", "## Refusals", ""]
     lines += [f"{i + 1}. {reason}" for i, reason in enumerate(reasons)]
     lines += ["", "## The runs", "", "| run | features |", "|---|---|"]
-    lines += [f"| r{i} | {', '.join(sorted(row))} |" for i, row in enumerate(ROWS)]
+    lines += [f"| r{i} | {_row_label(row)} |" for i, row in enumerate(ROWS)]
     lines += [f"| 4D: `{test}` | {', '.join(sorted(features))} |" for test, features in DECLARED.items()]
     return "\n".join(lines) + "\n"

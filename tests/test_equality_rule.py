@@ -1,12 +1,13 @@
 """The suite's equality rule (tests/equality.py) tells a near-tied top-k flip from a routing bug.
 
-Three one-process runs of test_strategy.py's tiny MoE against the same reference: the same run again is
-compared whole; a run in which one near-tied choice of step 2 goes to its runner-up (what rounding does
-to a near tie in a parallel run) is compared up to step 1, with a warning; a run in which many clear
-choices of step 2 go elsewhere (what a routing bug does) fails the rule. Near ties within the rule's
-margin are rare in so small a run, so every run (the reference too) makes some: before step 2 each
-router's expert 1 gets expert 0's weights (`_TieExperts`), and a token ranking those two k-th and
-(k+1)-th then has a gap of exactly 0 at step 2.
+One-process runs of test_strategy.py's tiny MoE against the same reference: the same run again is
+compared whole; a run in which one near-tied choice of step 3 goes to its runner-up (what rounding does
+to a near tie in a parallel run) is compared up to step 2, with a warning, and the same flip fails the
+rule where it leaves fewer than two steps compared; a run in which many clear choices of step 3 go
+elsewhere (what a routing bug does) fails the rule. Near ties within the rule's margin are rare in so
+small a run, so every run (the reference too) makes some: before step 3 each router's expert 1 gets
+expert 0's weights (`_TieExperts`), and a token ranking those two k-th and (k+1)-th then has a gap of
+exactly 0 at step 3.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from test_strategy import MICROS_PER_STEP, STEPS, _module, _StepBatches, _StepLo
 
 from mula.model.moe.router import Router, RouterOutput
 
+TIED = 2  # the 0-based step whose forwards have the exact ties (step 3)
+
 
 class _Reroute:
-    """In step 2's training forwards (`once`: only the first with a match), send each token matching `pick`
+    """In step 3's training forwards (`once`: only the first with a match), send each token matching `pick`
     from its k-th expert to its (k+1)-th instead. `pick(gap, runner_up)` chooses tokens from the
     gaps between their k-th and (k+1)-th choices and the (k+1)-th experts' indices."""
 
-    def __init__(self, pick, once: bool, step: int = 1) -> None:
+    def __init__(self, pick, once: bool, step: int = TIED) -> None:
         self.pick, self.once, self.step = pick, once, step
         self.moved = 0
 
@@ -54,7 +57,7 @@ class _Reroute:
 
 
 class _TieExperts(L.Callback):
-    """Before step 2's first micro-batch, every router's expert 1 gets expert 0's weights (in every run
+    """Before step 3's first micro-batch, every router's expert 1 gets expert 0's weights (in every run
     alike), and `reroute`'s hooks are installed at the start."""
 
     def __init__(self, reroute: _Reroute | None) -> None:
@@ -65,7 +68,7 @@ class _TieExperts(L.Callback):
             self.reroute.install(trainer, pl_module.model)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == 1 and batch_idx == MICROS_PER_STEP:
+        if trainer.global_step == TIED and batch_idx == TIED * MICROS_PER_STEP:
             with torch.no_grad():
                 for module in pl_module.model.modules():
                     if isinstance(module, Router):
@@ -91,7 +94,7 @@ def reference() -> dict:
 
 def test_the_same_run_is_compared_whole(reference) -> None:
     assert reference["near_ties"] and all(t.shape == (2, 8) for t in reference["near_ties"])
-    assert reference["near_ties"][1][:, :2].all()  # the tied experts' near ties at step 2, in both layers
+    assert reference["near_ties"][TIED][:, :2].all()  # the tied experts' near ties at step 3, in both layers
     assert assert_same_training(_run(None), reference, what="again")
 
 
@@ -99,10 +102,25 @@ def test_a_near_tied_flip_is_compared_up_to_its_step(reference) -> None:
     flip = _Reroute(lambda gap, runner_up: _first(gap < FLIP_MARGIN), once=True)
     run = _run(flip)
     assert flip.moved == 1
-    assert run["counts"][1].ne(reference["counts"][1]).any()  # the flip shows in the counts
-    assert run["losses"][0] == reference["losses"][0] and run["losses"][1:] != reference["losses"][1:]
-    with pytest.warns(UserWarning, match="flipped at step 2"):
+    assert run["counts"][TIED].ne(reference["counts"][TIED]).any()  # the flip shows in the counts
+    assert (
+        run["losses"][:TIED] == reference["losses"][:TIED]
+        and run["losses"][TIED:] != reference["losses"][TIED:]
+    )
+    with pytest.warns(UserWarning, match="flipped at step 3"):
         assert not assert_same_training(run, reference, what="near tie")
+
+
+def test_a_flip_before_two_compared_steps_fails(reference) -> None:
+    """A comparison of one step (or none) proves nothing: the flip at step 3 of a record that starts at
+    the reference's step 2 (a resumed run's) leaves one step compared, of one that starts at step 3 none,
+    and the rule fails with the reason instead of warning."""
+    flip = _Reroute(lambda gap, runner_up: _first(gap < FLIP_MARGIN), once=True)
+    run = _run(flip)
+    for first, compared in ((TIED - 1, 1), (TIED, 0)):
+        resumed = {k: run[k][first:] for k in ("losses", "norms", "counts")}
+        with pytest.raises(AssertionError, match=f"only {compared} step"):
+            assert_same_training(resumed, reference, first_step=first, what=f"from step {first + 1}")
 
 
 def test_a_routing_bug_is_not_excused(reference) -> None:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from layout_coverage import DECLARED, ROWS, coverage, render_markdown
+from layout_coverage import DECLARED, ROWS, coverage, exercises, render_markdown
 
 from mula.layout.features import FEATURES, closure, combinations, probe, refusal
 
@@ -42,11 +42,14 @@ def test_removing_any_row_uncovers_a_combination(index: int, monkeypatch) -> Non
     assert any(refused is None and not runs for refused, runs in table.values())
 
 
-def test_rows_are_accepted_runs_of_four_ranks() -> None:
+def test_rows_are_accepted_runs_of_four_ranks_and_one_of_eight() -> None:
     for row in ROWS:
         assert refusal(row) is None, sorted(row)
         assert closure(row) == row
-        assert probe(row).world_size == 4
+    sizes = [probe(row).world_size for row in ROWS]
+    assert sizes.count(8) == 1 and set(sizes) == {4, 8}
+    big = probe(ROWS[sizes.index(8)])  # a dimension of size 4, its expert state sharded over EDP groups of 2
+    assert big.strategy["expert_parallel_size"] == 4 and big.layout.size("edp") == 2
 
 
 @pytest.mark.parametrize("test", sorted(DECLARED))
@@ -77,6 +80,25 @@ def test_a_feature_set_that_is_not_one_run_is_one_sentence(features: set, needle
         closure(features)
 
 
+def test_a_run_counts_only_where_the_groups_it_exercises_have_two_ranks() -> None:
+    """A sharded optimizer on a shard group of one shards nothing: T x P on 4 ranks leaves every dense
+    replica group one rank, E x T every expert-data-parallel group."""
+    assert not exercises(closure({"T", "P", "ZeRO-1"}), frozenset({"ZeRO-1", "T"}))
+    assert exercises(closure({"T", "ZeRO-1"}), frozenset({"ZeRO-1", "T"}))
+    assert not exercises(closure({"E", "SP", "ZeRO-2"}), frozenset({"E", "ZeRO-2"}))
+    assert exercises(closure({"E", "SP", "ZeRO-2"}), frozenset({"T", "ZeRO-2"}))
+    assert not exercises(closure({"P", "C"}), frozenset({"P", "E"}))  # no E at all: ep is one rank
+
+
+def test_grouped_query_attention_is_a_feature() -> None:
+    run = probe({"GQA", "C"})
+    assert (run.overrides["num_heads"], run.overrides["num_kv_heads"]) == (4, 2)
+    assert refusal({"GQA", "C"}) is None and refusal({"GQA", "T"}) is None
+    assert "key/value heads" in refusal({"GQA", "C", "T"})  # 2 KV heads over C x T = 4 ranks
+    with pytest.raises(ValueError, match="no KV heads to group"):
+        closure({"GQA", "MLA"})
+
+
 def test_features_bring_what_they_need() -> None:
     assert closure({"SP"}) == {"SP", "T"}
     assert closure({"offload"}) == {"offload", "ZeRO-1"}
@@ -84,8 +106,9 @@ def test_features_bring_what_they_need() -> None:
     run = probe({"C", "P-interleaved", "recompute-moe", "recompute-norms", "bf16-true"})
     assert run.strategy == {
         "context_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "interleaved-1f1b",
-        "pipeline_virtual_stages": 2, "shard_optimizer": False,
+        "pipeline_virtual_stages": 2, "shard_optimizer": True, "optimizer_options": {"zero_stage": 1},
     }  # fmt: skip
+    assert closure({"bf16-true"}) == {"bf16-true", "ZeRO-1"}  # its fp32 masters are the sharded optimizer's
     assert (run.activation_checkpointing, run.precision, run.world_size) == (["moe", "norms"], "bf16-true", 4)
     assert len({f.name for f in FEATURES}) == len(FEATURES)
 
@@ -96,3 +119,20 @@ def test_docs_layouts_is_what_the_script_writes() -> None:
         [sys.executable, "scripts/layouts-doc", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_the_registry_refuses_what_mula_fit_refuses() -> None:
+    """One validation (`mula.layout.run_check.check_run`) for the registry, `mula plan`, the strategy and
+    `mula fit`: bf16 weights without fp32 masters is the sentence `mula fit` stops a DDP run with."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from mula.layout.parallel_layout import ParallelLayout
+    from mula.layout.run_check import RunSettings, check_run
+    from mula.training.module import check_master_weights
+
+    with pytest.raises(ValueError) as fit:
+        check_master_weights("bf16-true", DDPStrategy())
+    with pytest.raises(ValueError) as run:
+        check_run(RunSettings(ParallelLayout(4), precision="bf16-true", strategy="DDPStrategy"))
+    assert str(run.value) == str(fit.value) and "keeps no fp32 masters" in str(fit.value)
+    assert refusal({"bf16-true", "P"}) is None  # the registry's bf16-true run has its masters

@@ -32,9 +32,9 @@ from equality import (
     LOSS_RTOL,
     MUON_NS_DTYPE,
     RoutingRecord,
+    assert_compared_through,
     assert_same_training,
     assert_same_weights,
-    compared_steps,
     seeded,
 )
 
@@ -372,13 +372,13 @@ def test_pipeline_matches_single_process_and_reshards_checkpoints() -> None:
         # the run that saved the checkpoint had followed the reference to it (equality.py: top-k flips)
         w4 = run_distributed(_resume, 4, 4, 1, saved, 4)[0]
         w1 = run_distributed(_resume, 1, 1, 1, saved, 4)[0]
-        if compared_steps(r0[(2, 2, "gpipe")], ref, what="p2e2 saving") >= 2:
-            assert_same_training(w4, ref, first_step=2, what="p2e2 -> p1e4")
-            assert_same_training(w1, ref, first_step=2, what="p2e2 -> w1")
+        assert_compared_through(r0[(2, 2, "gpipe")], ref, 2, what="p2e2 saving")
+        assert_same_training(w4, ref, first_step=2, what="p2e2 -> p1e4")
+        assert_same_training(w1, ref, first_step=2, what="p2e2 -> w1")
         # ... and the reverse: (W=4, P=1, E=4) -> (W=4, P=2, E=2)
         back = run_distributed(_resume, 4, 2, 2, f"{root}/p1e4/epoch=0-step=2.ckpt", 4)[0]
-        if assert_same_training(r0["p1e4"], ref, what="p1e4 saving"):
-            assert_same_training(back, ref, first_step=2, what="p1e4 -> p2e2")
+        assert_compared_through(r0["p1e4"], ref, 2, what="p1e4 saving")
+        assert_same_training(back, ref, first_step=2, what="p1e4 -> p2e2")
 
 
 # (dense first blocks, schedule, virtual stages) on 2 ranks, P=2: with 1 dense block the interleaved

@@ -28,9 +28,9 @@ from dist_helpers import assert_plan_bytes, cpu_trainer, lightning_env, run_dist
 from equality import (
     ADAMW_EPS,
     RoutingRecord,
+    assert_compared_through,
     assert_same_training,
     assert_same_weights,
-    compared_steps,
     seeded,
 )
 from safetensors.torch import load_file
@@ -159,8 +159,8 @@ def assert_every_rank_matches(ref: dict, out: list[dict], key: str, first_step: 
     assert len(ref["losses"]) == STEPS
     saver = key.removesuffix("_resumed")
     # a resumed run continues the reference only if the run that saved it did (equality.py: top-k flips)
-    if first_step and compared_steps(out[0][saver], ref, what=f"{saver} saving") < first_step:
-        return
+    if first_step:
+        assert_compared_through(out[0][saver], ref, first_step, what=f"{saver} saving")
     for rank, rank_out in enumerate(out):
         run = rank_out[key]
         assert len(run["counts"]) == len(run["losses"]) == STEPS - first_step

@@ -146,12 +146,10 @@ def test_router_bias_is_the_same_on_every_rank_and_survives_resharding() -> None
     assert reference["biases"][-1].abs().sum() > 0  # the bias moved
     with tempfile.TemporaryDirectory() as root:
         w4 = run_distributed(_run, 4, 2, 2, None, root)
-        # a resumed run continues the reference only if the run that saved it did (equality.py: top-k flips)
-        saved_like_reference = all(
-            [_assert_biases(run, reference, what=f"w4e2 rank {rank}") == 2 for rank, run in enumerate(w4)]
-        )
+        # a resumed run continues the reference: the run that saved it followed it there (equality.py)
+        for rank, run in enumerate(w4):
+            assert _assert_biases(run, reference, what=f"w4e2 rank {rank}") >= 2
         resumed = run_distributed(_run, 2, 1, 4, f"{root}/epoch=0-step=2.ckpt", None)
         for rank, run in enumerate(resumed):
             assert len(run["biases"]) == 2
-            if saved_like_reference:
-                _assert_biases(run, reference, first_step=2, what=f"w4e2 -> w2e1 rank {rank}")
+            _assert_biases(run, reference, first_step=2, what=f"w4e2 -> w2e1 rank {rank}")

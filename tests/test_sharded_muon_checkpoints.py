@@ -39,9 +39,9 @@ import lightning.pytorch as L
 import torch
 from dist_helpers import lightning_env, run_distributed
 from equality import (
+    assert_compared_through,
     assert_same_training,
     assert_same_weights,
-    compared_steps,
 )
 from test_fault_tolerance import (
     REPO,
@@ -181,22 +181,22 @@ def test_sharded_muon_checkpoint_reshards_from_p2e2_to_one_process():
     assert len(out["w1"]["losses"]) == STEPS - 2
     # the next steps are the uninterrupted run's, if the saving run had followed it to the checkpoint
     # (equality.py: top-k flips)
-    if compared_steps(saving, ref, what="p2e2 saving") >= 2:
-        assert_same_training(out["w1"], ref, first_step=2, what="p2e2 -> w1")
-        # The resumed run's first step (3) is decided by the loaded weights alone; the loaded optimizer
-        # state shows only from step 4 on, which a near-tied top-k flip can keep the rule from comparing.
-        # So the state itself: every kind of every parameter (fp32 master, Muon's momentum, AdamW's
-        # moments) as the one-process reference holds it after step 2, up to the gradients' summation
-        # order (and, for the weights, the bf16-ulp moves it makes in Newton-Schulz's update).
-        loaded = out["loaded"]
-        assert set(loaded) == set(ref_state.state)
-        for name, kinds in ref_state.state.items():
-            assert set(loaded[name]) == set(kinds), name
-            assert_same_weights({name: loaded[name]["master"]}, {name: kinds["master"]}, what="master")
-            for kind in set(kinds) - {"master"}:
-                want = kinds[kind]
-                distance = float((loaded[name][kind] - want).norm() / want.norm())
-                assert distance <= STATE_RTOL, f"{name} {kind}: relative distance {distance:.2e}"
+    assert_compared_through(saving, ref, 2, what="p2e2 saving")
+    assert_same_training(out["w1"], ref, first_step=2, what="p2e2 -> w1")
+    # The resumed run's first step (3) is decided by the loaded weights alone; the loaded optimizer
+    # state shows only from step 4 on, which a near-tied top-k flip can keep the rule from comparing.
+    # So the state itself: every kind of every parameter (fp32 master, Muon's momentum, AdamW's
+    # moments) as the one-process reference holds it after step 2, up to the gradients' summation
+    # order (and, for the weights, the bf16-ulp moves it makes in Newton-Schulz's update).
+    loaded = out["loaded"]
+    assert set(loaded) == set(ref_state.state)
+    for name, kinds in ref_state.state.items():
+        assert set(loaded[name]) == set(kinds), name
+        assert_same_weights({name: loaded[name]["master"]}, {name: kinds["master"]}, what="master")
+        for kind in set(kinds) - {"master"}:
+            want = kinds[kind]
+            distance = float((loaded[name][kind] - want).norm() / want.norm())
+            assert distance <= STATE_RTOL, f"{name} {kind}: relative distance {distance:.2e}"
     # one sentence, raised before DCP reads anything (it would dump every rank's traceback)
     for key, kind in (("adamw_into_muon", "momentum_buffer"), ("muon_into_adamw", "exp_avg")):
         message = out[key]

@@ -19,7 +19,14 @@ import lightning.pytorch as L
 import pytest
 import torch
 from dist_helpers import assert_plan_bytes, cpu_trainer, lightning_env, run_distributed, whole_params
-from equality import ADAMW_EPS, RoutingRecord, assert_same_training, assert_same_weights, seeded
+from equality import (
+    ADAMW_EPS,
+    RoutingRecord,
+    assert_compared_through,
+    assert_same_training,
+    assert_same_weights,
+    seeded,
+)
 from test_plan_volumes_tp import FunctionalCollectiveMeter  # DTensor's collectives' bus bytes
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel import _Batches
@@ -267,12 +274,13 @@ def test_moe_checkpoints_resume_at_another_tensor_parallel_size(runs, tmp_path) 
     ref, _ = runs
     out = run_distributed(_resume_across_t, WORLD, str(tmp_path))[0]
     # a resumed run continues the reference only if the run that saved it did (equality.py: top-k flips)
-    saved_like_reference = assert_same_training(out["saved"], ref, what="t2e2 to step 2")
-    if saved_like_reference and assert_same_training(out["down"], ref, first_step=2, what="t2e2 -> t1e2"):
-        assert_same_training(out["up"], ref, first_step=4, what="t1e2 -> t2e2")
+    assert_compared_through(out["saved"], ref, 2, what="t2e2 to step 2")
+    assert_same_training(out["down"], ref, first_step=2, what="t2e2 -> t1e2")
+    assert_compared_through(out["down"], ref, 2, first_step=2, what="t1e2 saving at step 4")
+    assert_same_training(out["up"], ref, first_step=4, what="t1e2 -> t2e2")
     weights = load_weights(tmp_path / "t2" / "epoch=0-step=2.ckpt").state_dict()
     assert weights.keys() == {n.removeprefix("model.") for n in ref["params"]}
-    if saved_like_reference:  # its weights are one process's after 2 steps
-        at_two = _fit(None, steps=2)[2]
-        checkpoint = {n: weights[n.removeprefix("model.")] for n in at_two}
-        assert_same_weights(checkpoint, at_two, what="t2e2 checkpoint at step 2")
+    # its weights are one process's after 2 steps
+    at_two = _fit(None, steps=2)[2]
+    checkpoint = {n: weights[n.removeprefix("model.")] for n in at_two}
+    assert_same_weights(checkpoint, at_two, what="t2e2 checkpoint at step 2")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from dist_helpers import lightning_env, run_distributed
-from equality import compared_steps
+from equality import assert_compared_through
 from test_plan_measured_pipeline import assert_stage_bytes, measure_step
 from test_tensor_parallel import RMS, STEPS, WORLD, _assert_matches, _fit
 from test_tensor_parallel_moe import MOE  # a dense block, then an MoE block with a shared expert
@@ -111,9 +111,10 @@ def test_tensor_parallel_stages_match_single_process_and_reshard(tmp_path) -> No
         first[key] = step
         ref = refs[id(SETTINGS[base][0])]
         assert all(len(r[key]["losses"]) == STEPS - step for r in runs)
-        saving = compared_steps(runs[0][source], ref[0].record(), first[source], what=f"{source} saving")
-        if saving >= step - first[source]:
-            _assert_stages_match(runs, key, *ref, first_step=step)
+        assert_compared_through(
+            runs[0][source], ref[0].record(), step - first[source], first[source], f"{source} saving"
+        )
+        _assert_stages_match(runs, key, *ref, first_step=step)
     assert runs[0]["logits"] is None and runs[1]["logits"] is None
     # the trained SP model's logits, whole, on the last stage's TP ranks (2, 3); only for a run compared
     # to its last step (a dense model: always, equality.py)
