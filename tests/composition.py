@@ -110,7 +110,9 @@ def fit_row(features, rank: int | None = None, root: str | None = None) -> dict:
     if reference:
         sharding = {k: v for k, v in run.strategy.items() if k in ("shard_optimizer", "optimizer_options")}
         strategy = XPUMoEStrategy(**sharding) if bf16 else None
-        world, dp_rank, dp_size, micro, micros = 1, 0, 1, MICRO, MICROS
+        # the run's micro-batches, accumulated: a micro-batch-scoped aux loss sees the same tokens
+        world, dp_rank, dp_size, micro = 1, 0, 1, run.micro_batch
+        micros = MICROS * MICRO // micro
     else:
         strategy = XPUMoEStrategy(**run.strategy)
         world, dp_rank, dp_size = run.world_size, run.layout.group_rank("dp", rank), run.dp_size

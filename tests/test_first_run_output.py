@@ -5,7 +5,10 @@ Lightning's model summary counted FLOPs by running an example input that MulaLig
 have, so it printed `Total FLOPs: 0`; `mula fit` now shows the model's training FLOPs per optimizer step
 (`mula.training.model_summary.StepFlopsSummary`). Lightning's WandbLogger gave `wandb.init` an
 `anonymous` argument on every run, which wandb answers with "The anonymous setting has no effect"; it is
-left out now (`mula.training.lightning_compat.leave_wandb_anonymous_unset`). One short run of the demo
+left out now (`mula.training.lightning_compat.leave_wandb_anonymous_unset`); the saved config is copied
+into the W&B run instead of `wandb.save`'s symlink, which wandb announced on every run; and Lightning's
+own use of torch's deprecated `LeafSpec` no longer prints its FutureWarning
+(`lightning_compat.silence_lightning_deprecations`). One short run of the demo
 recipe, with W&B offline and not silenced (as a user runs it; the other tests set WANDB_SILENT).
 """
 
@@ -49,4 +52,6 @@ def test_the_demo_shows_its_flops_per_step_and_no_wandb_warning(tmp_path: Path) 
         in output
     )
     assert "anonymous setting has no effect" not in output, output[-3000:]
+    assert "Symlinked" not in output, output[-3000:]  # the config is copied into the W&B run, not symlinked
+    assert "LeafSpec" not in output, output[-3000:]  # Lightning's own use of a deprecated torch name
     assert "wandb" in output  # the W&B logger ran (offline), so its warning had the chance to appear

@@ -270,7 +270,7 @@ def _plain_bf16_true_error(rank: int, world: int, strategy: str) -> str:
 def test_bf16_true_without_fp32_master_weights_is_refused(strategy: str) -> None:
     """bf16 weights that no optimizer keeps fp32 masters for would lose most AdamW updates to rounding."""
     message = run_distributed(_plain_bf16_true_error, 1, strategy)[0]
-    assert message.startswith("trainer.precision=bf16-true holds the weights in half precision"), message
+    assert message.startswith("trainer.precision=bf16-true holds half-precision weights"), message
     assert "keeps no fp32 masters" in message and "bf16-mixed" in message
 
 

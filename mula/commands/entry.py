@@ -59,6 +59,9 @@ def main(args: list[str] | None = None) -> None:
         return
     if command in TRAINER_SUBCOMMANDS:
         from mula.commands.lightning_cli import MulaCLI
+        from mula.training.lightning_compat import silence_lightning_deprecations
+
+        silence_lightning_deprecations()
 
         report_bad_input(MulaCLI, argv)
         return

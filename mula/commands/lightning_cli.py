@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pydoc
+import shutil
 import sys
 from typing import Any
 
@@ -53,13 +54,15 @@ class MulaSaveConfig(SaveConfigCallback):
 
     @override
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Upload (or, offline, stage for `wandb sync`) the saved config.yaml with each W&B run (rank 0 only)."""
+        """Upload (or, offline, stage for `wandb sync`) the saved config.yaml with each W&B run (rank 0 only):
+        a copy in the run's files directory, which W&B uploads with the run (`wandb.save` would symlink it
+        and say so on every run)."""
         from lightning.pytorch.loggers import WandbLogger
 
         path = os.path.join(self._log_dir, self.config_filename)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and os.path.isfile(path):
-                logger.experiment.save(path, base_path=self._log_dir, policy="now")
+                shutil.copy2(path, os.path.join(logger.experiment.dir, self.config_filename))
 
 
 class MulaCLI(LightningCLI):

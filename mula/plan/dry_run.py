@@ -51,10 +51,13 @@ MEASURED = {
 }
 
 
-def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], rank: int) -> dict[str, Any]:
+def dry_run(
+    inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], rank: int, measure: bool = True
+) -> dict[str, Any]:
     """Build rank `rank` of the planned layout on the meta device over a fake process group and return
     its measured bytes next to the plan's (`MEASURED`), plus its place in the layout, the checkpoint
-    state's shape and the seconds it took."""
+    state's shape and the seconds it took. `measure=False`: only build it (any optimizer; a layout the
+    strategy refuses raises its sentence) and return its place."""
     layout = inputs.layout
     per_node = (
         inputs.machine.tiles_per_node if inputs.machine else max(1, layout.world_size // _nodes(trainer))
@@ -91,6 +94,8 @@ def dry_run(inputs: PlanInputs, trainer: dict[str, Any], model: dict[str, Any], 
                 module.configure_model()
         strategy.setup(pl_trainer)
         try:
+            if not measure:
+                return {"rank": rank, "world_size": layout.world_size, "stage": strategy.topology.rank("pp")}
             measured, checkpoint = _measure(strategy, module)
         finally:
             strategy.teardown()

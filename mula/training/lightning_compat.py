@@ -160,3 +160,14 @@ def leave_wandb_anonymous_unset(logger: Any) -> None:
     init = getattr(logger, "_wandb_init", None)
     if isinstance(init, dict) and init.get("anonymous") is None:
         init.pop("anonymous", None)
+
+
+def silence_lightning_deprecations() -> None:
+    """Hide the deprecation warnings Lightning's own code raises through torch and a user cannot act on:
+    Lightning's `utilities/_pytree.py` builds torch's `LeafSpec`, which torch 2.10+ deprecates (a
+    FutureWarning on every `mula fit`). Only that message, so anything else still shows."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
