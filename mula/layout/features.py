@@ -196,8 +196,8 @@ def probe(features: Iterable[str]) -> Probe:
     """The one tiny run of `features` (module docstring): every parallel dimension named has size 2 (or
     a `Row`'s size), on max(4, their product) ranks (or a `Row`'s; the rest data-parallel)."""
     names = closure(features)
-    row = features if isinstance(features, Row) else Row(names)
-    size = {"E": 2, "P": 2, "T": 2, "C": 2, **row.sizes}
+    sizes, world = (features.sizes, features.world) if isinstance(features, Row) else ({}, 0)
+    size = {"E": 2, "P": 2, "T": 2, "C": 2, **sizes}
     strategy: dict[str, Any] = {}
     pipeline = names & set(PIPELINES)
     args = {"E": "expert_parallel_size", "T": "tensor_parallel_size", "C": "context_parallel_size"}
@@ -227,7 +227,7 @@ def probe(features: Iterable[str]) -> Probe:
     product = math.prod(size[name] for name in names & {"E", "T", "C"}) * (size["P"] if pipeline else 1)
     return Probe(
         features=names,
-        world_size=row.world or max(4, product),
+        world_size=world or max(4, product),
         strategy=strategy,
         overrides=overrides,
         precision="bf16-true" if "bf16-true" in names else "32-true",
