@@ -46,7 +46,8 @@ against itself with each step's micro-batches accumulated in another order must 
 and steps so that it does (test_deepseek_v3_dist.py: lr 1e-3, where 1e-2 drifted 7e-5 by step 6).
 
 What is compared (`assert_same_training`): the losses and gradient norms of every step (and any other
-per-step series the test records) within `LOSS_RTOL`, then the weights within `WEIGHT_ATOL` (`assert_same_weights`: non-expert weights whole, expert weights as the
+per-step series the test records), of at least `MIN_COMPARED_STEPS` steps, within `LOSS_RTOL`; then the
+weights within `WEIGHT_ATOL` (`assert_same_weights`: non-expert weights whole, expert weights as the
 rank's slice of the reference's, router biases included).
 
 `seeded(n)` moves every seed a test draws by `MULA_TEST_SEED` (default 0), so the same files can be run
@@ -73,6 +74,11 @@ WEIGHT_ATOL = 1e-4  # weights after the last step (absolute)
 # a reference decision this close to a tie (in score units) may flip once the weights differ by rounding:
 # the scores of two runs were measured up to ~2e-7 apart after a few steps (~1e-6 with eps=1e-8)
 FLIP_MARGIN = 1e-5
+# the fewest steps `assert_same_training` compares: a comparison over zero steps compares nothing, and one
+# over a single step proves nothing about an optimizer's update being applied across steps (the second
+# step's loss and gradients are the first ones computed on updated weights): the equality rule never
+# passes on nothing
+MIN_COMPARED_STEPS = 2
 
 
 def seeded(seed: int) -> int:
@@ -254,12 +260,15 @@ def assert_same_training(
     first_step: int = 0,
     series: Sequence[str] = ("losses", "norms"),
     what: str = "",
-) -> bool:
+) -> None:
     """`run`'s per-step `series` (each a list of floats, one per step; a missing one is skipped) equal the
-    reference's within `LOSS_RTOL` for every step, each routed as the reference's (`compared_steps`).
-    Returns True: every step was compared, so the weights after the last must match too (the caller's
-    `assert_same_weights`)."""
+    reference's within `LOSS_RTOL` for every step, each routed as the reference's (`compared_steps`), and
+    there are at least `MIN_COMPARED_STEPS` of them; else the test fails. Every step is then compared, so
+    the weights after the last must match too (the caller's `assert_same_weights`, unconditionally)."""
     n = compared_steps(run, ref, first_step, what)
+    assert n >= MIN_COMPARED_STEPS, (
+        f"{what}: only {n} step(s) compared; the equality rule needs at least {MIN_COMPARED_STEPS}"
+    )
     for key in series:
         if key not in run or run[key] is None:
             continue
@@ -268,7 +277,6 @@ def assert_same_training(
         torch.testing.assert_close(
             mine, theirs, rtol=LOSS_RTOL, atol=0, msg=lambda m, k=key: f"{what} {k}: {m}"
         )
-    return n == len(run["losses"])
 
 
 def assert_same_weights(

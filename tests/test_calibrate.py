@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 
+from mula.calibrate.command import QUICK_SEQ_LEN
 from mula.calibrate.estimate import Probe, announcement, duration, phase_seconds
 from mula.calibrate.fit import fit_curve
 from mula.calibrate.job import cpu_threads_per_rank
@@ -25,6 +26,10 @@ from mula.plan.split_compute import split_factor
 from mula.plan.step_time import comm_volumes, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
+# docs/scaling.md's command, run here as written (tests/test_docs_commands.py defers to this test for it)
+DOCUMENTED = (
+    "mula calibrate --devices 2 --output recipes/machines/this-host.yaml --model mula-tiny-moe --quick true"
+)
 SIZES = [1 << e for e in range(10, 27, 2)]
 
 
@@ -90,9 +95,12 @@ def _mula(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
-    out = tmp_path / "host.yaml"
-    done = _mula("calibrate", "--devices", "2", "--quick", "true", "--seq_len", "64", "--progress", "false",
-                 "--output", str(out), cwd=tmp_path)  # fmt: skip
+    """The documented command (`DOCUMENTED`, from a directory holding recipes/machines/) says how long it
+    takes before it measures, writes a machine file with every measurement, and the planner prices with it."""
+    args = DOCUMENTED.split()[1:]
+    out = tmp_path / args[args.index("--output") + 1]
+    out.parent.mkdir(parents=True)
+    done = _mula(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mula: calibrating 2 ranks takes about " in done.stdout  # said before it measures
     text = out.read_text()
@@ -118,7 +126,7 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
         splits = cal["split_training_s"][dtype]
         assert set(splits) == {"tp", "tp_sp", "cp", "ep"}
         for kind, sized in splits.items():
-            assert sized[2]["whole"] > 0 and sized[2]["split"] > 0 and sized[2]["seq_len"] == 64
+            assert sized[2]["whole"] > 0 and sized[2]["split"] > 0 and sized[2]["seq_len"] == QUICK_SEQ_LEN
             assert split_factor(machine, kind, 2, 4 if dtype == "float32" else 2) >= 1.0
         # the small model's step without a reducer and with the strategy's sharded AdamW at each ZeRO stage
         stages = cal["grad_reduction_s"][dtype]
@@ -126,7 +134,7 @@ def test_calibrate_writes_a_machine_file_the_planner_uses(tmp_path):
         for stage, sized in stages.items():
             measured = sized[2]
             assert measured["plain"] > 0 and measured["reduced"] > 0 and measured["micro_batches"] == 2
-            assert measured["bucket_bytes"] > 0 and measured["seq_len"] == 64
+            assert measured["bucket_bytes"] > 0 and measured["seq_len"] == QUICK_SEQ_LEN
             assert overhead_per_byte(machine, measured, stage, 2, dtype) >= 0.0
     plan = _mula("plan", "-c", str(ROOT / "recipes/mula-tiny-moe.yaml"), "--trainer.devices=2",
                  "--trainer.strategy=strategies.XPUMoEStrategy", "--trainer.strategy.init_args.expert_parallel_size=2",

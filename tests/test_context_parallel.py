@@ -211,8 +211,8 @@ def test_context_parallel_matches_single_process(runs, key: str) -> None:
         run = rank_out[key]
         assert len(run["counts"]) == (STEPS if key.startswith("moe") else 0)
         assert run["params"].keys() == ref["params"].keys()
-        if assert_same_training(run, ref, series=SERIES, what=f"{key} rank {rank}"):
-            assert_same_weights(run["params"], ref["params"], what=f"{key} rank {rank}")
+        assert_same_training(run, ref, series=SERIES, what=f"{key} rank {rank}")
+        assert_same_weights(run["params"], ref["params"], what=f"{key} rank {rank}")
 
 
 def test_checkpoints_resume_at_another_context_parallel_size(runs, tmp_path) -> None:
@@ -220,10 +220,10 @@ def test_checkpoints_resume_at_another_context_parallel_size(runs, tmp_path) -> 
     continuing the uninterrupted run (losses and gradient norms); the final parameters are one process's."""
     ref = runs[0]["dense_c4"]
     out = run_distributed(_resume_across_c, WORLD, str(tmp_path))[0]
-    # the dense model routes nothing: the rule compares every step of each run (no top-k flip to gate on)
-    assert assert_same_training(out["saved"], ref, series=SERIES, what="C=2")
-    assert assert_same_training(out["down"], ref, first_step=2, series=SERIES, what="C=2 -> C=1")
-    assert assert_same_training(out["up"], ref, first_step=4, series=SERIES, what="C=1 -> C=4")
+    # the dense model routes nothing: the rule compares every step of each run (no top-k flip possible)
+    assert_same_training(out["saved"], ref, series=SERIES, what="C=2")
+    assert_same_training(out["down"], ref, first_step=2, series=SERIES, what="C=2 -> C=1")
+    assert_same_training(out["up"], ref, first_step=4, series=SERIES, what="C=1 -> C=4")
     assert_same_weights(out["up"]["params"], ref["params"], what="C=1 -> C=4")
 
 

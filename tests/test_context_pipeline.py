@@ -76,11 +76,11 @@ def test_context_parallel_stages_match_single_process() -> None:
             run, what = rank_out[key], f"{key} rank {rank}"
             assert len(run["counts"]) == (STEPS if key == "moe" else 0)
             held |= run["params"].keys()
-            if assert_same_training(run, ref, series=SERIES, what=what):  # the trained models then agree
-                torch.testing.assert_close(
-                    run["val"], ref["val"], rtol=LOSS_RTOL, atol=0, msg=lambda m, w=what: f"{w} val/loss: {m}"
-                )
-                assert_same_weights(run["params"], ref["params"], what=what)
+            assert_same_training(run, ref, series=SERIES, what=what)  # the trained models then agree
+            torch.testing.assert_close(
+                run["val"], ref["val"], rtol=LOSS_RTOL, atol=0, msg=lambda m, w=what: f"{w} val/loss: {m}"
+            )
+            assert_same_weights(run["params"], ref["params"], what=what)
         assert held == ref["params"].keys()
 
 

@@ -66,6 +66,15 @@ def _inputs(argv: list[str]):
         ),
         (PLAIN, 95, 0, 3),  # no pipeline: every rank holds every block
         (PLAIN + ["--trainer.strategy.init_args.optimizer_options={zero_stage: 2}"], 13, 0, 1),
+        # offload: the state on the host (meta in a dry run), the device keeps the tail buckets' state
+        (PLAIN + ["--trainer.strategy.init_args.optimizer_options={offload: true}"], 6, 0, 2),
+        (
+            PIPELINE
+            + ["--trainer.strategy.init_args.optimizer_options={offload: true, offload_tail_buckets: 1}"],
+            95,
+            1,
+            3,
+        ),
     ],
 )
 def test_dry_run_bytes_equal_the_plan(argv, rank, stage, ep_rank):
@@ -80,6 +89,8 @@ def test_dry_run_bytes_equal_the_plan(argv, rank, stage, ep_rank):
         assert result["bytes"][name]["plan"] == getattr(plan, field)
         assert result["bytes"][name]["dry_run"] == getattr(plan, field), name
     assert dry_run_matches(result)
+    offload = "offload" in " ".join(argv)
+    assert (result["bytes"]["host optimizer"]["dry_run"] > 0) == offload
     # the checkpoint: every expert stack a global DTensor, master/exp_avg/exp_avg_sq per parameter, and
     # the stage's parameters at their global (unsliced) size
     lay = inputs.layout

@@ -7,7 +7,8 @@ weights could not be compared); a run in which many clear choices of step 3 go e
 bug does) fails the rule as a bug. Near ties within the rule's margin are rare in so
 small a run, so every run (the reference too) makes some: before step 3 each router's expert 1 gets
 expert 0's weights (`_TieExperts`), and a token ranking those two k-th and (k+1)-th then has a gap of
-exactly 0 at step 3.
+exactly 0 at step 3. And the rule never passes on nothing: hand-made records of fewer than
+`MIN_COMPARED_STEPS` steps fail it, two equal steps pass.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 from dist_helpers import cpu_trainer
-from equality import FLIP_MARGIN, RoutingRecord, assert_same_training
+from equality import FLIP_MARGIN, MIN_COMPARED_STEPS, RoutingRecord, assert_same_training
 from test_strategy import MICROS_PER_STEP, STEPS, _module, _StepBatches, _StepLosses
 
 from mula.model.moe.router import Router, RouterOutput
@@ -95,7 +96,7 @@ def reference() -> dict:
 def test_the_same_run_is_compared_whole(reference) -> None:
     assert reference["near_ties"] and all(t.shape == (2, 8) for t in reference["near_ties"])
     assert reference["near_ties"][TIED][:, :2].all()  # the tied experts' near ties at step 3, in both layers
-    assert assert_same_training(_run(None), reference, what="again")
+    assert_same_training(_run(None), reference, what="again")
 
 
 def test_a_near_tied_flip_fails_with_its_reason(reference) -> None:
@@ -121,6 +122,32 @@ def test_a_routing_bug_is_not_excused(reference) -> None:
     assert bug.moved > 1
     with pytest.raises(AssertionError, match="not a top-k flip"):
         assert_same_training(run, reference, what="bug")
+
+
+def _record(steps: int) -> dict:
+    """A hand-made record of `steps` steps, shaped as `_run`'s (2 MoE layers, 8 experts): losses, norms,
+    the same expert counts every step and no near ties."""
+    return {
+        "losses": [2.0 - 0.1 * s for s in range(steps)],
+        "norms": [1.0 + 0.1 * s for s in range(steps)],
+        "counts": [torch.full((2, 8), 4) for _ in range(steps)],
+        "near_ties": [torch.zeros(2, 8, dtype=torch.long) for _ in range(steps)],
+    }
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_the_rule_never_passes_on_fewer_than_two_steps(steps: int) -> None:
+    """Zero steps compare nothing, and one step shows no optimizer update applied: either fails."""
+    run = _record(steps)
+    with pytest.raises(
+        AssertionError, match=rf"only {steps} step\(s\) compared.*at least {MIN_COMPARED_STEPS}"
+    ):
+        assert_same_training(run, _record(4), what="short")
+
+
+def test_two_equal_steps_pass_the_rule() -> None:
+    assert MIN_COMPARED_STEPS == 2
+    assert_same_training(_record(2), _record(2), what="two steps")
 
 
 def _clear_choices_to_one_expert(gap: torch.Tensor, runner_up: torch.Tensor) -> torch.Tensor:

@@ -306,3 +306,16 @@ def test_jsonargparse_pin_is_the_requirement_and_another_release_goes_to_the_ful
         assert read_plan_command(argv, OPTIONS) is None
     finally:
         reader.tested_jsonargparse.cache_clear()
+
+
+@pytest.mark.parametrize("device", ["xpu", "cuda"])
+def test_planning_a_device_this_machine_lacks_without_a_machine_file_is_one_sentence(device, monkeypatch):
+    """Without --machine the plan reads this machine's devices; a recipe for devices it lacks is refused
+    in one sentence naming --machine (it was torch's "not compiled with XPU enabled" traceback)."""
+    import torch
+
+    monkeypatch.setattr(getattr(torch, device), "is_available", lambda: False)
+    with pytest.raises(
+        ValueError, match=f"runs on {device} devices, which this machine does not have.*--machine"
+    ):
+        plan_inputs({"accelerator": device, "devices": 2}, {"config": "mula-tiny-moe"}, {})

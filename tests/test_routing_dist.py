@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
-from equality import ADAMW_EPS, RoutingRecord, assert_same_training, compared_steps, seeded
+from equality import ADAMW_EPS, RoutingRecord, assert_compared_through, assert_same_training, seeded
 from test_strategy import MICROS_PER_STEP, OVERRIDES, _StepBatches, _StepLosses
 
 from mula import Mula, MulaConfig
@@ -128,17 +128,14 @@ def _run(rank: int, world: int, ep_size: int, max_steps: int, ckpt: str | None, 
     return _fit(world, XPUMoEStrategy(expert_parallel_size=ep_size), max_steps, ckpt, save_dir)
 
 
-def _assert_biases(run: dict, ref: dict, first_step: int = 0, what: str = "") -> int:
+def _assert_biases(run: dict, ref: dict, first_step: int = 0, what: str = "") -> None:
     """The equality rule for `run` (the reference's steps first_step, first_step + 1, ...), and its
-    router bias after every compared step equal to the reference's, bit for bit: the bias after a step
-    follows from the global counts of that step and the steps before. Returns the compared steps."""
-    if assert_same_training(run, ref, first_step=first_step, what=what):
-        steps = len(run["losses"])
-    else:
-        steps = compared_steps(run, ref, first_step, what=what)
+    router bias after every step equal to the reference's, bit for bit: the bias after a step follows
+    from the global counts of that step and the steps before."""
+    assert_same_training(run, ref, first_step=first_step, what=what)
+    steps = len(run["losses"])
     for step, (got, want) in enumerate(zip(run["biases"][:steps], ref["biases"][first_step:])):
         assert torch.equal(got, want), f"{what}: router bias after step {first_step + step + 1}"
-    return steps
 
 
 def test_router_bias_is_the_same_on_every_rank_and_survives_resharding() -> None:
@@ -148,7 +145,8 @@ def test_router_bias_is_the_same_on_every_rank_and_survives_resharding() -> None
         w4 = run_distributed(_run, 4, 2, 2, None, root)
         # a resumed run continues the reference: the run that saved it followed it there (equality.py)
         for rank, run in enumerate(w4):
-            assert _assert_biases(run, reference, what=f"w4e2 rank {rank}") >= 2
+            _assert_biases(run, reference, what=f"w4e2 rank {rank}")
+            assert_compared_through(run, reference, 2, what=f"w4e2 rank {rank} saving")
         resumed = run_distributed(_run, 2, 1, 4, f"{root}/epoch=0-step=2.ckpt", None)
         for rank, run in enumerate(resumed):
             assert len(run["biases"]) == 2

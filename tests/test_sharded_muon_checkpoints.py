@@ -184,8 +184,8 @@ def test_sharded_muon_checkpoint_reshards_from_p2e2_to_one_process():
     assert_compared_through(saving, ref, 2, what="p2e2 saving")
     assert_same_training(out["w1"], ref, first_step=2, what="p2e2 -> w1")
     # The resumed run's first step (3) is decided by the loaded weights alone; the loaded optimizer
-    # state shows only from step 4 on, which a near-tied top-k flip can keep the rule from comparing.
-    # So the state itself: every kind of every parameter (fp32 master, Muon's momentum, AdamW's
+    # state shows only from step 4 on, and there only through one step's losses and norms.
+    # So the state itself too: every kind of every parameter (fp32 master, Muon's momentum, AdamW's
     # moments) as the one-process reference holds it after step 2, up to the gradients' summation
     # order (and, for the weights, the bf16-ulp moves it makes in Newton-Schulz's update).
     loaded = out["loaded"]

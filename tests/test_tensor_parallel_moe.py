@@ -190,8 +190,8 @@ def test_moe_under_tensor_parallelism_matches_single_process(runs, key: str) -> 
         run = rank_out[key]
         assert len(run["counts"]) == STEPS
         assert run["params"].keys() == ref["params"].keys()
-        if assert_same_training(run, ref, series=SERIES, what=f"{key} rank {rank}"):
-            assert_same_weights(run["params"], ref["params"], what=f"{key} rank {rank}")
+        assert_same_training(run, ref, series=SERIES, what=f"{key} rank {rank}")
+        assert_same_weights(run["params"], ref["params"], what=f"{key} rank {rank}")
 
 
 def test_dropping_the_tp_sum_of_partial_moe_gradients_is_caught(runs) -> None:

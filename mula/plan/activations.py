@@ -48,6 +48,7 @@ largest sum (tests/test_plan_measured_pipeline.py compares it with measured runs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from mula.model.activation_checkpointing import parse_activation_checkpointing
@@ -208,12 +209,17 @@ def schedule_order(layout: Layout, stage: int) -> list[tuple[int, int]]:
     """Pipeline rank `stage`'s forwards (+1) and backwards (-1) of one optimizer step, as (virtual stage
     of the rank, +1 or -1), in the order `torch.distributed.pipelining` runs them. Without a pipeline:
     one forward (accumulation micro-batches run one after the other)."""
-    p, m, v = layout.pp_size, layout.micro_batches, layout.pp_virtual_stages
+    return _schedule_order(
+        layout.pp_size, layout.micro_batches, layout.pp_virtual_stages, layout.pp_schedule, stage
+    )
+
+
+def _schedule_order(p: int, m: int, v: int, name: str, stage: int) -> list[tuple[int, int]]:
     if p == 1:
         return [(0, 1)]
-    if layout.pp_schedule == "gpipe":
+    if name == "gpipe":
         return [(0, 1)] * m + [(0, -1)] * m
-    if layout.pp_schedule == "1f1b":  # Schedule1F1B: a warmup of P - s forwards, then backward-first pairs
+    if name == "1f1b":  # Schedule1F1B: a warmup of P - s forwards, then backward-first pairs
         warm = min(m, p - stage)
         return [(0, 1)] * warm + [(0, -1), (0, 1)] * (m - warm) + [(0, -1)] * warm
     # ScheduleInterleaved1F1B: micro-batches in rounds of about P, each virtual stage in turn; a warmup
@@ -238,11 +244,20 @@ def peak_activations(layout: Layout, stage: int, per_micro_batch: Sequence[int])
     backward frees them; the result is the largest sum, and the micro-batches alive then, counted in
     whole ranks' worth (V virtual-stage micro-batches make one; a fraction only when interleaved).
     """
-    # the running sums, kept up to date event by event (`mula plan --search` walks this for every stage
-    # of thousands of layouts)
+    schedule = (layout.pp_size, layout.micro_batches, layout.pp_virtual_stages, layout.pp_schedule)
+    return _peak(schedule, stage, tuple(per_micro_batch))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _peak(
+    schedule: tuple[int, int, int, str], stage: int, per_micro_batch: tuple[int, ...]
+) -> tuple[int, int | float]:
+    """`peak_activations` of a schedule (P, M, V, name): `mula plan --search` asks it for every stage of
+    tens of thousands of layouts, most sharing their schedule and activation bytes, hence the cache."""
+    p, m, v, name = schedule
     held = alive = best = count = 0
-    for v, change in schedule_order(layout, stage):
-        held += change * per_micro_batch[v]
+    for virtual, change in _schedule_order(p, m, v, name, stage):  # the running sums, event by event
+        held += change * per_micro_batch[virtual]
         alive += change
         if held > best:
             best, count = held, alive

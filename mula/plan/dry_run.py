@@ -40,7 +40,7 @@ from mula.plan.parameters import model_parameters
 from mula.plan.settings import PlanInputs
 from mula.torch_compat import fake_store
 from mula.training.module import MulaLightningModule
-from mula.training.strategy_contract import OptimizerBytes
+from mula.training.strategy_contract import OptimizerBytes, ShardedOptimizer
 
 # what the dry run measures and compares: its name -> the plan's MemoryPlan field
 MEASURED = {
@@ -48,6 +48,7 @@ MEASURED = {
     "grads": "grads",
     "optimizer": "optimizer",
     "param tensors": "param_tensor_bytes",
+    "host optimizer": "host_optimizer_bytes",
 }
 
 
@@ -157,11 +158,14 @@ def _measure(strategy: Any, module: Any) -> tuple[dict[str, int], dict[str, int]
     # this rank's tensors: a tensor-parallel DTensor parameter holds its local shard (numel() is global)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
     tensors = sum(t.numel() * t.element_size() for t in shards)
+    # device and host apart: with offload the plan's optimizer row is what stays on the device
+    sharded = isinstance(optimizer, ShardedOptimizer)
     measured = {
         "params": optimizer.param_bytes(),
         "grads": optimizer.grad_buffer_bytes(),
-        "optimizer": optimizer.state_bytes(),
+        "optimizer": optimizer.device_state_bytes() if sharded else optimizer.state_bytes(),
         "param tensors": tensors,
+        "host optimizer": optimizer.host_bytes() if sharded else 0,
     }
     model_state = strategy.lightning_module_state_dict()
     opt_state = strategy.optimizer_state(optimizer)["state"]

@@ -38,6 +38,7 @@ class MemoryPlan:
     state, speculation's saved slices, gradient and parameter copies, `mem/host_optimizer_bytes`) plus,
     with asynchronous checkpoints (`async_checkpoint`), the staging copy of the rank's checkpoint state
     (its parameters and optimizer state).
+    host_optimizer_bytes: the offloaded optimizer's part of host_bytes (`EPShardedAdamW.host_bytes`).
     stage: the pipeline stage these numbers belong to; activation_micro_batches: micro-batches whose
     activations that stage holds at its peak (fractional under interleaving: a virtual stage's
     micro-batch counts 1 / V).
@@ -52,6 +53,7 @@ class MemoryPlan:
     host_bytes: int = 0
     stage: int = 0
     activation_micro_batches: int | float = 1
+    host_optimizer_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -200,9 +202,19 @@ def plan_stage(config: MulaConfig, layout: Layout, stage: int) -> MemoryPlan:
     ]
     act, in_flight = peak_activations(layout, stage, per_micro_batch)
     buffers += transient_bytes(config, layout, layers, last=last)
-    if layout.async_checkpoint:  # mula.checkpoint.staging copies the rank's tensors to host memory
-        host += tensors + state
-    return MemoryPlan(p_alloc, grads, optimizer, act, buffers, tensors, host, stage, in_flight)
+    staging = tensors + state if layout.async_checkpoint else 0  # mula.checkpoint.staging's host copy
+    return MemoryPlan(
+        p_alloc,
+        grads,
+        optimizer,
+        act,
+        buffers,
+        tensors,
+        host + staging,
+        stage,
+        in_flight,
+        host_optimizer_bytes=host,
+    )
 
 
 def plan_memory(config: MulaConfig, layout: Layout) -> MemoryPlan:

@@ -109,6 +109,18 @@ def _devices_per_node(devices: Any, device_type: str) -> int:
     return int(devices)
 
 
+def _check_local_device(device_type: str) -> None:
+    """Planning without --machine reads this machine's devices: refuse a device type it does not have."""
+    if device_type in ("cuda", "xpu"):
+        import torch
+
+        if not getattr(torch, device_type).is_available():
+            raise ValueError(
+                f"the recipe runs on {device_type} devices, which this machine does not have; plan for the "
+                f"machine that has them with --machine (e.g. --machine recipes/machines/aurora.yaml)."
+            )
+
+
 def local_device_bytes(device_type: str, local_ranks: int) -> tuple[int, str]:
     """(bytes, description) of one device of this machine; on CPU the host RAM shared by its ranks."""
     if device_type in ("cuda", "xpu"):
@@ -139,6 +151,7 @@ def plan_inputs(
         device_bytes, note = machine.device_bytes, f"{machine.name} tile"
     else:
         device_type = _local_device_type(trainer.get("accelerator"))
+        _check_local_device(device_type)
         per_node = _devices_per_node(trainer.get("devices"), device_type)
         device_bytes, note = local_device_bytes(device_type, per_node)
     world = world_size or per_node * num_nodes

@@ -153,6 +153,14 @@ class ShardedOptimizer(OptimizerBytes, Protocol):
         """Scale the gradient shards to `max_norm` by the global norm (`norm`: already computed)."""
         ...
 
+    def device_state_bytes(self) -> int:
+        """Bytes of `state_bytes()` on the device: all of it, or with offload the part kept there."""
+        ...
+
+    def host_bytes(self) -> int:
+        """Host memory it holds for offload (state, saved slices, gradient and parameter copies); else 0."""
+        ...
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """Its state for a sharded checkpoint (DTensors over the layout), loadable at another layout."""
         ...

@@ -40,6 +40,18 @@ from strategies.optim.grad_reduce import GradReducer
 _HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
+def host_memory(device: torch.device) -> torch.device:
+    """Where offloaded state lives for parameters on ``device``: host memory, or the meta device when the
+    parameters are meta tensors (``mula plan --dry_run`` measures shapes and stores nothing)."""
+    return torch.device("meta") if device.type == "meta" else torch.device("cpu")
+
+
+def pinned(device: torch.device) -> bool:
+    """Whether host buffers feeding ``device`` are pinned: only for an accelerator (a CPU or meta run has
+    no pinned allocator, and nothing to overlap a copy with)."""
+    return device.type not in ("cpu", "meta")
+
+
 class HostUpdate:
     """The speculative host update of an offloaded sharded optimizer's flat shard.
 

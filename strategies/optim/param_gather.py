@@ -21,6 +21,7 @@ from mula.layout.flat_buffers import Bucket
 from mula.torch_compat import all_gather_single as _all_gather
 from mula.torch_compat import dtensor_local_tensor
 from strategies.optim.grad_reduce import Domain, ReduceState, local_tensor
+from strategies.optim.offload import host_memory, pinned
 
 
 def gather_shards(full: Tensor, shard: Tensor, dom: Domain, *, non_blocking: bool = False) -> list[Any]:
@@ -72,7 +73,7 @@ class ParamGather:
         self.buckets = list(buckets)
         self.offload = [offload] * len(self.buckets) if isinstance(offload, bool) else list(offload)
         self._domains = [st.domain for st in states]
-        pin = device.type != "cpu"
+        pin, host_device = pinned(device), host_memory(device)
         self.full: list[Tensor] = []  # the model parameters are views into these
         self._send: list[Tensor | None] = []  # all-gather input when it cannot be the master shard
         self._host_send: list[Tensor | None] = []  # offload: cast of the master shard in host memory
@@ -90,7 +91,9 @@ class ParamGather:
             native = not dom.rooted and dom.size > 1
             needs_send = native and (dtype != torch.float32 or off)
             self._send.append(torch.empty(b.shard_numel, dtype=dtype, device=device) if needs_send else None)
-            host = torch.empty(b.shard_numel, dtype=dtype, pin_memory=pin) if off else None
+            host = (
+                torch.empty(b.shard_numel, dtype=dtype, device=host_device, pin_memory=pin) if off else None
+            )
             self._host_send.append(host)
 
     def param_bytes(self) -> int:

@@ -68,7 +68,7 @@ from strategies.optim import state as optim_state
 from strategies.optim.adamw import shard_runs, update_runs
 from strategies.optim.clipping import ShardClipping
 from strategies.optim.grad_reduce import GradReducer, is_tp_split, local_tensor, param_entry
-from strategies.optim.offload import HostUpdate
+from strategies.optim.offload import HostUpdate, host_memory, pinned
 from strategies.optim.param_gather import ParamGather
 from strategies.optim.reporting import ShardReporting
 from strategies.optim.sharding_options import ShardingOptions, torch_dtype
@@ -164,7 +164,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
                 f"All parameters must be materialised on one device, found {sorted(map(str, devices))}."
             )
         self.device = next(iter(devices))
-        self.state_device = torch.device("cpu") if self.options.offload else self.device
+        self.state_device = host_memory(self.device) if self.options.offload else self.device
         opt = self.options
         self.reducer = GradReducer(
             self._params,
@@ -263,7 +263,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         """Flat buffers: the parameters become views of per-bucket buffers (``ParamGather``); per rank
         one flat fp32 master/exp_avg/exp_avg_sq shard (gradient buffers belong to the reducer)."""
         opt = self.options
-        pin = opt.offload and self.device.type != "cpu"
+        pin = opt.offload and pinned(self.device)
         states = self.reducer.states
         n = len(self.buckets)
         # offload: the last `offload_tail_buckets` buckets (the last reductions of backward, nothing
@@ -288,7 +288,9 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         self.tail_state = tuple(torch.zeros(numel - self.tail_start, **on_device) for _ in range(3))
         self.shard_grad = self.reducer.shard_grad
         self.host_grad = (
-            torch.zeros(self.tail_start, dtype=torch_dtype(opt.reduce_dtype), pin_memory=pin)
+            torch.zeros(
+                self.tail_start, dtype=torch_dtype(opt.reduce_dtype), device=self.state_device, pin_memory=pin
+            )
             if opt.offload
             else None
         )
