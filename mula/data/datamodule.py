@@ -25,9 +25,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from mula.data.loader import BatchLayout, StatefulLoader, TrainStream, ValStream, WindowReader
+from mula.data.named_tokenizers import looks_like_a_name, named_tokenizer, unknown_name_error
 from mula.data.paths import expand_paths, expand_pattern
 from mula.data.prepare import prepare
-from mula.data.prepare_summary import SOURCE_MARKER, SUMMARY_FILE, SourceSpec
+from mula.data.prepare_summary import SOURCE_MARKER, SUMMARY_FILE, SourceSpec, recorded_tokenizer
 from mula.data.readers import iter_documents
 from mula.data.sampling import MixtureOrder
 from mula.data.tokenizer import EOS_TOKEN, load_tokenizer, train_bpe
@@ -66,7 +67,8 @@ class PrepareSpec:
     Attributes:
         sources: Named sources with path globs (``{stdlib}`` = the Python standard library) and weights.
         tokenizer_path: The tokenizer.json to tokenize with; trained on the sources first if it does not exist
-            and ``train_tokenizer`` is given.
+            and ``train_tokenizer`` is given. Or a named tokenizer (``olmo``, mula/data/named_tokenizers.py),
+            never trained.
         train_tokenizer: Settings for training the tokenizer when its file is missing.
         num_workers: Tokenizer processes (default: all CPU cores).
         skip_bad_records: Skip and count malformed records instead of failing.
@@ -222,10 +224,14 @@ class MulaDataModule(L.LightningDataModule):
         if spec is None:
             self._read_summary()  # raises the missing / empty data directory error
             return None
-        if os.path.exists(expand_pattern(spec.tokenizer_path)):
+        if named_tokenizer(spec.tokenizer_path) is not None or os.path.exists(
+            expand_pattern(spec.tokenizer_path)
+        ):
             return load_tokenizer(expand_pattern(spec.tokenizer_path)).vocab_size
         if spec.train_tokenizer is not None:
             return spec.train_tokenizer.vocab_size
+        if looks_like_a_name(spec.tokenizer_path):
+            raise unknown_name_error(spec.tokenizer_path)
         raise FileNotFoundError(
             f"tokenizer file {spec.tokenizer_path} does not exist; train it with `mula train-tokenizer` or set "
             "prepare.train_tokenizer."
@@ -233,10 +239,11 @@ class MulaDataModule(L.LightningDataModule):
 
     @property
     def tokenizer_path(self) -> str | None:
-        """The tokenizer.json the data was (or will be) tokenized with, if known."""
+        """The tokenizer the data was (or will be) tokenized with, if known, as `load_tokenizer` takes it:
+        its name for a named tokenizer (`olmo`), else the path of its tokenizer.json."""
         summary_file = os.path.join(self.data_dir, SUMMARY_FILE)
         if os.path.isfile(summary_file):
-            return self._read_summary()["tokenizer"]["path"]
+            return recorded_tokenizer(self._read_summary())
         return expand_pattern(self.prepare_spec.tokenizer_path) if self.prepare_spec else None
 
     def validate_against(self, model_config: Any) -> None:
@@ -270,7 +277,8 @@ class MulaDataModule(L.LightningDataModule):
             return
         spec = self.prepare_spec
         tokenizer_path = expand_pattern(spec.tokenizer_path)
-        if not os.path.exists(tokenizer_path) and spec.train_tokenizer is not None:
+        named = named_tokenizer(tokenizer_path) is not None
+        if not named and not os.path.exists(tokenizer_path) and spec.train_tokenizer is not None:
             t = spec.train_tokenizer
             log.info("training a %d-token BPE tokenizer -> %s", t.vocab_size, tokenizer_path)
             train_bpe(
@@ -396,11 +404,12 @@ class MulaDataModule(L.LightningDataModule):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The training loader's position (Lightning also saves it with the loop state), the
-        tokenizer.json of the data, which `mula export-hf` ships with the model, and the training
-        tokens seen so far (input tokens of completed global batches, which `mula eval` plots against)."""
+        tokenizer of the data (its name, or the absolute path of its tokenizer.json), which `mula export-hf`
+        ships with the model and `mula eval` reads with, and the training tokens seen so far (input tokens of
+        completed global batches, which `mula eval` plots against)."""
         state: dict[str, Any] = {}
         if self._summary is not None:
-            state[TOKENIZER_STATE_KEY] = os.path.abspath(self._summary["tokenizer"]["path"])
+            state[TOKENIZER_STATE_KEY] = recorded_tokenizer(self._summary)
         if self._train_loader is not None:
             state["train_loader"] = self._train_loader.state_dict()
             state[TOKENS_SEEN_KEY] = state["train_loader"]["samples"] * self.seq_len
@@ -413,7 +422,8 @@ class MulaDataModule(L.LightningDataModule):
 
     @classmethod
     def tokenizer_path_in(cls, checkpoint: dict[str, Any]) -> str | None:
-        """The tokenizer.json recorded in a Lightning checkpoint dict by `state_dict` (None if absent)."""
+        """The tokenizer recorded in a Lightning checkpoint dict by `state_dict`: a named tokenizer's name or
+        a tokenizer.json path (None if absent)."""
         state = checkpoint.get(cls.__qualname__)  # where Lightning keeps a data module's state_dict
         path = state.get(TOKENIZER_STATE_KEY) if isinstance(state, dict) else None
         return path if isinstance(path, str) else None

@@ -59,6 +59,7 @@ from mula.data.prepare_summary import (
     PrepareSummary,
     SourceSpec,
     as_spec,
+    recorded_tokenizer,
 )
 from mula.data.ranks import Ranks, describe_error, job_ranks, shared_error
 from mula.data.readers import ReadStats, iter_documents
@@ -231,7 +232,8 @@ def prepare(
     Args:
         sources: Named sources, each with path globs (``{stdlib}`` = the Python standard library), a mixture
             weight (1.0 = natural proportion), a format (auto, jsonl, parquet, text) and the text field.
-        tokenizer_path: A Hugging Face tokenizer.json (or a model directory holding one).
+        tokenizer_path: A Hugging Face tokenizer.json (or a model directory holding one), or a named tokenizer:
+            ``olmo`` (OLMo's, the tokenizer of OLMoE-1B-7B-0924; mula/data/named_tokenizers.py).
         output_dir: Where to write one sub-folder per source plus summary.json.
         num_workers: Tokenizer processes per rank (default: all CPU cores of the rank's node divided by
             the ranks on it); 0 or 1 tokenizes in the rank's own process.
@@ -317,6 +319,8 @@ def _prepare_job(
             output_dir=out,
             tokenizer={
                 "path": os.path.abspath(tokenizer.path),  # found again from a run in another directory
+                # a named tokenizer: its name, what later runs load it by (mula/data/named_tokenizers.py)
+                **({"name": tokenizer.name} if tokenizer.name is not None else {}),
                 "sha256": tokenizer.sha256,
                 "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id,
@@ -343,7 +347,9 @@ def _prepare_job(
             log.info("resuming: %d of %d tasks already done", resumed, resumed + len(todo))
         log.info("%d tasks to run on %d rank(s)", len(todo), ranks.world)
     bar = JobProgress(todo, progress) if ranks.rank == 0 else None
-    report = _run_share(ranks, mine, loaded, summary.tokenizer["path"], eos_token, num_workers)
+    # the workers load the tokenizer by what the summary records (a named tokenizer by its name)
+    reference = recorded_tokenizer(summary.to_dict())
+    report = _run_share(ranks, mine, loaded, reference, eos_token, num_workers)
     if bar is not None:
         bar.close()
     reports = ranks.gather(report)
@@ -354,9 +360,7 @@ def _prepare_job(
         if ranks.rank == 0:
             log.info("%d shuffle %s tasks to run on %d rank(s)", len(work), kind, ranks.world)
         share = work[ranks.rank :: ranks.world]
-        previous = ranks.gather(
-            _run_share(ranks, share, loaded, summary.tokenizer["path"], eos_token, num_workers)
-        )
+        previous = ranks.gather(_run_share(ranks, share, loaded, reference, eos_token, num_workers))
 
     def finish_job() -> tuple[PrepareSummary, list[tuple[str, str]]]:
         assert reports is not None

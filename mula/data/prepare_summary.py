@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -103,6 +104,15 @@ class PrepareSummary:
             f"{'total':<16}{t['files']:>8,}{t['documents']:>12,}{t['tokens']:>15,}{t['bad_records']:>7,}"
         )
         return "\n".join(rows)
+
+
+def recorded_tokenizer(summary: Mapping[str, Any]) -> str:
+    """The tokenizer a summary.json (`PrepareSummary.to_dict`) records, as `load_tokenizer` takes it: a named
+    tokenizer's name, which survives moving the virtual environment its file lives in
+    (mula/data/named_tokenizers.py), else the absolute path of its tokenizer.json."""
+    tokenizer = summary["tokenizer"]
+    name = tokenizer.get("name")
+    return name if isinstance(name, str) else os.path.abspath(tokenizer["path"])
 
 
 def as_spec(source: SourceSpec | Mapping[str, Any]) -> SourceSpec:

@@ -1,9 +1,11 @@
-"""Tokenizers: train a byte-level BPE ``tokenizer.json`` offline, and load any Hugging Face ``tokenizer.json``.
+"""Tokenizers: train a byte-level BPE ``tokenizer.json`` offline, and load any Hugging Face ``tokenizer.json``
+or a named one (``olmo``: ``mula.data.named_tokenizers``).
 
 The end-of-document (EOS) token that `mula prepare` appends to every document is found, in this order:
-an explicit ``eos_token``; ``eos_token`` in a ``tokenizer_config.json`` next to the file; the special token
-the file's post-processor appends to a single sequence; a well-known EOS token among the special tokens
-(``<|endoftext|>`` for GPT-2/NeoX/OLMo, id 50279 in OLMo's tokenizer, ``<|end_of_text|>``, ``</s>``, ``<eos>``).
+an explicit ``eos_token``; ``eos_token`` in a ``tokenizer_config.json`` next to the file (a named tokenizer's
+own settings instead); the special token the file's post-processor appends to a single sequence; a well-known
+EOS token among the special tokens (``<|endoftext|>`` for GPT-2/NeoX/OLMo, id 50279 in OLMo's tokenizer,
+``<|end_of_text|>``, ``</s>``, ``<eos>``).
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from mula.checkpoint.atomic import atomic_write
+from mula.data.named_tokenizers import looks_like_a_name, named_tokenizer, unknown_name_error
 from mula.data.paths import expand_paths
 from mula.data.readers import iter_documents
+from mula.data.token_bytes import token_byte_lengths
 
 EOS_TOKEN = "<|endoftext|>"
 # Tried in order when neither the caller, tokenizer_config.json nor the post-processor names the EOS token.
@@ -48,11 +53,30 @@ class LoadedTokenizer:
     """A ``tokenizers.Tokenizer`` with its EOS token and the facts `mula prepare` records."""
 
     tokenizer: Tokenizer = field(repr=False)
-    path: str
+    path: str  # the tokenizer.json file (a named tokenizer's file inside its package)
     eos_token: str
     eos_id: int
     vocab_size: int  # largest token id + 1
     sha256: str
+    name: str | None = None  # the named tokenizer it was loaded as (`mula.data.named_tokenizers`), if any
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The tokenizer_config.json settings that go with the file: a named tokenizer's own, else the
+        ``tokenizer_config.json`` next to the file ({} when there is none or it is broken)."""
+        named = named_tokenizer(self.name) if self.name is not None else None
+        if named is not None:
+            return dict(named.config)
+        try:
+            config = json.loads((Path(self.path).parent / "tokenizer_config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    def byte_lengths(self) -> np.ndarray | None:
+        """int64 [vocab_size]: the UTF-8 bytes each token stands for, special tokens (EOS) 0, or None when the
+        tokenizer is not byte-level (`mula.data.token_bytes`: the denominator of val/bpb)."""
+        return token_byte_lengths(self.tokenizer)
 
     def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each document with EOS appended, as arrays of :func:`token_dtype`.
@@ -75,10 +99,15 @@ class LoadedTokenizer:
 
 
 def _resolve_tokenizer_file(path: str | os.PathLike) -> Path:
+    named = named_tokenizer(str(path))
+    if named is not None:
+        return named.file()
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
+        if looks_like_a_name(str(path)) and not Path(path).exists():
+            raise unknown_name_error(str(path))
         raise FileNotFoundError(
             f"tokenizer file {p} does not exist; train one with `mula train-tokenizer` or pass a Hugging Face "
             "tokenizer.json."
@@ -113,7 +142,9 @@ def _eos_from_post_processor(spec: dict | None) -> str | None:
     return None
 
 
-def _discover_eos(tok: Tokenizer, file: Path, eos_token: str | int | None) -> tuple[str, int]:
+def _discover_eos(
+    tok: Tokenizer, file: Path, eos_token: str | int | None, config: dict | None = None
+) -> tuple[str, int]:
     vocab = tok.get_vocab(with_added_tokens=True)
     if isinstance(eos_token, int):
         if tok.id_to_token(eos_token) is None:
@@ -125,7 +156,9 @@ def _discover_eos(tok: Tokenizer, file: Path, eos_token: str | int | None) -> tu
         return eos_token, vocab[eos_token]
     candidates: list[str | None] = []
     config_file = file.parent / "tokenizer_config.json"
-    if config_file.is_file():
+    if config is not None:  # a named tokenizer's own config
+        candidates.append(token_content(config.get("eos_token")))
+    elif config_file.is_file():
         try:
             candidates.append(token_content(json.loads(config_file.read_text()).get("eos_token")))
         except (json.JSONDecodeError, AttributeError):
@@ -143,19 +176,22 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | int | None = None) 
     """Load a Hugging Face ``tokenizer.json`` (or a directory containing one) and find its EOS token.
 
     Args:
-        path: The tokenizer.json file, or a Hugging Face model directory holding one.
+        path: The tokenizer.json file, a Hugging Face model directory holding one, or a tokenizer name
+            (``olmo``; `mula.data.named_tokenizers`).
         eos_token: Override the EOS token (its string, or its id); found automatically when None.
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: the file is not a tokenizer.json, or no EOS token can be found.
+        FileNotFoundError: the file does not exist, or the package of a named tokenizer is not installed.
+        ValueError: the file is not a tokenizer.json, no EOS token can be found, or a bare word names no
+            tokenizer.
     """
+    named = named_tokenizer(str(path))
     file = _resolve_tokenizer_file(path)
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for malformed files
         raise ValueError(f"{file} is not a Hugging Face tokenizer.json ({e}).") from None
-    name, eos_id = _discover_eos(tok, file, eos_token)
+    name, eos_id = _discover_eos(tok, file, eos_token, named.config if named is not None else None)
     vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     # Special tokens inside documents are data, not document boundaries (see encode_documents).
     tok.encode_special_tokens = True
@@ -166,6 +202,7 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | int | None = None) 
         eos_id=eos_id,
         vocab_size=vocab_size,
         sha256=_sha256(str(file)),
+        name=named.name if named is not None else None,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 
 from mula.checkpoint import atomic_write_text, model_from_state_dict, read_checkpoint, verify_for_reading
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer
+from mula.downstream import check_limit
 from mula.downstream.devices import EVAL_DTYPES, autocast_dtype, default_device
 from mula.downstream.evaluate import evaluate
 from mula.downstream.lm import MulaLM
@@ -53,11 +54,13 @@ def check_options(
     devices: int = 1,
     num_nodes: int = 1,
     strategy: Any = None,
+    limit: int | float | None = None,
 ) -> None:
-    """Raise ValueError (one sentence) for a batch size, device, dtype, process count or strategy that
-    cannot work, before any work."""
+    """Raise ValueError (one sentence) for a batch size, limit, device, dtype, process count or strategy
+    that cannot work, before any work."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    check_limit(limit)
     if devices < 1 or num_nodes < 1:
         raise ValueError(f"devices and num_nodes must be at least 1, got {devices} and {num_nodes}.")
     if strategy is None and devices * num_nodes > 1:
@@ -108,14 +111,8 @@ def read_results(ckpt: Path) -> dict[str, Any] | None:
 
 
 def pending_tasks(ckpt: Path, settings: EvalSettings) -> ResolvedTasks:
-    """The tasks of `settings` not yet recorded for `ckpt` with the same limit."""
-    done = (read_results(ckpt) or {}).get("tasks", {})
-    todo = [
-        (spec, name)
-        for spec, name in zip(settings.tasks.specs, settings.tasks.names)
-        if name not in done or done[name].get("limit") != settings.limit
-    ]
-    return replace(settings.tasks, specs=[s for s, _ in todo], names=[n for _, n in todo])
+    """The tasks of `settings` not yet recorded for `ckpt` by the same harness with the same limit."""
+    return settings.tasks.pending((read_results(ckpt) or {}).get("tasks", {}), settings.limit)
 
 
 def checkpoint_config(ckpt: Path) -> MulaConfig:
@@ -160,7 +157,7 @@ def evaluate_checkpoint(
         check_layout(strategy_from_spec(settings.strategy), settings.devices * settings.num_nodes, config)
     todo = pending_tasks(ckpt, settings)
     record = read_results(ckpt) or {"checkpoint": ckpt.name, "tasks": {}}
-    if not todo.specs:
+    if not todo.all_names:
         return record, []
     if settings.strategy is not None:
         tok = load_tokenizer_for(ckpt, config, settings.tokenizer)

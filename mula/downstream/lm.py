@@ -26,7 +26,7 @@ every expert all-to-all has all its ranks; the last stage's scores are sent to t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -199,6 +199,21 @@ class MulaLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             results.append(total)
         return results
+
+    def score_tokens(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+        """Sum of log p(continuation | context) of each (context ids, continuation ids), encoded apart.
+
+        The query is context + continuation without its last token, cut from the left to the model's
+        positions (what OLMo's in-loop evaluation and lm-eval feed the model); an empty context is the
+        prefix token, as lm-eval's `loglikelihood` makes it. Every rank of a spread model calls this (with
+        its own share, possibly empty); the ranks keep forwarding in lock step at the next gather.
+        """
+        tokens: list[TokenRequest] = []
+        for ctx, cont in requests:
+            if not cont:
+                raise ValueError("a scored continuation needs at least one token.")
+            tokens.append((None, list(ctx) or [self.prefix_token_id], list(cont)))
+        return [ll for ll, _ in self._loglikelihood_tokens(tokens, disable_tqdm=True)]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Refused: Mula's lm-eval model scores log-likelihoods only."""

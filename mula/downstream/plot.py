@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# plotted per task, in this order of preference (perplexity tasks have neither and are not plotted)
-ACCURACY_METRICS = ("acc", "acc_norm")
+# plotted per task (lm-eval's acc and acc_norm; OLMo's acc, len_norm or f1); perplexity tasks have none
+# and are not plotted
+ACCURACY_METRICS = ("acc", "acc_norm", "len_norm", "f1")
+NORMALISED = ("acc_norm", "len_norm")  # drawn dashed
 
 
 def accuracy_series(records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
@@ -41,7 +43,7 @@ def plot_accuracy(records: list[dict[str, Any]], path: Path) -> bool:
     ax = fig.add_subplot()
     for name, points in series.items():
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", linestyle="--" if name.endswith("acc_norm") else "-", label=name)
+        ax.plot(xs, ys, marker="o", linestyle="--" if name.endswith(NORMALISED) else "-", label=name)
     ax.set_xlabel("training tokens seen" if use_tokens else "optimizer step")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)

@@ -6,7 +6,8 @@ under the trainer's precision. A strategy that spreads the model over ranks (`XP
 experts, pipeline stages, tensor shards) provides `spread_forward()` (a `mula.downstream.lm.SpreadModel`)
 and the documents are split over its data-parallel ranks; any other strategy (DDP, one device) holds
 the whole model on every rank and lm-eval splits the documents over all ranks. lm-eval's request
-handling runs on every rank, each on its share; global rank 0 gets the results.
+handling runs on every rank, each on its share; global rank 0 gets the results. OLMo's tasks take the same
+`MulaLM` (`mula.downstream.olmo_score`: documents split over the same ranks, the same lock step).
 
 `evaluate_with_strategy` evaluates one checkpoint at a training layout: it builds a Trainer with the
 recipe's `trainer.strategy` entry (`{class_path, init_args}`) over `devices` x `num_nodes` processes

@@ -5,7 +5,8 @@ tokenizer.json its data was prepared with in its checkpoint state. Exported file
 
     tokenizer.json          a copy of the run's tokenizer
     tokenizer_config.json   the source's tokenizer_config.json when it has one (a Hugging Face
-                            tokenizer directory), else PreTrainedTokenizerFast; with the EOS token
+                            tokenizer directory, or a named tokenizer's own settings: `olmo`'s pad
+                            token), else PreTrainedTokenizerFast; with the EOS token
                             Mula's data ends documents with and model_max_length = the model's positions
     generation_config.json  eos (and bos / pad when the tokenizer names them) token ids for `generate`
 """
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from mula.checkpoint.sharded import SHARDED_META_FILE
+from mula.data.named_tokenizers import named_tokenizer
 from mula.data.tokenizer import LoadedTokenizer, load_tokenizer, token_content
 from mula.model.config import MulaConfig
 
@@ -28,8 +30,8 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def checkpoint_tokenizer_path(ckpt: Path) -> str | None:
-    """The tokenizer.json a training run recorded in its checkpoint (None for a weights file, or a
-    checkpoint written without MulaDataModule)."""
+    """The tokenizer a training run recorded in its checkpoint: a tokenizer.json path or a named tokenizer's
+    name (None for a weights file, or a checkpoint written without MulaDataModule)."""
     from mula.data.datamodule import MulaDataModule  # imports Lightning: only needed here
 
     obj = read_training_state(ckpt)
@@ -57,13 +59,9 @@ def check_fits(tokenizer: LoadedTokenizer, config: MulaConfig) -> None:
 
 
 def _source_config(tokenizer: LoadedTokenizer) -> dict[str, Any]:
-    """The tokenizer_config.json next to the source tokenizer.json ({} when there is none or it is broken)."""
-    file = Path(tokenizer.path).with_name(TOKENIZER_CONFIG)
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    """The tokenizer_config.json next to the source tokenizer.json, or a named tokenizer's own settings ({}
+    when there is none or it is broken)."""
+    return tokenizer.config
 
 
 def special_token_ids(tokenizer: LoadedTokenizer) -> dict[str, int | None]:
@@ -106,6 +104,6 @@ def resolve_tokenizer(ckpt: Path, tokenizer: str | None) -> tuple[LoadedTokenize
     recorded = checkpoint_tokenizer_path(ckpt)
     if recorded is None:
         return None, f"{ckpt} does not name the tokenizer it was trained with"
-    if not Path(recorded).is_file():
+    if named_tokenizer(recorded) is None and not Path(recorded).is_file():
         return None, f"the tokenizer {recorded} recorded in {ckpt} no longer exists"
     return load_tokenizer(recorded), ""

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning
+from torchmetrics import MeanMetric
 
 TESTED_LIGHTNING = ">=2.5,<2.7,!=2.6.2,!=2.6.3"  # keep equal to pyproject.toml's requirement
 
@@ -171,3 +172,25 @@ def silence_lightning_deprecations() -> None:
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
+
+
+class KeepsStateDtypes:
+    """Mixin for a torchmetrics `Metric` (first in the bases) whose states keep their dtypes when the module
+    is cast: `bf16-true` casts the LightningModule with `.to(dtype)`, metrics included, and torchmetrics
+    guards only `.half()`/`.float()`-style casts, so a running sum would become bf16 and round every
+    addition (and `update` would cast its inputs to bf16). Moves still apply (device). Reaches
+    torchmetrics' private `_defaults` (the reset values) and `_dtype` (the inputs' dtype)."""
+
+    def _apply(self, fn: Any, exclude_state: Any = ()) -> Any:
+        dtypes = {key: getattr(self, key).dtype for key in self._defaults}
+        compute_dtype = self._dtype  # what `update` casts its inputs to (MeanMetric's values)
+        this = super()._apply(fn, exclude_state)  # type: ignore[misc]
+        for key, dtype in dtypes.items():
+            setattr(this, key, getattr(this, key).to(dtype))
+            this._defaults[key] = this._defaults[key].to(dtype)
+        this._dtype = compute_dtype
+        return this
+
+
+class FullPrecisionMean(KeepsStateDtypes, MeanMetric):
+    """torchmetrics' `MeanMetric` whose sums stay float32 under a bf16 cast of the module (`val/loss`)."""

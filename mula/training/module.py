@@ -11,23 +11,30 @@ under the same lr schedule (Moonlight's rule, `mula.training.muon`, docs/muon.md
 Weight decay follows OLMo-core (the OLMo 2 / OLMoE training code): every parameter is decayed
 except the token embedding (`no_decay=["embed.weight"]`). Norm weights are decayed too; the paper's
 recipes use the same single weight decay of 0.1.
+
+Validation logs `val/loss` (mean cross-entropy in nats per target token), `val/ppl` = exp(val/loss) and
+`val/bpb`, bits per UTF-8 byte of the same targets (`mula.training.bits_per_byte`), which compares runs
+with different tokenizers. `val/bpb` needs the run's tokenizer: the data module's `tokenizer_path`
+(`MulaDataModule` records the one its data was prepared with). With no tokenizer recorded (synthetic data,
+plain dataloaders), or one whose bytes per token are not defined (not byte-level) or that cannot be
+loaded any more, `val/bpb` is not logged and `val/loss` is unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from mula.layout.rules import check_master_weights as rules_check_master_weights
@@ -36,10 +43,25 @@ from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
 from mula.model.transformer import Mula, parse_activation_checkpointing
+from mula.training.bits_per_byte import BitsPerByte, target_bytes, token_byte_table
 from mula.training.host_allocator import reuse_freed_host_memory
-from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
+from mula.training.lightning_compat import FullPrecisionMean, ends_optimizer_step, logs_train_step
 from mula.training.muon import MulaMuon, check_muon_options, optimizer_param_groups
 from mula.training.strategy_contract import MulaStrategy, mula_strategy
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class TokenizedData(Protocol):
+    """A data module that knows the tokenizer its data was prepared with (`MulaDataModule`): what val/bpb
+    counts bytes with."""
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer file (or named tokenizer) the data was tokenized with, None when unknown."""
+        ...
+
 
 OPTIMIZERS = ("adamw", "muon")
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
@@ -157,7 +179,12 @@ class MulaLightningModule(L.LightningModule):
         self.init_weights = init_weights
         self.save_hyperparameters()
         self.model: Mula | None = None  # built in configure_model (possibly on meta / sharded)
-        self.val_loss = MeanMetric()
+        self.val_loss = FullPrecisionMean()  # float32 sums under bf16-true's cast of the module
+        self.val_bpb = BitsPerByte()
+        # token id -> UTF-8 bytes of the run's tokenizer, on the device (None: val/bpb is not logged), and
+        # the tokenizer it was built from; built once per tokenizer (`_load_token_bytes`), never per batch
+        self._token_bytes: Tensor | None = None
+        self._token_bytes_of: str | None = None
         self._batch_shape: tuple[int, int] | None = None
         # Detached [loss, ce, aux, z] summed over the micro-batches of the current optimizer step.
         self._step_sums: Tensor | None = None
@@ -215,13 +242,40 @@ class MulaLightningModule(L.LightningModule):
 
     @override
     def on_validation_start(self) -> None:
-        """Compile the blocks (`model.compile`) for `validate` too."""
+        """Compile the blocks (`model.compile`) for `validate` too; the bytes per token of val/bpb."""
         self._compile_model()
+        self._load_token_bytes()
 
     @override
     def on_test_start(self) -> None:
-        """Compile the blocks (`model.compile`) for `test` too."""
+        """Compile the blocks (`model.compile`) for `test` too; the bytes per token of test/bpb."""
         self._compile_model()
+        self._load_token_bytes()
+
+    def _load_token_bytes(self) -> None:
+        """The bytes of every token of the run's tokenizer (the data module's `tokenizer_path`) as a device
+        tensor, built when the tokenizer is first seen; None (val/bpb not logged) without a tokenizer, or
+        with one that is not byte-level or cannot be loaded (said once, in the log)."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        reference = datamodule.tokenizer_path if isinstance(datamodule, TokenizedData) else None
+        if reference == self._token_bytes_of:
+            return
+        self._token_bytes, self._token_bytes_of = None, reference
+        if reference is None:
+            return
+        from mula.data.tokenizer import load_tokenizer  # imported here: a run without data never needs it
+
+        try:
+            lengths = load_tokenizer(reference).byte_lengths()
+        except (FileNotFoundError, ValueError) as e:
+            log.warning("val/bpb is not logged: %s", e)
+            return
+        if lengths is None:
+            log.warning(
+                "val/bpb is not logged: the tokenizer %s is not byte-level (no bytes per token).", reference
+            )
+            return
+        self._token_bytes = token_byte_table(lengths, self.config.vocab_size, self.device)
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -330,19 +384,50 @@ class MulaLightningModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        """Accumulate the token-weighted cross-entropy; `val/loss` and `val/ppl` are logged per epoch."""
+        """Accumulate the token-weighted cross-entropy (and the targets' bytes); `val/loss`, `val/ppl` and
+        `val/bpb` are logged per epoch."""
         _, ce, _ = self._losses(batch)
-        self.val_loss.update(ce, weight=batch[:, 1:].numel())
+        targets = self.model.sequence_shard.take(batch[:, 1:])  # the targets `ce` is the mean over
+        self.record_evaluation(ce, batch[:, 1:].numel(), targets)
+
+    def record_evaluation(self, ce: Tensor, tokens: int, targets: Tensor | None) -> None:
+        """Add one evaluation batch: `ce`, the mean cross-entropy over `targets` (this rank's target ids: its
+        context-parallel slice of the batch's), weighted by `tokens`, the batch's target tokens (the whole
+        sequences': every rank of a CP group gives its slice the same weight, so the weighted mean over the
+        ranks is the sequences'). A pipeline rank without the last stage adds `targets` None and 0 tokens.
+        One place for both metrics, also used by a pipeline's last stage (`mula.training.bits_per_byte`)."""
+        self.val_loss.update(ce, weight=tokens)
+        table = self._token_bytes
+        if table is None:
+            return
+        if targets is None or tokens == 0:
+            zero = torch.zeros((), dtype=torch.long, device=table.device)
+            self.val_bpb.update(zero.float(), zero)
+            return
+        if table.device != targets.device:  # once: the module may have moved since the table was built
+            table = self._token_bytes = table.to(targets.device)
+        self.val_bpb.update(ce.detach().float() * tokens, target_bytes(table, targets, tokens))
+
+    def _log_bits_per_byte(self, name: str) -> None:
+        """Log the epoch's bits per byte as `name` (when the tokenizer is known) and start a new sum."""
+        if self._token_bytes is None:
+            return
+        bpb = float(self.val_bpb.compute())
+        self.val_bpb.reset()
+        if math.isfinite(bpb):
+            self.log(name, bpb)
 
     @override
     def on_validation_epoch_end(self) -> None:
-        """Log `val/loss` (cross-entropy, synced over ranks by torchmetrics) and `val/ppl` = exp(val/loss)."""
+        """Log `val/loss` (cross-entropy, synced over ranks by torchmetrics), `val/ppl` = exp(val/loss) and
+        `val/bpb` (bits per byte, when the run's tokenizer is known)."""
         if self.val_loss.update_count == 0:
             return
         loss = self.val_loss.compute()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss))
         self.val_loss.reset()
+        self._log_bits_per_byte("val/bpb")
 
     @override
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -351,13 +436,14 @@ class MulaLightningModule(L.LightningModule):
 
     @override
     def on_test_epoch_end(self) -> None:
-        """Log `test/loss` and `test/ppl`."""
+        """Log `test/loss`, `test/ppl` and `test/bpb`."""
         if self.val_loss.update_count == 0:
             return
         loss = self.val_loss.compute()
         self.log("test/loss", loss)
         self.log("test/ppl", torch.exp(loss))
         self.val_loss.reset()
+        self._log_bits_per_byte("test/bpb")
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

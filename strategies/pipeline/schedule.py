@@ -143,18 +143,18 @@ class PipelineRunner:
         self._sums = []
         return sums, count
 
-    def evaluate(self, batch: Tensor) -> tuple[Tensor, int]:
-        """Forward-only cross-entropy of a batch [rows, T + 1] as one micro-batch: (ce, target tokens)
-        on ranks with the last stage, (0, 0) elsewhere. Under context parallelism the cross-entropy is
-        this CP rank's slice's, counted with the whole sequence's tokens (every CP rank the same weight,
-        so the weighted mean over ranks is the sequence's)."""
+    def evaluate(self, batch: Tensor) -> tuple[Tensor, int, Tensor | None]:
+        """Forward-only cross-entropy of a batch [rows, T + 1] as one micro-batch: (ce, target tokens, the
+        targets ce is the mean over) on ranks with the last stage, (0, 0, None) elsewhere. Under context
+        parallelism the cross-entropy is this CP rank's slice's, counted with the whole sequence's tokens
+        (every CP rank the same weight, so the weighted mean over ranks is the sequence's)."""
         inputs, targets = self._slice(batch)
         logits = self.logits(inputs)
         if logits is None:
-            return torch.zeros((), dtype=torch.float32, device=self.device), 0
+            return torch.zeros((), dtype=torch.float32, device=self.device), 0, None
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
         ce = self.module.combine_losses(logits, targets, zero, zero)[1]
-        return ce.detach(), batch.shape[0] * (batch.shape[1] - 1)
+        return ce.detach(), batch.shape[0] * (batch.shape[1] - 1), targets
 
     def logits(self, tokens: Tensor) -> Tensor | None:
         """Forward only, through every stage, of token ids [rows, T] as one micro-batch: the logits

@@ -111,9 +111,9 @@ class PipelineSteps:
     def evaluate(self, batch: Tensor, module: Any, precision: Any) -> None:
         """The batch's cross-entropy through the stages, counted on the last (validation and test)."""
         with precision.val_step_context():
-            ce, tokens = self.runner.evaluate(batch)
+            ce, tokens, targets = self.runner.evaluate(batch)
         # other stages add weight 0: torchmetrics' sync over all ranks then averages the last stage's
-        module.val_loss.update(ce, weight=tokens)
+        module.record_evaluation(ce, tokens, targets)
 
     def backward(self, closure_loss: Tensor, module: Any, precision: Any) -> Tensor:
         """The pipeline step already ran backward: run the hooks around it (the strategy's
