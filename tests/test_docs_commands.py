@@ -49,7 +49,7 @@ RUN = {
     MAIN_JOB: "fit",
     ".venv/bin/ruff check .": "lint",
     ".venv/bin/ruff format --check .": "lint",
-    "mula fit -c recipes/mula-tiny-moe.yaml --trainer.max_steps=50 --data.seq_len=128": "fit",
+    "mula fit -c recipes/mula-tiny-moe.yaml --trainer.max_steps=20 --data.seq_len=128": "fit",
     "mula fit -c recipes/mula-tiny-moe.yaml --model.overrides.num_layers=2 --model.lr=1e-3": "fit",
     "mula fit -c recipes/mula-tiny-moe.yaml --print_config > my-recipe.yaml": "as is",
     "mula fit --help": "as is",

@@ -44,8 +44,8 @@ def export_hf(
         output: Directory to create (must not exist); loadable with transformers' AutoModelForCausalLM
             and, with a tokenizer, AutoTokenizer.
         dtype: float32, bfloat16 or float16 (default: the checkpoint's dtype).
-        tokenizer: The tokenizer.json to ship with the model (or a directory holding one); default: the
-            one the run that wrote `ckpt` was trained with.
+        tokenizer: The tokenizer.json to ship with the model (or a directory holding one, or a named
+            tokenizer: `olmo`); default: the one the run that wrote `ckpt` was trained with.
         verify: Check `ckpt` against its manifest first and refuse a corrupted or incomplete one
             (docs/resilience.md); false exports it as it is, for forensics.
     """
@@ -93,7 +93,8 @@ def evaluate(
         ckpt: One checkpoint: a Lightning .ckpt, a Mula weights file or a sharded checkpoint directory.
         run: A run directory (trainer.default_root_dir): every checkpoint in its checkpoints/, in step order.
         include_path: A directory of task YAML files whose task names --tasks may then use.
-        tokenizer: The tokenizer.json to use (or a directory holding one); default: the one the run trained with.
+        tokenizer: The tokenizer.json to use (or a directory holding one, or a named tokenizer: `olmo`);
+            default: the one the run trained with.
         batch_size: Sequences per forward pass.
         limit: Evaluate only the first N documents of each task (a fraction of them below 1), for quick checks;
             for OLMo's tasks the first N by document id.
