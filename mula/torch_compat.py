@@ -51,6 +51,13 @@ try:
 except ImportError as e:
     raise _unsupported("torch.distributed._functional_collectives", e) from e
 
+try:
+    # The base class of a mode that sees every aten op as it is dispatched (no public home yet): the
+    # host-sync meter (`mula.host_sync`). Light: torch imports it itself.
+    import torch.utils._python_dispatch as _python_dispatch
+except ImportError as e:
+    raise _unsupported("torch.utils._python_dispatch", e) from e
+
 # torch's private name (a dotted path from `torch`) -> the entry of this module that uses it
 PRIVATE_NAMES: dict[str, str] = {
     "torch._C._current_graph_task_id": "running_backward",
@@ -84,6 +91,12 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.distributed.tensor._shards_wrapper.LocalShardsWrapper": "local_shards_wrapper_class",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "local_shape_and_global_offset",
     "torch.testing._internal.distributed.fake_pg.FakeStore": "fake_store",
+    "torch.utils._python_dispatch.TorchDispatchMode": "TorchDispatchMode",
+    "torch.ops.aten._local_scalar_dense": "private_aten_ops",
+    "torch.ops.aten._unique": "private_aten_ops",
+    "torch.ops.aten._unique2": "private_aten_ops",
+    "torch.ops.aten._to_copy": "private_aten_ops",
+    "torch.ops.aten._index_put_impl_": "private_aten_ops",
 }
 
 # torch's public name that some releases or builds lack (a dotted path from `torch`) -> the entry of this
@@ -223,6 +236,28 @@ foreach_sqrt = _attribute(torch, "_foreach_sqrt")
 """Square root of each tensor of a list (AdamW's denominator)."""
 
 
+# --- the dispatcher: a mode that sees every aten op, and the private ops it looks for
+
+TorchDispatchMode = _attribute(_python_dispatch, "TorchDispatchMode")
+"""The base class of a mode whose `__torch_dispatch__` sees every aten op run while it is entered (after
+autograd, on every thread autograd runs on): the host-sync meter counts the ops that make a device wait."""
+
+
+def private_aten_ops() -> dict[str, Any]:
+    """The aten ops with a private name that the host-sync meter (`mula.host_sync`) looks for, by name:
+    `_local_scalar_dense` (`.item()`, `int()`, `float()`, `bool()` of a tensor), `_unique` / `_unique2`
+    (`torch.unique`), `_to_copy` (`.to()` / `.cpu()`: a device-to-host copy) and `_index_put_impl_` (an
+    assignment through a boolean mask)."""
+    aten = torch.ops.aten
+    return {
+        "_local_scalar_dense": aten._local_scalar_dense,
+        "_unique": aten._unique,
+        "_unique2": aten._unique2,
+        "_to_copy": aten._to_copy,
+        "_index_put_impl_": aten._index_put_impl_,
+    }
+
+
 # --- public names of some torch releases (VERSION_SHIMS)
 
 reduce_scatter_single: Callable[..., Any] = (
@@ -336,6 +371,7 @@ __all__ = [
     "TESTED_TORCH",
     "VERSION_SHIMS",
     "AsyncCollectiveTensor",
+    "TorchDispatchMode",
     "all_gather_single",
     "all_gather_tensor_autograd",
     "all_to_all_single_autograd",
@@ -361,6 +397,7 @@ __all__ = [
     "graph_break_count",
     "local_shape_and_global_offset",
     "local_shards_wrapper_class",
+    "private_aten_ops",
     "private_grouped_mm",
     "public_grouped_mm",
     "reduce_scatter_single",

@@ -526,7 +526,6 @@ class XPUMoEStrategy(ParallelStrategy):
                 lambda batch: microbatches_per_step(
                     batch, self.pipeline_microbatches, self.lightning_module.trainer
                 ),
-                self.optimizers,
                 lambda tensor: self.reduce(tensor, reduce_op="sum"),
             )
 

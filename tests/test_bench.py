@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from mula.bench.report import format_text
 from mula.commands.entry import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,13 @@ def test_bench_of_a_tiny_recipe_on_one_rank(recipe, tmp_path, monkeypatch, capsy
         assert 0 < result["moe_share"] < 1
     else:
         assert result["moe_share"] is None
+    # Lightning's one-device step reads nothing on the host outside logging steps (every 5th here); the
+    # CPU expert kernel's planning, counted apart: two reads per MoE layer and micro-batch
+    syncs = result["host_syncs"]
+    assert result["host_syncs_per_step"] == 0 and syncs["steps"] == [4, 7], syncs
+    assert syncs["ops"] == syncs["reads"] == {} and syncs["logging_steps_excluded"]
+    assert syncs["excluded"] == ({"cpu expert kernel": 2 * 4 * 2} if recipe == "mula-tiny-moe" else {})
+    assert "| host syncs per step |" in format_text(result) and "steps 4 and 7" in format_text(result)
     assert not list(tmp_path.iterdir()), "a benchmark writes nothing where it runs"
 
 
@@ -91,6 +99,23 @@ def test_bench_on_two_ranks_under_expert_parallelism(tmp_path) -> None:
     result = json.loads(done.stdout[done.stdout.index("{") :])
     _check(result, 2)
     assert result["world_size"] == 2 and result["layout"]["ep_size"] == 2 and 0 < result["moe_share"] < 1
+    # per step (one micro-batch per rank): the all-to-all's split sizes once per MoE layer (4), the strategy's
+    # non-finite verdict and Lightning's SIGTERM flag (tests/test_host_sync.py states each)
+    syncs = result["host_syncs"]
+    assert result["host_syncs_per_step"] == 6 and syncs["per_rank"] == [6, 6], syncs
+    assert syncs["reads"] == {"expert all-to-all splits": 4} and syncs["ops"] == {"_local_scalar_dense": 2}
+
+
+def test_bench_says_why_it_has_no_host_sync_figure() -> None:
+    """Compiled models are not metered; with logs on every step or every other one, no window is clean."""
+    from mula.bench.report import host_sync_line
+
+    base = {"host_syncs_per_step": None, "host_syncs": {"compiled": False, "log_every_n_steps": 2}}
+    assert host_sync_line(base) == (
+        "host syncs per step: n/a (every step's window holds a logging step (log_every_n_steps=2))"
+    )
+    base["host_syncs"]["compiled"] = True
+    assert host_sync_line(base) == "host syncs per step: n/a (not measured for compiled models)"
 
 
 @pytest.mark.parametrize(

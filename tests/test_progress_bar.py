@@ -33,12 +33,12 @@ class Recording(StepProgressBar):
         self.seen.append((trainer.global_step, bar.n, bar.total))
 
 
-def train(bar: Recording, **trainer_kwargs: Any) -> L.Trainer:
+def train(bar: Recording, model: L.LightningModule | None = None, **trainer_kwargs: Any) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
         callbacks=[bar], **trainer_kwargs,
     )  # fmt: skip
-    trainer.fit(BoringModel())
+    trainer.fit(model or BoringModel())
     return trainer
 
 
@@ -57,6 +57,37 @@ def test_bar_without_max_steps_counts_the_epochs_steps():
     assert trainer.global_step == 3
     assert [n for _, n, _ in bar.seen] == [0, 1, 1, 2, 3]
     assert {total for _, _, total in bar.seen} == {3}
+
+
+class LoggingModel(BoringModel):
+    """Logs its loss as MulaLightningModule logs `train/loss`: for the loggers, not as a progress-bar metric."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train/loss", out["loss"])
+        return out
+
+
+def test_bar_reads_the_metrics_on_logging_steps_only():
+    """Between logging steps the bar moves its count and reads nothing from the device; on logging steps
+    it shows `train/loss` with Lightning's progress-bar metrics."""
+    asked = []
+
+    class Showing(Recording):
+        def get_metrics(self, trainer, pl_module):
+            asked.append(trainer.global_step)
+            return super().get_metrics(trainer, pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self.seen[-1] = (*self.seen[-1], self.train_progress_bar.postfix)
+
+    bar = Showing()
+    train(bar, LoggingModel(), max_steps=6, log_every_n_steps=3)
+    # steps 1, 2, 4 and 5 ask nothing (Lightning's bar also asks before the first step and at the epoch's end)
+    assert set(asked) == {0, 3, 6} and [a for a in asked if a][:2] == [3, 6]
+    assert [n for _, n, _, _ in bar.seen] == [1, 2, 3, 4, 5, 6]
+    assert ["train/loss" in (postfix or "") for *_, postfix in bar.seen] == [False] * 2 + [True] * 4
 
 
 def test_step_range():

@@ -6,8 +6,10 @@ random tokens in the recipe's batch shapes (`mula.data.synthetic.SyntheticTokens
 with the recipe's loggers, callbacks and checkpoints left out. Rank 0 prints one table (or JSON): tokens/s
 per device, step time median [min-max], model TFLOP/s per device and MFU against the device's published
 bf16 peak (the machine file's `peak_bf16_tflops`: `--machine`, else the one named after the device), the
-share of the step in the MoE layers, and memory per rank against `mula plan`'s prediction for the same
-layout (`mula.bench.probe` says how each is measured).
+share of the step in the MoE layers, the host syncs per step (`mula.host_sync`: the times a step makes the
+host wait for the device, counted on steady-state steps after the timed ones, logging steps excluded), and
+memory per rank against `mula plan`'s prediction for the same layout (`mula.bench.probe` says how each
+is measured).
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-from mula.bench.probe import BenchProbe
+from mula.bench.probe import BenchProbe, HostSyncSteps, steady_steps
 from mula.bench.report import format_text
 from mula.commands.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
 from mula.training.devices import device_name
 from mula.training.module import check_master_weights
 
 FORMATS = ("text", "json")
+HOST_SYNC_STEPS = 2  # steady-state steps whose host syncs are counted (after the timed ones)
+LIGHTNING_LOG_EVERY_N_STEPS = 50  # the Trainer's default `log_every_n_steps`
 
 
 class BenchCLI(MulaCLI):
@@ -84,7 +88,12 @@ class BenchCLI(MulaCLI):
         config = self.config
         trainer = config.trainer
         strategy_class_path(trainer)
-        trainer.max_steps = config.warmup + config.steps + 1  # + the memory step
+        # + the memory step, + the steps whose host syncs are counted (the memory step may be one)
+        log_every = trainer.log_every_n_steps
+        self.log_every_n_steps = LIGHTNING_LOG_EVERY_N_STEPS if log_every is None else int(log_every)
+        first = config.warmup + config.steps + 1
+        self.sync_steps = steady_steps(first, HOST_SYNC_STEPS, self.log_every_n_steps)
+        trainer.max_steps = max([first, *self.sync_steps])
         trainer.max_epochs = None
         trainer.logger = False
         trainer.callbacks = None
@@ -116,6 +125,9 @@ class BenchCLI(MulaCLI):
         tokens = SyntheticTokens(data.seq_len, data.global_batch_size, data.micro_batch_size, data.seed)
         probe = BenchProbe(config.warmup, config.steps, moe_timing=not module.compile_settings)
         trainer.callbacks.append(probe)
+        # not for compiled models: a dispatch mode around their regions would change what is compiled
+        syncs = HostSyncSteps(self.sync_steps if not module.compile_settings else ())
+        trainer.callbacks.append(syncs)
         # the process group the strategy starts is the benchmark's: gone when it returns, as it would be
         # after `mula fit`'s process, so a caller in the same process (a test, a script) finds none
         started_group = not torch.distributed.is_initialized()
@@ -124,6 +136,7 @@ class BenchCLI(MulaCLI):
             result = self._result(
                 probe, inputs, plan_memory(inputs.config, inputs.layout), layout_summary(inputs.layout)
             )
+            result.update(self._host_syncs(syncs))
         finally:
             if started_group and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
@@ -184,6 +197,28 @@ class BenchCLI(MulaCLI):
                 "total": plan.total,
             },
             "command": " ".join(["mula", *sys.argv[1:]]) if sys.argv[1:] else "mula bench",
+        }
+
+    def _host_syncs(self, syncs: HostSyncSteps) -> dict[str, Any]:
+        """`host_syncs_per_step`: the largest over the ranks of a rank's mean over its counted steps (None
+        when no step was counted); `host_syncs`: the counted steps, each rank's mean, and rank 0's (this
+        rank's) mean count per op, per `to_host` reason and per excluded mark."""
+        per_step = syncs.per_step()
+        per_rank = self.trainer.strategy.all_gather(
+            torch.tensor([-1.0 if per_step is None else per_step], dtype=torch.float64)
+        )
+        per_rank = [float(v) for v in per_rank.reshape(-1)]
+        counted = per_step is not None and min(per_rank) >= 0
+        return {
+            "host_syncs_per_step": max(per_rank) if counted else None,
+            "host_syncs": {
+                "steps": sorted(syncs.counts),
+                "per_rank": per_rank if counted else None,
+                **syncs.breakdown(),
+                "logging_steps_excluded": True,
+                "log_every_n_steps": self.log_every_n_steps,
+                "compiled": bool(self.model.compile_settings),
+            },
         }
 
 

@@ -13,12 +13,16 @@
 * memory, on one more step after the timed ones (its hooks would cost time): the bytes of this rank's
   parameters, gradients at the optimizer step and optimizer state, the most bytes saved for backward
   (`mula.training.memory_meter`), and on CUDA/XPU the allocator's peak over the whole run.
+* host syncs (`HostSyncSteps`), on steps after the timed ones (its dispatch mode costs time): the
+  `mula.host_sync.HostSyncMeter` count of each chosen step, from the end of the step before it to its own
+  end (the window of a step time), logging steps left out.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as L
@@ -26,9 +30,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from mula.host_sync import HostSyncMeter, optimizer_host_tensors
 from mula.model.moe import iter_moe_layers
 from mula.training.devices import device_module
-from mula.training.lightning_compat import ends_optimizer_step
+from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.training.memory_meter import SavedTensorMeter, grad_bytes, param_bytes
 from mula.training.strategy_contract import OptimizerBytes
 
@@ -182,3 +187,86 @@ class BenchProbe(L.Callback):
             )
             if self._accelerator is not None:
                 self.memory["peak_allocated"] = int(self._accelerator.max_memory_allocated(self._device))
+
+
+def logging_step(step: int, log_every_n_steps: int) -> bool:
+    """Whether optimizer step `step` (1-based) is one Lightning hands the train metrics to the loggers on
+    (`log_every_n_steps`; 0 never): its metrics are read on the host, so it may sync."""
+    return log_every_n_steps > 0 and step % log_every_n_steps == 0
+
+
+def steady_steps(first: int, count: int, log_every_n_steps: int) -> list[int]:
+    """The first `count` optimizer steps (1-based) from `first` on whose host-sync window holds no part of
+    a logging step: neither the step nor the one before it logs (a logging step hands its metrics to the
+    loggers after its last hook, in the next step's window). None when every window holds a logging step
+    (`log_every_n_steps` 1 or 2)."""
+    if log_every_n_steps in (1, 2):
+        return []
+    steps, step = [], max(first, 2)
+    while len(steps) < count:
+        if not logging_step(step, log_every_n_steps) and not logging_step(step - 1, log_every_n_steps):
+            steps.append(step)
+        step += 1
+    return steps
+
+
+class HostSyncSteps(L.Callback):
+    """Counts the host syncs of chosen optimizer steps with a `HostSyncMeter` (mula.host_sync).
+
+    Step n's window runs from the end of step n - 1 (its last micro-batch's `on_train_batch_end`) to the
+    end of step n: everything the loop does for it (Lightning's per-batch work, data, every micro-batch's
+    forward and backward, the optimizer step). A window that holds part of a logging step (the step
+    itself, or the one before it handing over its metrics) is dropped and its step kept in
+    `logging_steps`: logging steps may read their metrics on the host.
+
+    Args:
+        steps: optimizer step numbers (1-based, from 2) to count.
+
+    `counts`: step -> `HostSyncMeter.counts()` plus "total", for the counted steps.
+    """
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        self.steps = set(steps)
+        self.counts: dict[int, dict[str, Any]] = {}
+        self.logging_steps: list[int] = []
+        self._meter: HostSyncMeter | None = None
+        self._previous_logged = False
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not ends_optimizer_step(trainer):
+            return
+        step = trainer.global_step  # the step that just ended
+        logged = logs_train_step(trainer)
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            if logged or self._previous_logged:
+                self.logging_steps.append(step)
+            else:
+                self.counts[step] = {**self._meter.counts(), "total": self._meter.total}
+            self._meter = None
+        self._previous_logged = logged
+        if step + 1 in self.steps:
+            hosted = optimizer_host_tensors(trainer.optimizers)
+            self._meter = HostSyncMeter(trainer.strategy.root_device, hosted)
+            self._meter.__enter__()
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._meter is not None:  # training ended before the window's step did
+            self._meter.__exit__(None, None, None)
+            self._meter = None
+
+    def per_step(self) -> float | None:
+        """The mean total over the counted steps (None when none was counted)."""
+        totals = [c["total"] for c in self.counts.values()]
+        return sum(totals) / len(totals) if totals else None
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Mean per counted step of each op, read reason and excluded mark."""
+        out: dict[str, dict[str, float]] = {"ops": {}, "reads": {}, "excluded": {}}
+        for counts in self.counts.values():
+            for kind in out:
+                for key, n in counts[kind].items():
+                    out[kind][key] = out[kind].get(key, 0) + n / len(self.counts)
+        return {kind: dict(sorted(values.items())) for kind, values in out.items()}

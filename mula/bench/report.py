@@ -35,10 +35,13 @@ def format_text(result: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| tokens/s per device | step time (s), median [min-max] | model TFLOP/s per device | MFU | MoE layers' share |",
-        "|---|---|---|---|---|",
+        "| tokens/s per device | step time (s), median [min-max] | model TFLOP/s per device | MFU | MoE layers' share "
+        "| host syncs per step |",
+        "|---|---|---|---|---|---|",
         f"| {result['tokens_per_s_per_device']:,.0f} | {times['median']:.4f} [{times['min']:.4f}-{times['max']:.4f}] "
-        f"| {result['tflops_per_device']:.2f} | {mfu} | {moe} |",
+        f"| {result['tflops_per_device']:.2f} | {mfu} | {moe} | {_per_step(result['host_syncs_per_step'])} |",
+        "",
+        host_sync_line(result),
         "",
         f"memory per rank, bytes (the largest rank of pipeline stage {result['planned_stage']}, the one "
         "`mula plan` reports; measured on the step after the timed ones):",
@@ -54,3 +57,30 @@ def format_text(result: dict[str, Any]) -> str:
         label = f"{label} vs planned total" if key == "peak_allocated" else label
         lines.append(f"| {label} | {measured:,} | {planned:,} | {ratio} |")
     return "\n".join(lines)
+
+
+def _per_step(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
+def host_sync_line(result: dict[str, Any]) -> str:
+    """Where the host-sync figure comes from: the steps counted (logging steps excluded), rank 0's syncs by
+    op and by `to_host` reason, and what CPU-only code its mark kept out of the count."""
+    syncs = result["host_syncs"]
+    if result["host_syncs_per_step"] is None:
+        why = (
+            "not measured for compiled models"
+            if syncs["compiled"]
+            else f"every step's window holds a logging step (log_every_n_steps={syncs['log_every_n_steps']})"
+        )
+        return f"host syncs per step: n/a ({why})"
+    parts = [f"{k} {v:g}" for kind in ("ops", "reads") for k, v in syncs[kind].items()]
+    excluded = ", ".join(f"{k} {v:g}" for k, v in syncs["excluded"].items())
+    return (
+        f"host syncs per step: {result['host_syncs_per_step']:g}, the largest rank's mean over steps "
+        f"{' and '.join(map(str, syncs['steps']))} after the timed ones (logging steps excluded, "
+        f"log_every_n_steps={syncs['log_every_n_steps']}, and the step after each, which hands its metrics "
+        "to the loggers); "
+        f"rank 0: {', '.join(parts) or 'none'}"
+        + (f"; CPU-only code excluded by its mark, not counted: {excluded}" if excluded else "")
+    )

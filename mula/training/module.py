@@ -336,8 +336,15 @@ class MulaLightningModule(L.LightningModule):
             counts = out.tokens_per_expert.detach()
             self._step_counts = counts if self._step_counts is None else self._step_counts + counts
             self.log("moe/load_imbalance", load_imbalance(out.tokens_per_expert))
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log_learning_rate()
         return loss
+
+    def log_learning_rate(self) -> None:
+        """Log `train/lr` on the steps that hand their metrics to the loggers, from the step's last
+        micro-batch: Lightning turns a logged number into a device tensor (on an accelerator a blocking
+        copy from the host, which waits for the device), so other steps log none."""
+        if ends_optimizer_step(self.trainer) and logs_train_step(self.trainer):
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
 
     @override
     def on_train_start(self) -> None:
@@ -350,7 +357,10 @@ class MulaLightningModule(L.LightningModule):
         The mean runs over every micro-batch of the accumulation window on every data-parallel rank
         (every rank, also under expert parallelism), so that the curve of a run does not depend on its
         world size. Sums stay on the device (no host sync per micro-batch); one all-reduce of
-        [sums, count] per logged step.
+        [sums, count] per logged step. They are not progress-bar metrics: Lightning reads every progress-bar
+        metric on the host after each micro-batch, long after the step that logged it (a host sync per
+        micro-batch); `mula fit`'s bar shows `train/loss` from the logging steps
+        (`mula.training.progress_bar`).
         """
         self.record_step_losses(torch.stack([t.detach().float() for t in losses]), 1)
 
@@ -378,9 +388,7 @@ class MulaLightningModule(L.LightningModule):
         means = total[:-1] / total[-1]
         names = STEP_LOSSES if self.config.is_moe else STEP_LOSSES[:2]
         for name, value in zip(names, means):
-            self.log(
-                name, value, prog_bar=name == "train/loss", on_step=True, on_epoch=False, sync_dist=False
-            )
+            self.log(name, value, prog_bar=False, on_step=True, on_epoch=False, sync_dist=False)
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:

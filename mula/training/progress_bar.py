@@ -4,6 +4,11 @@ Lightning's tqdm bar counts micro-batches (`batch_idx + 1`) but, when `max_steps
 remaining optimizer steps as its total, so with gradient accumulation it reads `600/300`. This bar
 counts what the total counts: optimizer steps (`trainer.global_step`), over the whole run when
 `max_steps` is set (a resumed run starts at its checkpoint's step), per epoch otherwise.
+
+Its numbers change on the steps whose metrics go to the loggers (`log_every_n_steps`), where they are read
+on the host, `train/loss` with them (the module logs its step losses for the loggers, not as progress-bar
+metrics, which Lightning would read on the host after every micro-batch); other steps only move the count,
+reading nothing from the device.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
+
+from mula.training.lightning_compat import logs_train_step
 
 
 def step_range(trainer: L.Trainer) -> tuple[int, int | None]:
@@ -58,4 +65,17 @@ class StepProgressBar(TQDMProgressBar):
             return
         if n % self.refresh_rate == 0 or n == bar.total:
             bar.n = n
-            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+            if logs_train_step(trainer):
+                bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+            else:
+                bar.refresh()
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Lightning's progress-bar metrics and the last logged `train/loss` (read on the host: the bar asks
+        on logging steps, at the end of an epoch and after validation)."""
+        metrics = dict(super().get_metrics(trainer, pl_module))
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            metrics["train/loss"] = f"{float(loss):.3f}"
+        return metrics

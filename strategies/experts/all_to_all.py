@@ -5,8 +5,10 @@ permutation plan and kernels (`mula.model.kernels.permute`: Triton on GPUs). Per
 
 1. `plan_routing` sorts this rank's (token, k) assignments by global expert, i.e. by destination rank
    (experts are rank-contiguous), and `permute` writes the send buffer (no [N, K, H] temporary);
-2. one small all_to_all of the E_total counts, then the layer's only host synchronisation: the send
-   and receive count tables copied to the host together (the splits `all_to_all_single` needs);
+2. one small all_to_all of the E_total counts, then the layer's only host synchronisation: the rows
+   to and from each rank, summed on the device, copied to the host together (the splits
+   `all_to_all_single` needs; `mula.host_sync.to_host`, reason `A2A_SPLITS`). `combine` and both
+   backward exchanges reuse them: one read per layer and forward (a recomputed forward reads again);
 3. `all_to_all_single` the token rows with those uneven splits;
 4. a second plan over the received rows' local expert ids (a stable sort keeps the source-rank order
    within each expert) lays them out the way the local experts' backend runs them, as the local path
@@ -35,10 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mula.host_sync import to_host
 from mula.layout.rules import check_degrees, check_experts
 from mula.model.kernels import RoutingPlan, permute, plan_routing, unpermute
 from mula.model.kernels.permute import experts_run_padded
 from mula.model.moe import LocalDispatcher
+
+# The reason `mula.host_sync.to_host` counts the split sizes' read under (one per MoE layer and forward).
+A2A_SPLITS = "expert all-to-all splits"
 
 
 class _AllToAll(torch.autograd.Function):
@@ -132,8 +138,9 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(send_plan.counts)
         dist.all_to_all_single(recv_counts, send_plan.counts, group=self.ep_group)
         self.bytes_sent += (self.ep_size - 1) * self.num_local_experts * recv_counts.element_size()
-        tables = torch.stack((send_plan.counts, recv_counts)).view(2, self.ep_size, -1).cpu()  # the sync
-        send_splits, recv_splits = tables[0].sum(1).tolist(), tables[1].sum(1).tolist()
+        # rows to and from each EP rank, summed on the device; the layer's one host read (the splits)
+        splits = torch.stack((send_plan.counts, recv_counts)).view(2, self.ep_size, -1).sum(2)
+        send_splits, recv_splits = to_host(splits, A2A_SPLITS).tolist()
 
         # Back in the layer's dtype: the experts get what they would get without expert parallelism
         # (under autocast they cast to bf16 again, exactly, since the values are bf16 already).

@@ -93,7 +93,6 @@ class PipelineSteps:
         precision: Any,
         block_backward_sync: Callable[[], AbstractContextManager[None]],
         microbatches: Callable[[Tensor], int],
-        optimizers: list[Any],
         sum_over_ranks: Callable[[Tensor], Tensor],
     ) -> Tensor:
         """One schedule step over the whole step's `batch` (`microbatches(batch)` micro-batches) with
@@ -104,7 +103,7 @@ class PipelineSteps:
             sums, count = self.runner.step(batch, microbatches(batch))
         module.set_batch_shape(batch.shape[0], batch.shape[1] - 1)  # the step's tokens, for throughput
         module.record_step_losses(sums, count)
-        module.log("train/lr", optimizers[0].param_groups[0]["lr"])
+        module.log_learning_rate()
         total = sum_over_ranks(torch.cat([sums[:1], sums.new_tensor([count])]))
         return total[0] / total[1]
 

@@ -15,7 +15,9 @@ threads, so a partial last round leaves threads idle). Padding rows are zero, so
 to any product or gradient. `plan_buckets` picks the cut per call from the host-side counts (free
 on CPU) with a small cost model; skewed routing (one expert with all rows) ends up in a bucket of
 one expert, i.e. a plain GEMM, so there is no slow case. docs/benchmarks.md (moe_layer) has the
-measurements behind these choices.
+measurements behind these choices. Those host reads are the CPU's alone (a GPU's grouped GEMM takes the
+counts on the device): they run under `mula.host_sync.host_syncs_excluded(CPU_EXPERT_KERNEL)`, which the
+host-sync meter counts apart from the step's syncs.
 
 The whole MLP (gate, up, SwiGLU, down, and the backward products) runs one bucket at a time. The
 routing plan puts the permuted rows straight into the layout (`mula.model.kernels.permute.plan_routing`),
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mula.host_sync import CPU_EXPERT_KERNEL, host_syncs_excluded, to_host
 
 # Cost model, in padded-row units (one row of the three expert GEMMs): every extra bucket costs a
 # batched-GEMM call per product (8 per step) and its elementwise ops. Measured, not derived: a broad
@@ -82,7 +86,8 @@ def plan_buckets(counts: Tensor, single: bool = False) -> BucketLayout:
 
     `single` forces one bucket padded to the largest count in expert-id order (no weight gathers).
     """
-    host = counts.tolist()
+    with host_syncs_excluded(CPU_EXPERT_KERNEL):  # CPU only: GPUs run grouped GEMMs on device counts
+        host = to_host(counts, CPU_EXPERT_KERNEL).tolist()
     num_experts = len(host)
     cap = max(host, default=0)
     # one bucket over all experts in id order: no sort, no weight gather
@@ -125,7 +130,8 @@ def plan_buckets(counts: Tensor, single: bool = False) -> BucketLayout:
 def sorted_to_padded(layout: BucketLayout) -> Tensor:
     """[T] long: row r of the expert-sorted (id order, no padding) rows -> its padded row."""
     counts = layout.counts
-    total = int(counts.sum())
+    with host_syncs_excluded(CPU_EXPERT_KERNEL):  # CPU only (the padded layout is the CPU kernel's)
+        total = int(counts.sum())
     starts = torch.cumsum(counts, 0) - counts
     shift = layout.expert_row - starts
     return torch.arange(total, dtype=torch.long) + shift.repeat_interleave(counts, output_size=total)
