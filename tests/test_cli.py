@@ -87,20 +87,6 @@ def test_fit_tiny_moe_end_to_end(tmp_path):
     assert torch.load(ckpt, weights_only=True)["mula_config"]["name"] == "mula-tiny-moe"
 
 
-def test_fit_ddp_two_ranks_on_cpu(tmp_path):
-    """The demo composed with recipes/strategies/ddp.yaml on 2 CPU processes (gloo): runs, logs, checkpoints."""
-    args = ["fit", "-c", str(TINY_MOE), "-c", str(ROOT / "recipes" / "strategies" / "ddp.yaml"),
-            "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.log_every_n_steps=1",
-            "--trainer.val_check_interval=2", *FAST[4:], "--data.micro_batch_size=4"]  # fmt: skip
-    proc = run_mula(args, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "mula-tiny-moe"
-    rows = read_metrics(run / "version_0" / "metrics.csv")
-    assert [r["step"] for r in rows if r.get("train/loss")] == ["0", "1"]
-    assert any(r.get("val/loss") for r in rows)
-    assert (run / "checkpoints" / "last.ckpt").exists()
-
-
 def test_run_files_follow_the_run_directory(tmp_path):
     """--trainer.default_root_dir moves everything a run writes (metrics, config.yaml, W&B run,
     checkpoints), and the run's config.yaml runs again under another run directory."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from test_calibrate import DOCUMENTED as DOCUMENTED_CALIBRATE
-from test_cli import FAST
+from test_cli import FAST, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -408,6 +408,10 @@ def test_a_documented_command_runs(command: str, workdir: Path) -> None:
         _main_job(workdir)  # the data (prepared on first use) and, for `validate`, the checkpoint
         own_dir = None if tokens[1] == "validate" else f"runs/doc-{list(RUN).index(command)}"
         output = _run(_with_small_settings(tokens, own_dir), workdir)
+        if own_dir is not None:  # it trained: logged its steps' losses and checkpointed (on every layout)
+            rows = read_metrics(workdir / own_dir / "version_0" / "metrics.csv")
+            assert any(r.get("train/loss") for r in rows), command
+            assert (workdir / own_dir / "checkpoints" / "last.ckpt").exists(), command
     elif kind == "calibrate":  # run as written, with the planner reading what it wrote, by test_calibrate
         assert command == DOCUMENTED_CALIBRATE
         assert not shown  # nothing to compare that test_calibrate does not

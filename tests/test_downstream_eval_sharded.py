@@ -14,6 +14,7 @@ model is built. Tasks, data and model are local (tests/test_downstream_eval.py's
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import sys
 from pathlib import Path
@@ -72,12 +73,18 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _one_process(workdir: Path, step: int, tasks: list[str]) -> dict:
-    """The reference: one process, the whole model of the step's checkpoint, batches of 3, fp32."""
+    """The reference: one process, the whole model of the step's checkpoint, batches of 3, fp32 (evaluated
+    once per module: several tests compare with the same step's)."""
+    return _one_process_of(workdir, step, tuple(tasks))
+
+
+@functools.cache
+def _one_process_of(workdir: Path, step: int, tasks: tuple[str, ...]) -> dict:
     from dist_helpers import run_distributed
 
     ckpt = _checkpoint(workdir / "run", step)
     (single,) = run_distributed(
-        _evaluate_checkpoint, 1, ckpt, workdir / "data" / "stdlib-tokenizer.json", tasks, _env(workdir)
+        _evaluate_checkpoint, 1, ckpt, workdir / "data" / "stdlib-tokenizer.json", list(tasks), _env(workdir)
     )
     return single
 
