@@ -18,14 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mula.commands.lean_torchmetrics import skip_torchmetrics_optional_imports
+
+skip_torchmetrics_optional_imports()  # starts as `mula fit` does: ~1.8 s of CPU less per process
+
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mula.checkpoint import auto_resume_ckpt_path
 

@@ -20,7 +20,14 @@ such write in the repository), ``manifest``, ``discovery``, ``weights`` (Mula we
 reading any checkpoint's weights), ``sharded`` (the sharded directory format, consolidation),
 ``reading`` (verification on every read of a user-named checkpoint), ``lock`` (the run-directory
 lock: one training run at a time per run directory).
+
+Torch-free to import: ``atomic``, ``lock`` and ``manifest`` (torch-free themselves) are imported here; the
+names of the other modules, which import torch, load their module on first use (``__getattr__``). A process
+that only writes files or takes the lock (`mula prepare` and each tokenizer worker process it spawns) then
+starts in a fraction of a second instead of importing torch and the model for nothing (~3 s of CPU).
 """
+
+from typing import Any
 
 from mula.checkpoint.atomic import (
     TMP_PREFIX,
@@ -33,17 +40,6 @@ from mula.checkpoint.atomic import (
     replace_path,
     sync_filesystem,
     temp_path,
-)
-from mula.checkpoint.consolidate import consolidate_checkpoint
-from mula.checkpoint.discovery import (
-    CheckpointEntry,
-    NoValidCheckpoint,
-    auto_resume_ckpt_path,
-    checkpoint_name,
-    find_resume_checkpoint,
-    is_checkpoint_name,
-    iter_valid_checkpoints,
-    list_checkpoints,
 )
 from mula.checkpoint.lock import RunDirLock, RunDirLocked, lock_run_dir_before_launch
 from mula.checkpoint.manifest import (
@@ -59,9 +55,44 @@ from mula.checkpoint.manifest import (
     verify_checkpoint,
     write_manifest,
 )
-from mula.checkpoint.reading import check_ckpt_path, verify_for_reading
-from mula.checkpoint.sharded import is_sharded_checkpoint, read_sharded_checkpoint
-from mula.checkpoint.weights import load_weights, model_from_state_dict, read_checkpoint, save_weights
+
+# the names of the modules that import torch, by module: imported on first use
+_DISCOVERY = {
+    "CheckpointEntry",
+    "NoValidCheckpoint",
+    "auto_resume_ckpt_path",
+    "checkpoint_name",
+    "find_resume_checkpoint",
+    "is_checkpoint_name",
+    "iter_valid_checkpoints",
+    "list_checkpoints",
+}
+_READING = {"check_ckpt_path", "verify_for_reading"}
+_SHARDED = {"is_sharded_checkpoint", "read_sharded_checkpoint"}
+_WEIGHTS = {"load_weights", "model_from_state_dict", "read_checkpoint", "save_weights"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DISCOVERY:
+        from mula.checkpoint import discovery as module
+    elif name in _READING:
+        from mula.checkpoint import reading as module
+    elif name in _SHARDED:
+        from mula.checkpoint import sharded as module
+    elif name in _WEIGHTS:
+        from mula.checkpoint import weights as module
+    elif name == "consolidate_checkpoint":
+        from mula.checkpoint import consolidate as module
+    else:
+        raise AttributeError(f"module 'mula.checkpoint' has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "TMP_PREFIX",
