@@ -1,6 +1,7 @@
 """The `mula` tools: data, tokenizer, weights conversion, evaluation and plots, one function each.
 
     mula prepare --help | mula train-tokenizer --help | mula import-hf --help | mula export-hf --help
+    mula upcycle --help
     mula eval --help | mula report RUN_DIR | mula calibrate --help
 
 Each tool's options are its function's signature and docstring, parsed by jsonargparse (so `-c file.yaml`,
@@ -59,6 +60,74 @@ def export_hf(
             "until you export again with --tokenizer PATH/tokenizer.json.",
             file=sys.stderr,
         )
+
+
+def upcycle(
+    weights: str,
+    model: str | dict[str, Any],
+    output: str,
+    overrides: dict[str, Any] | None = None,
+    router_init: str = "random",
+    seed: int = 0,
+    dry_run: bool = False,
+) -> None:
+    """Upcycle dense Mula weights into an MoE that computes the dense model's function at step 0
+    (docs/upcycling.md).
+
+    Every expert starts from the dense MLP (experts as wide as it) or from a slice of it (narrower
+    experts: "granular" upcycling, each token picking whole copies), every other weight is copied. Pairs
+    whose shapes or routing cannot preserve the function are refused in one sentence.
+
+    Args:
+        weights: The dense model: a Mula weights file or a `mula fit` checkpoint (with --dry_run, a preset
+            name such as mula-1b checks the pair by shapes only).
+        model: The MoE: a preset name (mula-7b-a1b, ...) or a mapping of MulaConfig fields.
+        output: Mula weights file to write (must not exist yet); train from it with
+            `--model.init_weights=<output>` and the same model config.
+        overrides: MulaConfig fields replacing the MoE preset's, e.g. '{norm_topk_prob: true}'.
+        router_init: random (one truncated-normal row of std init_std per copy of the dense MLP,
+            repeated over its slices) or zeros (a uniform router; experts as wide as the dense MLP only).
+        seed: Seed of the random router rows.
+        dry_run: Check the pair and build the MoE on the meta device; write nothing.
+    """
+    from pathlib import Path
+
+    from mula.checkpoint import model_from_state_dict, read_checkpoint, save_weights
+    from mula.model.config import PRESETS, MulaConfig, resolve_config
+    from mula.model.upcycle import check_upcycle, granularity, upcycle_state_dict
+
+    moe = resolve_config(model, overrides)
+    if Path(output).exists():
+        raise ValueError(f"{output} exists already; upcycle writes a new weights file.")
+    if not Path(weights).exists() and weights in PRESETS:
+        if not dry_run:
+            raise ValueError(
+                f"--weights {weights} names a preset, not a weights file; only --dry_run true checks a pair of presets."
+            )
+        dense, state = _meta_weights(MulaConfig.from_name(weights))
+    else:  # memory-mapped: the tensors are read when the transform copies them
+        dense, state = read_checkpoint(weights)
+    check_upcycle(dense, moe, router_init)  # one sentence before the transform
+    g = granularity(dense, moe)
+    built = model_from_state_dict(moe, upcycle_state_dict(dense, state, moe, router_init, seed), output)
+    how = f"{moe.num_experts // g} copies of the dense MLP" + (f" in {g} slices each" if g > 1 else "")
+    if dry_run:
+        print(
+            f"mula: upcycle dry run: {dense.name} -> {moe.name} ({how}) preserves the function; wrote nothing"
+        )
+        return
+    save_weights(built, output)
+    print(f"mula: wrote {output} ({moe.name}: {how}, router {router_init})")
+
+
+def _meta_weights(config: Any) -> tuple[Any, dict[str, Any]]:
+    """(config, state dict) of a model built on the meta device: shapes without memory (dry runs)."""
+    import torch
+
+    from mula.model.transformer import Mula
+
+    with torch.device("meta"):
+        return config, Mula(config).state_dict()
 
 
 def evaluate(
@@ -181,6 +250,7 @@ def tools() -> dict[str, Callable[..., Any]]:
         "train-tokenizer": train_tokenizer,
         "import-hf": import_hf,
         "export-hf": export_hf,
+        "upcycle": upcycle,
         "eval": evaluate,
         "report": report,
         "calibrate": calibrate,
