@@ -23,6 +23,7 @@ master weights). Benchmarks print tables and never assert.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -44,10 +45,13 @@ from common import (  # benchmarks/ is on sys.path when run as a script
 )
 
 from mula import Mula, MulaConfig
+from mula.bench.collectives import CollectiveMeter
 from mula.model.moe import is_expert_param
 from mula.model.param_names import is_muon_param
-from mula.training.muon import MulaMuon, optimizer_param_groups
-from strategies.optim.sharded_muon import EPShardedMuon
+from mula.training.muon import MulaMuon, newton_schulz, optimizer_param_groups
+from strategies.optim.grad_reduce import reduce_scatter_shards
+from strategies.optim.param_gather import gather_shards
+from strategies.optim.sharded_muon import EPShardedMuon, _InFlight
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import build_topology
 
@@ -149,8 +153,53 @@ class _BucketedAllReduce:
 
 VARIANTS = ("a", "a,fused", "b", "EP-aware")
 # --optimizer muon: Moonlight's rule (mula.training.muon), replicated (every rank runs the Newton-Schulz of
-# every matrix it holds, after the same all-reduce as (a,fused)) against EP-aware sharded Muon
-MUON_VARIANTS = ("Muon, replicated", "Muon, EP-aware sharded")
+# every matrix it holds, after the same all-reduce as (a,fused)) against EP-aware sharded Muon, whose update
+# goes to the matrices' owners by all-to-all, and the same with the all-gather exchange it replaced
+MUON_VARIANTS = ("Muon, replicated", "Muon, sharded, all-gather", "Muon, EP-aware sharded")
+
+
+class _MeteredMuon(EPShardedMuon):
+    """EP-aware sharded Muon whose exchange (the update's trip to the owners and back) is counted by
+    `meter` when one is set (an untimed step)."""
+
+    meter: CollectiveMeter | None = None
+
+    def _send_update(self, index: int) -> Any:
+        with self.meter or contextlib.nullcontext():
+            return super()._send_update(index)
+
+    def _orthogonalise(self, flight: Any) -> Any:
+        with self.meter or contextlib.nullcontext():
+            return super()._orthogonalise(flight)
+
+
+class _AllGatherMuon(_MeteredMuon):
+    """The exchange sharded Muon had before the all-to-all, rebuilt as the reference: each bucket's update
+    all-gathered to every rank, each owner's matrices orthogonalised into an otherwise zero buffer of the
+    bucket, reduce-scattered back (each element one non-zero contribution). The same weights bit for bit."""
+
+    def _send_update(self, index: int) -> Any:
+        with self.meter or contextlib.nullcontext():
+            update = self._nesterov_update(index)
+            full = update.new_empty(self.buckets[index].numel)
+            handles = gather_shards(full, update, self.reducer.states[index].domain)
+        return _InFlight(index, update, full, full, handles)
+
+    def _orthogonalise(self, flight: Any) -> Any:
+        full, orthogonal = flight.received, torch.zeros_like(flight.received)
+        for task in self._mine[flight.index]:
+            n, shape = task.rows * task.cols, (task.rows, task.cols)
+            steps = int(self.param_groups[task.group]["ns_steps"])
+            orthogonal[task.start : task.start + n].view(shape).copy_(
+                newton_schulz(full[task.start : task.start + n].view(shape), steps, self._ns_dtype)
+            )
+        with self.meter or contextlib.nullcontext():
+            dom = self.reducer.states[flight.index].domain
+            flight.packed, flight.handles = reduce_scatter_shards(orthogonal, dom, flight.update)
+        return flight
+
+    def _returned(self, flight: Any) -> torch.Tensor:
+        return flight.packed
 
 
 class _Variant:
@@ -168,8 +217,9 @@ class _Variant:
         elif name == MUON_VARIANTS[0]:
             self.opt = MulaMuon(_muon_groups(self.named), lr=1e-3)
             self.reduce = _BucketedAllReduce(self.named, topo, bucket_numel, rooted=True)
-        elif name == MUON_VARIANTS[1]:
-            self.opt = EPShardedMuon(
+        elif name in MUON_VARIANTS:
+            kind = _AllGatherMuon if name == MUON_VARIANTS[1] else _MeteredMuon
+            self.opt = kind(
                 _muon_groups(self.named), self.named, topo, lr=1e-3, overlap_grad_reduce=False,
                 bucket_numel=bucket_numel,
             )  # fmt: skip
@@ -206,7 +256,20 @@ class _Variant:
             state = moments + sum(p.numel() * 4 for _, p in self.named)  # fp32 params are the master weights
             grad_bytes = sum(p.numel() * 4 for _, p in self.named)
         return {"variant": self.name, "step_ms": statistics.median(self.times), "state_bytes": state,
-                "grad_bytes": grad_bytes, "times": self.times}  # fmt: skip
+                "grad_bytes": grad_bytes, "times": self.times, "exchange_bytes": self.exchange_bytes}  # fmt: skip
+
+    exchange_bytes = 0.0  # sharded Muon: bytes its exchange sent and received in one step
+
+    def measure_exchange(self) -> None:
+        """One untimed step with sharded Muon's exchange counted (sent + received, every kind)."""
+        if not isinstance(self.opt, _MeteredMuon):
+            return
+        self.set_grads()
+        self.opt.meter = CollectiveMeter()
+        self.step()
+        totals = self.opt.meter.totals()
+        self.exchange_bytes = sum(totals["sent"].values()) + sum(totals["received"].values())
+        self.opt.meter = None
 
 
 def _measure_layout(specs, topo, spec: BenchSpec) -> list[dict[str, Any]]:
@@ -214,6 +277,8 @@ def _measure_layout(specs, topo, spec: BenchSpec) -> list[dict[str, Any]]:
     bucket_numel = int(spec.bucket_mb * MiB) // 4
     names = MUON_VARIANTS if spec.optimizer == "muon" else VARIANTS
     variants = [_Variant(name, specs, topo, bucket_numel) for name in names]
+    for v in variants:
+        v.measure_exchange()
     for i in range(spec.warmup + spec.iters):
         for v in variants:
             v.set_grads()
@@ -241,7 +306,8 @@ def _rank_rows(rank: int, world: int, spec: BenchSpec) -> list[dict[str, Any]]:
             per_rank = [None] * world
             dist.all_gather_object(per_rank, r)
             rows.append({**r, "W": world, "E": ep, "state_bytes": max(x["state_bytes"] for x in per_rank),
-                         "grad_bytes": max(x["grad_bytes"] for x in per_rank)})  # fmt: skip
+                         "grad_bytes": max(x["grad_bytes"] for x in per_rank),
+                         "exchange_bytes": max(x["exchange_bytes"] for x in per_rank)})  # fmt: skip
     return rows
 
 
@@ -305,19 +371,25 @@ def _muon_formula_bytes(variant: str, counts: dict[tuple[bool, bool], int], w: i
 
 
 def muon_table(rows: list[dict[str, Any]], counts: dict[tuple[bool, bool], int]) -> str:
-    """Markdown table of the Muon rows: state against the formula, the step's median and range, and the
-    sharded step's speedup as the median (and range) of the per-round ratios (rounds are interleaved)."""
+    """Markdown table of the Muon rows: state against the formula, the sharded exchange's bytes (the
+    busiest rank's, sent + received, against the all-gather version's), the step's median and range, and
+    the step's speedup as the median (and range) of the per-round ratios (rounds are interleaved)."""
     cells = []
     for r in rows:
-        base = next(x for x in rows if (x["W"], x["E"], x["variant"]) == (r["W"], r["E"], MUON_VARIANTS[0]))
+        layout = [x for x in rows if (x["W"], x["E"]) == (r["W"], r["E"])]
+        base = next(x for x in layout if x["variant"] == MUON_VARIANTS[0])
+        gathered = next(x for x in layout if x["variant"] == MUON_VARIANTS[1])
         ratios = [b / t for b, t in zip(base["times"], r["times"])]
         f = _muon_formula_bytes(r["variant"], counts, r["W"], r["E"])
+        moved = r["exchange_bytes"]
+        vs = f"{moved / gathered['exchange_bytes']:.2f}x" if moved and gathered["exchange_bytes"] else "-"
         cells.append([
             r["W"], r["E"], r["variant"], f"{r['state_bytes'] / MiB:.1f}", f"{f / MiB:.1f}",
+            f"{moved / MiB:.2f}" if r["variant"] != MUON_VARIANTS[0] else "-", vs,
             median_range(r["times"]), spread(ratios),
         ])  # fmt: skip
-    head = ["W", "E", "optimizer", "state MiB/rank", "formula MiB", "step ms [range]",
-            "speedup vs replicated [range]"]  # fmt: skip
+    head = ["W", "E", "optimizer", "state MiB/rank", "formula MiB", "exchange MiB/rank", "vs all-gather",
+            "step ms [range]", "speedup vs replicated [range]"]  # fmt: skip
     return markdown_table(head, cells)
 
 
@@ -382,7 +454,8 @@ def _muon_doc_section(result: str, worlds: list[int], iters: int, warmup: int) -
 
 EP-aware sharded Muon (`strategies/optim/sharded_muon.py`) against replicated Muon (`MulaMuon` after the
 same per-shard reduce + broadcast all-reduce as (a,fused) above: every rank runs the Newton-Schulz of every
-matrix it holds). Made with:
+matrix it holds), and against sharded Muon with the exchange it had before the all-to-all ("all-gather":
+the update all-gathered, the result reduce-scattered; rebuilt in the benchmark). Made with:
 
     .venv/bin/python benchmarks/optimizer.py --optimizer muon --worlds [{",".join(map(str, worlds))}] \\
         --iters {iters} --warmup {warmup} --doc docs/benchmarks.md
@@ -400,10 +473,17 @@ How to read it.
   the formula up to alignment padding.
 - Sharded, each matrix is orthogonalised once per data-parallel group (dense ones by one of the W ranks,
   experts' by one of their EDP ranks), against once per rank replicated: at E = 1 the Newton-Schulz work
-  per rank falls W times, at E = W (EDP = 1) only the dense matrices' does. What sharding adds is one
-  bf16 all-gather and one bf16 reduce-scatter of the Muon elements per step.
+  per rank falls W times, at E = W (EDP = 1) only the dense matrices' does. What sharding adds is the
+  exchange: each rank's bf16 update slices to their matrices' owners and the orthogonalised slices back,
+  two all-to-alls per bucket, about 2/W of the Muon elements in and as many out per rank.
+- "exchange" = bytes the busiest rank's exchange sent plus received in one step, counted on its
+  collectives (`mula.bench.collectives.CollectiveMeter`, an untimed step); "vs all-gather" divides it
+  by the all-gather version's, which moves 2 (W - 1)/W of the Muon elements each way. Expert matrices
+  at E = W have no peers (EDP = 1): neither version moves them.
 - On this 2-core machine W = 4 runs 4 single-threaded ranks on 2 cores: ranks' Newton-Schulz compete for
-  the cores, so the W = 4 speedups understate what 4 devices would see.
+  the cores, so the W = 4 speedups understate what 4 devices would see. The last run shared the host
+  with other jobs (load average about 12, whatever the host line says): its times and their ranges are
+  noisy, and the all-to-all's gain in time is not resolved by them; its bytes are exact.
 """
 
 

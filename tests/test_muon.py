@@ -471,8 +471,9 @@ def test_fp32_newton_schulz_is_the_iteration_in_fp32(shape: tuple[int, int]) -> 
 
 def test_muon_ns_dtype_reaches_the_optimizer_and_the_planner() -> None:
     """The module's `muon_ns_dtype` is the optimizer's (its step runs Newton-Schulz in it: the float32 and
-    bfloat16 modules' first steps differ), and the planner prices it: sharded Muon's update all-gather
-    and result reduce-scatter carry 4 bytes per element instead of 2."""
+    bfloat16 modules' first steps differ), and the planner prices it: sharded Muon's all-to-alls of the
+    update and of the result carry 4 bytes per element instead of 2."""
+    from mula.layout.muon_exchange import exchange_volume
     from mula.plan.grad_reduction import optimizer_volumes, sharded_buckets
     from mula.plan.memory import stage_params
     from mula.plan.parameters import model_parameters
@@ -496,10 +497,6 @@ def test_muon_ns_dtype_reaches_the_optimizer_and_the_planner() -> None:
         model_parameters(config, ("embed.weight",), "muon"), range(config.num_layers), True, True
     )
     gathers = {dtype: optimizer_volumes(params, layout)[1] for dtype, layout in layouts.items()}
-    # per Muon bucket, two collectives of (group - 1) / group of its elements, 2 more bytes each
-    extra = sum(
-        2 * 2 * b.numel * (b.group_size - 1) / b.group_size
-        for b in sharded_buckets(params, layouts["float32"])
-        if b.muon
-    )
+    # the elements sharded Muon's all-to-alls send to the matrices' owners and back, 2 more bytes each
+    extra = exchange_volume(sharded_buckets(params, layouts["float32"]), 2).sent
     assert extra > 0 and gathers["float32"] - gathers["bfloat16"] == pytest.approx(extra)

@@ -15,15 +15,15 @@ AdamW element + the stated padding; every matrix (gate and up apart) has one own
 (experts' in their EDP group), balanced by Newton-Schulz FLOPs; the checkpoint saved at (W=4, E=2)
 reloads at (4, 4), (4, 1), (2, 1), (2, 2) and takes the reference's next step, bit for bit. Planted bugs
 fail that proof: an expert stack orthogonalised as one matrix, gate_up as one matrix, gate_up's step
-scaled by its fused shape, one owner's matrices skipped, every rank orthogonalising every matrix (the
-reduce-scatter then sums W copies).
+scaled by its fused shape, one owner's matrices skipped, one owner's orthogonalised slices not returned
+(zeros sent back), the returned slices unpacked as another owner's.
 
 Why the distributed runs agree bit for bit: every gradient a rank contributes is put on a 2^-20 grid
 per unit of the reference's sum (one of its WORLD micro-batches; a rank of a 2-rank world grids each of
 its two on its own), so every layout's reduced gradient is the reference's to the bit, whatever the
 summation order; the Nesterov update is then the same elementwise arithmetic on each rank's slice, a
-matrix's owner runs Newton-Schulz on the same matrix as one process, and the reduce-scatter of the
-owners' results adds zeros. The one quantity a layout sums in its own order is the global gradient norm
+matrix's owner receives it whole (the all-to-all of strategies/optim/muon_exchange.py) and runs
+Newton-Schulz on the same matrix as one process, whose result goes back unchanged. The one quantity a layout sums in its own order is the global gradient norm
 (each rank's share of the squares, then the all-reduce, in fp32): a clipped run records the norm of
 each step, the reference checks it against its own gradient's (to fp32's rounding, 1e-6) and clips by
 that norm with the sharded optimizer's arithmetic, so the clipping's effect is compared bit for bit.
@@ -71,6 +71,7 @@ from mula.layout.flat_buffers import Bucket, MatrixTask, ParamEntry, matrix_owne
 from mula.model.moe import is_expert_param
 from mula.model.param_names import is_muon_param
 from mula.training.muon import MUON_KEY, MulaMuon, adjusted_lr, optimizer_param_groups
+from strategies.optim.muon_exchange import BucketExchange
 from strategies.optim.sharded_muon import EPShardedMuon
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import LayoutMesh, build_topology
@@ -156,6 +157,21 @@ def _fused_scale(lr: float, how: str, rows: int, cols: int) -> float:
     return adjusted_lr(lr, how, 2 * rows if (rows, cols) == (INTER, HIDDEN) else rows, cols)
 
 
+def wrong_owner_unpack(self: BucketExchange, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    runs = [list(r) for r in self.plan.send]
+    at = 0
+    for lo, hi in (run for r in runs[1:] + runs[:1] for run in r):  # the owners' pieces rotated by one
+        out[lo:hi].copy_(packed[at : at + hi - lo])
+        at += hi - lo
+    return out
+
+
+def zeros_returned(exchange: BucketExchange) -> None:
+    """Make `exchange` return zeros in place of this rank's orthogonalised matrices."""
+    give_back = exchange.give_back
+    exchange.give_back = lambda received, packed: give_back(received.zero_(), packed)  # type: ignore[method-assign]
+
+
 BUGS = {
     # an expert stack [E_local, m, n] orthogonalised (and scaled) as one matrix [E_local m, n]
     "stack_as_one_matrix": (EPShardedMuon, "_matrix_shape", _whole_stack),
@@ -165,8 +181,10 @@ BUGS = {
     "scale_from_fused_shape": (sharded_muon, "adjusted_lr", _fused_scale),
     # world rank 1 skips the matrices it owns (their update stays zero: weight decay only)
     "one_owner_skipped": None,
-    # every rank orthogonalises every matrix, so the reduce-scatter sums W copies
-    "every_rank_orthogonalises_every_matrix": None,
+    # world rank 1 orthogonalises its matrices but returns zeros for their slices
+    "one_owners_slices_not_returned": None,
+    # the returned slices unpacked as if each had come from the next owner
+    "returned_slices_from_the_wrong_owner": (BucketExchange, "unpack", wrong_owner_unpack),
 }
 
 
@@ -212,8 +230,9 @@ class MuonTrainer(Trainer):
         opt = EPShardedMuon(
             _muon_groups(self.named), self.named, topology, lr=LR, eps=ADAMW_EPS, **MUON, **options
         )
-        if self.bug == "every_rank_orthogonalises_every_matrix":
-            opt._mine = dict(opt._tasks)
+        if self.bug == "one_owners_slices_not_returned" and topology.rank("world") == 1:
+            for exchange in opt._exchange.values():
+                zeros_returned(exchange)
         if self.bug == "one_owner_skipped" and topology.rank("world") == 1:
             opt._mine = {i: [] for i in opt._mine}
         return opt

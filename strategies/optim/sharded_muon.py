@@ -13,33 +13,36 @@ Newton-Schulz FLOPs (m * n * min(m, n), `mula.layout.flat_buffers.matrix_owners`
 all data-parallel ranks, experts' over their EDP group. Per Muon bucket and step:
 
 1. every rank updates the momentum of its slice and forms the Nesterov update U there (elementwise,
-   as `torch.optim.Muon`), and the bucket's U is all-gathered in Newton-Schulz's dtype (bfloat16 as
-   torch's, or `ns_dtype="float32"`) -- exactly what Newton-Schulz reads, its first operation being
-   the cast to that dtype;
-2. each owner orthogonalises its matrices into an otherwise zero buffer of the bucket, in that dtype;
-3. a reduce-scatter of that buffer hands every rank the orthogonalised update of its slice (each
-   element has one non-zero contribution, so the sum is exact);
+   as `torch.optim.Muon`) in Newton-Schulz's dtype (bfloat16 as torch's, or `ns_dtype="float32"`) --
+   exactly what Newton-Schulz reads, its first operation being the cast to that dtype -- and sends
+   each owner the pieces of its matrices it holds (one all-to-all, strategies/optim/muon_exchange.py);
+2. each owner, having received its matrices whole, orthogonalises them in place;
+3. a second all-to-all returns every piece to the rank it came from, which puts it in its slice;
 4. every rank applies decoupled weight decay and the scaled update to its fp32 master slice, and the
    bucket's parameter all-gather starts, as for AdamW's buckets.
 
 Against replicated Muon (every rank runs every Newton-Schulz of the matrices it holds) this divides
-the Newton-Schulz work by the domain's size, for one all-gather and one reduce-scatter per step of the
-Muon elements in Newton-Schulz's dtype (in bf16 a third of the gradient reduce-scatter's fp32 bytes
-each). Gathers run one bucket ahead of the Newton-Schulz and at most two reduce-scatters are in flight,
-so the transient buffers are a few buckets, never the model. AdamW's buckets update first, their parameter all-gathers
-overlapping Muon's work. The gradient norm, clipping and the non-finite skip are the step's, as for
-AdamW (`strategies.optim.clipping`).
+the Newton-Schulz work by the domain's size, and each rank sends and receives about 2/n of a bucket's
+Muon elements per step (its matrices in, its slice back; `mula.layout.muon_exchange`), where an
+all-gather of the update and a reduce-scatter of the result moved 2 (n - 1)/n of them. The next
+bucket's exchange runs while this one's Newton-Schulz does and at most two returns are in flight, so
+the transient buffers are a few buckets' slices and owned matrices, never the model (the planner
+counts them: `mula.layout.muon_exchange.exchange_volume`). AdamW's buckets update first, their
+parameter all-gathers overlapping Muon's work. The gradient norm, clipping and the non-finite skip are
+the step's, as for AdamW (`strategies.optim.clipping`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from mula.layout.flat_buffers import Bucket, MatrixTask, ParamEntry, matrix_owners
+from mula.layout.muon_exchange import exchange_plan
 from mula.layout.rules import check_optimizer
 from mula.training.muon import (
     NS_DTYPES,
@@ -49,14 +52,26 @@ from mula.training.muon import (
     is_muon_group,
     newton_schulz,
 )
-from strategies.optim.grad_reduce import reduce_scatter_shards
-from strategies.optim.param_gather import gather_shards
+from strategies.optim.muon_exchange import BucketExchange
 from strategies.optim.sharded_optimizer import EPShardedAdamW
 from strategies.topology import LayoutMesh
 
 __all__ = ["EPShardedMuon"]
 
 _MUON_KINDS = ("master", "momentum_buffer")
+
+
+@dataclass
+class _InFlight:
+    """One Muon bucket between its update and its apply: this rank's update slice (where the returned
+    orthogonal slice lands), the packed send buffer (the return lands there), the received matrices and
+    the all-to-all in flight."""
+
+    index: int
+    update: Tensor
+    packed: Tensor
+    received: Tensor
+    handles: list[Any]
 
 
 class EPShardedMuon(EPShardedAdamW):
@@ -89,9 +104,11 @@ class EPShardedMuon(EPShardedAdamW):
         super().__init__(params, named_params, topology, **kwargs)
         states = self.reducer.states
         self._tasks = matrix_owners(self.buckets)
-        self._mine = {
-            i: [t for t in tasks if t.owner == states[i].domain.rank] for i, tasks in self._tasks.items()
+        self._exchange = {
+            i: BucketExchange(exchange_plan(self.buckets[i], tasks, states[i].domain.rank), states[i].domain)
+            for i, tasks in self._tasks.items()
         }
+        self._mine = {i: [t for t, _ in ex.plan.owned] for i, ex in self._exchange.items()}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As `EPShardedAdamW`'s; a Muon group also gets Muon's defaults and its matrix shapes checked."""
@@ -148,27 +165,32 @@ class EPShardedMuon(EPShardedAdamW):
             if not b.muon:
                 self._update_bucket(i, self.shard_grad, step)
                 self._gather.launch(i, self.bucket_state(i)[0])
-        gathers: dict[int, tuple[Tensor, list[Any]]] = {}
-        returns: list[tuple[int, Tensor, Tensor, list[Any]]] = []
+        sends: dict[int, _InFlight] = {}
+        returns: list[_InFlight] = []
         if muon:
-            gathers[muon[0]] = self._gather_update(muon[0])
+            sends[muon[0]] = self._send_update(muon[0])
         for k, i in enumerate(muon):
-            if k + 1 < len(muon):  # the next bucket's gather overlaps this one's Newton-Schulz
-                gathers[muon[k + 1]] = self._gather_update(muon[k + 1])
-            full, handles = gathers.pop(i)
-            for handle in handles:
+            if k + 1 < len(muon):  # the next bucket's exchange overlaps this one's Newton-Schulz
+                sends[muon[k + 1]] = self._send_update(muon[k + 1])
+            flight = sends.pop(i)
+            for handle in flight.handles:
                 handle.wait()
-            returns.append((i, *self._orthogonalise(i, full)))
-            del full
+            returns.append(self._orthogonalise(flight))
             if len(returns) > 2:
-                self._apply(*returns.pop(0))
+                self._apply(returns.pop(0))
         for pending in returns:
-            self._apply(*pending)
+            self._apply(pending)
 
-    def _gather_update(self, index: int) -> tuple[Tensor, list[Any]]:
+    def _send_update(self, index: int) -> _InFlight:
+        """The Nesterov update of this rank's slice of Muon bucket ``index`` and the start of its
+        all-to-all to the matrices' owners."""
+        update = self._nesterov_update(index)
+        packed, received, handles = self._exchange[index].send(update)
+        return _InFlight(index, update, packed, received, handles)
+
+    def _nesterov_update(self, index: int) -> Tensor:
         """Momentum and Nesterov update of this rank's slice of Muon bucket ``index`` (fp32, as
-        `mula.training.muon.muon_matrix_update`), and the start of the bucket's all-gather of it in
-        Newton-Schulz's dtype."""
+        `mula.training.muon.muon_matrix_update`), in Newton-Schulz's dtype."""
         lo, hi = self._shard_range(index)
         _, momentum, _ = self.bucket_state(index)
         grads = self.shard_grad[lo:hi]
@@ -178,29 +200,30 @@ class EPShardedMuon(EPShardedAdamW):
             g, buf = grads[run.lo : run.hi].float(), momentum[run.lo : run.hi]
             buf.lerp_(g, 1 - mu)
             update[run.lo : run.hi].copy_(g.lerp(buf, mu))
-        full = torch.empty(self.buckets[index].numel, dtype=self._ns_dtype, device=self.device)
-        return full, gather_shards(full, update, self.reducer.states[index].domain)
+        return update
 
-    def _orthogonalise(self, index: int, full: Tensor) -> tuple[Tensor, list[Any]]:
-        """Newton-Schulz of the matrices this rank owns in bucket ``index`` (whose gathered update is
-        ``full``) into a zero buffer, and the start of its reduce-scatter: (this rank's slice, handles)."""
-        orthogonal = torch.zeros_like(full)
-        for task in self._mine[index]:
-            n = task.rows * task.cols
-            x = full[task.start : task.start + n].view(task.rows, task.cols)
-            steps = int(self.param_groups[task.group]["ns_steps"])
-            orthogonal[task.start : task.start + n].view(task.rows, task.cols).copy_(
-                newton_schulz(x, steps, self._ns_dtype)
-            )
-        dom = self.reducer.states[index].domain
-        out = torch.empty(self.buckets[index].shard_numel, dtype=self._ns_dtype, device=self.device)
-        return reduce_scatter_shards(orthogonal, dom, out)
+    def _orthogonalise(self, flight: _InFlight) -> _InFlight:
+        """Newton-Schulz of the matrices this rank owns in the bucket (received whole), in place, and the
+        start of their return to the ranks holding their slices."""
+        exchange = self._exchange[flight.index]
+        mine = {t.start for t in self._mine[flight.index]}
+        for task, x in exchange.matrices(flight.received):
+            if task.start in mine:  # (newton_schulz has read x when it returns: overwriting it is safe)
+                x.copy_(newton_schulz(x, int(self.param_groups[task.group]["ns_steps"]), self._ns_dtype))
+        flight.handles = exchange.give_back(flight.received, flight.packed)
+        return flight
 
-    def _apply(self, index: int, mine: Tensor, handles: list[Any]) -> None:
-        """Decoupled weight decay and the scaled orthogonal update on this rank's master slice of Muon
-        bucket ``index``, then the start of the bucket's parameter all-gather."""
-        for handle in handles:
+    def _returned(self, flight: _InFlight) -> Tensor:
+        """This rank's slice of the orthogonalised update, once returned (in ``flight.update``)."""
+        return self._exchange[flight.index].unpack(flight.packed, flight.update)
+
+    def _apply(self, flight: _InFlight) -> None:
+        """Decoupled weight decay and the scaled orthogonal update on this rank's master slice of the
+        bucket, then the start of the bucket's parameter all-gather."""
+        for handle in flight.handles:
             handle.wait()
+        index = flight.index
+        mine = self._returned(flight)
         master, _, _ = self.bucket_state(index)
         bucket: Bucket = self.buckets[index]
         for seg in bucket.segments(self.reducer.states[index].domain.rank):
