@@ -72,8 +72,8 @@ def _grads_finite(
     (XPUMoEStrategy: computed over the optimizer's gradient shards inside the global-norm all-reduce,
     the same on every rank; a sharded optimizer keeps no `.grad`), else this rank's `.grad` tensors."""
     strategy = mula_strategy(trainer.strategy)
-    if strategy is not None:
-        return torch.tensor(bool(strategy.last_grads_finite), device=device)
+    if strategy is not None and strategy.last_grads_finite is not None:
+        return strategy.last_grads_finite.to(device)
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return torch.tensor(True, device=device)
@@ -223,6 +223,8 @@ class AnomalyGuard(Callback):
         if self.check_grads:
             bad = bad | ~_grads_finite(trainer, optimizer, device)
         # One collective and one host sync: [sum of finite losses, number of ranks with a non-finite value].
+        # (The guard's verdict is taken on the host every step: a run with AnomalyGuard has this one sync
+        # per step, mula.host_sync; without it, the strategy's non-finite skip stays on the device.)
         local = torch.stack([torch.where(bad, torch.zeros_like(loss_sum), loss_sum), bad.float()])
         total, n_bad = _dist.all_reduce_tensor(local.to(device), "sum").tolist()
         loss = total / _dist.world_size()

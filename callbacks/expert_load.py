@@ -8,6 +8,9 @@ for the router bias anyway), so this callback adds no collective. Layers are nam
 * `moe/layer_{i}/load_imbalance`: max / mean tokens per expert of layer i in the step;
 * `moe/layer_{i}/dead_experts`: experts of layer i that received no token in any step of the logging
   window (the steps since the previous logged step);
+* with an expert capacity (`capacity_factor`), rank 0 appends to `moe_dropped.csv` (step, layer,
+  dropped_fraction) the fraction of each MoE layer's choices dropped since the previous logged step, over
+  all ranks (`callbacks.moe_metrics.DroppedWindow`; `MoEMetrics` logs the same as metrics);
 * rank 0 appends the step's counts to `moe_load.csv` (step, layer, expert, tokens) next to
   `metrics.csv`, and every `plot_every_n_steps` steps and at the end of training redraws
   `moe_load.png` there (`mula.commands.report.plot_expert_load`) and logs it to W&B as an image.
@@ -24,7 +27,8 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
-from mula.commands.report import LOAD_COLUMNS, LOAD_FILE, plot_expert_load
+from callbacks.moe_metrics import DroppedWindow, fraction, moe_blocks
+from mula.commands.report import DROPPED_COLUMNS, DROPPED_FILE, LOAD_COLUMNS, LOAD_FILE, plot_expert_load
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
 from mula.training.module import mula_module
 
@@ -46,6 +50,7 @@ class ExpertLoad(L.Callback):
         self._window: torch.Tensor | None = None  # [layers, E] counts since the last logged step
         self._dir: Path | None = None
         self._last_plotted = -1
+        self._dropped = DroppedWindow()
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -74,9 +79,12 @@ class ExpertLoad(L.Callback):
             i = first + r
             pl_module.log(f"moe/layer_{i}/load_imbalance", imbalance[r], on_step=True, on_epoch=False)
             pl_module.log(f"moe/layer_{i}/dead_experts", dead[r].float(), on_step=True, on_epoch=False)
+        dropped = self._dropped.take(module)  # a collective: every rank, at every logged step
         if trainer.is_global_zero and self._dir is not None:
             # the step index metrics.csv gives this step's row (Lightning logs optimizer step n as n - 1)
             self._append(trainer.global_step - 1, counts.cpu(), first)
+            if dropped is not None:
+                self._append_dropped(trainer.global_step - 1, fraction(dropped).cpu(), moe_blocks(module))
             every = self.plot_every_n_steps
             if every and trainer.global_step - max(self._last_plotted, 0) >= every:
                 self._plot(trainer)
@@ -97,6 +105,15 @@ class ExpertLoad(L.Callback):
                 writer.writerow(LOAD_COLUMNS)
             for layer, row in enumerate(counts.tolist(), start=first):
                 writer.writerows((step, layer, expert, tokens) for expert, tokens in enumerate(row))
+
+    def _append_dropped(self, step: int, fractions: torch.Tensor, blocks: range) -> None:
+        path = self._dir / DROPPED_FILE
+        new = not path.exists() or path.stat().st_size == 0
+        with open(path, "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(DROPPED_COLUMNS)
+            writer.writerows((step, layer, value) for layer, value in zip(blocks, fractions.tolist()))
 
     def _plot(self, trainer: L.Trainer) -> None:
         load_csv = self._dir / LOAD_FILE

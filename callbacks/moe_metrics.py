@@ -9,6 +9,10 @@
   `moe/load_imbalance` is the same ratio for this rank's micro-batch; `ExpertLoad` logs it per layer.
   The counts are the module's `step_expert_counts`, rows by global layer index, so pipeline stages,
   each holding some layers, add up correctly.
+* `moe/dropped_fraction` and `moe/layer_{i}/dropped_fraction` (models with a `capacity_factor`), on
+  logging steps: the fraction of the routed choices the expert capacity dropped since the previous
+  logged step, over all ranks and micro-batches (all layers together, and block i's MoE layer), from
+  the layers' running tallies (`mula.model.moe.dropping`: summed on the device, one all-reduce when logged).
 * the optimizer's own `metrics()` (the EP-aware sharded optimizer reports `optim/state_bytes`,
   `optim/step_ms`, `optim/grad_norm`, ...); for another optimizer `optim/state_bytes` counts this
   rank's parameters plus their optimizer state.
@@ -26,8 +30,9 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from mula.model.moe import MeteredDispatcher, iter_moe_layers
-from mula.training.lightning_compat import ends_optimizer_step
-from mula.training.module import mula_module
+from mula.model.moe.balancing import all_reduce_sum
+from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
+from mula.training.module import MulaLightningModule, mula_module
 from mula.training.strategy_contract import ShardedOptimizer
 
 
@@ -42,6 +47,7 @@ class MoEMetrics(L.Callback):
     def __init__(self, load_imbalance: bool = True) -> None:
         self.load_imbalance = load_imbalance
         self._layers: list[torch.nn.Module] = []
+        self._dropped = DroppedWindow()
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -70,6 +76,14 @@ class MoEMetrics(L.Callback):
         if self.load_imbalance and counts is not None and ends_optimizer_step(trainer):
             ratio = counts.float().max(dim=1).values / counts.float().mean(dim=1).clamp_min(1e-9)
             pl_module.log("moe/load_imbalance_global", ratio.mean(), on_step=True, on_epoch=False)
+        if module is not None and ends_optimizer_step(trainer) and logs_train_step(trainer):
+            window = self._dropped.take(module)
+            if window is not None:
+                pl_module.log(
+                    "moe/dropped_fraction", fraction(window.sum(dim=0)), on_step=True, on_epoch=False
+                )
+                for i, dropped in zip(moe_blocks(module), fraction(window)):
+                    pl_module.log(f"moe/layer_{i}/dropped_fraction", dropped, on_step=True, on_epoch=False)
         if not trainer.optimizers or trainer.global_step == 0:
             return
         optimizer = trainer.optimizers[0]
@@ -79,6 +93,47 @@ class MoEMetrics(L.Callback):
             values = {"optim/state_bytes": float(_state_bytes(optimizer))}
         for key, value in values.items():
             pl_module.log(key, float(value), on_step=True, on_epoch=False, sync_dist=False)
+
+
+def dropped_totals(module: MulaLightningModule) -> torch.Tensor | None:
+    """[MoE layers, 2] fp32 (dropped, choices) of every rank since each layer was built, rows by MoE
+    layer (`MulaConfig.moe_layer_row`: a pipeline stage fills its blocks' rows, the all-reduce the rest);
+    None without a capacity. A collective: every rank calls it at the same step."""
+    config = module.config
+    if not config.is_moe or config.capacity_factor is None:
+        return None
+    totals = torch.zeros(config.num_moe_layers, 2, device=module.device)
+    for name, layer in iter_moe_layers(module.model):  # names "layers.<block>.mlp"
+        totals[config.moe_layer_row(int(name.split(".")[1]))] = layer.drops.totals(module.device)
+    return all_reduce_sum(totals)
+
+
+def fraction(tally: torch.Tensor) -> torch.Tensor:
+    """dropped / choices of a [..., 2] (dropped, choices) tally (0 where nothing was routed)."""
+    return tally[..., 0] / tally[..., 1].clamp_min(1.0)
+
+
+def moe_blocks(module: MulaLightningModule) -> range:
+    """The block index of each MoE layer row (an MoE model's dense first blocks have none)."""
+    return range(
+        module.config.num_dense_layers, module.config.num_dense_layers + module.config.num_moe_layers
+    )
+
+
+class DroppedWindow:
+    """What the MoE layers' capacities dropped since the previous `take` (`dropped_totals` differences)."""
+
+    def __init__(self) -> None:
+        self._seen: torch.Tensor | None = None
+
+    def take(self, module: MulaLightningModule) -> torch.Tensor | None:
+        """[MoE layers, 2] (dropped, choices) since the previous call (one all-reduce), or None."""
+        totals = dropped_totals(module)
+        if totals is None:
+            return None
+        window = totals if self._seen is None else totals - self._seen
+        self._seen = totals
+        return window
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

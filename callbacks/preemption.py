@@ -1,7 +1,9 @@
 """Preemption: on SIGTERM/SIGUSR1, checkpoint at the next step boundary on all ranks, then exit 75.
 
-The signal handler only records the signal. At each optimizer-step boundary the ranks agree (one
-all-reduce of a flag: a signal seen by any rank counts for all), then every rank takes part in a
+The signal handler only records the signal. At the step boundary of each logging step (every
+``log_every_n_steps`` steps, or ``every_n_steps``) the ranks agree (one all-reduce of a flag, read on the
+host: a signal seen by any rank counts for all; on the other steps the host does not wait for the device,
+mula.host_sync), then every rank takes part in a
 crash-safe checkpoint (``FaultTolerantCheckpoint.save``), rank 0 requeues the SLURM job when
 Lightning's ``SLURMEnvironment(auto_requeue=True)`` is in use, the step's metrics are handed to the
 loggers and written out (so metrics.csv ends with the checkpointed step), and every rank exits with
@@ -32,6 +34,7 @@ from typing_extensions import override
 
 from callbacks import _dist, _peers
 from callbacks.exit_codes import ExitCode, Preempted
+from mula.host_sync import logging_step
 from mula.training.lightning_compat import cluster_environment, forget_lightning_sigterm, log_train_step_now
 from mula.training.step_boundary import StepBoundary
 
@@ -58,6 +61,9 @@ class PreemptionHandler(Callback):
         exit_code: process exit code after the preemption checkpoint (default 75, ``ExitCode.PREEMPTED``).
         requeue: requeue the SLURM job after the checkpoint. None (default): follow the
             ``auto_requeue`` setting of Lightning's ``SLURMEnvironment`` plugin when running under SLURM.
+        every_n_steps: agree on a signal at every this many step boundaries. None (default): on the
+            trainer's logging steps (``log_every_n_steps``), whose metrics the host reads anyway; the
+            signal should come that many steps before the job is killed.
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class PreemptionHandler(Callback):
         signals: list[str] | None = None,
         exit_code: int = int(ExitCode.PREEMPTED),
         requeue: bool | None = None,
+        every_n_steps: int | None = None,
     ) -> None:
         names = ["SIGTERM", "SIGUSR1"] if signals is None else signals
         if not names:
@@ -74,6 +81,9 @@ class PreemptionHandler(Callback):
             raise ValueError(f"exit_code must be in 1..255, got {exit_code}.")
         self.exit_code = exit_code
         self.requeue = requeue
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
+        self.every_n_steps = every_n_steps
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._steps = StepBoundary()
@@ -138,10 +148,14 @@ class PreemptionHandler(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """At a step boundary: if any rank got a signal, checkpoint on all ranks, requeue, exit."""
+        """At a logging step's boundary: if any rank got a signal, checkpoint on all ranks, requeue, exit."""
         if not self._steps.crossed(trainer):
             return
         step = trainer.global_step
+        # (a run that never logs agrees at every step)
+        every = (trainer.log_every_n_steps or 1) if self.every_n_steps is None else self.every_n_steps
+        if not logging_step(step, every):
+            return
         if not _dist.any_rank(self.received is not None, trainer.strategy.root_device):
             return
         name = self.received.name if self.received is not None else "a preemption signal (on another rank)"

@@ -105,6 +105,14 @@ def host_syncs_excluded(mark: str) -> Generator[None, None, None]:
         _state.mark = before
 
 
+def logging_step(step: int, log_every_n_steps: int) -> bool:
+    """Whether optimizer step `step` (1-based) is one Lightning hands the train metrics to the loggers on
+    (`log_every_n_steps`; 0 never): its metrics are read on the host, so it may sync. Mula's own reads
+    that need not happen every step (Lightning's SIGTERM agreement, PreemptionHandler's, the strategy's
+    report of non-finite skips) happen on these steps only."""
+    return log_every_n_steps > 0 and step % log_every_n_steps == 0
+
+
 def optimizer_host_tensors(optimizers: Iterable[Any]) -> list[Tensor]:
     """The tensors torch.optim keeps on the host on every device: each parameter's `step` counter of a
     param group that is neither `capturable` nor `fused` (torch reads it with `.item()` on purpose)."""

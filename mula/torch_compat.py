@@ -81,6 +81,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch._foreach_sqrt": "foreach_sqrt",
     "torch.ops._c10d_functional.all_reduce": "c10d_functional_ops",
     "torch.ops._c10d_functional.wait_tensor": "c10d_functional_ops",
+    "torch.distributed.distributed_c10d._resolve_process_group": "resolve_process_group",
+    "torch.distributed.ProcessGroup._allgather_base": "PROCESS_GROUP_BASE_METHODS",
+    "torch.distributed.ProcessGroup._reduce_scatter_base": "PROCESS_GROUP_BASE_METHODS",
     "torch.distributed._functional_collectives.AsyncCollectiveTensor": "AsyncCollectiveTensor",
     "torch.distributed._functional_collectives.all_gather_tensor_autograd": "all_gather_tensor_autograd",
     "torch.distributed._functional_collectives.all_to_all_single_autograd": "all_to_all_single_autograd",
@@ -298,6 +301,23 @@ def c10d_functional_ops() -> Any:
     return torch.ops._c10d_functional
 
 
+PROCESS_GROUP_BASE_METHODS = {
+    "_allgather_base": "all_gather_single",
+    "_reduce_scatter_base": "reduce_scatter_single",
+}
+"""The process group's private methods an all-gather into one tensor or a reduce-scatter from one ends in
+under torch releases whose `torch.distributed` has no `all_gather_single` / `reduce_scatter_single`,
+each with the public method it stands for (`mula.bench.collectives` counts the bytes of both)."""
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group a functional collective names by its string (`mula.bench.collectives` reads its
+    size and this rank's place in it)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 AsyncCollectiveTensor = _attribute(_funcol, "AsyncCollectiveTensor")
 """The lazily waited result of a functional collective (tensor parallelism's activations): the memory
 meter waits on it to reach the tensor that holds storage."""
@@ -367,6 +387,7 @@ def fake_store() -> Any:
 __all__ = [
     "DEFINED_FOR_TORCH",
     "FUNCTIONAL_ALL_REDUCE_HAS_BACKWARD",
+    "PROCESS_GROUP_BASE_METHODS",
     "PRIVATE_NAMES",
     "TESTED_TORCH",
     "VERSION_SHIMS",
@@ -401,6 +422,7 @@ __all__ = [
     "private_grouped_mm",
     "public_grouped_mm",
     "reduce_scatter_single",
+    "resolve_process_group",
     "running_backward",
     "triggered_by_dynamo",
     "xccl_available",

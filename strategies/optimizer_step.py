@@ -22,6 +22,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from mula.host_sync import logging_step, to_host
 from mula.layout.rules import check_zero_stage
 from mula.training.lightning_compat import call_before_optimizer_step_hooks
 from mula.training.muon import MulaMuon, is_muon_group
@@ -32,6 +33,10 @@ from strategies.optim.sharding_options import torch_dtype
 if TYPE_CHECKING:
     from mula.layout.parallel_layout import ParallelLayout
     from strategies.topology import LayoutMesh
+
+
+NON_FINITE = "a gradient is not finite"
+NON_FINITE_SKIPS = "non-finite skips (logging steps)"  # the `to_host` reason of `_report_skips`
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,14 @@ class OptimizerStep:
     synchroniser of the unsharded path (`setup`); holds gradient communication back on accumulation
     micro-batches (`block_backward_sync`, `last_backward_sync`); and runs one optimizer step in its
     fixed order (`optimizer_step`): closure -> reduce -> check -> hooks -> clip, update -> zero. Its
-    state: `last_grad_norm`, `last_grads_finite`, and the current step's veto (`update_skipped`).
+    state: `last_grad_norm`, `last_grads_finite` (device tensors), and whether the current step's update
+    is skipped (`update_skipped`, a device flag: a non-finite gradient or a callback's veto).
+
+    The non-finite skip is decided on the device where the optimizer can mask its update by a device
+    flag (`masks_update_on_device`: `EPShardedAdamW` without offload, the default); the skips are
+    counted there and reported on the next logging step. Other optimizers (`shard_optimizer=False`'s
+    `torch.optim.AdamW`, Muon, an offloaded update) read the verdict on the host: one host sync per
+    step (mula.host_sync).
     """
 
     def __init__(
@@ -78,9 +90,11 @@ class OptimizerStep:
         self._optimizers = optimizers
         self.grad_sync: GradientSynchronizer | None = None  # the unsharded path's (built in `setup`)
         self.last_grad_norm: Tensor | None = None  # the last step's global gradient norm (before clipping)
-        self.last_grads_finite = True  # whether every gradient of the last step was finite
+        self.last_grads_finite: Tensor | None = None  # 0-dim bool: every gradient of the last step finite
         self._skip_reason: str | None = None  # set while a step's update is vetoed
         self._skip_claimed = False
+        # non-finite steps skipped on the device since the last report (a 0-dim float tensor)
+        self._unreported_skips: Tensor | None = None
 
     def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
@@ -138,7 +152,10 @@ class OptimizerStep:
         )
 
     def teardown(self) -> None:
-        """Detach the gradient hooks and close the sharded optimizer (its host worker, if offloaded)."""
+        """Detach the gradient hooks and close the sharded optimizer (its host worker, if offloaded); tell
+        the non-finite skips no logging step told yet."""
+        if self._unreported_skips is not None:
+            self._report_skips(self._module().trainer.global_step)
         if self.grad_sync is not None:
             self.grad_sync.remove_hooks()
         sharded = self.sharded_optimizer()
@@ -193,31 +210,66 @@ class OptimizerStep:
         4. `on_before_optimizer_step` hooks (callbacks, then the module): a callback may veto the
            update with `skip_optimizer_step` (AnomalyGuard does, with the same verdict on every rank);
         5. clip to the trainer's `gradient_clip_val` by that global norm, then update -- both skipped
-           when a gradient is non-finite or the update was vetoed;
+           when the update was vetoed; a non-finite gradient makes the update a no-op on the device
+           (`masks_update_on_device`, no host read; told on the next logging step), or with other
+           optimizers skips both after a host read of the verdict;
         6. zero the gradients.
         """
         closure_loss = closure()
         norm, finite = self._reduce_and_check_gradients()
         self.last_grad_norm = norm
-        self.last_grads_finite = bool(finite)  # the step's one host sync
-        self._skip_reason = None if self.last_grads_finite else "a gradient is not finite"
+        self.last_grads_finite = finite
+        self._skip_reason = None
         self._skip_claimed = False
         trainer = self._module().trainer
+        on_device = masks_update_on_device(_unwrapped(optimizer))
+        if not on_device and not bool(finite):  # the host reads the verdict: this optimizer cannot mask
+            self._skip_reason = NON_FINITE
         call_before_optimizer_step_hooks(trainer, optimizer)
         if self._skip_reason is None:
             self._clip_gradients(optimizer, norm)
-            optimizer.step()
+            if on_device:
+                self._masked_update(optimizer, finite)
+            else:
+                optimizer.step()
         elif not self._skip_claimed:  # nobody reported it (no AnomalyGuard): say so once per skip
-            step = self._module().trainer.global_step + 1
-            rank_zero_warn(f"Skipping optimizer step {step} on all ranks: {self._skip_reason}.")
+            rank_zero_warn(
+                f"Skipping optimizer step {trainer.global_step + 1} on all ranks: {self._skip_reason}."
+            )
         optimizer.zero_grad()
         self._skip_reason = None
+        if logging_step(trainer.global_step + 1, trainer.log_every_n_steps):
+            self._report_skips(trainer.global_step + 1)
         return closure_loss
 
+    def _masked_update(self, optimizer: Any, finite: Tensor) -> None:
+        """The update, a no-op on the device where a gradient is not finite (no host read); the skip
+        is counted on the device for `_report_skips`."""
+        found_inf = (~finite).float()  # as torch's fused optimizers take it from a GradScaler
+        _unwrapped(optimizer).step(found_inf=found_inf)
+        unreported = self._unreported_skips
+        self._unreported_skips = found_inf if unreported is None else unreported + found_inf
+
+    def _report_skips(self, step: int) -> None:
+        """On a logging step: warn about the non-finite steps skipped on the device since the last
+        report (one host read, on a step whose metrics are read on the host anyway)."""
+        if self._unreported_skips is None:
+            return
+        skipped = int(to_host(self._unreported_skips, NON_FINITE_SKIPS))
+        self._unreported_skips = None
+        if skipped:
+            rank_zero_warn(
+                f"Skipping optimizer steps on all ranks: {NON_FINITE} in {skipped} of the steps up to step "
+                f"{step} (decided on the device, reported on logging steps)."
+            )
+
     @property
-    def update_skipped(self) -> bool:
-        """Whether this step's update is skipped (a non-finite gradient or a callback's veto)."""
-        return self._skip_reason is not None
+    def update_skipped(self) -> Tensor:
+        """Whether this step's update is skipped (a non-finite gradient or a callback's veto): a 0-dim
+        bool tensor on the device, read on the device (no host sync)."""
+        finite = self.last_grads_finite
+        assert finite is not None, "update_skipped is known from on_before_optimizer_step on"
+        return torch.ones_like(finite) if self._skip_reason is not None else ~finite
 
     def skip_optimizer_step(self, reason: str) -> None:
         """Veto this step's update: the parameters and optimizer state stay as they are, the gradients
@@ -260,6 +312,12 @@ class OptimizerStep:
             return None
         opt = _unwrapped(optimizers[0])
         return opt if isinstance(opt, ShardedOptimizer) else None
+
+
+def masks_update_on_device(optimizer: Any) -> bool:
+    """Whether `optimizer` skips its update on a device flag without a host read (`step(found_inf=...)`):
+    a sharded optimizer that says so (`EPShardedAdamW` without offload)."""
+    return isinstance(optimizer, ShardedOptimizer) and optimizer.masks_update_on_device
 
 
 def _unwrapped(optimizer: Any) -> Any:

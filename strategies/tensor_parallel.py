@@ -16,6 +16,9 @@ module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md):
     MLP          gate/up column-parallel, down row-parallel
     MoE layer    experts whole, the tokens split over the TP group before routing
                  (strategies/tensor_parallel_moe.py)
+    MTP modules  (`mula.model.mtp`) their blocks split as every block; their norms and `eh_proj` whole
+                 (replicated); under SP they run on this rank's 1/T of the sequence, their gradients
+                 partial over the TP group (`mark_tp_partial`, as the MoE router's)
     lm_head      column-parallel: the logits stay a DTensor split over the vocabulary, and the
                  strategy runs the loss under `loss_parallel` (a vocabulary-parallel cross-entropy);
                  with tied embeddings it is the embedding's own table (both split along the vocabulary)
@@ -191,10 +194,27 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
         _split_block(block, tp_mesh, sp)
     if sp and model.norm is not None:
         parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})
+    for module in model.mtp if sp else ():
+        _split_mtp_tokens(module, tp_mesh)
     model.register_forward_pre_hook(
         lambda _, args: check_sequence_split(model.config, args[0].shape[1], tp_mesh.size(), sp)
     )
     return model
+
+
+def _split_mtp_tokens(module: nn.Module, tp_mesh: Any) -> None:
+    """An MTP module under sequence parallelism: its inputs (the previous depth's normed state, a DTensor
+    from the final norm's `SequenceParallel` or a slice from the previous module, and the embeddings)
+    taken as this rank's slice of the sequence; its norms and projection act on each token alone, so they
+    run on the slice as they are, and their weights' gradients are the slice's part of the sum."""
+    parallelize_module(
+        module, tp_mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(1), Shard(1)), desired_input_layouts=(Shard(1), Shard(1)), use_local_output=True
+        ),
+    )  # fmt: skip
+    for p in module.parameters():
+        mark_tp_partial(p, tp_mesh)
 
 
 def _split_block(block: nn.Module, tp_mesh: Any, sp: bool) -> None:

@@ -60,6 +60,7 @@ from mula.training.lightning_compat import (
     _optimizers_to_device,
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
+    sigterm_agreement_on_logging_steps,
 )
 from mula.training.module import mula_module
 from strategies.calibrate import Calibration
@@ -484,14 +485,16 @@ class XPUMoEStrategy(ParallelStrategy):
         return self._optimizer_step.last_grad_norm
 
     @property
-    def last_grads_finite(self) -> bool:
-        """Whether every gradient of the last step was finite, on all ranks."""
+    def last_grads_finite(self) -> Tensor | None:
+        """Whether every gradient of the last step was finite, on all ranks: a 0-dim bool tensor on the
+        device (None before the first step)."""
         return self._optimizer_step.last_grads_finite
 
     @property
-    def update_skipped(self) -> bool:
-        """Whether this step's update is skipped (a non-finite gradient or a callback's veto). Final for
-        the module's own `on_before_optimizer_step`, which runs after every callback's."""
+    def update_skipped(self) -> Tensor:
+        """Whether this step's update is skipped (a non-finite gradient or a callback's veto), a 0-dim
+        bool tensor on the device. Final for the module's own `on_before_optimizer_step`, which runs
+        after every callback's."""
         return self._optimizer_step.update_skipped
 
     def skip_optimizer_step(self, reason: str) -> None:
@@ -648,6 +651,11 @@ class XPUMoEStrategy(ParallelStrategy):
         """Move the (already sliced) model to this rank's device."""
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        """Lightning's per-batch SIGTERM agreement (a host sync per micro-batch) on logging steps only."""
+        sigterm_agreement_on_logging_steps(self.lightning_module.trainer)
 
     # ----- teardown / registry -----------------------------------------------------------------
     @override

@@ -100,13 +100,21 @@ def skip_updates_on(victim: int, optimizer: str) -> None:
     EPShardedMuon._apply = apply
 
 
-def fit_row(features, rank: int | None = None, root: str | None = None, data_seed: int = 0) -> dict:
+def fit_row(
+    features,
+    rank: int | None = None,
+    root: str | None = None,
+    data_seed: int = 0,
+    overrides: dict | None = None,
+) -> dict:
     """Train `features`' row as global `rank` of its ranks (this process is in the process group
     already) or, with `rank=None`, its one-process reference; the per-step record, every parameter whole
     and, with bf16-true, every fp32 master whole (and, in the reference, the weights they started from).
     `root`: the trainer's run directory (the compile cache's home); `data_seed`: which token batches
-    (tests/test_composition.py moves a row whose near-tied choice flipped to the next one)."""
+    (tests/test_composition.py moves a row whose near-tied choice flipped to the next one); `overrides`:
+    model settings on top of the row's (tests/test_capacity.py's expert capacity)."""
     run = probe(features)
+    run.overrides.update(overrides or {})
     bf16 = run.precision == "bf16-true"
     reference = rank is None
     if reference:

@@ -19,15 +19,19 @@ import itertools
 from mula.layout.features import PIPELINES, Row, closure, matrix, probe
 
 PARTS = ("recompute-moe", "recompute-attention", "recompute-norms")
+# a DeepSeek-V3-like model under E and SP with the most memory savings: one fp32 row and one bf16-true row
+DEEPSEEK_E_SP = {
+    "E", "SP", "ZeRO-2", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full", "MTP",
+}  # fmt: skip
 ROWS: tuple[frozenset[str], ...] = tuple(
     closure(row)
     for row in (
         # fp32, eager
-        {"E", "SP", "ZeRO-2", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
+        DEEPSEEK_E_SP,
         {"C", "P", "ZeRO-1", "offload", "QK-norm-per-head", "GQA", *PARTS},
         {"P-interleaved", "SP", "ZeRO-1", "MLA", "DeepSeek-routing", "recompute-full"},
         {"P-GPipe", "SP", "ZeRO-1", "offload", "QK-norm-per-head", "GQA", "dense-first-blocks", *PARTS},
-        {"E", "C", "ZeRO-2", "MLA", "dense-first-blocks", "recompute-moe", "recompute-attention"},
+        {"E", "C", "ZeRO-2", "MLA", "dense-first-blocks", "recompute-moe", "recompute-attention", "MTP"},
         {
             "E",
             "P-interleaved",
@@ -39,7 +43,7 @@ ROWS: tuple[frozenset[str], ...] = tuple(
             "recompute-attention",
         },  # fmt: skip
         {"E", "P-GPipe", "MLA", "DeepSeek-routing", "recompute-norms"},
-        {"C", "SP", "ZeRO-2", "offload", "QK-norm-per-head", "DeepSeek-routing", "recompute-norms"},
+        {"C", "SP", "ZeRO-2", "offload", "QK-norm-per-head", "DeepSeek-routing", "recompute-norms", "MTP"},
         {"C", "P-interleaved", "MLA", "dense-first-blocks", "recompute-full"},
         {"C", "P-GPipe", "ZeRO-1", "DeepSeek-routing", "QK-norm-per-head", "GQA", "recompute-full"},
         {"P", "SP", "MLA", "DeepSeek-routing", "recompute-moe"},
@@ -51,19 +55,9 @@ ROWS: tuple[frozenset[str], ...] = tuple(
         {"compile", "P", "C", "offload", "MLA", "DeepSeek-routing", "dense-first-blocks", "recompute-full"},
         {"compile", "P-interleaved", "E", "QK-norm-per-head", *PARTS},
         {"compile", "P-GPipe", "ZeRO-1"},
-        {"compile", "Muon", "E", "ZeRO-2", "GQA"},
+        {"compile", "Muon", "E", "ZeRO-2", "GQA", "MTP"},
         # bf16-true
-        {
-            "bf16-true",
-            "E",
-            "SP",
-            "ZeRO-2",
-            "offload",
-            "MLA",
-            "DeepSeek-routing",
-            "dense-first-blocks",
-            "recompute-full",
-        },  # fmt: skip
+        {"bf16-true", *DEEPSEEK_E_SP},
         {"bf16-true", "C", "P", "offload", "QK-norm-per-head", "GQA", *PARTS},
         {"bf16-true", "P-interleaved", "T", "ZeRO-1"},
         {"bf16-true", "P-GPipe", "E", "ZeRO-1", "compile"},
@@ -73,7 +67,7 @@ ROWS: tuple[frozenset[str], ...] = tuple(
     )
 ) + (
     # a dimension of size 4, on 8 ranks: 4 experts one per rank, their state sharded over EDP groups of 2
-    Row({"E", "ZeRO-1", "offload", "GQA"}, {"E": 4}, world=8),
+    Row({"E", "ZeRO-1", "offload", "GQA", "MTP"}, {"E": 4}, world=8),
 )
 
 # test node id -> the features of its run (every parallel dimension at size 2)

@@ -1,7 +1,8 @@
 """`mula bench` on CPU: the tiny recipes on one rank and on 2 ranks under expert parallelism, and
 Mula-1B shrunk to one block. Its memory per rank agrees with `mula plan` within the planner's stated
 tolerance (parameters, gradients and optimizer state exactly, activations within 10 %: docs/scaling.md),
-its rates follow from its own step times, and bad options are one sentence.
+its collectives' bytes are the plan's by kind, its rates follow from its own step times, and bad options
+are one sentence.
 """
 
 from __future__ import annotations
@@ -102,11 +103,20 @@ def test_bench_on_two_ranks_under_expert_parallelism(tmp_path) -> None:
     result = json.loads(done.stdout[done.stdout.index("{") :])
     _check(result, 2)
     assert result["world_size"] == 2 and result["layout"]["ep_size"] == 2 and 0 < result["moe_share"] < 1
-    # per step (one micro-batch per rank): the all-to-all's split sizes once per MoE layer (4), the strategy's
-    # non-finite verdict and Lightning's SIGTERM flag (tests/test_host_sync.py states each)
+    # per step (one micro-batch per rank, dropless): the all-to-all's split sizes once per MoE layer (4) and
+    # nothing else (tests/test_host_sync.py states the rule; with a capacity factor it is 0)
     syncs = result["host_syncs"]
-    assert result["host_syncs_per_step"] == 6 and syncs["per_rank"] == [6, 6], syncs
-    assert syncs["reads"] == {"expert all-to-all splits": 4} and syncs["ops"] == {"_local_scalar_dense": 2}
+    assert result["host_syncs_per_step"] == 4 and syncs["per_rank"] == [4, 4], syncs
+    assert syncs["reads"] == {"expert all-to-all splits": 4} and syncs["ops"] == {}
+    # the collectives of steady steps by kind, as `mula plan` plans them on both ranks; the all-to-all's
+    # bytes follow the learned routing of random tokens (the plan's are balanced routing's:
+    # tests/test_plan_volumes.py holds them equal under uniform routing), its calls do not
+    largest = result["collective_bytes_per_step"]
+    assert result["collectives"]["steps"] == [8, 9] and largest["measured"]["calls"]["reduce"] > 0
+    for kind, ranks in largest["ranks_as_planned"].items():
+        assert ranks == 2 or kind == "all_to_all", (kind, largest)
+    assert largest["measured"]["calls"]["all_to_all"] == largest["planned"]["calls"]["all_to_all"] > 0
+    assert "collective bytes per step (measured vs planned)" in format_text(result)
 
 
 def test_bench_says_why_it_has_no_host_sync_figure() -> None:
@@ -119,6 +129,15 @@ def test_bench_says_why_it_has_no_host_sync_figure() -> None:
     )
     base["host_syncs"]["compiled"] = True
     assert host_sync_line(base) == "host syncs per step: n/a (not measured for compiled models)"
+    from mula.bench.report import collective_lines
+
+    unmeasured = {
+        "collective_bytes_per_step": None,
+        "collectives": {"not_measured": "not measured for compiled models"},
+    }
+    assert collective_lines(unmeasured) == [
+        "collective bytes per step: n/a (not measured for compiled models)"
+    ]
 
 
 @pytest.mark.parametrize(

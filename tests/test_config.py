@@ -67,6 +67,7 @@ def test_exact_counts_by_hand():
         {"tie_embeddings": True},
         {"norm": "layernorm", "num_experts": 0, "qk_norm": True},
         {"num_dense_layers": 1, "intermediate_size": 4096},
+        {"mtp_depth": 2},  # multi-token prediction modules (mula.model.mtp)
     ],
 )
 def test_counts_for_variants(kw):
@@ -87,6 +88,8 @@ def test_counts_for_variants(kw):
         ("mula-tiny-dense", {"norm": "layernorm", "qk_norm": True, "intermediate_size": 320}),
         ("mula-tiny-moe", {"num_dense_layers": 1, "intermediate_size": 320}),
         ("mula-7b-a1b", {"num_layers": 3, "num_dense_layers": 2, "tie_embeddings": True}),
+        ("deepseek-v3-tiny", {"mtp_depth": 2}),
+        ("mula-tiny-dense", {"mtp_depth": 1}),
     ],
 )
 def test_parameter_shapes_are_the_modules(name, kw):
@@ -104,10 +107,15 @@ def test_deepseek_v3_presets_match_the_published_counts():
     within 1 % of 37B (the 0.5 % of issue 27 is finer than the published rounding; with the embedding it
     is 37.55B). Moonlight-16B-A3B's published 15.29B / 2.24B leave out the embedding and the LM head.
     Optimus' 1.1T variant: 1.1T and 58B as Optimus counts (every parameter)."""
-    dsv3 = MulaConfig.from_name("deepseek-v3-671b")
+    dsv3 = MulaConfig.from_name("deepseek-v3-671b", mtp_depth=0)
     emb = dsv3.vocab_size * dsv3.hidden_size
     assert abs(dsv3.num_params() / 671e9 - 1) < 0.0005  # 671.03B
     assert abs((dsv3.num_active_params() - emb) / 37e9 - 1) < 0.011  # 36.63B
+    # the preset's MTP module: the checkpoint's 685B (deepseek-ai/DeepSeek-V3's card) hold it with its own
+    # copies of the embedding and the head (684.49B; the card also counts the fp8 scales, about 0.04B)
+    with_mtp = MulaConfig.from_name("deepseek-v3-671b")
+    assert with_mtp.num_params() - dsv3.num_params() == with_mtp.num_mtp_params() > 0
+    assert abs((with_mtp.num_params() + 2 * emb) / 685e9 - 1) < 0.001
     moon = MulaConfig.from_name("deepseek-v3-16b")
     emb = moon.vocab_size * moon.hidden_size
     assert round((moon.num_params() - 2 * emb) / 1e9, 2) == 15.29

@@ -64,6 +64,7 @@ RUN = {
     "mula fit -c recipes/mula-tiny-dense.yaml -c recipes/strategies/tensor-parallel.yaml --trainer.devices=4": "fit",
     "mula plan -c recipes/mula-220b-a10b.yaml -c recipes/strategies/aurora-xpu-moe.yaml --machine aurora --nodes 32": "as is",
     "mula calibrate --devices 2 --output recipes/machines/this-host.yaml --model mula-tiny-moe --quick true": "calibrate",
+    "mula upcycle --weights mula-1b --model mula-7b-a1b --overrides {norm: layernorm, qk_norm: false, norm_topk_prob: true} --output mula-7b-a1b-upcycled.pt --dry_run true": "as is",
     "mula plan -c recipes/mula-tiny-moe.yaml --trainer.devices=2 --trainer.strategy=strategies.XPUMoEStrategy --trainer.strategy.init_args.expert_parallel_size=2 --machine recipes/machines/example-cpu-calibrated.yaml": "as is",
     "mula plan -c recipes/mula-220b-a10b.yaml -c recipes/strategies/aurora-pipeline.yaml --machine=aurora --nodes=1024 --data.global_batch_size=12288 --dry_run": "as is",
     "mula plan -c recipes/frontier/mula-gpt-22b.yaml --machine=frontier": "as is",

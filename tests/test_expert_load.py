@@ -24,7 +24,8 @@ from mula.model.moe import iter_moe_layers
 from mula.training.module import MulaLightningModule
 
 TINY = dict(num_layers=2, hidden_size=32, num_heads=2, vocab_size=64, num_experts=8, top_k=2,
-            expert_intermediate_size=32, max_position_embeddings=64, router_bias_update_rate=1e-9)  # fmt: skip
+            expert_intermediate_size=32, max_position_embeddings=64, router_bias_update_rate=1e-9,
+            capacity_factor=1.0)  # fmt: skip
 STEPS, LOG_EVERY, TOKENS = 6, 2, 2 * 2 * 16  # 2 micro-batches of 2 x 16 tokens per step
 
 
@@ -77,6 +78,25 @@ def test_per_layer_metrics_and_counts_file(run_dir: Path) -> None:
             assert sum(tokens) == TOKENS * TINY["top_k"] and tokens[6] == tokens[7] == 0
 
 
+def test_dropped_fractions_are_logged_and_recorded(run_dir: Path) -> None:
+    """The capacity (1.0: 8 slots per expert for 64 choices, 6 experts open) drops choices every step:
+    each layer's fraction is logged on the logging steps and written to moe_dropped.csv alike."""
+    metrics = find_metrics(run_dir)
+    series = read_metrics(metrics)
+    with open(metrics.parent / "moe_dropped.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    logged = list(range(LOG_EVERY - 1, STEPS, LOG_EVERY))
+    for i in range(TINY["num_layers"]):
+        dropped = series[f"moe/layer_{i}/dropped_fraction"]
+        assert [step for step, _ in dropped] == logged
+        # at least the choices beyond 6 experts' 8 slots: 1 - 48 / 64
+        assert all(0.25 - 1e-6 <= value < 1.0 for _, value in dropped)
+        recorded = [(int(r["step"]), float(r["dropped_fraction"])) for r in rows if int(r["layer"]) == i]
+        assert [s for s, _ in recorded] == logged
+        torch.testing.assert_close([v for _, v in recorded], [v for _, v in dropped])
+    assert [step for step, _ in series["moe/dropped_fraction"]] == logged
+
+
 def test_heatmap_saved_and_logged_to_wandb(run_dir: Path) -> None:
     png = find_metrics(run_dir).parent / "moe_load.png"
     with Image.open(png) as image:
@@ -88,7 +108,13 @@ def test_heatmap_saved_and_logged_to_wandb(run_dir: Path) -> None:
 def test_mula_report_writes_the_plots(run_dir: Path, tmp_path: Path, capsys) -> None:
     main(["report", str(run_dir), "--output", str(tmp_path)])
     written = {Path(line.split()[-1]).name for line in capsys.readouterr().out.splitlines()}
-    assert {"losses.png", "lr.png", "load_imbalance.png", "expert_load.png"} <= written
+    assert {
+        "losses.png",
+        "lr.png",
+        "load_imbalance.png",
+        "expert_load.png",
+        "dropped_fraction.png",
+    } <= written
     sizes = {"losses.png": (700, 400), "lr.png": (700, 400), "expert_load.png": (1200, 450)}
     for name, size in sizes.items():
         with Image.open(tmp_path / name) as image:

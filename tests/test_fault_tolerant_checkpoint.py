@@ -94,10 +94,29 @@ def test_preemption_handler_records_configured_signals_and_restores_previous_han
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+@pytest.mark.parametrize(("every_n_steps", "agreed"), [(None, [3, 6]), (2, [2, 4, 6])])
+def test_preemption_handler_agrees_on_logging_steps_only(monkeypatch, every_n_steps, agreed):
+    """The ranks' agreement on a signal reads a flag on the host: on logging steps (or every_n_steps)."""
+    from types import SimpleNamespace
+
+    from callbacks import _dist
+
+    asked = []
+    monkeypatch.setattr(_dist, "any_rank", lambda flag, device: asked.append(trainer.global_step) or False)
+    handler = PreemptionHandler(every_n_steps=every_n_steps)
+    trainer = SimpleNamespace(global_step=0, log_every_n_steps=3, strategy=SimpleNamespace(root_device="cpu"))
+    handler._steps.start(trainer)
+    for step in range(1, 7):
+        trainer.global_step = step
+        handler.on_train_batch_end(trainer, None, None, None, step)
+    assert asked == agreed
+
+
 @pytest.mark.parametrize(
     "factory",
     [
         lambda: FaultTolerantCheckpoint(every_n_steps=0),
+        lambda: PreemptionHandler(every_n_steps=0),
         lambda: FaultTolerantCheckpoint(keep_last=0),
         lambda: FaultTolerantCheckpoint(checksum="md5"),
         lambda: PreemptionHandler(signals=["SIGNOPE"]),

@@ -145,3 +145,76 @@ def test_refusals():
         config_to_hf(MulaConfig.from_name(TINY, router_scoring="softmax", n_group=1, topk_group=1))
     with pytest.raises(ValueError, match="no shared experts"):
         config_to_hf(MulaConfig.from_name("mula-tiny-moe", num_shared_experts=1))
+
+
+def test_mtp_modules_export_and_import_exactly(tmp_path):
+    """A model with DeepSeek-V3's multi-token prediction module exports it under the checkpoints' names
+    (layer num_layers: its block, enorm, hnorm, eh_proj, shared_head.norm, and the copies of the embedding
+    and head), transformers still loads the export (its model ignores the module), and the import brings
+    back every weight exactly; copies that are not the model's are refused."""
+    from safetensors.torch import load_file, save_file
+
+    mula = Mula(MulaConfig.from_name(TINY, mtp_depth=1)).eval()
+    randomize_all(mula, 4)
+    save_weights(mula, tmp_path / "mula.pt")
+    export_hf(tmp_path / "mula.pt", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "mlp.gate", "self_attn.kv_b_proj"):
+        assert f"model.layers.4.{name}.weight" in state, name
+    assert torch.equal(state["model.layers.4.embed_tokens.weight"], mula.embed.weight)
+    assert torch.equal(state["model.layers.4.shared_head.head.weight"], mula.lm_head.weight)
+    x = ids(5)
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        assert max_diff(loaded(x).logits, mula(x).logits) <= 1e-4
+    again = import_hf(tmp_path / "hf", tmp_path / "again.pt")
+    assert again.config.mtp_depth == 1
+    ours, back = mula.state_dict(), again.state_dict()
+    assert ours.keys() == back.keys() and all(torch.equal(ours[k], back[k]) for k in ours)
+    # in memory: transformers' model holds no MTP module, so none comes back
+    assert from_hf(to_hf(mula)).config.mtp_depth == 0
+    # a module's head copy that is not the model's head
+    state["model.layers.4.shared_head.head.weight"] = state["lm_head.weight"] + 1
+    save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="shared_head.head.weight is not the model's lm_head.weight"):
+        import_hf(tmp_path / "hf", tmp_path / "bad.pt")
+
+
+@torch.no_grad()
+def test_mtp_logits_match_transformers_mtp_layer():
+    """Mula's MTP module computes what transformers' own `MtpLayer` (its speculative-decoding MTP, built
+    on the DeepSeek-V3 model) computes from the exported weights: the checkpoint names mean what Mula
+    makes of them (enorm on the embedding, hnorm on the previous depth's normed state, shared_head.norm
+    after the block)."""
+    layers = pytest.importorskip("transformers.modeling_layers")
+    if not hasattr(layers, "MtpModel"):
+        pytest.skip("this transformers has no MtpModel")
+    from mula.hf.weights import iter_hf_tensors
+    from mula.model.mtp import shifted_ids
+
+    mula = Mula(MulaConfig.from_name(TINY, mtp_depth=1)).eval()
+    randomize_all(mula, 6)
+    hf = to_hf(mula)
+    mtp = layers.MtpModel(hf, 1).eval()
+    prefix, own = f"model.layers.{mula.config.num_layers}.", ("enorm.", "hnorm.", "eh_proj.")
+    state = {}
+    for name, value in iter_hf_tensors(mula.config, mula.state_dict(), fused_experts=True):
+        rest = name.removeprefix(prefix)
+        if rest == name or rest.startswith(("embed_tokens.", "shared_head.head.")):
+            continue  # the main model's, or the copies of the shared embedding and head
+        if rest == "shared_head.norm.weight":
+            state["layers.0.post_norm.weight"] = value
+        else:
+            state["layers.0." + (rest if rest.startswith(own) else "mtp_block." + rest)] = value
+    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) == {"embed_tokens.weight", "shared_head.weight"}  # tied to hf's
+    batch = ids(7)
+    x, ahead = batch[:, :-1], shifted_ids(batch, 1)
+    ours = mula(x, [ahead]).mtp_logits[0]
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+    theirs = mtp._project_to_logits(
+        mtp.forward_layer(0, hf.model(x).last_hidden_state, positions, None, input_ids=ahead)
+    )
+    assert ours.abs().max() > 1
+    assert max_diff(theirs, ours) <= 1e-4

@@ -3,12 +3,16 @@ file states and no other, and the step's code reads device tensors on the host o
 
 The counts of a step of mula-tiny-moe (dropless routing, CPU, 2 micro-batches per rank, steps that are
 not logging steps), the CPU expert kernel's host planning counted apart under its mark `CPU_EXPERT_KERNEL`:
-* E1, Lightning's one-device strategy: none. E1, XPUMoEStrategy: its non-finite verdict (`VERDICT`).
-* E2, two gloo ranks (XPUMoEStrategy(expert_parallel_size=2)): the verdict, Lightning's SIGTERM flag once
-  per micro-batch (`SIGTERM_FLAG`), and one read of the all-to-all's split sizes per MoE layer and
-  micro-batch forward (`A2A_SPLITS`; combine and both backward exchanges reuse them).
-* P2 x E2, four gloo ranks: the verdict, the SIGTERM flag once per step (a pipeline step is one batch),
-  the split sizes once per MoE layer of the rank's stage and micro-batch.
+* E1, Lightning's one-device strategy and XPUMoEStrategy: none. The clipping norm, the non-finite skip
+  (the sharded AdamW masks its update by the device flag), the loss sums and the router's counts and
+  bias update stay on the device.
+* E2, two gloo ranks (XPUMoEStrategy(expert_parallel_size=2)): one read of the all-to-all's split sizes
+  per MoE layer and micro-batch forward (`A2A_SPLITS`; combine and both backward exchanges reuse them),
+  nothing else (Lightning's SIGTERM agreement and the skip report wait for logging steps).
+* P2 x E2, four gloo ranks: the split sizes once per MoE layer of the rank's stage and micro-batch.
+* With `capacity_factor` (E1, E2, P2 x E2): none at all (fixed all-to-all blocks, nothing to plan on the host).
+So a dropless step has `split_reads(layers, forwards)` syncs: its rank's MoE layers times its micro-batch
+forwards (recomputed forwards count as forwards: none here, no activation checkpointing).
 The source scan's scope is `STEP_CODE` (the model, the strategies, the module's and Muon's step code) less
 `OUT_OF_STEP` (checkpoint, evaluation and calibration code, each with its reason).
 """
@@ -118,14 +122,14 @@ MICRO, SEQ, MICROS = 2, 32, 2  # micro-batch size, tokens, micro-batches per ran
 STEPS, LOG_EVERY = 5, 3  # steps 2 and 5 are counted; 3 logs and 4 holds its hand-over (both dropped)
 COUNTED, DROPPED = [2, 5], [3, 4]
 MOE_LAYERS = 4  # mula-tiny-moe's blocks, all MoE
+CAPACITY_FACTOR = 1.25  # `MulaConfig.capacity_factor` of the runs that drop (None: dropless)
 CPU_PLANNING = 2  # the CPU kernel's host reads per MoE layer and forward: plan_buckets, sorted_to_padded
-# A step of XPUMoEStrategy: its non-finite verdict (`bool(finite)` in strategies/optimizer_step.py decides
-# on the host whether the update runs; the clipping coefficient, the loss sums and the router's counts
-# stay on the device).
-VERDICT = {"_local_scalar_dense": 1}
-# Lightning's loop on more than one rank: before every micro-batch it broadcasts a SIGTERM flag and reads
-# it with `.item()` (`_TrainingEpochLoop._broadcast_sigterm_tensor`, Lightning 2.6), one per batch.
-SIGTERM_FLAG = 1
+
+
+def split_reads(moe_layers: int, forwards: int) -> int:
+    """The host syncs of a dropless step outside logging steps: one read of the all-to-all's split sizes
+    per MoE layer of the rank (its stage's) and forward pass (micro-batches, plus recomputed forwards)."""
+    return moe_layers * forwards
 
 
 def expected(ops: dict[str, int], splits: int, micro_batches: int, moe_layers: int) -> dict[str, Any]:
@@ -152,7 +156,7 @@ def _batches(rank: int, whole_steps: bool) -> torch.Tensor:
     return batches.view(STEPS, MICROS * MICRO, SEQ + 1) if whole_steps else batches
 
 
-def _train(rank: int, world: int, strategy: Any) -> dict[str, Any]:
+def _train(rank: int, world: int, strategy: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train mula-tiny-moe (dropless, fp32, clipping on) for STEPS steps of MICROS micro-batches per rank on
     `world` CPU ranks under `strategy`, counting the host syncs of steps 2..STEPS (`HostSyncSteps`).
     Returns {"counts": step -> counts with "total", "logging_steps": the dropped steps}."""
@@ -172,47 +176,58 @@ def _train(rank: int, world: int, strategy: Any) -> dict[str, Any]:
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[syncs],
     )  # fmt: skip
-    module = MulaLightningModule("mula-tiny-moe", lr=1e-3, min_lr=1e-4, warmup_steps=1)
+    module = MulaLightningModule("mula-tiny-moe", overrides=overrides, lr=1e-3, min_lr=1e-4, warmup_steps=1)
     torch.manual_seed(0)
     trainer.fit(module, DataLoader(_batches(rank, pipeline), batch_size=None))
     return {"counts": syncs.counts, "logging_steps": syncs.logging_steps}
 
 
-def _under_xpu_moe(rank: int, world: int, ep: int, pp: int = 1) -> dict[str, Any]:
+def _under_xpu_moe(
+    rank: int, world: int, ep: int, pp: int = 1, capacity_factor: float | None = None
+) -> dict[str, Any]:
     from dist_helpers import lightning_env
 
     from strategies import XPUMoEStrategy
 
     lightning_env(rank, world)
-    return _train(rank, world, XPUMoEStrategy(expert_parallel_size=ep, pipeline_parallel_size=pp))
+    strategy = XPUMoEStrategy(expert_parallel_size=ep, pipeline_parallel_size=pp)
+    return _train(rank, world, strategy, {"capacity_factor": capacity_factor})
 
 
-def test_a_step_at_e1_waits_for_the_host_only_for_the_non_finite_verdict() -> None:
-    """Lightning's own one-device step: no sync at all; XPUMoEStrategy's: its verdict alone. The CPU
-    expert kernel's host planning is there, under its mark."""
+def test_a_step_at_e1_has_no_host_sync() -> None:
+    """Lightning's own one-device step and XPUMoEStrategy's (the non-finite skip masked on the device):
+    no sync at all. The CPU expert kernel's host planning is there, under its mark."""
     plain = _train(0, 1, "auto")
     assert_step_syncs(plain, expected({}, 0, MICROS, MOE_LAYERS), "E1, Lightning's strategy")
     (ours,) = run_distributed(_under_xpu_moe, 1, 1)
-    assert_step_syncs(ours, expected(VERDICT, 0, MICROS, MOE_LAYERS), "E1, XPUMoEStrategy")
+    assert_step_syncs(ours, expected({}, 0, MICROS, MOE_LAYERS), "E1, XPUMoEStrategy")
 
 
-def test_a_step_at_e2_adds_one_split_read_per_moe_layer_and_forward() -> None:
+def test_a_dropless_step_at_e2_reads_the_splits_once_per_moe_layer_and_forward_and_nothing_else() -> None:
     """Two gloo ranks, E = 2: the all-to-all's split sizes once per MoE layer and micro-batch forward
-    (combine and both backward exchanges reuse them), Lightning's SIGTERM flag once per micro-batch."""
-    ops = {"_local_scalar_dense": VERDICT["_local_scalar_dense"] + SIGTERM_FLAG * MICROS}
-    step = expected(ops, MOE_LAYERS * MICROS, MICROS, MOE_LAYERS)
+    (combine and both backward exchanges reuse them); no other sync (Lightning's SIGTERM agreement waits
+    for logging steps)."""
+    step = expected({}, split_reads(MOE_LAYERS, MICROS), MICROS, MOE_LAYERS)
     for rank, run in enumerate(run_distributed(_under_xpu_moe, 2, 2)):
         assert_step_syncs(run, step, f"E2, rank {rank}")
 
 
-def test_a_step_at_p2_e2_reads_the_splits_of_its_stages_moe_layers() -> None:
-    """Four gloo ranks, P = 2 stages of E = 2: each rank's stage holds half the MoE layers; the pipeline
-    runs a step's micro-batches as one Lightning batch (one SIGTERM flag per step)."""
-    ops = {"_local_scalar_dense": VERDICT["_local_scalar_dense"] + SIGTERM_FLAG}
+def test_a_dropless_step_at_p2_e2_reads_the_splits_of_its_stages_moe_layers() -> None:
+    """Four gloo ranks, P = 2 stages of E = 2: each rank's stage holds half the MoE layers and runs every
+    micro-batch's forward once."""
     stage_layers = MOE_LAYERS // 2
-    step = expected(ops, stage_layers * MICROS, MICROS, stage_layers)
+    step = expected({}, split_reads(stage_layers, MICROS), MICROS, stage_layers)
     for rank, run in enumerate(run_distributed(_under_xpu_moe, 4, 2, 2)):
         assert_step_syncs(run, step, f"P2 x E2, rank {rank}")
+
+
+@pytest.mark.parametrize(("world", "ep", "pp"), [(1, 1, 1), (2, 2, 1), (4, 2, 2)], ids=["E1", "E2", "P2xE2"])
+def test_a_step_with_a_capacity_factor_has_no_host_sync(world: int, ep: int, pp: int) -> None:
+    """`capacity_factor=1.25`: fixed-size all-to-all blocks (no split sizes to read) and a capacity
+    kernel that plans on the device: nothing at all, on any rank, outside logging steps."""
+    nothing = {"ops": {}, "reads": {}, "excluded": {}, "total": 0}
+    for rank, run in enumerate(run_distributed(_under_xpu_moe, world, ep, pp, CAPACITY_FACTOR)):
+        assert_step_syncs(run, nothing, f"E{ep} x P{pp}, capacity factor, rank {rank}")
 
 
 def test_a_planted_sync_in_the_step_fails_the_count(monkeypatch) -> None:

@@ -40,6 +40,33 @@ def test_private_names_are_the_lightning_objects():
     assert not real.received_sigterm
 
 
+def test_sigterm_agreement_runs_on_the_first_batch_of_logging_steps_only():
+    """Lightning's per-batch SIGTERM broadcast (a host sync per micro-batch) is the one its epoch loop
+    calls before every batch; after `sigterm_agreement_on_logging_steps` it runs once per logging step."""
+    import inspect
+
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    agreed = []
+
+    class Loop:
+        def _broadcast_sigterm_tensor(self) -> None:
+            agreed.append(trainer.global_step + 1)  # the step whose batch comes next
+
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=Loop()), global_step=0, log_every_n_steps=3)
+    lightning_compat.sigterm_agreement_on_logging_steps(trainer)
+    for step in range(7):  # two micro-batches per step
+        trainer.global_step = step
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert agreed == [3, 6]
+    trainer.log_every_n_steps = 0  # a run that never logs never agrees (PreemptionHandler still does)
+    trainer.global_step = 8
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert agreed == [3, 6]
+
+
 def test_process_group_timeout_is_the_strategy_argument():
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 

@@ -213,6 +213,8 @@ def test_plan_command_json_and_paper_recipe_on_aurora(capsys) -> None:
     assert out["tokens_per_s"] == pytest.approx(3072 * 2048 / out["step_time_s"])
     (sent,) = out["comm_bytes_per_step"]  # one pipeline stage; the volumes are tests/test_plan_volumes.py's
     assert sent["all_to_all"] > 0 and sent["grad_reduce"] > 0 and sent["pipeline"] == 0
+    (kinds,) = out["collective_bytes_per_step"]  # the same by kind: the rows' all-to-all, the rooted pairs
+    assert kinds["sent"]["all_to_all"] > sent["all_to_all"] and kinds["sent"]["send_recv"] == 0
 
 
 @pytest.fixture

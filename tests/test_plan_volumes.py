@@ -4,35 +4,36 @@
 with `XPUMoEStrategy` under Lightning's Trainer, in several layouts: expert parallelism, the sharded
 optimizer (ZeRO-1, ZeRO-2, EP-unaware, bf16 gradients, rooted and native collectives), replicated
 AdamW, activation checkpointing, bf16 weights and bf16 autocast, pipeline stages (1F1B, interleaved),
-and a model whose first block is dense (no all-to-all there).
-Every collective Mula issues is wrapped and its bytes (and calls) counted per call, as `comm_volumes` counts them
-(the nccl-tests "bus bytes": what an all-to-all sends to other ranks, (n-1)/n of a reduce-scatter's
-or all-gather's buffer, 2(n-1)/n of an all-reduce's; a rooted reduce or broadcast counts what its
-root receives or sends, the same per rank over a bucket's shards). Per rank and step, the model's
-expert all-to-all rows, gradient reduction, parameter gather and pipeline sends must equal the
-counted bytes exactly; a missing (E-1)/E, a lost forward or backward pass, a recompute pass, a wrong
-dtype, group or padding all fail it.
+a model whose first block is dense (no all-to-all there), and sharded Muon (its exchange planned for its
+busiest rank). Every collective a step issues is counted by `mula.bench.collectives.CollectiveMeter` (the meter
+`mula bench` reports with), by kind of collective, bytes sent and received as `comm_volumes` counts
+them (the nccl-tests "bus bytes": what an all-to-all sends to other ranks, (n-1)/n of a
+reduce-scatter's or all-gather's buffer, 2(n-1)/n of an all-reduce's; a rooted reduce or broadcast
+counts what its root receives or sends, the same per rank over a bucket's shards), and the calls. Per
+rank and step, `mula.plan.collective_kinds.planned_collectives` (the expert all-to-all rows with the
+counts' and combine weights' exchanges, gradient reduction, parameter gather, pipeline sends, the
+gradient norm's and expert counts' all-reduces) must equal them exactly, kind by kind; a missing
+(E-1)/E, a lost forward or backward pass, a recompute pass, a wrong dtype, group or padding all fail it
+(`test_a_planted_bug_fails_the_comparison` plants three). The second step is counted: the first also holds
+the pipeline schedule's one-time set-up messages.
 """
 
 from __future__ import annotations
 
-import inspect
-import sys
-from collections import defaultdict
+import dataclasses
+import importlib
 from typing import Any
 
 import lightning.pytorch as L
 import pytest
 import torch
-import torch.distributed as dist
 from dist_helpers import lightning_env, run_distributed
-from torch.distributed.pipelining import PipelineStage
 
-import strategies.optim.grad_reduce as grad_reduce
-import strategies.optim.param_gather as param_gather
 from mula import MulaConfig
+from mula.bench.collectives import CollectiveSteps
 from mula.plan import Layout
-from mula.plan.step_time import comm_volumes
+from mula.plan.collective_kinds import KINDS, planned_collectives
+from mula.plan.split_volumes import expert_all_to_all_sends
 from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
@@ -76,11 +77,16 @@ LAYOUTS["P=2 E=2 1f1b, first block dense, moe recomputed"] = (
     "32-true",
     ["moe"],
 )
+# sharded Muon over the 4 data-parallel ranks (one domain: its busiest rank is the plan's)
+LAYOUTS["Muon ZeRO-1"] = ({}, "32-true", "none")
+# an expert capacity: the all-to-alls move the fixed E x C blocks (padding included) and the weights
+LAYOUTS["E=2 capacity 1.25, moe recomputed"] = ({"expert_parallel_size": 2}, "32-true", ["moe"])
+OPTIMIZER = {"Muon ZeRO-1": "muon"}
 # MulaConfig fields a layout's model changes (the others train CONFIG)
 MODEL_CHANGES = {
-    "P=2 E=2 1f1b, first block dense, moe recomputed": {"num_dense_layers": 1, "intermediate_size": 64}
+    "P=2 E=2 1f1b, first block dense, moe recomputed": {"num_dense_layers": 1, "intermediate_size": 64},
+    "E=2 capacity 1.25, moe recomputed": {"capacity_factor": 1.25},
 }
-KINDS = ("all_to_all", "grad_reduce", "param_gather", "pipeline")
 
 
 def config_of(name: str) -> MulaConfig:
@@ -100,99 +106,8 @@ def layout_of(name: str) -> Layout:
         shard_optimizer=args.get("shard_optimizer", True), zero_stage=opts.get("zero_stage", 1),
         reduce_dtype=opts.get("reduce_dtype", "fp32"), bucket_numel=opts.get("bucket_numel", 2**24),
         ep_aware=opts.get("ep_aware", True), collectives=opts.get("collectives", "rooted"),
+        optimizer=OPTIMIZER.get(name, "adamw"),
     )  # fmt: skip
-
-
-class CollectiveMeter:
-    """Counts the bus bytes of the collectives Mula issues, by kind, while `active`.
-
-    Wraps the functions the strategies call (the dispatcher's all_to_all_single, the gradient
-    reducer's reduce-scatter/reduce/all-reduce, the parameter gather's all-gather/broadcast) and the
-    pipeline stages' send operations; a collective is attributed by the module calling it, so
-    Lightning's and the optimizer's scalar all-reduces (loss logging, gradient norm) are left out.
-    """
-
-    def __init__(self, hidden: int) -> None:
-        self.hidden, self.active = hidden, False
-        self.bytes: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)  # messages: each collective call, each pipeline send
-
-    def install(self) -> None:
-        """Wrap the collectives (this process only)."""
-        self._wrap(dist, "all_to_all_single", self._all_to_all)
-        self._wrap(dist, "all_reduce", lambda a: 2 * self._ring(a["tensor"], a.get("group")))
-        self._wrap(dist, "reduce", lambda a: self._nbytes(a["tensor"]) * (dist.get_rank() != a["dst"]))
-        self._wrap(dist, "broadcast", self._broadcast)
-        self._wrap(grad_reduce, "_reduce_scatter", lambda a: self._ring(a["input"], a.get("group")))
-        self._wrap(param_gather, "_all_gather", lambda a: self._ring(a["output_tensor"], a.get("group")))
-        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
-            original = getattr(PipelineStage, name)
-
-            def sends(stage: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-                ops = _original(stage, *args, **kwargs)
-                if self.active:
-                    self.bytes["pipeline"] += sum(self._nbytes(op.tensor) for op in ops)
-                    self.calls["pipeline"] += len(ops)
-                return ops
-
-            setattr(PipelineStage, name, sends)
-
-    def _wrap(self, owner: Any, name: str, count: Any) -> None:
-        original = getattr(owner, name)
-        signature = inspect.signature(original)
-        kinds = {"strategies.experts.all_to_all": "all_to_all", "strategies.optim.grad_reduce": "grad_reduce"}
-        kinds["strategies.optim.param_gather"] = "param_gather"
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            kind = kinds.get(sys._getframe(1).f_globals.get("__name__", ""))
-            if self.active and kind is not None:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                sent = count(bound.arguments)
-                if kind == "all_to_all" and sent[1]:
-                    kind = "all_to_all_other"  # counts and combine weights, not the token rows
-                self.bytes[kind] += sent[0] if isinstance(sent, tuple) else sent
-                self.calls[kind] += 1
-            return original(*args, **kwargs)
-
-        setattr(owner, name, counted)
-
-    @staticmethod
-    def _nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    def _ring(self, t: torch.Tensor, group: Any) -> float:
-        n = dist.get_world_size(group)
-        return self._nbytes(t) * (n - 1) / n
-
-    def _broadcast(self, a: dict[str, Any]) -> float:
-        return (
-            self._nbytes(a["tensor"])
-            * (dist.get_world_size(a.get("group")) - 1)
-            * (dist.get_rank() == a["src"])
-        )
-
-    def _all_to_all(self, a: dict[str, Any]) -> tuple[float, bool]:
-        """(bytes sent to other ranks, whether they are something else than token rows)."""
-        x, splits, group = a["input"], a["input_split_sizes"], a.get("group")
-        rows = x.dim() == 2 and x.shape[1] == self.hidden
-        if splits is None:
-            return self._ring(x, group), not rows
-        row_bytes = self._nbytes(x[:1]) if x.shape[0] else 0
-        return (sum(splits) - splits[dist.get_rank(group)]) * row_bytes, not rows
-
-
-class _Window(L.Callback):
-    """Counts from the first training step to the end of training (setup's collectives excluded)."""
-
-    def __init__(self, meter: CollectiveMeter) -> None:
-        self.meter = meter
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.meter.active = True
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.meter.active = False
 
 
 class _Batches:
@@ -213,8 +128,6 @@ class _Batches:
 
 def _measure(rank: int, world: int) -> dict[str, dict[str, Any]]:
     lightning_env(rank, world)
-    meter = CollectiveMeter(CONFIG.hidden_size)
-    meter.install()
     out = {}
     for name, (args, precision, ckpt) in LAYOUTS.items():
         strategy = XPUMoEStrategy(**args)
@@ -222,23 +135,21 @@ def _measure(rank: int, world: int) -> dict[str, dict[str, Any]]:
         if layout.pp_size > 1:
             strategy.pipeline_microbatches = layout.micro_batches
         torch.manual_seed(0)
-        module = MulaLightningModule(config_of(name), activation_checkpointing=ckpt, decay_steps=10)
+        module = MulaLightningModule(
+            config_of(name), activation_checkpointing=ckpt, decay_steps=10, optimizer=layout.optimizer
+        )
+        # steady state: the first step also holds the pipeline schedule's one-time set-up messages
+        counted = CollectiveSteps(range(2, STEPS + 1))
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, precision=precision,
             accumulate_grad_batches=1 if layout.pp_size > 1 else layout.micro_batches,
             use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[_Window(meter)],
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[counted],
         )  # fmt: skip
-        meter.bytes.clear()
-        meter.calls.clear()
         topo_rank = (rank // (layout.pp_size * layout.ep_size)) * layout.ep_size + rank % layout.ep_size
         loader = _Batches(topo_rank, layout.dp_size, layout.pp_size > 1)
         trainer.fit(module, loader)
-        out[name] = {
-            "pp_rank": trainer.strategy.topology.rank("pp"),
-            **{k: v / STEPS for k, v in meter.bytes.items()},
-            "calls": {k: v / STEPS for k, v in meter.calls.items()},
-        }
+        out[name] = {"pp_rank": trainer.strategy.topology.rank("pp"), "steps": counted.counts}
     return out
 
 
@@ -247,28 +158,87 @@ def measured() -> list[dict[str, dict[str, Any]]]:
     return run_distributed(_measure, WORLD)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_volumes_match_the_bytes_sent(measured, name: str) -> None:
-    volumes = comm_volumes(config_of(name), layout_of(name))
+def _busiest(name: str) -> tuple[str, ...]:
+    """The kinds whose plan is the busiest rank's, not every rank's: sharded Muon's exchange (an
+    all-to-all whose share varies with the matrices' owners, `mula.layout.muon_exchange`)."""
+    layout = layout_of(name)
+    return ("all_to_all",) if layout.optimizer == "muon" and layout.shard_optimizer else ()
+
+
+def _disagreements(measured: list[dict[str, Any]], name: str) -> list[tuple]:
+    """(rank, step, way, kind, measured, planned) wherever a rank's counted step differs from the plan of
+    its pipeline stage (`mula bench`'s planned column), and the busiest rank's where only that is
+    planned."""
+    planned = planned_collectives(config_of(name), layout_of(name))
+    busiest = _busiest(name)
+    wrong = []
     for rank, runs in enumerate(measured):
-        got = runs[name]
-        predicted = volumes[got["pp_rank"]]
-        for kind in KINDS:
-            assert getattr(predicted, kind) == pytest.approx(got.get(kind, 0.0), rel=1e-9), (rank, kind)
-        # what the model leaves out of the all-to-all (expert counts; on CPU one fp32 combine weight
-        # per row, which the padded expert layout needs) is small next to the rows
-        assert got.get("all_to_all_other", 0.0) <= 0.05 * got.get("all_to_all", 0.0), rank
-        # the messages behind the volumes, which a calibrated machine prices at its latency each
-        calls = got["calls"]
-        a2a_calls = calls.get("all_to_all", 0) + calls.get("all_to_all_other", 0)
-        assert predicted.all_to_all_calls == a2a_calls, (rank, "all_to_all calls")
-        for kind in ("grad_reduce", "param_gather", "pipeline"):
-            assert getattr(predicted, f"{kind}_calls") == calls.get(kind, 0), (rank, f"{kind} calls")
+        got, plan = runs[name], planned[runs[name]["pp_rank"]]
+        for step, counts in got["steps"].items():
+            for way in ("sent", "received", "calls"):
+                for kind in KINDS:
+                    value, expected = counts[way][kind], plan[way][kind]
+                    if kind in busiest:
+                        ok = value <= expected * (1 + 1e-12)
+                    else:
+                        ok = value == pytest.approx(expected, rel=1e-9, abs=0)
+                    if not ok:
+                        wrong.append((rank, step, way, kind, value, expected))
+    for kind in busiest:  # the busiest rank's exchange is the plan's
+        for way in ("sent", "received"):
+            most = max(r[name]["steps"][STEPS][way][kind] for r in measured)
+            if most != pytest.approx(planned[0][way][kind], rel=1e-9):
+                wrong.append(("busiest", STEPS, way, kind, most, planned[0][way][kind]))
+    return wrong
 
 
-def test_the_layouts_exercise_every_volume(measured) -> None:
-    """The comparison is not vacuous: each kind is non-zero somewhere and the layouts differ."""
-    rows = [tuple(round(r[name].get(k, 0.0)) for k in KINDS) for r in measured for name in LAYOUTS]
-    assert all(any(row[i] > 0 for row in rows) for i in range(len(KINDS)))
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_collectives_match_the_plan(measured, name: str) -> None:
+    """Every counted step of every rank: the bytes sent and received and the calls of each kind of
+    collective are those `planned_collectives` gives its pipeline stage."""
+    assert all(sorted(r[name]["steps"]) == list(range(2, STEPS + 1)) for r in measured)
+    assert _disagreements(measured, name) == []
+
+
+def _whole_bucket(buckets, elem_bytes):
+    """Sharded Muon's exchange planned as if each Muon bucket went whole both ways."""
+    from mula.layout.muon_exchange import exchange_volume
+
+    volume = exchange_volume(buckets, elem_bytes)
+    whole = sum(2 * b.numel for b in buckets if b.muon and b.group_size > 1) * elem_bytes
+    return dataclasses.replace(volume, sent=whole)
+
+
+PLANTED = {  # the bug each comparison must catch: (module, name, stand-in, layouts that show it)
+    "no (n-1)/n": (
+        "mula.plan.grad_reduction", "_ring", lambda numel, elem, group: float(numel * elem * (group > 1)),
+        ["E=2 ZeRO-1", "E=4 ZeRO-2 bf16, moe recomputed", "E=2 AdamW, bf16 autocast"],
+    ),
+    "no backward exchange": (
+        "mula.plan.step_time", "expert_all_to_all_sends",
+        lambda *a, _f=expert_all_to_all_sends: (_f(*a)[0] / 2, _f(*a)[1]), ["E=2 ZeRO-1", "P=2 E=2 1f1b"],
+    ),
+    "Muon's bucket whole": ("mula.plan.grad_reduction", "exchange_volume", _whole_bucket, ["Muon ZeRO-1"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_a_planted_bug_fails_the_comparison(measured, monkeypatch, bug: str) -> None:
+    """Not vacuous: the plan with a planted bug disagrees with the counted bytes of every layout it shows in
+    (the comparison above would fail)."""
+    module, attr, stand_in, names = PLANTED[bug]
+    monkeypatch.setattr(importlib.import_module(module), attr, stand_in)
+    for name in names:
+        assert _disagreements(measured, name), (bug, name)
+
+
+def test_the_layouts_exercise_every_kind(measured) -> None:
+    """The comparison is not vacuous: each eager kind moves bytes somewhere, and the layouts differ."""
+    rows = [
+        tuple(round(r[name]["steps"][STEPS]["sent"][k]) for k in KINDS) for r in measured for name in LAYOUTS
+    ]
+    for i, kind in enumerate(KINDS):
+        if not kind.startswith("functional"):  # (tests/test_plan_volumes_tp.py: the functional ones)
+            assert any(row[i] > 0 for row in rows), kind
     assert len({row[0] for row in rows if row[0]}) >= 3  # all-to-all: E, dtype, recompute differ
-    assert len({row[1] for row in rows}) >= 5
+    assert len(set(rows)) >= len(LAYOUTS)

@@ -1,36 +1,34 @@
-"""The step-time model's tensor-parallel volumes against the bytes real runs hand to the collectives
-(and the context-parallel group's calls against the functional collectives a real run issues).
+"""The step-time model's tensor- and context-parallel volumes against the bytes real runs hand to the
+collectives.
 
 4 gloo CPU ranks train the tiny dense model with `XPUMoEStrategy(tensor_parallel_size=T,
 sequence_parallel=...)` under Lightning's Trainer, one optimizer step of two accumulated micro-batches:
 T = 2 (RMSNorm, QK-norm over split heads, grouped KV heads), T = 2 with sequence parallelism, T = 4
 (LayerNorm), T = 2 with SP under attention checkpointing, and bf16 autocast (T = 2 with SP; T = 4 with
-everything recomputed). DTensor issues its collectives as torch's
-functional collectives (`_c10d_functional` ops: all_reduce, all_gather_into_tensor,
-reduce_scatter_tensor), in forward and in backward, some from inside DTensor's own operator handlers
-(the vocabulary-parallel loss): a dispatch mode that steps aside for DTensor arguments (as torch's
-`CommDebugMode` does) sees each of them on plain tensors, and counts its bus bytes (2(n-1)/n of an
-all-reduce's buffer, (n-1)/n of a reduce-scatter's input or an all-gather's output). The model's
-`tensor_parallel` volume must equal the counted bytes exactly, and its data-parallel gradient
-all-reduce (over the local shards, W / T ranks) the bytes the gradient synchronizer hands to
-`all_reduce` (`CollectiveMeter` of tests/test_plan_volumes.py).
+everything recomputed), an MoE model at T = 2 with and without SP; and C = 2 (Ulysses) of the MoE model.
+DTensor issues its collectives as torch's functional collectives (`_c10d_functional` ops: all_reduce,
+all_gather_into_tensor, reduce_scatter_tensor), in forward and in backward, some from inside DTensor's
+own operator handlers (the vocabulary-parallel loss); Ulysses its all-to-alls and the router-loss
+totals' all-gathers. `mula.bench.collectives.CollectiveMeter` (the meter `mula bench` reports with)
+counts them and the eager collectives by kind, in bus bytes each way (2(n-1)/n of an all-reduce's
+buffer, (n-1)/n of a reduce-scatter's input or an all-gather's output, what an all-to-all sends to and
+receives from other ranks); `mula.plan.collective_kinds.planned_collectives` must equal every kind's
+bytes and calls exactly: the model's `tensor_parallel` volume, its data-parallel gradient all-reduce
+(over the local shards, W / T ranks), the Ulysses and router-loss volumes, the step's small all-reduces.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from typing import Any
 
-import lightning.pytorch as L
 import pytest
 import torch
 from dist_helpers import cpu_trainer, lightning_env, run_distributed
-from test_plan_volumes import CollectiveMeter
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from mula.bench.collectives import CollectiveSteps
 from mula.model.config import resolve_config
 from mula.plan import Layout
-from mula.plan.step_time import comm_volumes
+from mula.plan.collective_kinds import KINDS, planned_collectives
 from strategies import XPUMoEStrategy
 
 WORLD, B, SEQ, MICROS = 4, 2, 32, 2
@@ -44,6 +42,7 @@ MOE = dict(
     RMS, num_experts=4, top_k=2, expert_intermediate_size=32, routing_mode="uniform", num_dense_layers=1,
     num_layers=3,
 )  # fmt: skip
+SEQUENCE_MOE = dict(MOE, aux_loss_scope="sequence")
 # name: (overrides, T, sequence parallel, checkpointing, precision)
 LAYOUTS = {
     "T=2": (RMS, 2, False, "none", "32-true"),
@@ -60,59 +59,9 @@ LAYOUTS = {
     ),
     "T=2 MoE": (MOE, 2, False, "none", "32-true"),
     "T=2 SP MoE, moe recomputed": (MOE, 2, True, ["moe"], "32-true"),
+    # the sequence-wise balance loss sums [B, E] probabilities and counts over the TP group
+    "T=2 MoE, sequence-wise balance": (SEQUENCE_MOE, 2, False, "none", "32-true"),
 }
-
-
-# the functional ops that are collectives (not `wait_tensor` nor the autograd wrappers)
-COLLECTIVE_OPS = ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor")
-
-
-class FunctionalCollectiveMeter(TorchDispatchMode):
-    """Bus bytes of the functional collectives run while entered (DTensor's, in forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0.0
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor turn the op into local ops and collectives first
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "_c10d_functional":
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            name = func._opname
-            x = args[0]
-            nbytes = x.numel() * x.element_size()
-            if name in ("all_reduce", "all_reduce_"):
-                n = _resolve_process_group(args[2]).size()
-                self.bytes += 2 * nbytes * (n - 1) / n
-            elif name == "all_gather_into_tensor":
-                self.bytes += nbytes * (args[1] - 1)
-            elif name == "reduce_scatter_tensor":
-                self.bytes += nbytes * (args[2] - 1) / args[2]
-            elif name == "all_to_all_single":  # Ulysses' (context parallelism): calls only, not TP bytes
-                pass
-            elif name != "wait_tensor" and not name.startswith("_wrap"):
-                raise AssertionError(f"uncounted functional collective {func}")
-            self.calls[name] += 1
-        return out
-
-
-class _Window(L.Callback):
-    """The meters count during training batches (the optimizer step included), not setup."""
-
-    def __init__(self, meter: FunctionalCollectiveMeter, collectives: CollectiveMeter) -> None:
-        self.meter, self.collectives = meter, collectives
-
-    def on_train_batch_start(self, *args) -> None:
-        self.meter.__enter__()
-        self.collectives.active = True
-
-    def on_train_batch_end(self, *args) -> None:
-        self.meter.__exit__(None, None, None)
-        self.collectives.active = False
 
 
 class _Micro:
@@ -126,31 +75,24 @@ class _Micro:
         yield from torch.randint(0, self.vocab, (MICROS * B, SEQ + 1), generator=g).split(B)
 
 
-def _measure(rank: int, world: int) -> dict[str, dict[str, float]]:
+def _measure(rank: int, world: int) -> dict[str, dict[str, dict[str, float]]]:
     from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
-    collectives = CollectiveMeter(32)
-    collectives.install()
     out = {}
     for name, (overrides, tp, sp, ckpt, precision) in LAYOUTS.items():
-        meter = FunctionalCollectiveMeter()
-        collectives.bytes.clear()
+        counted = CollectiveSteps([1])
         strategy = XPUMoEStrategy(tensor_parallel_size=tp, sequence_parallel=sp, shard_optimizer=False)
         torch.manual_seed(0)
         module = MulaLightningModule(
             "mula-tiny-dense", overrides=overrides, decay_steps=10, activation_checkpointing=ckpt
         )
         trainer = cpu_trainer(
-            world, strategy, max_steps=1, accumulate_grad_batches=MICROS,
-            callbacks=[_Window(meter, collectives)], precision=precision,
+            world, strategy, max_steps=1, accumulate_grad_batches=MICROS, callbacks=[counted],
+            precision=precision,
         )  # fmt: skip
         trainer.fit(module, _Micro(rank // tp, overrides["vocab_size"]))
-        out[name] = {
-            "tensor_parallel": meter.bytes,
-            "tensor_parallel_calls": sum(n for k, n in meter.calls.items() if k in COLLECTIVE_OPS),
-            "grad_reduce": collectives.bytes.get("grad_reduce", 0.0),
-        }
+        out[name] = counted.counts[1]
     return out
 
 
@@ -159,78 +101,87 @@ def measured() -> list[dict[str, dict[str, float]]]:
     return run_distributed(_measure, WORLD)
 
 
-def _volumes(name: str):
+def _layout(name: str) -> Layout:
     overrides, tp, sp, ckpt, precision = LAYOUTS[name]
-    layout = Layout(
+    return Layout(
         world_size=WORLD, tp_size=tp, sequence_parallel=sp, micro_batch=B, seq_len=SEQ, micro_batches=MICROS,
         precision=precision, checkpointing=ckpt, shard_optimizer=False, collectives="rooted",
     )  # fmt: skip
-    (volumes,) = comm_volumes(resolve_config("mula-tiny-dense", overrides), layout)
-    return volumes
+
+
+def assert_planned(
+    got: dict[str, dict[str, float]], planned: dict[str, dict[str, float]], where: Any
+) -> None:
+    """Bytes sent and received and calls of every kind of collective as planned (`mula bench`'s columns)."""
+    for way in ("sent", "received", "calls"):
+        for kind in KINDS:
+            expected = planned[way][kind]
+            assert got[way][kind] == pytest.approx(expected, rel=1e-9, abs=0), (
+                where,
+                way,
+                kind,
+                got[way][kind],
+            )
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_parallel_volumes_match_the_bytes_sent(measured, name: str) -> None:
-    volumes = _volumes(name)
+def test_tensor_parallel_collectives_match_the_plan(measured, name: str) -> None:
+    """The functional collectives DTensor and the MoE layer's token split issue (bytes: `comm_volumes`'
+    `tensor_parallel`; calls: forward, backward, recomputed forward and the partial gradients' sums --
+    a lost per-layer call, a per-micro-batch count taken per step, fail it), the data-parallel gradient
+    all-reduce over the local shards (W / T ranks) and the step's small all-reduces, per kind."""
+    (planned,) = planned_collectives(resolve_config("mula-tiny-dense", LAYOUTS[name][0]), _layout(name))
     for rank, runs in enumerate(measured):
-        got = runs[name]
-        assert volumes.tensor_parallel == pytest.approx(got["tensor_parallel"], rel=1e-9), (rank, got)
-        assert volumes.grad_reduce == pytest.approx(got["grad_reduce"], rel=1e-9), (rank, got)
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_parallel_calls_match_the_collectives_issued(measured, name: str) -> None:
-    """The calls the model prices at the all-reduce's latency: every functional collective DTensor and
-    the MoE layer's token split issue, forward, backward, recomputed forward and the partial gradients'
-    sums (a lost per-layer call, a per-micro-batch count taken per step, fail it)."""
-    volumes = _volumes(name)
-    for rank, runs in enumerate(measured):
-        assert volumes.tensor_parallel_calls == runs[name]["tensor_parallel_calls"], (rank, runs[name])
+        assert_planned(runs[name], planned, (name, rank))
 
 
 def test_the_layouts_move_different_bytes(measured) -> None:
     """Not vacuous: every layout moves tensor-parallel bytes, each a different amount."""
-    sent = [measured[0][name]["tensor_parallel"] for name in LAYOUTS]
+    sent = [measured[0][name]["sent"]["functional"] for name in LAYOUTS]
     assert all(s > 0 for s in sent) and len(set(sent)) == len(LAYOUTS)
 
 
 # context parallelism over 2 of the ranks (DP = 2) of the MoE model: its functional collectives
-CP_LAYOUTS = {"C=2 MoE": "none", "C=2 MoE, moe recomputed": ["moe"]}
+# name: (overrides, checkpointing)
+CP_LAYOUTS = {
+    "C=2 MoE": (MOE, "none"),
+    "C=2 MoE, moe recomputed": (MOE, ["moe"]),
+    "C=2 MoE, sequence-wise balance": (SEQUENCE_MOE, "none"),
+}
 
 
-def _measure_cp(rank: int, world: int) -> dict[str, int]:
+def _measure_cp(rank: int, world: int) -> dict[str, dict[str, dict[str, float]]]:
     from mula.training.module import MulaLightningModule
 
     lightning_env(rank, world)
-    collectives = CollectiveMeter(32)
-    collectives.install()
     out = {}
-    for name, ckpt in CP_LAYOUTS.items():
-        meter = FunctionalCollectiveMeter()
+    for name, (overrides, ckpt) in CP_LAYOUTS.items():
+        counted = CollectiveSteps([1])
         strategy = XPUMoEStrategy(context_parallel_size=2, shard_optimizer=False)
         torch.manual_seed(0)
         module = MulaLightningModule(
-            "mula-tiny-dense", overrides=MOE, decay_steps=10, activation_checkpointing=ckpt
+            "mula-tiny-dense", overrides=overrides, decay_steps=10, activation_checkpointing=ckpt
         )
         trainer = cpu_trainer(
-            world, strategy, max_steps=1, accumulate_grad_batches=MICROS,
-            callbacks=[_Window(meter, collectives)], precision="32-true",
+            world, strategy, max_steps=1, accumulate_grad_batches=MICROS, callbacks=[counted],
+            precision="32-true",
         )  # fmt: skip
         trainer.fit(module, _Micro(rank // 2, MOE["vocab_size"]))
-        out[name] = sum(n for k, n in meter.calls.items() if k in (*COLLECTIVE_OPS, "all_to_all_single"))
+        out[name] = counted.counts[1]
     return out
 
 
-def test_context_parallel_calls_match_the_collectives_issued() -> None:
-    """Ulysses' all-to-alls and the router-loss totals' all-gathers and reduce-scatters: every
-    functional collective a C = 2 MoE step issues, the forward recomputed or not."""
+def test_context_parallel_collectives_match_the_plan() -> None:
+    """Ulysses' all-to-alls (`functional_all_to_all`) and the router-loss totals' all-gathers and
+    reduce-scatters (`functional`): every functional collective a C = 2 MoE step issues, bytes and
+    calls, the forward recomputed or not, and the eager gradient and norm all-reduces beside them."""
     measured = run_distributed(_measure_cp, WORLD)
-    for name, ckpt in CP_LAYOUTS.items():
+    for name, (overrides, ckpt) in CP_LAYOUTS.items():
         layout = Layout(
             world_size=WORLD, cp_size=2, micro_batch=B, seq_len=SEQ, micro_batches=MICROS,
             checkpointing=ckpt, shard_optimizer=False, collectives="rooted",
         )  # fmt: skip
-        (volumes,) = comm_volumes(resolve_config("mula-tiny-dense", MOE), layout)
-        assert volumes.context_parallel_calls > 0
+        (planned,) = planned_collectives(resolve_config("mula-tiny-dense", overrides), layout)
+        assert planned["sent"]["functional_all_to_all"] > 0 and planned["sent"]["functional"] > 0
         for rank, runs in enumerate(measured):
-            assert volumes.context_parallel_calls == runs[name], (rank, name, runs[name])
+            assert_planned(runs[name], planned, (name, rank))

@@ -52,8 +52,11 @@ class _Recorder(Logger):
         self.rows.append((step, dict(metrics)))
 
     def losses(self) -> dict[int, list[float]]:
-        """step -> [train/loss, train/ce_loss, train/aux_loss, train/z_loss] of each logged step."""
-        return {step: [m[k] for k in STEP_LOSSES] for step, m in self.rows if "train/loss" in m}
+        """step -> [train/loss, train/ce_loss, train/aux_loss, train/z_loss] of each logged step (the tiny
+        MoE has no multi-token prediction, so no `train/mtp_loss`: asserted absent)."""
+        logged = {step: m for step, m in self.rows if "train/loss" in m}
+        assert all(STEP_LOSSES[-1] not in m for m in logged.values())
+        return {step: [m[k] for k in STEP_LOSSES[:-1]] for step, m in logged.items()}
 
 
 def _micro_batches(rank: int, world: int) -> torch.Tensor:
@@ -133,4 +136,4 @@ def test_train_loss_is_reduced_once_per_logged_step_only() -> None:
     trainer = _fit(0, 1, _CountingStrategy(device=torch.device("cpu")), log_every_n_steps=2)
     assert sorted(trainer.logger.losses()) == [1]  # Lightning logs step indices 1, 3, ... of 0..STEPS-1
     ours = [c for c in calls if c.is_floating_point()]  # Lightning reduces integer counters of its own
-    assert len(ours) == 1 and ours[0].shape == (len(STEP_LOSSES) + 1,)  # the sums and the count
+    assert len(ours) == 1 and ours[0].shape == (len(STEP_LOSSES[:-1]) + 1,)  # the 4 sums (no MTP) and the count

@@ -9,7 +9,9 @@ bf16 peak (the machine file's `peak_bf16_tflops`: `--machine`, else the one name
 share of the step in the MoE layers, the host syncs per step (`mula.host_sync`: the times a step makes the
 host wait for the device, counted on steady-state steps after the timed ones, logging steps excluded), and
 memory per rank against `mula plan`'s prediction for the same layout (`mula.bench.probe` says how each
-is measured).
+is measured), and the bytes each rank's collectives send and receive per step by kind of collective
+beside the plan's for the same layout (`mula.bench.collectives`, counted on steady-state steps after the
+host-sync ones, logging steps excluded; `mula.plan.collective_kinds.planned_collectives`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
+from mula.bench.collectives import CollectiveSteps, collective_result
 from mula.bench.probe import BenchProbe, HostSyncSteps, steady_steps
 from mula.bench.report import format_text
 from mula.commands.lightning_cli import MulaCLI, check_expert_backend, strategy_class_path
@@ -32,6 +35,7 @@ from mula.training.module import check_master_weights
 
 FORMATS = ("text", "json")
 HOST_SYNC_STEPS = 2  # steady-state steps whose host syncs are counted (after the timed ones)
+COLLECTIVE_STEPS = 2  # steady-state steps whose collectives are counted (after the host-sync ones)
 LIGHTNING_LOG_EVERY_N_STEPS = 50  # the Trainer's default `log_every_n_steps`
 
 
@@ -93,7 +97,11 @@ class BenchCLI(MulaCLI):
         self.log_every_n_steps = LIGHTNING_LOG_EVERY_N_STEPS if log_every is None else int(log_every)
         first = config.warmup + config.steps + 1
         self.sync_steps = steady_steps(first, HOST_SYNC_STEPS, self.log_every_n_steps)
-        trainer.max_steps = max([first, *self.sync_steps])
+        # after the host-sync steps (the two meters' dispatch modes never share a window), logging steps
+        # left out as there: they add Lightning's loss sums and its SIGTERM agreement
+        after = max([first, *self.sync_steps]) + 1
+        self.collective_steps = steady_steps(after, COLLECTIVE_STEPS, self.log_every_n_steps)
+        trainer.max_steps = max([first, *self.sync_steps, *self.collective_steps])
         trainer.max_epochs = None
         trainer.logger = False
         trainer.callbacks = None
@@ -128,6 +136,8 @@ class BenchCLI(MulaCLI):
         # not for compiled models: a dispatch mode around their regions would change what is compiled
         syncs = HostSyncSteps(self.sync_steps if not module.compile_settings else ())
         trainer.callbacks.append(syncs)
+        collectives = CollectiveSteps(self.collective_steps if not module.compile_settings else ())
+        trainer.callbacks.append(collectives)  # (after `syncs`: its window closes before this one opens)
         # the process group the strategy starts is the benchmark's: gone when it returns, as it would be
         # after `mula fit`'s process, so a caller in the same process (a test, a script) finds none
         started_group = not torch.distributed.is_initialized()
@@ -137,6 +147,7 @@ class BenchCLI(MulaCLI):
                 probe, inputs, plan_memory(inputs.config, inputs.layout), layout_summary(inputs.layout)
             )
             result.update(self._host_syncs(syncs))
+            result.update(collective_result(trainer, collectives, inputs, self.collective_steps))
         finally:
             if started_group and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()

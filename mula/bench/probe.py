@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from mula.host_sync import HostSyncMeter, optimizer_host_tensors
+from mula.host_sync import HostSyncMeter, logging_step, optimizer_host_tensors
 from mula.model.moe import iter_moe_layers
 from mula.training.devices import device_module
 from mula.training.lightning_compat import ends_optimizer_step, logs_train_step
@@ -187,12 +187,6 @@ class BenchProbe(L.Callback):
             )
             if self._accelerator is not None:
                 self.memory["peak_allocated"] = int(self._accelerator.max_memory_allocated(self._device))
-
-
-def logging_step(step: int, log_every_n_steps: int) -> bool:
-    """Whether optimizer step `step` (1-based) is one Lightning hands the train metrics to the loggers on
-    (`log_every_n_steps`; 0 never): its metrics are read on the host, so it may sync."""
-    return log_every_n_steps > 0 and step % log_every_n_steps == 0
 
 
 def steady_steps(first: int, count: int, log_every_n_steps: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""`mula bench`'s table: the rates of the timed steps, then memory per rank against `mula plan`."""
+"""`mula bench`'s table: the rates of the timed steps, then memory per rank and the collectives' bytes per
+step against `mula plan`."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def format_text(result: dict[str, Any]) -> str:
         ratio = f"{measured / planned:.3f}" if planned else "n/a"
         label = f"{label} vs planned total" if key == "peak_allocated" else label
         lines.append(f"| {label} | {measured:,} | {planned:,} | {ratio} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *collective_lines(result)])
 
 
 def _per_step(value: float | None) -> str:
@@ -84,3 +85,29 @@ def host_sync_line(result: dict[str, Any]) -> str:
         f"rank 0: {', '.join(parts) or 'none'}"
         + (f"; CPU-only code excluded by its mark, not counted: {excluded}" if excluded else "")
     )
+
+
+def collective_lines(result: dict[str, Any]) -> list[str]:
+    """The table "collective bytes per step (measured vs planned)": per kind of collective that moved or
+    was planned to move anything, the largest rank's bytes sent and received and calls per counted step
+    beside the plan's largest pipeline stage, and how many ranks moved exactly their stage's plan."""
+    largest, detail = result["collective_bytes_per_step"], result["collectives"]
+    if largest is None:
+        return [f"collective bytes per step: n/a ({detail['not_measured']})"]
+    measured, planned, matched = largest["measured"], largest["planned"], largest["ranks_as_planned"]
+    ranks = len(detail["per_rank"])
+    lines = [
+        f"collective bytes per step (measured vs planned): the largest rank's mean over steps "
+        f"{' and '.join(map(str, detail['steps']))}, by kind of collective (bus bytes, `mula.bench.collectives`), "
+        "beside `mula plan`'s largest pipeline stage:",
+        "",
+        "| collective | sent | planned | received | planned | calls | planned | ranks as planned |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    kinds = [k for k in measured["calls"] if measured["calls"][k] or planned["calls"][k]]
+    for k in kinds:
+        cells = [f"{measured[w][k]:,.0f} | {planned[w][k]:,.0f}" for w in ("sent", "received", "calls")]
+        lines.append(f"| {k} | {' | '.join(cells)} | {matched[k]}/{ranks} |")
+    if not kinds:
+        lines.append("| (none: one rank) | 0 | 0 | 0 | 0 | 0 | 0 | - |")
+    return lines

@@ -4,7 +4,7 @@ Reads `metrics.csv` (Lightning's CSVLogger: a `step` column, one column per metr
 a row does not log a metric) and, for MoE runs with the `ExpertLoad` callback, `moe_load.csv` (step,
 layer, expert, tokens). Writes one PNG per subject that the run logged: losses, learning rate,
 tokens/s, MFU, the expert load heatmap (`plot_expert_load`, also what the callback saves during
-training), and the downstream evaluations `DownstreamEval` logged in-loop (`DOWNSTREAM_PLOTS`): each task's
+training), the fraction of choices an expert capacity dropped (`moe/.../dropped_fraction`), and the downstream evaluations `DownstreamEval` logged in-loop (`DOWNSTREAM_PLOTS`): each task's
 accuracy (`eval/<task>/acc`, `acc_norm`, OLMo's `len_norm`) and OLMo's bits per byte of the answers
 (`eval/<task>/bpb`). matplotlib runs on its Agg backend: no display is needed.
 """
@@ -22,6 +22,9 @@ from mula.downstream.plot import ACCURACY_METRICS
 METRICS_FILE = "metrics.csv"
 LOAD_FILE = "moe_load.csv"
 LOAD_COLUMNS = ("step", "layer", "expert", "tokens")
+# with an expert capacity: each MoE layer's fraction of dropped choices per logged step (`ExpertLoad`)
+DROPPED_FILE = "moe_dropped.csv"
+DROPPED_COLUMNS = ("step", "layer", "dropped_fraction")
 
 # file name -> (title, y label, metric keys drawn on it)
 PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -180,6 +183,12 @@ def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = 
             imbalance, "Load imbalance (max / mean tokens per expert)", "ratio", out / "load_imbalance.png"
         )
         written.append(out / "load_imbalance.png")
+    dropped = {k: v for k, v in series.items() if k.startswith("moe/") and k.endswith("dropped_fraction")}
+    if dropped:
+        plot_series(
+            dropped, "Choices dropped by the expert capacity", "fraction", out / "dropped_fraction.png"
+        )
+        written.append(out / "dropped_fraction.png")
     for name, (title, ylabel, names) in DOWNSTREAM_PLOTS.items():
         drawn = {k: v for k, v in series.items() if _eval_metric(k) in names}
         if drawn:

@@ -5,7 +5,10 @@ type), `config_to_hf` writes one loadable by transformers 4.x and 5.x; each refu
 the other side cannot express. Qwen3-MoE's and DeepSeek-V3's own fields are `mula.hf.qwen3_moe`'s and
 `mula.hf.deepseek_v3`'s; the dispatch and the fields every family writes alike are here.
 
-Mula's router z-loss weight has no transformers field: export drops it, import uses the default.
+Mula's router z-loss weight has no transformers field: export drops it, import uses the default. Nor
+has an expert capacity (`capacity_factor`, `drop_policy`): transformers' MoE blocks are dropless, so export
+writes the same config.json with or without one (the exported model computes the dropless function) and
+import leaves `capacity_factor` None (dropless).
 """
 
 from __future__ import annotations

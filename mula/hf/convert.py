@@ -36,6 +36,7 @@ from mula.hf import tokenizer as hf_tokenizer
 from mula.hf.config import SUPPORTED, config_from_hf, config_to_hf, unsupported_architecture
 from mula.hf.config import check_softmax_routing as check_softmax_routing  # re-exported, as below
 from mula.hf.config import shared_config_fields as shared_config_fields
+from mula.hf.deepseek_v3 import held_mtp_depth, is_mtp_key
 from mula.hf.weights import ROUTER_BIAS as ROUTER_BIAS
 from mula.hf.weights import check_router_bias, iter_hf_tensors, state_dict_from_hf
 from mula.model.transformer import Mula
@@ -53,9 +54,9 @@ def from_hf(hf_model: Any) -> Mula:
         raise unsupported_architecture(cls_name)
     d = hf_model.config.to_dict()
     name = Path(str(d.get("_name_or_path") or "custom")).name or "custom"
-    config = config_from_hf(d, name=name)
     # clone: the Mula model must not share storage with the transformers model
     hf_state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    config = held_mtp_depth(config_from_hf(d, name=name), list(hf_state))  # transformers holds no MTP
     return model_from_state_dict(config, state_dict_from_hf(config, hf_state), source=f"{cls_name} weights")
 
 
@@ -74,6 +75,8 @@ def to_hf(model: Mula) -> Any:
     hf_model = getattr(transformers, arch)(hf_config).to(dtype)
     fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in hf_model.state_dict())  # 5.x modules
     hf_state = dict(iter_hf_tensors(config, model.state_dict(), fused_experts=fused))
+    # transformers' model has no MTP modules (DeepSeek-V3's `model.layers.61`): they stay behind
+    hf_state = {k: v for k, v in hf_state.items() if not is_mtp_key(config, k)}
     if config.tie_embeddings:
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
     hf_model.load_state_dict(hf_state, strict=True)
@@ -117,7 +120,9 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike) -> Mula:
         raise FileNotFoundError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
     _check_new_output(output)
     config = config_from_hf(json.loads((hf_dir / "config.json").read_text()), name=hf_dir.resolve().name)
-    state = state_dict_from_hf(config, _read_hf_state(hf_dir))
+    hf_state = _read_hf_state(hf_dir)
+    config = held_mtp_depth(config, list(hf_state))
+    state = state_dict_from_hf(config, hf_state)
     model = model_from_state_dict(config, state, source=f"weights in {hf_dir}")
     save_weights(model, output)
     return model

@@ -10,13 +10,22 @@ dense first blocks' MLP carry transformers' own names in Mula already.
 What Mula does not compute is refused on import in one sentence: YaRN or any other RoPE scaling (and
 its softmax `mscale`), attention biases and an activation other than SiLU (`mula.hf.config`'s checks for every
 family); here `rope_interleave=False`, fewer key/value heads than heads, no shared expert, no MoE block
-at all, or a `topk_method` other than DeepSeek-V3's `noaux_tc`. Multi-token prediction modules
-(`num_nextn_predict_layers`, the published checkpoints' `model.layers.61.*`) are not part of Mula's
-model: their weights are skipped on import and an export declares none.
+at all, or a `topk_method` other than DeepSeek-V3's `noaux_tc`.
+
+Multi-token prediction modules (`num_nextn_predict_layers`, the published checkpoints' `model.layers.61.*`)
+are Mula's `mtp_depth` (`mula.model.mtp`): module k's block is layer `num_hidden_layers + k` under the
+same names as every block, its own weights `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` are Mula's
+`mtp.{k}.*` (`MTP_NAMES`). The checkpoints also hold each module's copy of the embedding and the output
+head (`embed_tokens`, `shared_head.head`): Mula shares the model's, so an import checks that the copies
+are the model's and drops them, and an export writes them. A config that declares modules whose weights
+the checkpoint lacks (transformers' default of 1, a `save_pretrained` of its model, which holds none)
+imports without them. transformers' own model ignores these layers (it never loads layer 61), so
+`mula.hf.to_hf` leaves them out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mula.model.config import MulaConfig
@@ -83,6 +92,7 @@ def config_from_hf(d: dict[str, Any], name: str, rope_theta: float) -> MulaConfi
         v_head_dim=d.get("v_head_dim", 128),
         init_std=d.get("initializer_range", 0.02),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        mtp_depth=d.get("num_nextn_predict_layers", 0),  # dropped again when the weights lack them
         **routing,
     )
 
@@ -124,13 +134,76 @@ def config_to_hf(config: MulaConfig) -> dict[str, Any]:
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "v_head_dim": config.v_head_dim,
         "rope_interleave": True,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": config.mtp_depth,
         "rms_norm_eps": config.norm_eps,
     }
 
 
+MTP_NAMES = (  # Mula's name under `mtp.{k}.` -> the checkpoint's under `model.layers.{num_layers + k}.`
+    ("enorm.weight", "enorm.weight"),
+    ("hnorm.weight", "hnorm.weight"),
+    ("eh_proj.weight", "eh_proj.weight"),
+    ("norm.weight", "shared_head.norm.weight"),
+)
+# each module's copy of what it shares with the model: (checkpoint name, Mula's parameter)
+MTP_SHARED = (("embed_tokens.weight", "embed.weight"), ("shared_head.head.weight", "lm_head.weight"))
+
+
+def _layer(key: str) -> int | None:
+    """The layer index of a `model.layers.{i}.` checkpoint key, else None."""
+    return int(key.split(".")[2]) if key.startswith("model.layers.") else None
+
+
 def is_mtp_key(config: MulaConfig, key: str) -> bool:
-    """True for a weight of a multi-token prediction module (`model.layers.{n}.` with n >= num_layers)."""
-    if not key.startswith("model.layers."):
-        return False
-    return int(key.split(".")[2]) >= config.num_layers
+    """True for a checkpoint weight of an MTP module (`model.layers.{i}.`, i >= num_layers)."""
+    layer = _layer(key)
+    return layer is not None and layer >= config.num_layers
+
+
+def is_unheld_mtp_key(config: MulaConfig, key: str) -> bool:
+    """True for a checkpoint weight of an MTP module beyond `config`'s (i >= `num_blocks`: every module's
+    when `mtp_depth` is 0), which an import skips."""
+    layer = _layer(key)
+    return layer is not None and layer >= config.num_blocks
+
+
+def mtp_key_from_hf(config: MulaConfig, key: str) -> tuple[str, str] | None:
+    """For a checkpoint key of an MTP module's own weights or shared copies: ("own", Mula's name) or
+    ("shared", the model's parameter it copies); None for any other key (the module's block included)."""
+    layer = _layer(key)
+    if layer is None or not config.num_layers <= layer < config.num_blocks:
+        return None
+    rest = key.split(".", 3)[3]
+    k = layer - config.num_layers
+    for ours, theirs in MTP_NAMES:
+        if rest == theirs:
+            return "own", f"mtp.{k}.{ours}"
+    for theirs, ours in MTP_SHARED:
+        if rest == theirs:
+            return "shared", ours
+    return None
+
+
+def mtp_key_to_hf(config: MulaConfig, key: str) -> str:
+    """The checkpoint name of Mula's `mtp.{k}.*` weight `key`."""
+    _, k, rest = key.split(".", 2)
+    return f"model.layers.{config.num_layers + int(k)}.{dict(MTP_NAMES)[rest]}"
+
+
+def mtp_shared_copies(config: MulaConfig) -> list[tuple[str, str]]:
+    """(checkpoint name, Mula's parameter) of every module's copy of the embedding and the output head
+    (a tied head is the embedding)."""
+    tied = {"lm_head.weight": "embed.weight"} if config.tie_embeddings else {}
+    return [
+        (f"model.layers.{config.num_layers + k}.{theirs}", tied.get(ours, ours))
+        for k in range(config.mtp_depth)
+        for theirs, ours in MTP_SHARED
+    ]
+
+
+def held_mtp_depth(config: MulaConfig, keys: list[str]) -> MulaConfig:
+    """`config` without MTP modules when the checkpoint's `keys` hold none of theirs (transformers' model,
+    a `save_pretrained` of it, a config declaring modules whose weights were not published)."""
+    if config.mtp_depth and not any(_layer(key) == config.num_layers for key in keys):
+        return dataclasses.replace(config, mtp_depth=0)
+    return config

@@ -57,11 +57,15 @@ def iter_hf_tensors(
     """Yield (transformers name, tensor) for a Mula state dict, one tensor at a time.
 
     Experts come out per expert (4.x / on-disk layout) or fused like transformers 5.x modules.
-    A tied LM head is left out (transformers re-ties it).
+    A tied LM head is left out (transformers re-ties it). DeepSeek-V3's MTP modules come out under the
+    checkpoints' names, each with its copy of the embedding and the head (`mula.hf.deepseek_v3`).
     """
     deepseek = hf_deepseek_v3.is_family(config)
     for key, value in state_dict.items():
         if key == "lm_head.weight" and config.tie_embeddings:
+            continue
+        if key.startswith("mtp."):
+            yield hf_deepseek_v3.mtp_key_to_hf(config, key), value
             continue
         if deepseek and key.endswith(".mlp.router.weight") and not config.has_router_bias:
             # DeepSeek-V3 always has the correction bias; without Mula's, it is zero
@@ -84,15 +88,25 @@ def iter_hf_tensors(
                 yield f"{prefix}.{j}.up_proj.weight", up
             else:
                 yield f"{prefix}.{j}.down_proj.weight", value[j]
+    for name, ours in hf_deepseek_v3.mtp_shared_copies(config):
+        yield name, state_dict[ours]
 
 
 def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Mula state dict from transformers OLMoE/OLMo/Qwen3-MoE weights, per-expert (4.x, files) or fused (5.x)."""
     out: dict[str, Tensor] = {}
     per_expert: dict[str, Tensor] = {}
+    shared: dict[str, tuple[str, Tensor]] = {}  # the MTP modules' copies of the embedding and head
     for key, value in hf_state.items():
-        if ".rotary_emb." in key or hf_deepseek_v3.is_mtp_key(config, key):
-            continue  # non-persistent buffers some versions saved (Mula recomputes RoPE); MTP modules
+        if ".rotary_emb." in key or hf_deepseek_v3.is_unheld_mtp_key(config, key):
+            continue  # non-persistent buffers some versions saved (Mula recomputes RoPE); MTP modules beyond mtp_depth
+        mtp = hf_deepseek_v3.mtp_key_from_hf(config, key)
+        if mtp is not None:
+            if mtp[0] == "own":
+                out[mtp[1]] = value
+            else:
+                shared[key] = (mtp[1], value)
+            continue
         if key.endswith(hf_deepseek_v3.ROUTER_BIAS_HF):
             out[_from_hf_key(key).replace(".e_score_correction_bias", ".bias")] = value
             continue
@@ -105,7 +119,7 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
             continue
         else:
             out[_from_hf_key(key)] = value
-    for i in range(config.num_layers if config.is_moe and per_expert else 0):
+    for i in range(config.num_blocks if config.is_moe and per_expert else 0):
         if not config.is_moe_layer(i):
             continue  # a dense first block
         p = f"model.layers.{i}.mlp.experts"
@@ -128,6 +142,13 @@ def state_dict_from_hf(config: MulaConfig, hf_state: dict[str, Tensor]) -> dict[
             raise ValueError(f"Hugging Face weights are missing {e.args[0]}.") from None
     if per_expert:
         raise ValueError(f"Unexpected Hugging Face expert weights, e.g. {next(iter(per_expert))}.")
+    for key, (ours, copy) in shared.items():
+        main = out.get(ours, out.get("embed.weight"))  # a tied head is the embedding
+        if main is None or not torch.equal(copy, main):
+            raise ValueError(
+                f"{key} is not the model's {ours}: Mula's multi-token prediction modules share the "
+                "embedding and the output head with the model, as DeepSeek-V3 trains them."
+            )
     return out
 
 

@@ -66,6 +66,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("GQA", "kv-heads", "model.overrides.num_kv_heads", "grouped-query attention: fewer key/value heads than query heads (OLMoE-style 4 heads over 2 KV heads)"),
     Feature("DeepSeek-routing", "routing", "model.overrides.router_scoring: sigmoid", "sigmoid scores, group-limited top-k, scaling, router bias (DeepSeek-V3)"),
     Feature("dense-first-blocks", "dense-first", "model.overrides.num_dense_layers", "dense MLPs in the first blocks of an MoE model (DeepSeek-V3)"),
+    Feature("MTP", "mtp", "model.overrides.mtp_depth", "multi-token prediction: a module (MoE block) predicting the token 2 ahead (DeepSeek-V3)"),
 )  # fmt: skip
 BY_NAME = {f.name: f for f in FEATURES}
 # the rank dimensions (a P schedule is P); triples of these are checked too
@@ -93,6 +94,7 @@ MODEL_FEATURES: dict[str, dict[str, Any]] = {
         router_bias=True,
     ),
     "dense-first-blocks": dict(num_dense_layers=1),
+    "MTP": dict(mtp_depth=1),
 }  # fmt: skip
 # the block parts activation checkpointing can recompute on their own (any of them together), or all
 RECOMPUTE_PARTS = {"recompute-moe": "moe", "recompute-attention": "attention", "recompute-norms": "norms"}

@@ -47,6 +47,7 @@ from typing import Any
 
 from mula.layout.rules import (
     check_batch_split,
+    check_capacity,
     check_context_parallel,
     check_degrees,
     check_experts,
@@ -152,6 +153,7 @@ class ParallelLayout:
             check_world(self.world_size, self.ep, self.pp, self.tp, self.cp)
         check_tensor_parallel(config, self.tp)
         check_context_parallel(config, self.cp, self.tp)
+        check_capacity(config, self.tp, self.cp)
         if config is not None:
             check_experts(int(config.num_experts), self.ep)
         # the order a run meets them: the data module's batch split, the optimizer, the first step

@@ -50,9 +50,14 @@ SENTENCES = Sentences({
         "The model's {count} {what} are not divisible by {by}; choose sizes whose product divides "
         "them (each CP rank attends over its share of its TP rank's heads)."
     ),
+    "capacity-with-split-tokens": (
+        "capacity_factor is not yet available with {by}, which splits a micro-batch's tokens (the "
+        "capacity counts them all); leave capacity_factor unset."
+    ),
     "compile-with-tp": (
-        "model.compile is not yet available with tensor_parallel_size={tp_size} (torch.compile cannot "
-        "trace the tensor-parallel blocks' DTensor weights); train T > 1 eagerly, or compile at T = 1."
+        "model.compile is not yet available with tensor_parallel_size={tp_size} (torch 2.13 drops a "
+        "compiled TP block's input gradient: \"no attribute '_local_tensor'\"); compile at T = 1 or "
+        "train eagerly."
     ),
     "muon-with-tp": (
         "model.optimizer=muon is not available with tensor_parallel_size={tp_size} (Newton-Schulz needs "
@@ -86,6 +91,10 @@ SENTENCES = Sentences({
     "tied-embeddings-across-stages": (
         "tie_embeddings shares the embedding with the LM head, which sit on different pipeline stages; "
         "use pipeline_parallel_size=1 or an untied model."
+    ),
+    "mtp-across-stages": (
+        "mtp_depth={mtp_depth} is not available with pipeline_parallel_size={pp_size} (MTP on the last "
+        "stage needs the first stage's embedding); use pipeline_parallel_size=1."
     ),
     "global-aux-loss-across-stages": (
         "aux_loss_scope='global' is not available with pipeline_parallel_size={pp_size}; use "
@@ -160,7 +169,7 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
     if tp_size == 1 or config is None:
         return
     # MoE layers keep their experts whole (their tokens are split): only dense MLPs split their features
-    dense_mlps = config.num_moe_layers < config.num_layers
+    dense_mlps = config.num_moe_layers < config.num_blocks
     # MLA's keys and values have one head per query head after kv_b_proj
     kv_heads = config.num_heads if config.kv_lora_rank is not None else config.kv_heads
     sizes = [("attention heads", config.num_heads), ("key/value heads", kv_heads),
@@ -190,11 +199,26 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1) -> None:
             raise SENTENCES.refuse("cp-split", count=count, what=what, by=by)
 
 
+def check_capacity(config: Any, tp_size: int, cp_size: int) -> None:
+    """Refuse an expert capacity where a micro-batch's tokens are split over ranks (T or C > 1): each
+    rank would count its share, so the drops would not be one process's (`mula.model.kernels.capacity`)."""
+    if config is None or getattr(config, "capacity_factor", None) is None:
+        return
+    split = [f"{name}={size}" for name, size in (("tensor_parallel_size", tp_size),
+             ("context_parallel_size", cp_size)) if size > 1]  # fmt: skip
+    if split:
+        raise SENTENCES.refuse("capacity-with-split-tokens", by=" x ".join(split))
+
+
 def check_compile(compile_blocks: bool, tp_size: int) -> None:
-    """Refuse `model.compile` with tensor parallelism: torch.compile cannot trace the blocks' DTensor
-    weights in the tested torch releases (dynamo stops building its fake copy of a tensor-parallel
-    weight: "Attempted to set the storage of a tensor on device cpu to a storage on different device
-    meta"), so such a run would stop at its first step."""
+    """Refuse `model.compile` with tensor parallelism. Earlier torch releases could not trace the
+    blocks' DTensor weights (dynamo stopped building its fake copy of one: "Attempted to set the
+    storage of a tensor on device cpu to a storage on different device meta"). torch 2.13 traces them
+    (the "eager" backend trains T = 2 as eagerly), but AOTAutograd ("aot_eager", "inductor") drops the
+    gradient of a compiled region's input that its DTensor layers take in: a Mula at T = 2 stops in
+    its first backward, and torch alone shows it with an embedding under `RowwiseParallel` feeding a
+    compiled `ColwiseParallel` Linear, whose embedding gets no gradient (None) where eager gets one
+    (docs/compile.md)."""
     if compile_blocks and tp_size > 1:
         raise SENTENCES.refuse("compile-with-tp", tp_size=tp_size)
 
@@ -270,6 +294,8 @@ def validate_split(
     ValueError sentence for a split that cannot work."""
     if pp_size > 1 and config.tie_embeddings:
         raise SENTENCES.refuse("tied-embeddings-across-stages")
+    if pp_size > 1 and getattr(config, "mtp_depth", 0):
+        raise SENTENCES.refuse("mtp-across-stages", mtp_depth=config.mtp_depth, pp_size=pp_size)
     if pp_size > 1 and config.aux_loss_scope == "global":
         # its all-reduce runs inside each MoE layer's forward over all ranks, but stages run their
         # layers at different times: the ranks would wait on each other's different collectives

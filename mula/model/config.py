@@ -90,6 +90,12 @@ class MulaConfig:
     router_bias_update_rate: float = 0.0
     aux_loss_scope: str = "micro_batch"
     routing_mode: str = "learned"
+    # Capacity and token dropping (`mula.model.kernels.capacity`; training settings, not architecture):
+    # None = dropless. Else each expert takes at most ceil(capacity_factor * N * top_k / num_experts) of
+    # the N tokens' choices of a micro-batch on this data-parallel rank; `drop_policy` says which it
+    # keeps ("probs": its highest combine weights, "position": the first in token order).
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
     # DeepSeek-V3 family: shared experts and multi-head latent attention (off by default)
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
@@ -98,6 +104,11 @@ class MulaConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3 section 2.2, `mula.model.mtp`; off by default): `mtp_depth`
+    # sequential modules, module k predicting the token k + 1 ahead; the loss adds `mtp_loss_weight`
+    # times the mean of their cross-entropies
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     # The fields that define the function the weights compute (shapes and structure): a checkpoint
     # loads into a model only when these agree. The others are training settings (loss weights, init,
@@ -124,6 +135,9 @@ class MulaConfig:
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     )  # fmt: skip
 
+    # ... and, with multi-token prediction, its depth (each module holds a block and its own weights)
+    MTP_ARCHITECTURE_FIELDS: ClassVar[tuple[str, ...]] = ("mtp_depth",)
+
     def __post_init__(self) -> None:
         check_config(self)  # one sentence for the first rule broken (mula/model/config_checks.py)
 
@@ -143,9 +157,15 @@ class MulaConfig:
         return self.router_bias or self.router_bias_update_rate > 0
 
     @property
+    def num_blocks(self) -> int:
+        """Transformer blocks of the model: the `num_layers` main ones, then one per MTP module
+        (`Mula.layers[num_layers + k]` is MTP module k's block, DeepSeek-V3's `model.layers.61`)."""
+        return self.num_layers + self.mtp_depth
+
+    @property
     def num_moe_layers(self) -> int:
-        """Blocks with an MoE MLP; the router losses are means over these."""
-        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+        """Blocks with an MoE MLP (the MTP modules' included); the router losses are means over these."""
+        return self.num_blocks - self.num_dense_layers if self.is_moe else 0
 
     def moe_layer_row(self, index: int) -> int:
         """Row of MoE block `index` (global block index) in per-MoE-layer tensors such as
@@ -199,6 +219,8 @@ class MulaConfig:
             kind = kind + self.DENSE_ARCHITECTURE_FIELDS  # the dense first blocks' MLP width
         if self.is_mla:
             kind = kind + self.MLA_ARCHITECTURE_FIELDS
+        if self.mtp_depth:  # only when set: older checkpoints' architectures stay as they were
+            kind = kind + self.MTP_ARCHITECTURE_FIELDS
         arch = {name: getattr(self, name) for name in self.ARCHITECTURE_FIELDS + kind}
         arch.update(num_kv_heads=self.kv_heads, head_dim=self.head_size)
         if self.num_shared_experts:  # only when set: older checkpoints' architectures stay as they were
@@ -301,12 +323,25 @@ class MulaConfig:
 
     def _blocks_params(self, experts: int) -> int:
         """Parameters of all blocks, counting `experts` experts per MoE block."""
-        dense = self.num_layers - self.num_moe_layers
+        dense = self.num_blocks - self.num_moe_layers
         return self.num_moe_layers * self._layer_params(experts, True) + dense * self._layer_params(0, False)
 
     def _outer_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
-        return emb * (1 if self.tie_embeddings else 2) + self._norm_params(self.hidden_size)
+        mtp = self.mtp_depth * (3 * self._norm_params(self.hidden_size) + self._mtp_proj_params())
+        return emb * (1 if self.tie_embeddings else 2) + self._norm_params(self.hidden_size) + mtp
+
+    def _mtp_proj_params(self) -> int:
+        """An MTP module's `eh_proj`: [embedding; hidden] (2h) -> h."""
+        return 2 * self.hidden_size * self.hidden_size
+
+    def num_mtp_params(self) -> int:
+        """Parameters of the MTP modules (their blocks, norms and projections; the embedding and the
+        output head are the main model's, shared): 0 without multi-token prediction."""
+        if not self.mtp_depth:
+            return 0
+        block = self._layer_params(self.num_experts, self.is_moe_layer(self.num_layers))
+        return self.mtp_depth * (block + 3 * self._norm_params(self.hidden_size) + self._mtp_proj_params())
 
     def parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter of the `Mula` model, in its `named_parameters()` order.
@@ -323,7 +358,7 @@ class MulaConfig:
             if self._norm_params(dim):
                 shapes.append((f"{name}.weight", (dim,)))
 
-        for i in range(self.num_layers):
+        for i in range(self.num_blocks):
             p = f"layers.{i}."
             norm(p + "attn_norm", h)
             shapes += [(p + "attn." + name, shape) for name, shape in self._attn_shapes()]
@@ -342,6 +377,11 @@ class MulaConfig:
         norm("norm", h)
         if not self.tie_embeddings:
             shapes.append(("lm_head.weight", (v, h)))
+        for k in range(self.mtp_depth):  # mula.model.mtp.MTPModule, in its module order
+            norm(f"mtp.{k}.enorm", h)
+            norm(f"mtp.{k}.hnorm", h)
+            shapes.append((f"mtp.{k}.eh_proj.weight", (h, 2 * h)))
+            norm(f"mtp.{k}.norm", h)
         return shapes
 
     def num_params(self) -> int:
@@ -363,10 +403,13 @@ class MulaConfig:
         `6 * num_layers * attention_core_width * seq_len`, which under MLA weighs the query/key width
         (`qk_nope_head_dim + qk_rope_head_dim`) and the value width per head separately;
         `num_heads * head_dim` is `hidden_size` for the OLMo/OLMoE-shaped presets, twice it for Qwen3-MoE's.
+        Each multi-token prediction module adds its block, its `eh_proj` and one more pass through the LM
+        head (every position counted, as the modules compute them).
         """
-        matmul = sum(self.layer_matmul_params(i) for i in range(self.num_layers))
-        matmul += self.vocab_size * self.hidden_size
-        attn = 6 * self.num_layers * self.attention_core_width * seq_len
+        matmul = sum(self.layer_matmul_params(i) for i in range(self.num_blocks))
+        matmul += (1 + self.mtp_depth) * self.vocab_size * self.hidden_size
+        matmul += self.mtp_depth * self._mtp_proj_params()
+        attn = 6 * self.num_blocks * self.attention_core_width * seq_len
         return 6 * matmul + attn
 
     @property

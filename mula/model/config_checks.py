@@ -17,10 +17,12 @@ NORMS = ("rmsnorm", "layernorm")
 # torch, so that reading a config never imports the kernels.
 BACKENDS = ("auto", "triton", "torch", "loop")
 # How the router's load-balancing loss counts expert frequencies, and how it picks experts.
-AUX_LOSS_SCOPES = ("micro_batch", "global")
+AUX_LOSS_SCOPES = ("micro_batch", "global", "sequence")
 ROUTING_MODES = ("learned", "uniform")
 # How the router turns logits into scores (`mula.model.moe.router`): OLMoE/Qwen3-MoE's softmax, DeepSeek-V3's sigmoid.
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+# Which of an over-full expert's choices a capacity keeps (`mula.model.kernels.capacity`).
+DROP_POLICIES = ("probs", "position")
 
 
 def check_backend_name(backend: str) -> None:
@@ -55,7 +57,9 @@ def check_config(config: Any) -> None:
         raise ValueError(f"num_experts must be >= 0 (0 = dense), got {config.num_experts}.")
     check_backend_name(config.expert_backend)
     _check_routing(config)
+    _check_capacity(config)
     _check_shared_experts(config)
+    _check_mtp(config)
     if config.is_moe:
         if not 1 <= config.top_k <= config.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={config.num_experts}], got {config.top_k}.")
@@ -106,6 +110,13 @@ def _check_mla(config: Any) -> None:
         )
 
 
+def _check_mtp(config: Any) -> None:
+    if config.mtp_depth < 0:
+        raise ValueError(f"mtp_depth must be >= 0 (0 = no multi-token prediction), got {config.mtp_depth}.")
+    if not config.mtp_loss_weight >= 0.0:  # also refuses NaN
+        raise ValueError(f"mtp_loss_weight must be >= 0, got {config.mtp_loss_weight}.")
+
+
 def _check_shared_experts(config: Any) -> None:
     if config.num_shared_experts < 0:
         raise ValueError(f"num_shared_experts must be >= 0, got {config.num_shared_experts}.")
@@ -116,6 +127,15 @@ def _check_shared_experts(config: Any) -> None:
         raise ValueError(
             f"shared_expert_intermediate_size={width} needs num_shared_experts > 0 and a positive width."
         )
+
+
+def _check_capacity(config: Any) -> None:
+    factor = config.capacity_factor
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if factor is not None and not (number and 0.0 < factor < float("inf")):  # also refuses NaN
+        raise ValueError(f"capacity_factor must be None (dropless) or a positive number, got {factor!r}.")
+    if config.drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {config.drop_policy!r}.")
 
 
 def _check_routing(config: Any) -> None:

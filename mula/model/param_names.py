@@ -29,16 +29,16 @@ def is_no_decay(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
-_BLOCK = re.compile(r"(^|\.)layers\.\d+\.")
+_BLOCK = re.compile(r"(^|\.)(layers|mtp)\.\d+\.")
 # the fused stack of `GroupedExperts`: gate rows then up rows of each expert, two Linear weights in one
 _FUSED_ROWS = {"gate_up": 2}
 
 
 def is_muon_param(name: str, shape: Sequence[int]) -> bool:
     """True when `model.optimizer: muon` trains parameter `name` (of `shape`) with Muon: a weight of the
-    transformer blocks (``layers.<i>.``) with two or more dimensions, the router's included (Moonlight's
-    rule gives Muon every matrix but the embedding and the LM head); AdamW trains the rest (embedding,
-    LM head, norms)."""
+    transformer blocks (``layers.<i>.``) or of the multi-token prediction modules (``mtp.<k>.``: their
+    ``eh_proj``) with two or more dimensions, the router's included (Moonlight's rule gives Muon every
+    matrix but the embedding and the LM head); AdamW trains the rest (embedding, LM head, norms)."""
     return len(shape) >= 2 and _BLOCK.search(name) is not None
 
 

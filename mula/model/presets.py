@@ -18,7 +18,8 @@ _OLMOE: dict[str, Any] = {
 # 256 routed experts top-8 by sigmoid scores in 8 groups of which 4, scaled by 2.5. Pretrained at 4K context
 # (YaRN extends it afterwards; Mula has no YaRN), init std 0.006 (the report's; config.json says 0.02).
 # Balancing as the report: the bias (update speed 0.001) and a balance loss of weight 1e-4 -- Mula's loss is
-# top_k times DeepSeek's and over the batch, not per sequence, so 1e-4 / 8. No z-loss.
+# top_k times DeepSeek's, so 1e-4 / 8; over the micro-batch here (`aux_loss_scope: sequence` is DeepSeek's
+# per-sequence form, docs/moe-routing.md). No z-loss.
 _DEEPSEEK_V3: dict[str, Any] = {
     "vocab_size": 129280, "hidden_size": 7168, "num_layers": 61, "num_heads": 128,
     "max_position_embeddings": 4096, "rope_theta": 10000.0, "norm": "rmsnorm", "norm_eps": 1e-6,
@@ -126,9 +127,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
         "v_head_dim": 32,
     },
-    # = DeepSeek-V3 (-Base), deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active (the multi-
-    # token prediction module's 14B are not in the published 671B, nor here)
-    "deepseek-v3-671b": {**_DEEPSEEK_V3, "name": "deepseek-v3-671b"},
+    # = DeepSeek-V3 (-Base), deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active, plus the one
+    # multi-token prediction module (num_nextn_predict_layers: 1; its 14B published parameters, 11.6B without
+    # the copies of the embedding and head it shares, are not in the 671B: `num_mtp_params`). Its loss
+    # weight is the report's 0.3 of the first 10T tokens; the report lowers it to 0.1 for the last 4.8T:
+    # a run continuing from there sets `mtp_loss_weight: 0.1` in its overrides (a training setting).
+    "deepseek-v3-671b": {**_DEEPSEEK_V3, "name": "deepseek-v3-671b", "mtp_depth": 1, "mtp_loss_weight": 0.3},
     # = Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, a DeepseekV3ForCausalLM; arXiv 2502.16982):
     # DeepSeek-V2-Lite's scale (27 layers, 64 experts top-6, 2 shared, no q latent) with V3's sigmoid router
     "deepseek-v3-16b": {

@@ -9,6 +9,9 @@ and with MLA and shared experts to transformers' DeepSeek-V3 (`tests/test_hf_dee
 The blocks run through `forward_blocks`, and the router losses are `router_losses` of its sums: one
 definition, which the pipeline stages (strategies/pipeline/split.py) use too.
 
+With `mtp_depth`, the multi-token prediction modules (`mula.model.mtp`) run after the model on the ids
+`Mula.forward` is handed for them; their blocks are the last `mtp_depth` of `Mula.layers`.
+
 Activation checkpointing (`Mula.set_activation_checkpointing`) recomputes whole blocks or selected
 parts of them in backward with torch's non-reentrant `checkpoint`; gradients are unchanged.
 """
@@ -37,6 +40,7 @@ from mula.model.layers import (
 )
 from mula.model.mla import LatentAttention
 from mula.model.moe import GroupedExperts, MoELayer, Router
+from mula.model.mtp import MTPModule
 
 __all__ = [
     "MLP", "Attention", "Block", "LatentAttention", "LayerNorm", "Mula", "MulaOutput", "RMSNorm",
@@ -172,9 +176,11 @@ def forward_blocks(
     return BlocksOutput(x, router_sums, counts)
 
 
-def router_losses(config: MulaConfig, router_sums: Tensor) -> tuple[Tensor, Tensor]:
-    """(aux, z): the means over the model's MoE layers, from the sums over all of them (`forward_blocks`)."""
-    aux, z = (router_sums / config.num_moe_layers).unbind()
+def router_losses(config: MulaConfig, router_sums: Tensor, with_mtp: bool = True) -> tuple[Tensor, Tensor]:
+    """(aux, z): the means over the model's MoE layers, from the sums over all of them (`forward_blocks`);
+    without the MTP modules' blocks when they did not run (`with_mtp` False: a forward without MTP ids)."""
+    layers = config.num_moe_layers - (0 if with_mtp else config.mtp_depth)
+    aux, z = (router_sums / layers).unbind()
     return aux, z
 
 
@@ -188,12 +194,15 @@ def check_sequence_length(config: MulaConfig, seq_len: int) -> None:
 
 @dataclass
 class MulaOutput:
-    """Output of `Mula.forward`. Router losses are unweighted means over MoE layers (0 if dense)."""
+    """Output of `Mula.forward`. Router losses are unweighted means over the MoE layers that ran (0 if
+    dense); `mtp_logits` are the MTP modules' logits, one [B, T, V] per module, when they ran."""
 
     logits: Tensor  # [B, T, V]
     aux_loss: Tensor  # scalar
     z_loss: Tensor  # scalar
-    tokens_per_expert: Tensor | None  # [num_moe_layers, E] long, None for dense models
+    tokens_per_expert: Tensor | None  # [MoE layers that ran, E] long, None for dense models
+    mtp_logits: tuple[Tensor, ...] = ()
+    mtp_loss: Tensor | None = None  # their loss, filled in by the training module (`MulaLightningModule`)
 
 
 class Mula(nn.Module):
@@ -205,9 +214,11 @@ class Mula(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.num_layers))
+        # the main blocks, then each MTP module's block (`mula.model.mtp`)
+        self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.num_blocks))
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPModule(config) for _ in range(config.mtp_depth))
         self.sequence_shard = SequenceShard()
         self.reset_parameters()
 
@@ -241,19 +252,39 @@ class Mula(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def forward(self, input_ids: Tensor) -> MulaOutput:
-        """input_ids [B,T] long (this model's slice of each sequence, `sequence_shard`) -> MulaOutput."""
+    def forward(self, input_ids: Tensor, mtp_ids: Sequence[Tensor] = ()) -> MulaOutput:
+        """input_ids [B,T] long (this model's slice of each sequence, `sequence_shard`) -> MulaOutput.
+
+        `mtp_ids`: for each MTP module k (all of them, or none), the ids k ahead of the inputs' positions
+        [B,T] (`mula.model.mtp.shifted_ids`, this model's slice of them); without them the modules do not run.
+        """
         t = input_ids.shape[1]
         check_sequence_length(self.config, t * self.sequence_shard.count)
+        if len(mtp_ids) not in (0, self.config.mtp_depth):
+            raise ValueError(
+                f"expected ids for all {self.config.mtp_depth} MTP modules or none, got {len(mtp_ids)}."
+            )
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.config, t, x.device, self.sequence_shard.start(t))
-        out = forward_blocks(enumerate(self.layers), x, cos, sin)
-        logits = self.lm_head(self.norm(out.hidden))
-        if out.router_sums is not None:
-            aux, z = router_losses(self.config, out.router_sums)
-            counts = torch.stack(list(out.tokens_per_expert.values()))
+        n = self.config.num_layers
+        out = forward_blocks(zip(range(n), self.layers[:n]), x, cos, sin)
+        hidden = self.norm(out.hidden)
+        logits = self.lm_head(hidden)
+        sums, counts = out.router_sums, out.tokens_per_expert
+        mtp_logits = []
+        for k, (module, ids) in enumerate(zip(self.mtp, mtp_ids)):
+            # h^k = norm_k(block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1})]))), logits from the shared head
+            deeper = forward_blocks(
+                [(n + k, self.layers[n + k])], module(hidden, self.embed(ids)), cos, sin, sums
+            )
+            hidden, sums = module.norm(deeper.hidden), deeper.router_sums
+            counts = {**counts, **deeper.tokens_per_expert}
+            mtp_logits.append(self.lm_head(hidden))
+        if sums is not None:
+            aux, z = router_losses(self.config, sums, with_mtp=bool(mtp_ids))
+            counts = torch.stack(list(counts.values()))
         else:
             # a plain tensor even when the logits are a DTensor (tensor parallelism)
             aux = z = torch.zeros((), dtype=torch.float32, device=input_ids.device)
             counts = None
-        return MulaOutput(logits, aux, z, counts)
+        return MulaOutput(logits, aux, z, counts, tuple(mtp_logits))

@@ -53,8 +53,10 @@ from collections.abc import Sequence
 
 from mula.model.activation_checkpointing import parse_activation_checkpointing
 from mula.model.config import MulaConfig, numel
+from mula.model.moe_capacity import capacity_of
 from mula.plan.layout import Layout
 from mula.plan.parameters import tp_local_shape
+from mula.plan.split_volumes import dispatched_rows
 
 
 def _norm(config: MulaConfig, dim: int, r: int, groups: int = 1) -> int:
@@ -113,6 +115,12 @@ def _moe_per_token(config: MulaConfig, layout: Layout, b: int, r: int) -> int:
     router += 4 if config.router_scoring == "sigmoid" else 0  # the sum normalising the scores
     router += 4 * k + 4 if config.norm_topk_prob else 0  # the renormalisation's inputs
     rows = b * (h + 2 * i)  # expert input, gate and up pre-activations
+    capacity = capacity_of(config)
+    if capacity is not None:
+        # the fixed [E, C] slots (zero rows included), weights folded into the experts on every device
+        rows += b + (8 if layout.ep_size > 1 else 0)
+        tokens = max(1, layout.micro_batch * layout.local_seq_len)
+        return router + round(dispatched_rows(config, layout) / tokens * rows)
     if layout.ep_size > 1:
         rows += 8  # the all-to-all dispatcher's send plan: its index, for the un-permute's backward
         if layout.device_type == "cpu":
@@ -199,7 +207,13 @@ def activation_bytes(config: MulaConfig, layout: Layout, layers: range, *, first
         region = tokens // t if layout.sequence_parallel else tokens
         # the final norm (1/T of the sequence under SP), the LM head's input (whole), the
         # vocabulary-parallel log-softmax (V / T columns) and the targets
-        total += region * _norm(config, h, r) + tokens * (b * h + 4 * config.vocab_size // t + 8)
+        head = region * _norm(config, h, r) + tokens * (b * h + 4 * config.vocab_size // t + 8)
+        # each MTP module (mula.model.mtp): its two input norms (in fp32 the previous depth's state that
+        # hnorm takes is the one the previous head holds already), the concatenation eh_proj takes (2h) and
+        # the shifted ids, then a head of its own (its norm, the LM head's input, log-softmax, targets)
+        shared = 4 * h if b == 4 else 0
+        mtp = region * (2 * _norm(config, h, r) - shared) + tokens * (2 * b * h + 8)
+        total += head + config.mtp_depth * (mtp + head)
         if r > b:
             total += config.vocab_size // t * h * b  # the LM head's autocast weight copy
     return total
@@ -283,5 +297,7 @@ def transient_bytes(config: MulaConfig, layout: Layout, layers: Sequence[int], *
     if last:
         out = tokens * config.vocab_size * (4 + layout.compute_bytes)  # fp32 logits grad + logits
     if any(config.is_moe_layer(i) for i in layers) and layout.ep_size > 1:
-        out = max(out, 2 * tokens * config.top_k * config.hidden_size * layout.compute_bytes)
+        # send and receive buffers: tokens x top_k rows each, or with a capacity the fixed E x C slots
+        rows = tokens * config.top_k if capacity_of(config) is None else dispatched_rows(config, layout)
+        out = max(out, 2 * rows * config.hidden_size * layout.compute_bytes)
     return out

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from mula.layout.rules import micro_batches_per_step
 from mula.plan.calibrated import error_band
+from mula.plan.collective_kinds import planned_collectives
 from mula.plan.layout import Layout
 from mula.plan.machines import Machine, load_machine
 from mula.plan.memory import MemoryPlan, plan_memory
@@ -188,6 +189,8 @@ def plan_result(inputs: PlanInputs) -> dict[str, Any]:
         "step_time_parts_s": time.as_dict() if time else None,
         # bytes each pipeline rank (first stage first) sends per step, by collective (needs no machine)
         "comm_bytes_per_step": [dataclasses.asdict(v) for v in comm_volumes(inputs.config, inputs.layout)],
+        # the same by kind of collective, bytes sent and received and calls: what `mula bench` measures
+        "collective_bytes_per_step": planned_collectives(inputs.config, inputs.layout),
         "calibration": _calibration_summary(inputs.machine),
     }
 

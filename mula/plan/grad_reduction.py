@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mula.layout.flat_buffers import plan_buckets
+from mula.layout.flat_buffers import Bucket, plan_buckets
+from mula.layout.muon_exchange import exchange_volume
 from mula.model.config import MulaConfig
 from mula.model.param_names import MUON_NS_DTYPES
 from mula.plan.calibrated import collective_seconds, nearest_group
@@ -41,13 +42,39 @@ def _ring(numel: int, elem_bytes: int, group: int) -> float:
     return 0.0 if group <= 1 else numel * elem_bytes * (group - 1) / group
 
 
-def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int, float]:
-    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, the
-    collective calls behind each (per round), and the gradient bytes the sharded optimizer's buckets take
+KindVolumes = dict[str, list[float]]  # collective kind (`mula.plan.collective_kinds.KINDS`) -> [bytes, calls]
+
+
+def add_volume(volumes: KindVolumes, kind: str, nbytes: float, calls: float) -> None:
+    """Add `calls` collectives of `kind` moving `nbytes` in all to `volumes` (nothing for no call)."""
+    if calls:
+        entry = volumes.setdefault(kind, [0.0, 0.0])
+        entry[0] += nbytes
+        entry[1] += calls
+
+
+def muon_exchange(buckets: list[Bucket], layout: Layout) -> KindVolumes:
+    """Sharded Muon's exchange per step (strategies/optim/sharded_muon.py) of a rank whose optimizer
+    buckets are `buckets`, by collective kind: per Muon bucket with peers, one all-to-all of the update's
+    slices to their matrices' owners and one of the orthogonalised slices back, in `muon_ns_dtype`; the
+    bytes the busiest rank sends (`mula.layout.muon_exchange.exchange_volume`, which also counts the
+    exchange's transient buffers). The one place that plans it: `optimizer_collectives` counts it with
+    the gather."""
+    out: KindVolumes = {}
+    if layout.optimizer == "muon":
+        volume = exchange_volume(buckets, MUON_NS_DTYPES[layout.muon_ns_dtype])
+        add_volume(out, "all_to_all", volume.sent, volume.calls)
+    return out
+
+
+def optimizer_collectives(params: list, layout: Layout) -> tuple[KindVolumes, KindVolumes, float]:
+    """(gradient reduction per round, parameter gather per step) of one rank holding `params`, by
+    collective kind (bus bytes and calls), and the gradient bytes the sharded optimizer's buckets take
     (padding included, in the reduction's dtype: what its reducer writes every micro-batch; 0 for
-    replicated AdamW), from one plan of the buckets. Sharded Muon's two collectives of its buckets (the
-    update's all-gather, the orthogonalised update's reduce-scatter, in `muon_ns_dtype`) count with the
-    gather."""
+    replicated AdamW), from one plan of the buckets. Sharded Muon's exchange (`muon_exchange`) counts
+    with the gather."""
+    reduce: KindVolumes = {}
+    gather: KindVolumes = {}
     if not layout.shard_optimizer:
         # torch AdamW: every gradient (the local tensor-parallel shard) is all-reduced once, unpadded,
         # in the parameters' dtype, bucketed as the sharded optimizer would bucket it (grad_sync.py)
@@ -58,28 +85,40 @@ def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, 
         groups = {"dense": layout.replica_size, "expert": layout.edp_cp_size}
         calls = sum(b.group_size > 1 for b in plan_buckets(entries, groups, layout.bucket_numel, 1))
         ring = _ring(dense, pb, layout.replica_size) + _ring(expert, pb, layout.edp_cp_size)
-        return 2 * ring, 0.0, calls, 0, 0.0
+        add_volume(reduce, "all_reduce", 2 * ring, calls)
+        return reduce, gather, 0.0
     # the sharded optimizer's own buckets (strategies.optim.grad_reduce.make_domains): dense sharded over the
     # stage's ranks (EP-unaware: over EDP, the bucket all-reduced over the stage), experts over EDP
     buckets = sharded_buckets(params, layout)
-    reduce = gather = 0.0
-    reduce_calls = gather_calls = 0
+    # gloo has no reduce-scatter / all-gather: "rooted" runs one reduce / broadcast per shard
+    rooted = layout.collectives == "rooted"
     for b in buckets:
-        # gloo has no reduce-scatter / all-gather: "rooted" runs one reduce / broadcast per shard
-        shards = 0 if b.group_size == 1 else b.group_size if layout.collectives == "rooted" else 1
-        gather_calls += shards
+        shards = 0 if b.group_size == 1 else b.group_size if rooted else 1
         if b.domain == "dense" and not layout.ep_aware:
-            reduce += 2 * _ring(b.numel, layout.reduce_bytes, layout.replica_size)
-            reduce_calls += layout.replica_size > 1  # one all-reduce over the stage
+            # one all-reduce over the stage
+            moved = 2 * _ring(b.numel, layout.reduce_bytes, layout.replica_size)
+            add_volume(reduce, "all_reduce", moved, int(layout.replica_size > 1))
         else:
-            reduce += _ring(b.numel, layout.reduce_bytes, b.group_size)
-            reduce_calls += shards
-        gather += _ring(b.numel, layout.param_bytes, b.group_size)
-        if b.muon:  # sharded Muon: the all-gather of its update, the reduce-scatter of the result
-            gather += 2 * _ring(b.numel, MUON_NS_DTYPES[layout.muon_ns_dtype], b.group_size)
-            gather_calls += 2 * shards
+            kind = "reduce" if rooted else "reduce_scatter"
+            add_volume(reduce, kind, _ring(b.numel, layout.reduce_bytes, b.group_size), shards)
+        moved = _ring(b.numel, layout.param_bytes, b.group_size)
+        add_volume(gather, "broadcast" if rooted else "all_gather", moved, shards)
+    for kind, (nbytes, calls) in muon_exchange(buckets, layout).items():
+        add_volume(gather, kind, nbytes, calls)
     held = float(sum(b.numel for b in buckets) * layout.reduce_bytes)
-    return reduce, gather, reduce_calls, gather_calls, held
+    return reduce, gather, held
+
+
+def optimizer_volumes(params: list, layout: Layout) -> tuple[float, float, int, int, float]:
+    """(gradient reduction, parameter gather) bus bytes per round of one rank holding `params`, the
+    collective calls behind each (per round), and the gradient bytes the sharded optimizer's buckets take
+    (`optimizer_collectives`, summed over the kinds of collective)."""
+    reduce, gather, held = optimizer_collectives(params, layout)
+
+    def total(volumes: KindVolumes, i: int) -> float:
+        return sum(v[i] for v in volumes.values())
+
+    return total(reduce, 0), total(gather, 0), int(total(reduce, 1)), int(total(gather, 1)), held
 
 
 def reduction_overhead_seconds(machine: Machine, layout: Layout, nbytes: float) -> float:

@@ -154,8 +154,11 @@ class Layout:
 
     def stage_holdings(self, config: Any) -> list[Holdings]:
         """What a rank of each pipeline stage holds of `config` (`ParallelLayout.rank_holdings` of the
-        stage's first rank; the stage's other ranks hold the same blocks and other experts)."""
-        return list(_stage_holdings(self.parallel, config.num_layers, config.num_experts))
+        stage's first rank; the stage's other ranks hold the same blocks and other experts). The blocks of
+        the multi-token prediction modules (`mtp_depth`, after the model's) are the one stage's: pipeline
+        stages refuse them (`mula.layout.rules`)."""
+        blocks = config.num_blocks if self.parallel.pp == 1 else config.num_layers
+        return list(_stage_holdings(self.parallel, blocks, config.num_experts))
 
     def replace(self, **changes: object) -> Layout:
         """A copy with `changes` applied (validated again)."""

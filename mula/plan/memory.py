@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mula.layout.flat_buffers import Bucket, ParamEntry, plan_buckets
+from mula.layout.muon_exchange import exchange_volume
 from mula.model.config import MulaConfig
-from mula.model.param_names import muon_matrix_shape
+from mula.model.param_names import MUON_NS_DTYPES, muon_matrix_shape
 from mula.plan.activations import activation_bytes, peak_activations, transient_bytes
 from mula.plan.layout import Layout
 from mula.plan.parameters import ParamSpec, model_parameters, tp_local_shape
@@ -142,6 +143,9 @@ def _state_bytes(params: Sequence[ParamSpec], layout: Layout) -> tuple[int, int,
     if layout.zero_stage == 2 and buckets:
         # a full bucket lives while its reduce-scatter is in flight: one reducing, one filling
         buffers += 2 * max(b.numel for b in buckets) * layout.reduce_bytes
+    if layout.optimizer == "muon":
+        # sharded Muon's exchange in flight: update slices, received matrices, Newton-Schulz scratch
+        buffers += exchange_volume(buckets, MUON_NS_DTYPES[layout.muon_ns_dtype]).transient
     host = 0
     if layout.offload:  # strategies/optim/offload.py: the state and the slices speculation may restore
         # (12 per element each), the gradient shard's host copy and the cast master shard's send buffer;

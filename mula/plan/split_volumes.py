@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from mula.model.activation_checkpointing import parse_activation_checkpointing
 from mula.model.config import MulaConfig
+from mula.model.moe_capacity import capacity_of
 from mula.plan.layout import Layout
 
 
@@ -49,6 +50,26 @@ def context_parallel_router_calls(config: MulaConfig, layout: Layout, blocks: li
     return float(max(1, layout.micro_batches) * moe_layers * (forwards * sums + 2))
 
 
+def context_parallel_router_bytes(config: MulaConfig, layout: Layout, blocks: list[int]) -> float:
+    """Bus bytes of the router-loss totals' collectives (`context_parallel_router_calls`) per step: per
+    MoE layer and micro-batch, each forward all-gathers the mean probabilities (E fp32), z (one fp32) and
+    the counts (E int64, unless the global scope gives the frequencies; the sequence scope: probability
+    sums and counts per sequence, [B, E] fp32 each) from the C - 1 other ranks, and backward
+    reduce-scatters the first two, (C-1)/C of their C-fold gradient. Zero without context parallelism."""
+    c = layout.cp_size
+    if c == 1 or not config.is_moe:
+        return 0.0
+    forwards = 1 + bool(parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"})
+    with_grad = 4 * config.num_experts + 4
+    counts = 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
+    if config.aux_loss_scope == "sequence":  # per sequence: probability sums and counts [B, E], fp32
+        with_grad = counts = 4 * layout.micro_batch * config.num_experts
+        with_grad += 4
+    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
+    per_layer = (c - 1) * (forwards * (with_grad + counts) + with_grad)
+    return float(max(1, layout.micro_batches) * moe_layers * per_layer)
+
+
 def tensor_parallel_sends(
     config: MulaConfig, layout: Layout, blocks: list[int], first: bool, last: bool, partial_grads: bool = True
 ) -> tuple[float, float]:
@@ -79,9 +100,12 @@ def tensor_parallel_sends(
     stat_calls = (1 if config.norm == "rmsnorm" else 2) * 2 if over_heads else 0
     stats = stat_calls * tokens * 4 * 2 * ring
     # the router losses' sums over the TP group: mean probabilities and z (fp32), counts (int64) unless
-    # the global scope gives the frequencies
-    counts = 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
-    router = 2 * (4 * config.num_experts + 4 + counts) * ring
+    # the global scope gives the frequencies; the sequence scope sums probabilities and counts per
+    # sequence ([B, E] fp32 each)
+    probs, counts = 4 * config.num_experts, 0 if config.aux_loss_scope == "global" else 8 * config.num_experts
+    if config.aux_loss_scope == "sequence":
+        probs = counts = 4 * layout.micro_batch * config.num_experts
+    router = 2 * (probs + 4 + counts) * ring
     router_calls = 2 + (config.aux_loss_scope != "global")
     # MLA (`_split_latent_attention`): backward all-reduces the column-parallel up projections' inputs (the
     # q latent, or the attention's input without one, and the kv latent, each in the parameters' dtype
@@ -155,6 +179,17 @@ def tensor_parallel_sends(
     return out + rounds * partial * 2 * r * ring, out_calls + rounds * partial_calls
 
 
+def dispatched_rows(config: MulaConfig, layout: Layout) -> int:
+    """Rows one MoE layer's dispatch moves per micro-batch on one rank: its tokens x top_k (dropless; under
+    TP a rank routes 1/T of the tokens), or with an expert capacity the E x C fixed slots, padding included
+    (`mula.model.kernels.capacity`: C from the micro-batch's tokens)."""
+    tokens = layout.micro_batch * layout.local_seq_len // layout.tp_size
+    capacity = capacity_of(config)
+    if capacity is None:
+        return tokens * config.top_k
+    return config.num_experts * capacity.slots(tokens, config.top_k, config.num_experts)
+
+
 def expert_all_to_all_sends(config: MulaConfig, layout: Layout, blocks: list[int]) -> tuple[float, float]:
     """(bytes, calls) of the expert all-to-alls one rank makes per step over its E ranks for `blocks`:
     per MoE layer and micro-batch, tokens x top_k rows of `hidden` elements in the compute dtype leave
@@ -162,17 +197,40 @@ def expert_all_to_all_sends(config: MulaConfig, layout: Layout, blocks: list[int
     when the MoE block is recomputed (under TP each rank routes 1/T of its micro-batches' tokens). The
     messages: the row exchanges, one expert-count exchange per forward of the dispatch, and on CPU (the
     padded expert layout folds the combine weights into the experts) the weights' exchange in each
-    forward and once backward. Dense blocks send nothing; zero without expert parallelism."""
+    forward and once backward. With an expert capacity the rows are the E x C fixed slots (`dispatched_rows`),
+    no counts are exchanged and the weights always travel. Dense blocks send nothing; zero without expert
+    parallelism."""
     e = layout.ep_size
     if not config.is_moe or e == 1:
         return 0.0, 0.0
     m = max(1, layout.micro_batches)
-    rank_tokens = m * layout.micro_batch * layout.local_seq_len
     recompute = parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"}
     passes = 4 + (2 if recompute else 0)
-    row = config.top_k * config.hidden_size * layout.compute_bytes
+    row = config.hidden_size * layout.compute_bytes
     forwards = passes // 2 - 1
-    messages = passes + forwards + ((forwards + 1) if layout.device_type == "cpu" else 0)
+    fixed = capacity_of(config) is not None
+    counts = 0 if fixed else forwards
+    messages = passes + counts + ((forwards + 1) if fixed or layout.device_type == "cpu" else 0)
     moe_layers = sum(config.is_moe_layer(i) for i in blocks)
-    sent = passes * moe_layers * rank_tokens // layout.tp_size * row * (e - 1) / e
+    sent = passes * moe_layers * m * dispatched_rows(config, layout) * row * (e - 1) / e
     return sent, float(messages * moe_layers * m)
+
+
+def expert_all_to_all_extra(config: MulaConfig, layout: Layout, blocks: list[int]) -> float:
+    """Bytes of the expert all-to-alls beside the token rows (`expert_all_to_all_sends` counts their
+    messages): per MoE layer, micro-batch and forward of the dispatch, this rank's expert counts (int64)
+    to the E - 1 other ranks, and where the CPU expert layout folds the combine weights into the experts,
+    one fp32 weight per row leaving the rank, in each forward and once backward."""
+    e = layout.ep_size
+    if not config.is_moe or e == 1:
+        return 0.0
+    m = max(1, layout.micro_batches)
+    forwards = 1 + bool(parse_activation_checkpointing(layout.checkpointing) & {"moe", "full"})
+    fixed = capacity_of(config) is not None  # fixed blocks: no counts, the weights on every device
+    counts = 0 if fixed else forwards * (e - 1) * (config.num_experts // e) * 8
+    weights = 0.0
+    if fixed or layout.device_type == "cpu":
+        rows = m * dispatched_rows(config, layout)
+        weights = (forwards + 1) * rows * 4 * (e - 1) / e
+    moe_layers = sum(config.is_moe_layer(i) for i in blocks)
+    return moe_layers * (m * counts + weights)

@@ -236,8 +236,8 @@ def step_time(config: MulaConfig, layout: Layout, machine: Machine, global_batch
     # the slowest stage's blocks (dense first blocks weigh less than MoE ones) and, on the last stage,
     # the LM head with the loss, each at its own rate (a calibrated machine measures both)
     core = 6 * config.attention_core_width * layout.seq_len  # QK^T and AV, forward and backward
-    block = [6 * config.layer_matmul_params(i) + core for i in range(config.num_layers)]
-    head = flops / tokens - sum(block)  # the LM head's FLOPs per token
+    block = [6 * config.layer_matmul_params(i) + core for i in range(config.num_blocks)]  # MTP's too
+    head = flops / tokens - sum(block)  # the LM head's FLOPs per token (and the MTP modules' heads)
     rank_tokens = tokens / (
         w / p
     )  # a stage's tokens over its ranks (a TP or CP rank: 1/T or 1/C of the work)

@@ -26,6 +26,8 @@ from typing import Any
 import lightning
 from torchmetrics import MeanMetric
 
+from mula.host_sync import logging_step
+
 TESTED_LIGHTNING = ">=2.5,<2.7,!=2.6.2,!=2.6.3"  # keep equal to pyproject.toml's requirement
 
 try:
@@ -71,6 +73,7 @@ __all__ = [
     "log_train_step_now",
     "logs_train_step",
     "process_group_timeout",
+    "sigterm_agreement_on_logging_steps",
 ]
 
 
@@ -148,6 +151,30 @@ def forget_lightning_sigterm(trainer: Any) -> None:
     start-up reached both handlers.
     """
     trainer._signal_connector.received_sigterm = False
+
+
+def sigterm_agreement_on_logging_steps(trainer: Any) -> None:
+    """Run Lightning's SIGTERM agreement only on the first batch of a logging step (every
+    `log_every_n_steps` steps; never when that is 0), for the fit the trainer is about to run.
+
+    On more than one rank Lightning broadcasts rank 0's SIGTERM flag before every training batch and
+    reads it with `.item()`: a host sync per micro-batch (mula.host_sync). On a logging step the host
+    reads the step's metrics anyway. The agreement itself is Lightning's (its private, per-instance
+    `_broadcast_sigterm_tensor`, called by the same ranks at the same batches); a SIGTERM Lightning's
+    own handler recorded ends the run at the next logging step instead of the next batch.
+    PreemptionHandler (every recipe) handles the signals itself and checkpoints first.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    agree = type(loop)._broadcast_sigterm_tensor
+    last = [None]  # the step whose first batch was seen
+
+    def on_logging_steps() -> None:
+        step = trainer.global_step
+        first, last[0] = step != last[0], step
+        if first and logging_step(step + 1, trainer.log_every_n_steps):
+            agree(loop)
+
+    loop._broadcast_sigterm_tensor = on_logging_steps
 
 
 def leave_wandb_anonymous_unset(logger: Any) -> None:

@@ -42,6 +42,7 @@ from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_
 from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
+from mula.model.mtp import mtp_cross_entropy, shifted_ids, shifted_targets
 from mula.model.transformer import Mula, parse_activation_checkpointing
 from mula.training.bits_per_byte import BitsPerByte, target_bytes, token_byte_table
 from mula.training.host_allocator import reuse_freed_host_memory
@@ -64,8 +65,9 @@ class TokenizedData(Protocol):
 
 
 OPTIMIZERS = ("adamw", "muon")
-# The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`).
-STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss")
+# The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`); the MTP loss
+# (`mtp_loss_weight` not applied) only with multi-token prediction, as the last entry.
+STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss", "train/mtp_loss")
 
 
 def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -299,8 +301,9 @@ class MulaLightningModule(L.LightningModule):
         return self.model(input_ids)
 
     # ----- steps ---------------------------------------------------------------------------------
-    def _losses(self, batch: Tensor) -> tuple[Tensor, Tensor, Any]:
-        """(total loss, cross-entropy, model output) for a batch of token ids [B, T + 1]."""
+    def _losses(self, batch: Tensor, mtp: bool = False) -> tuple[Tensor, Tensor, Any]:
+        """(total loss, cross-entropy, model output) for a batch of token ids [B, T + 1]; with `mtp` (training)
+        the MTP modules run too and the total adds `mtp_loss_weight` times their loss (`out.mtp_loss`)."""
         if batch.dim() != 2 or batch.shape[1] < 2:
             raise ValueError(
                 f"expected a batch of token ids [batch, seq_len + 1], got shape {tuple(batch.shape)}."
@@ -311,9 +314,26 @@ class MulaLightningModule(L.LightningModule):
         # the slice's mean, and the slices are equal, so the ranks' mean is the sequence's
         shard = self.model.sequence_shard
         inputs, targets = shard.take(inputs), shard.take(targets)
-        out = self.model(inputs)
+        depths = range(1, self.config.mtp_depth + 1) if mtp else range(0)
+        out = self.model(inputs, [shard.take(shifted_ids(batch, k)) for k in depths])
         loss, ce = self.combine_losses(out.logits, targets, out.aux_loss, out.z_loss)
+        if out.mtp_logits:
+            out.mtp_loss = self.mtp_loss(out.mtp_logits, batch)
+            loss = loss + self.config.mtp_loss_weight * out.mtp_loss
         return loss, ce, out
+
+    def mtp_loss(self, mtp_logits: Sequence[Tensor], batch: Tensor) -> Tensor:
+        """The mean over the MTP modules of their cross-entropies (`mula.model.mtp`), unweighted."""
+        seq_len = batch.shape[1] - 1
+        if seq_len <= len(mtp_logits):
+            depth = len(mtp_logits)
+            raise ValueError(f"mtp_depth={depth} needs sequences longer than {depth} tokens, got {seq_len}.")
+        shard = self.model.sequence_shard
+        terms = [
+            mtp_cross_entropy(logits, shard.take(shifted_targets(batch, k)), k, seq_len, shard.count)
+            for k, logits in enumerate(mtp_logits, start=1)
+        ]
+        return torch.stack(terms).mean()
 
     def combine_losses(
         self, logits: Tensor, targets: Tensor, aux_loss: Tensor, z_loss: Tensor
@@ -330,8 +350,9 @@ class MulaLightningModule(L.LightningModule):
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """One micro-batch: its loss (for backward), and the train/* (and moe/*) metrics of this step."""
-        loss, ce, out = self._losses(batch)
-        self._log_step_losses(loss, ce, out.aux_loss, out.z_loss)
+        loss, ce, out = self._losses(batch, mtp=True)
+        mtp = (out.mtp_loss,) if out.mtp_logits else ()
+        self._log_step_losses(loss, ce, out.aux_loss, out.z_loss, *mtp)
         if self.config.is_moe and out.tokens_per_expert is not None:
             counts = out.tokens_per_expert.detach()
             self._step_counts = counts if self._step_counts is None else self._step_counts + counts
@@ -386,8 +407,9 @@ class MulaLightningModule(L.LightningModule):
             return
         total = self.trainer.strategy.reduce(torch.cat([sums, sums.new_tensor([count])]), reduce_op="sum")
         means = total[:-1] / total[-1]
-        names = STEP_LOSSES if self.config.is_moe else STEP_LOSSES[:2]
-        for name, value in zip(names, means):
+        kept = (True, True, self.config.is_moe, self.config.is_moe, len(means) == len(STEP_LOSSES))
+        names = [name for name, keep in zip(STEP_LOSSES, kept) if keep]
+        for name, value in zip(names, means[[i for i, keep in enumerate(kept) if keep]]):
             self.log(name, value, prog_bar=False, on_step=True, on_epoch=False, sync_dist=False)
 
     @override
@@ -472,17 +494,19 @@ class MulaLightningModule(L.LightningModule):
         self._step_counts = None
         named = list(iter_moe_layers(self.model))
         layers = [layer for _, layer in named]
-        # a skipped step leaves every piece of trained state as it was, the balancing bias included
-        # (strategies without a skip verdict never skip)
-        strategy = self._strategy()
-        skipped = strategy is not None and strategy.update_skipped
-        if self.config.router_bias_update_rate > 0 and not skipped:
+        if self.config.router_bias_update_rate > 0:
             rate = self.config.router_bias_update_rate
             # each layer's row from its global block index ("layers.<i>.mlp"): a pipeline stage holds
             # only some blocks, and the dense first blocks have no row
             rows = self.step_expert_counts[
                 [self.config.moe_layer_row(int(name.split(".")[1])) for name, _ in named]
             ]
+            # a skipped step leaves every piece of trained state as it was, the balancing bias included:
+            # the strategy's skip flag stays on the device, and equal (zero) loads move no bias
+            # (strategies without a skip verdict never skip)
+            strategy = self._strategy()
+            if strategy is not None:
+                rows = torch.where(strategy.update_skipped, torch.zeros_like(rows), rows)
             update_router_bias([layer.router for layer in layers], rows, rate)
         for layer in layers:
             if layer.global_load is not None:

@@ -60,8 +60,9 @@ class MulaStrategy(Protocol):
         ...
 
     @property
-    def last_grads_finite(self) -> bool:
-        """Whether every gradient of the step being run is finite, on all ranks (set before `on_before_optimizer_step`)."""
+    def last_grads_finite(self) -> Tensor | None:
+        """Whether every gradient of the step being run is finite, on all ranks (set before `on_before_optimizer_step`):
+        a 0-dim bool tensor on the device, so that deciding on it needs no host sync."""
         ...
 
     def skip_optimizer_step(self, reason: str) -> None:
@@ -69,8 +70,9 @@ class MulaStrategy(Protocol):
         ...
 
     @property
-    def update_skipped(self) -> bool:
-        """Whether the update of the step being run is skipped (a non-finite gradient or a veto)."""
+    def update_skipped(self) -> Tensor:
+        """Whether the update of the step being run is skipped (a non-finite gradient or a veto): a 0-dim bool
+        tensor on the device (state the step updates outside the optimizer is masked by it, no host sync)."""
         ...
 
     # ----- data (MulaDataModule, Throughput, DownstreamEval) ----------------------------------------
@@ -139,6 +141,11 @@ class ShardedOptimizer(OptimizerBytes, Protocol):
 
     def reduce_gradients(self) -> None:
         """Finish reducing this step's gradients into this rank's shards (launched from backward hooks)."""
+        ...
+
+    @property
+    def masks_update_on_device(self) -> bool:
+        """Whether `step(found_inf=...)` skips the update on a device flag (non-zero: skip), with no host read."""
         ...
 
     def no_sync(self) -> AbstractContextManager[None]:

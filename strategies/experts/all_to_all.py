@@ -1,4 +1,5 @@
-"""All-to-all token dispatcher for expert parallelism (dropless, uneven splits, autograd-correct).
+"""All-to-all token dispatcher for expert parallelism (dropless with uneven splits, or with an expert
+capacity and fixed blocks; autograd-correct).
 
 Implements `mula.model.moe.Dispatcher`, a drop-in for the MoE layer's local dispatcher, on the local path's
 permutation plan and kernels (`mula.model.kernels.permute`: Triton on GPUs). Per layer and step:
@@ -40,6 +41,7 @@ from torch import Tensor
 from mula.host_sync import to_host
 from mula.layout.rules import check_degrees, check_experts
 from mula.model.kernels import RoutingPlan, permute, plan_routing, unpermute
+from mula.model.kernels.capacity import Capacity, fixed_layout, plan_capacity
 from mula.model.kernels.permute import experts_run_padded
 from mula.model.moe import LocalDispatcher
 
@@ -86,6 +88,16 @@ class _DispatchState:
     recv_splits: list[int]
 
 
+@dataclass
+class _FixedState:
+    """What `combine` needs to undo a capacity dispatch (fixed blocks, `AllToAllDispatcher`)."""
+
+    send_plan: RoutingPlan  # this rank's choices in [E, C] slots (combine weights folded into the experts)
+    wire_dtype: torch.dtype
+    out_dtype: torch.dtype
+    splits: list[int]  # E_local * C rows to and from every EP rank
+
+
 class AllToAllDispatcher:
     """Dispatcher that sends each token to the EP rank holding its expert and brings the results back.
 
@@ -97,10 +109,23 @@ class AllToAllDispatcher:
     j on EP rank p is global expert p * (E_total / ep_size) + j. `bytes_sent` accumulates the bytes
     this rank sent to other ranks (forward and backward: token rows, combine weights, counts) until
     someone resets it (the MoE metrics callback does, once per optimizer step).
+
+    With a `capacity` (`mula.model.kernels.capacity`, over the E_total experts, so every rank drops what
+    one process running its micro-batch drops), the exchange moves fixed blocks instead: the send buffer
+    is the capacity plan's [E_total, C] slots (zero rows where an expert has fewer choices), rank p's
+    block is its experts' E_local * C rows, every split is that size (known from shapes: no count
+    exchange and no host read), and the combine weights travel with the rows (one fp32 each). The
+    received [ep, E_local, C] rows are regrouped to [E_local, ep * C], one batched GEMM per projection.
     """
 
     def __init__(
-        self, num_experts: int, ep_size: int, ep_rank: int, ep_group: Any = None, backend: str = "auto"
+        self,
+        num_experts: int,
+        ep_size: int,
+        ep_rank: int,
+        ep_group: Any = None,
+        backend: str = "auto",
+        capacity: Capacity | None = None,
     ) -> None:
         check_degrees(ep_size, 1)
         check_experts(num_experts, ep_size)
@@ -110,13 +135,15 @@ class AllToAllDispatcher:
         self.ep_group = ep_group
         self.backend = backend
         self.num_local_experts = num_experts // ep_size
+        self.capacity = capacity
         self.bytes_sent = 0
-        self._local = LocalDispatcher(num_experts, backend)  # ep_size 1: nothing to exchange
+        self._local = LocalDispatcher(num_experts, backend, capacity)  # ep_size 1: nothing to exchange
 
     def __repr__(self) -> str:
+        extra = "" if self.capacity is None else f", capacity={self.capacity}"
         return (
             f"AllToAllDispatcher(num_experts={self.num_experts}, ep_size={self.ep_size}, "
-            f"ep_rank={self.ep_rank}, backend={self.backend!r})"
+            f"ep_rank={self.ep_rank}, backend={self.backend!r}{extra})"
         )
 
     def dispatch(
@@ -129,6 +156,8 @@ class AllToAllDispatcher:
         """
         if self.ep_size == 1:
             return self._local.dispatch(x, topk_idx, topk_weight)
+        if self.capacity is not None:
+            return self._dispatch_fixed(x, topk_idx, topk_weight)
         wire = wire_dtype(x)
         fold = experts_run_padded(self.backend, x.device, x.dtype)  # the same answer on every rank
         send_plan = plan_routing(topk_idx, self.num_experts, None if fold else topk_weight)
@@ -157,10 +186,45 @@ class AllToAllDispatcher:
         state = _DispatchState(send_plan, expert_plan, wire, x.dtype, send_splits, recv_splits)
         return permute(x_recv, expert_plan), expert_plan, state
 
-    def combine(self, y_grouped: Tensor, state: _DispatchState | RoutingPlan) -> Tensor:
+    def _dispatch_fixed(
+        self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, RoutingPlan, _FixedState]:
+        """The capacity dispatch (class docstring): fixed blocks, static splits."""
+        wire = wire_dtype(x)
+        send_plan = plan_capacity(topk_idx, topk_weight, self.num_experts, self.capacity)
+        slots = send_plan.layout.rows // self.num_experts
+        splits = [self.num_local_experts * slots] * self.ep_size
+        x_recv = _AllToAll.apply(permute(x.to(wire), send_plan), splits, splits, self.ep_group, self)
+        w_recv = _AllToAll.apply(send_plan.row_weight.float(), splits, splits, self.ep_group, self)
+        # [ep, E_local, C] (source rank major) -> [E_local, ep * C]: each local expert's rows together
+        x_rows = self._by_expert(x_recv.to(x.dtype), slots)
+        rows = x_rows.shape[0]
+        ids = torch.arange(rows, device=x.device)
+        layout = fixed_layout(self.num_local_experts, self.ep_size * slots, x.device)
+        # the received rows are already in the layout: an identity plan that carries their weights
+        expert_plan = RoutingPlan(ids, ids, ids, layout.counts, 1, layout)
+        expert_plan.row_weight = self._by_expert(w_recv.unsqueeze(1), slots).squeeze(1)
+        return x_rows, expert_plan, _FixedState(send_plan, wire, x.dtype, splits)
+
+    def _by_expert(self, rows: Tensor, slots: int) -> Tensor:
+        """[ep * E_local * C, D] rows by source rank -> [E_local * ep * C, D] by local expert."""
+        d = rows.shape[1]
+        return rows.view(self.ep_size, self.num_local_experts, slots, d).transpose(0, 1).reshape(-1, d)
+
+    def _by_source(self, rows: Tensor, slots: int) -> Tensor:
+        """The inverse of `_by_expert`."""
+        d = rows.shape[1]
+        return rows.view(self.num_local_experts, self.ep_size, slots, d).transpose(0, 1).reshape(-1, d)
+
+    def combine(self, y_grouped: Tensor, state: _DispatchState | _FixedState | RoutingPlan) -> Tensor:
         """Bring expert outputs back to their tokens and return the weighted sum y [N, H]."""
         if isinstance(state, RoutingPlan):
             return self._local.combine(y_grouped, state)
+        if isinstance(state, _FixedState):
+            slots = state.send_plan.layout.rows // self.num_experts
+            y_recv = self._by_source(y_grouped, slots).to(state.wire_dtype)
+            y_send = _AllToAll.apply(y_recv, state.splits, state.splits, self.ep_group, self)
+            return unpermute(y_send.to(state.out_dtype), state.send_plan)
         y_recv = unpermute(y_grouped, state.expert_plan).to(state.wire_dtype)
         y_send = _AllToAll.apply(y_recv, state.send_splits, state.recv_splits, self.ep_group, self)
         return unpermute(y_send.to(state.out_dtype), state.send_plan)

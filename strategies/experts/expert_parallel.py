@@ -46,6 +46,6 @@ def apply_expert_parallel(model: nn.Module, topology: LayoutMesh) -> int | None:
             # the experts' kernels, as before
             backend = layer.dispatcher.backend if isinstance(layer.dispatcher, LocalDispatcher) else "auto"
             layer.dispatcher = AllToAllDispatcher(
-                total, topology.size("ep"), topology.rank("ep"), topology.group("ep"), backend
+                total, topology.size("ep"), topology.rank("ep"), topology.group("ep"), backend, layer.capacity
             )
     return total

@@ -28,11 +28,14 @@ def adamw_update(
     beta2: float,
     weight_decay: float,
     eps: float,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Decoupled-weight-decay Adam on lists of flat fp32 tensors; ``step`` is already incremented.
 
+    ``found_inf`` (a 0-dim float tensor on the device, 1 to skip): the update is a no-op when it is
+    non-zero, decided on the device (no host read), as torch's fused kernel does under a GradScaler.
     Uses torch's fused kernel (one pass over memory) where the device has one, else the same math as
-    ``torch.optim.AdamW(foreach=True)``."""
+    ``torch.optim.AdamW(foreach=True)`` (then a skip keeps the old values with ``torch.where``)."""
     global _FUSED_DEVICES
     if _FUSED_DEVICES is None:
         _FUSED_DEVICES = torch_compat.fused_adamw_devices()
@@ -52,9 +55,13 @@ def adamw_update(
             eps=eps,
             amsgrad=False,
             maximize=False,
+            found_inf=found_inf,
         )
         return
-    n = float(step)
+    # (where ``found_inf`` can skip: one copy of the shard's state held, put back after a skip)
+    state = (*params, *exp_avgs, *exp_avg_sqs)
+    kept = [t.clone() for t in state] if found_inf is not None else None
+    n = max(float(step), 1.0)  # (a first step skipped: step 0, its result is put back)
     torch_compat.foreach_mul_(params, 1 - lr * weight_decay)
     torch_compat.foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch_compat.foreach_mul_(exp_avg_sqs, beta2)
@@ -64,6 +71,10 @@ def adamw_update(
     torch_compat.foreach_div_(denom, (1 - beta2**n) ** 0.5)
     torch_compat.foreach_add_(denom, eps)
     torch_compat.foreach_addcdiv_(params, exp_avgs, denom, -step_size)
+    if kept is not None:
+        skip = found_inf != 0
+        for new, old in zip(state, kept):
+            new.copy_(torch.where(skip, old, new))
 
 
 @dataclass
@@ -94,10 +105,11 @@ def update_runs(
     grads: Tensor,
     step: Tensor,
     param_groups: Sequence[dict[str, Any]],
+    found_inf: Tensor | None = None,
 ) -> None:
     """AdamW on one bucket's shard: ``runs`` (from ``shard_runs``) of the bucket's ``state`` =
     (master, exp_avg, exp_avg_sq) and ``grads`` (all over that shard), one vectorised call per param
-    group with that group's lr, betas, eps and weight decay."""
+    group with that group's lr, betas, eps and weight decay; none where ``found_inf`` is non-zero."""
     master, exp_avg, exp_avg_sq = state
     by_group: dict[int, list[list[Tensor]]] = {}
     for run in runs:
@@ -122,4 +134,5 @@ def update_runs(
             beta2=float(beta2),
             weight_decay=float(group["weight_decay"]),
             eps=float(group["eps"]),
+            found_inf=found_inf,
         )

@@ -371,10 +371,22 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
     # update
 
+    @property
+    def masks_update_on_device(self) -> bool:
+        """Whether ``step(found_inf=...)`` skips on the device, without a host read: yes for AdamW's
+        buckets updated on the device; not with ``offload`` (the host validates its speculation) nor
+        with Muon's buckets (their exchange and Newton-Schulz take no mask)."""
+        return self._host is None and not any(b.muon for b in self.buckets)
+
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None, found_inf: Tensor | None = None):  # type: ignore[override]
         """Run ``closure`` (forward + backward) if given, then reduce, clip (``max_grad_norm``), update
-        the local shard with AdamW and all-gather the new parameters. Returns the closure's loss."""
+        the local shard with AdamW and all-gather the new parameters. Returns the closure's loss.
+
+        ``found_inf`` (a 0-dim float tensor on the device, as torch's fused optimizers take from a
+        GradScaler): where it is non-zero the step changes nothing -- neither the shard, the moments
+        nor the step count -- decided on the device (the strategy's non-finite skip, no host read).
+        Requires ``masks_update_on_device``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -383,10 +395,22 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         self.reduce_gradients()
         if self.options.max_grad_norm is not None and not self._p.clipped:
             self.clip_grad_norm_(self.options.max_grad_norm)
-        self.step_count.add_(1)
+        if found_inf is None:
+            self.step_count.add_(1)
+        else:
+            if not self.masks_update_on_device:
+                raise ValueError(
+                    "step(found_inf=...) needs masks_update_on_device: this optimizer offloads its update "
+                    "or holds Muon buckets; read the verdict on the host and skip step() instead."
+                )
+            self.step_count.add_(1 - found_inf.to(self.step_count.dtype))
         if self._host is not None:  # validate the speculative host updates, run the rest
             self._host.finish()
-        self._update_and_gather(self.step_count.to(self.device))  # (the device buckets' step count)
+        step = self.step_count.to(self.device)  # (the device buckets' step count)
+        if found_inf is None:
+            self._update_and_gather(step)
+        else:
+            self._update_and_gather(step, found_inf)
         if not self.options.overlap_param_gather:
             self.wait_for_params()
         self._p.steps_done += 1
@@ -394,22 +418,27 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         self._p.last_step_ms = (time.perf_counter() - t0) * 1e3
         return loss
 
-    def _update_and_gather(self, step: Tensor) -> None:
+    def _update_and_gather(self, step: Tensor, found_inf: Tensor | None = None) -> None:
         """Update every bucket's shard (the device ones; offload's host updates are done) and launch
         each bucket's parameter all-gather as soon as it is updated."""
         for i in range(len(self.buckets)):
             if self._host is None or i in self.tail_buckets:
-                self._update_bucket(i, self.shard_grad, step)
+                self._update_bucket(i, self.shard_grad, step, found_inf)
             self._gather.launch(i, self.bucket_state(i)[0])
 
     def _shard_range(self, index: int) -> tuple[int, int]:
         lo = self.reducer.states[index].shard_offset
         return lo, lo + self.buckets[index].shard_numel
 
-    def _update_bucket(self, index: int, grads: Tensor, step: Tensor) -> None:
-        """AdamW on bucket ``index``'s shard with ``grads`` (device shard or its host copy) at ``step``."""
+    def _update_bucket(
+        self, index: int, grads: Tensor, step: Tensor, found_inf: Tensor | None = None
+    ) -> None:
+        """AdamW on bucket ``index``'s shard with ``grads`` (device shard or its host copy) at ``step``
+        (none where ``found_inf`` is non-zero)."""
         lo, hi = self._shard_range(index)
-        update_runs(self._runs[index], self.bucket_state(index), grads[lo:hi], step, self.param_groups)
+        update_runs(
+            self._runs[index], self.bucket_state(index), grads[lo:hi], step, self.param_groups, found_inf
+        )
 
     def wait_for_params(self) -> None:
         """Block until every all-gather launched by ``step()`` has landed in the model parameters

@@ -50,6 +50,9 @@ class RoutingPlan:
     # [rows] combine weights the experts apply before their down projection (padded plans; padding
     # rows 0): they scale [rows, FFN] activations instead of [rows, hidden] outputs.
     row_weight: Tensor | None = None
+    # A capacity plan (`mula.model.kernels.capacity`) drops assignments: `unsort` sends each dropped one
+    # to row `rows` (one past the last), which every gather reads as a zero row.
+    drops: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -89,10 +92,16 @@ def plan_routing(
     if dtype is not None and experts_run_padded(backend, topk_idx.device, dtype):
         plan = _pad_plan(plan, padded.plan_buckets(counts))
         if topk_weight is not None:
-            plan.row_weight = _RowWeights.apply(topk_weight, plan.order, plan.unsort)
+            plan.row_weight = fold_weights(topk_weight, plan)
         return plan
     plan.combine_weight = topk_weight
     return plan
+
+
+def fold_weights(weight: Tensor, plan: RoutingPlan) -> Tensor:
+    """[rows]: the combine weight of each of a padded plan's rows (padding rows 0), from weight [N,K],
+    differentiable: what `RoutingPlan.row_weight` holds when the experts apply the weights."""
+    return _RowWeights.apply(weight, plan.order, plan.unsort)
 
 
 def experts_run_padded(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -174,7 +183,8 @@ def _gather_sum(ys: Tensor, plan: RoutingPlan, weight: Tensor | None, use_triton
 def _gather_slots(ys: Tensor, plan: RoutingPlan) -> Tensor:
     """[N, K, H]: the sorted rows of every token's K assignments, in (token, slot) order."""
     n = plan.num_tokens
-    return ys.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
+    rows = _with_zero_row(ys) if plan.drops else ys
+    return rows.index_select(0, plan.unsort).view(n, plan.top_k, ys.shape[1])
 
 
 class _RowWeights(torch.autograd.Function):
@@ -189,7 +199,8 @@ class _RowWeights(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, d_rows: Tensor) -> tuple[Tensor | None, ...]:
-        return d_rows.index_select(0, ctx.unsort).view(ctx.shape), None, None
+        # the appended zero: a dropped assignment (unsort = rows, see RoutingPlan.drops) gets no gradient
+        return _with_zero_row(d_rows).index_select(0, ctx.unsort).view(ctx.shape), None, None
 
 
 class _Unpermute(torch.autograd.Function):

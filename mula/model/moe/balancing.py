@@ -11,6 +11,9 @@
   bias_i += rate * sign(mean load - load_i) after each optimizer step, from the step's token counts
   summed over all micro-batches and ranks (`step_counts`: one all-reduce of [layers, E] per step), so
   every rank computes the same bias from the same numbers.
+* `TokenSplit.sequence_aux_loss` (aux_loss_scope="sequence"): the load-balancing loss per sequence,
+  averaged over the micro-batch's sequences (DeepSeek-V3's sequence-wise balance loss); a sequence split
+  over context- or tensor-parallel ranks is summed over them first, so every layout gives the same loss.
 * `TokenSplit`: how many ranks share the tokens of one micro-batch at an MoE layer. The plain model's
   layer holds them all (`TokenSplit()`, the identity); under tensor parallelism each TP rank routes
   1/T of them (`strategies.tensor_parallel_moe`), and `router_losses` takes the aux loss's
@@ -103,16 +106,44 @@ class TokenSplit:
         return t
 
     def router_losses(
-        self, route: RouterOutput, counts: Tensor, frequencies: Tensor | None
+        self, route: RouterOutput, counts: Tensor, frequencies: Tensor | None, sequences: int | None = None
     ) -> tuple[Tensor, Tensor]:
         """(aux, z) of the whole micro-batch from this rank's `route` and `counts` [E]: the aux loss's
         frequencies (`frequencies` when the global scope gives them) and mean probabilities and the z
-        loss's mean over every token of the micro-batch, whichever rank routed it."""
-        if self.parts == 1:
+        loss's mean over every token of the micro-batch, whichever rank routed it. With `sequences` (the
+        sequence scope: this rank's tokens are that many sequences' slices, in order) the aux loss is
+        `sequence_aux_loss`."""
+        if self.parts == 1 and sequences is None:
             return load_balancing_loss(route.probs, counts, frequencies), router_z_loss(route.logits)
         share = 1.0 / self.parts  # each rank holds 1/parts of the tokens: its mean counts that much
+        z = self.total(router_z_loss(route.logits) * share)
+        if sequences is not None:
+            return self.sequence_aux_loss(route, sequences), z
         mean_probs = self.total(route.probs.mean(dim=0, keepdim=True) * share)  # [1, E]
         if frequencies is None:
             frequencies = self.total(counts).float() / (route.probs.shape[0] * self.parts)
-        aux = load_balancing_loss(mean_probs, counts, frequencies)
-        return aux, self.total(router_z_loss(route.logits) * share)
+        return load_balancing_loss(mean_probs, counts, frequencies), z
+
+    def sequence_aux_loss(self, route: RouterOutput, sequences: int) -> Tensor:
+        """aux_loss_scope="sequence": the mean over the micro-batch's sequences of E * sum_i f_i P_i taken
+        per sequence (DeepSeek-V3's complementary sequence-wise balance loss, eq. 17-20, times top_k):
+        f_i = the sequence's choices of expert i / its tokens, P_i = the mean of its tokens' probabilities.
+
+        This rank's N tokens are `sequences` equal slices, one per sequence in order (x [B, t, H]
+        flattened); the ranks sharing the micro-batch (`parts`: context and tensor parallelism) hold the
+        other slices of the same sequences, so each sequence's [E] counts and probability sums are
+        `total`s over them before the product: a sequence split over C ranks is still one sequence.
+        """
+        n, e = route.probs.shape
+        tokens = n // sequences * self.parts  # each sequence's tokens, on all the ranks sharing it
+        prob_sums = self.total(route.probs.view(sequences, -1, e).sum(dim=1))  # [B, E]
+        counts = self.total(sequence_counts(route.topk_idx, sequences, e))  # [B, E] (no gradient)
+        return e * (counts * prob_sums).sum(dim=1).mean() / tokens**2
+
+
+def sequence_counts(topk_idx: Tensor, sequences: int, num_experts: int) -> Tensor:
+    """[B, E] fp32: the choices of each expert among each sequence's tokens (`topk_idx` [B * t, K], the
+    sequences' tokens in order); exact in fp32 up to 2^24 choices, without a host sync."""
+    idx = topk_idx.reshape(sequences, -1)
+    ones = torch.ones(idx.shape, dtype=torch.float32, device=idx.device)
+    return torch.zeros(sequences, num_experts, device=idx.device).scatter_add_(1, idx, ones)

@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 from torch import Tensor
 
 from mula.model.kernels import ExpertGrouping, RoutingPlan, permute, plan_routing, unpermute
+from mula.model.kernels.capacity import Capacity, plan_capacity
 
 StateT = TypeVar("StateT")
 
@@ -53,14 +54,17 @@ class LocalDispatcher:
     plan_routing -> permute, and unpermute to combine, on every device (`mula.model.kernels.permute`): the
     routing plan lays the rows out the way the experts' backend runs them and carries the combine
     weights, so this class makes no device-specific choice itself. The plan is also the state.
+    With a `capacity` (`mula.model.kernels.capacity`) the plan caps every expert's rows and drops the rest.
     """
 
-    def __init__(self, num_experts: int, backend: str = "auto") -> None:
+    def __init__(self, num_experts: int, backend: str = "auto", capacity: Capacity | None = None) -> None:
         self.num_experts = num_experts
         self.backend = backend
+        self.capacity = capacity
 
     def __repr__(self) -> str:
-        return f"LocalDispatcher(num_experts={self.num_experts}, backend={self.backend!r})"
+        extra = "" if self.capacity is None else f", capacity={self.capacity}"
+        return f"LocalDispatcher(num_experts={self.num_experts}, backend={self.backend!r}{extra})"
 
     def dispatch(
         self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor
@@ -70,8 +74,11 @@ class LocalDispatcher:
         Rows of `x_grouped` are grouped by expert in increasing expert id; within an expert they keep
         token order (stable sort), which makes the result deterministic. `plan.counts` holds the
         rows per expert; the plan may pad each expert's rows (CPU), so use it, not the counts, to
-        run the experts.
+        run the experts. With a capacity, the rows are the capacity plan's [E, C] slots.
         """
+        if self.capacity is not None:
+            plan = plan_capacity(topk_idx, topk_weight, self.num_experts, self.capacity)
+            return permute(x, plan), plan, plan
         plan = plan_routing(topk_idx, self.num_experts, topk_weight, backend=self.backend, dtype=x.dtype)
         return permute(x, plan), plan, plan
 

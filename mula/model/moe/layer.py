@@ -8,11 +8,14 @@ import torch
 from torch import Tensor, nn
 
 from mula.model.config import MulaConfig
+from mula.model.kernels.capacity import dropped_choices
 from mula.model.layers import MLP
 from mula.model.moe.balancing import GlobalLoad, TokenSplit
 from mula.model.moe.dispatcher import Dispatcher, LocalDispatcher
+from mula.model.moe.dropping import DropTally
 from mula.model.moe.experts import GroupedExperts
 from mula.model.moe.router import Router, expert_counts
+from mula.model.moe_capacity import capacity_of
 
 
 @dataclass
@@ -25,8 +28,8 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    """Dropless top-k mixture of SwiGLU experts (OLMoE), plus DeepSeek's shared experts when the config has
-    some: `shared_experts`, one SwiGLU of `num_shared_experts * shared_expert_intermediate_size` features
+    """Top-k mixture of SwiGLU experts (OLMoE; dropless unless `capacity_factor`: `capacity`), plus
+    DeepSeek's shared experts when the config has some: `shared_experts`, one SwiGLU of `num_shared_experts * shared_expert_intermediate_size` features
     every token goes through, added to the routed output. It is a dense module (its parameter names hold
     no `experts` module, see `mula.model.param_names.is_expert_param`): replicated over the expert-parallel
     group and sharded by the optimizer like any dense weight.
@@ -59,10 +62,17 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             MLP(config.hidden_size, config.shared_intermediate_size) if config.num_shared_experts else None
         )
-        self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, config.expert_backend)
+        # capacity_factor: each expert keeps at most C of a micro-batch's choices (None: dropless)
+        self.capacity = capacity_of(config)
+        self.dispatcher: Dispatcher = LocalDispatcher(
+            config.num_experts, config.expert_backend, self.capacity
+        )
+        self.drops = DropTally()  # what the capacity dropped, for the metrics (`mula.model.moe.dropping`)
         self.token_split = TokenSplit()
         # aux_loss_scope="global": f over the step's global batch (training only; eval stays local)
         self.global_load = GlobalLoad() if config.aux_loss_scope == "global" else None
+        # aux_loss_scope="sequence": the balance loss per sequence, averaged (`TokenSplit.sequence_aux_loss`)
+        self.per_sequence = config.aux_loss_scope == "sequence"
 
     def extra_repr(self) -> str:
         return f"dispatcher={self.dispatcher!r}"
@@ -73,7 +83,8 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, shape[-1])
         route = self.router(x)
         y, counts, f = self.routed(x, route.topk_idx, route.topk_weight)
-        aux, z = self.token_split.router_losses(route, counts, f)
+        sequences = shape[0] if self.per_sequence else None  # x is [B, T, H]: B sequences' tokens
+        aux, z = self.token_split.router_losses(route, counts, f, sequences)
         stats = MoEStats(aux, z, counts)
         y = y.view(shape)
         if self.shared_experts is not None:
@@ -89,13 +100,16 @@ class MoELayer(nn.Module):
 
         Everything here has data-dependent sizes or host-side state (the dispatch's rows per expert, the
         CPU kernels' bucketed layout planned from host counts, the expert-parallel all-to-all's split
-        sizes, `GlobalLoad`'s running sums), while what goes in and comes out has static shapes. So
+        sizes, `GlobalLoad`'s running sums, the capacity's `drops` tally), while what goes in and comes out has static shapes. So
         `torch.compile` leaves it to its own kernels (`torch.compiler.disable`): one graph break per MoE
         block, and no recompilation however routing changes (docs/compile.md).
         """
         x_grouped, grouping, state = self.dispatcher.dispatch(x, topk_idx, topk_weight)
         y = self.dispatcher.combine(self.experts(x_grouped, grouping), state)
         counts = expert_counts(topk_idx, self.num_experts)
+        if self.capacity is not None:  # what it dropped, for the metrics: from the counts, on the device
+            n, k = topk_idx.shape
+            self.drops.add(dropped_choices(counts, self.capacity.slots(n, k, self.num_experts)), n * k)
         f = None
         if self.global_load is not None and torch.is_grad_enabled():
             f = self.global_load.frequencies(counts, x.shape[0])
