@@ -92,10 +92,11 @@ def skip_updates_on(victim: int, optimizer: str) -> None:
         EPShardedAdamW._update_bucket = lambda self, index, grads, step: None
         return
 
-    def apply(self, index, mine, handles) -> None:
-        for handle in handles:
+    def apply(self, flight) -> None:  # EPShardedMuon._apply without the master's update
+        for handle in flight.handles:
             handle.wait()
-        self._gather.launch(index, self.bucket_state(index)[0])
+        self._returned(flight)
+        self._gather.launch(flight.index, self.bucket_state(flight.index)[0])
 
     EPShardedMuon._apply = apply
 

@@ -23,6 +23,7 @@ from equality import LOSS_RTOL, assert_same_training, assert_same_weights, seede
 from test_context_parallel import GQA, MICRO, MOE, SEQ, SERIES, STEPS, WORLD, _fit
 from test_pipeline import _Batches  # a loader of fixed batches
 from test_plan_measured_pipeline import assert_stage_bytes, measure_step
+from test_plan_volumes_tp import assert_planned
 
 from strategies import XPUMoEStrategy
 
@@ -89,42 +90,35 @@ def test_context_parallel_stages_match_single_process() -> None:
 PLAN_MOE = {"vocab_size": 512, "num_layers": 4, "max_position_embeddings": 512}
 PLAN_B, PLAN_SEQ, PLAN_MICROS = 2, 256, 4
 PLAN_LAYOUTS = (True, False)  # shard_optimizer
-VOLUMES = ("grad_reduce", "param_gather", "pipeline")  # the step-time model's volumes measured here
 
 
 def _measure(rank: int, world: int) -> list[dict]:
-    from test_plan_volumes import CollectiveMeter, _Window
-
-    from mula.model.config import resolve_config
+    from mula.bench.collectives import CollectiveSteps
 
     lightning_env(rank, world)
-    meter = CollectiveMeter(resolve_config("mula-tiny-moe", PLAN_MOE).hidden_size)
-    meter.install()
     out = []
     for shard in PLAN_LAYOUTS:
-        meter.bytes.clear()
-        meter.calls.clear()
         strategy = XPUMoEStrategy(context_parallel_size=2, pipeline_parallel_size=2, shard_optimizer=shard)
         strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
         gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
         batch = torch.randint(0, PLAN_MOE["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
-        logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [_Window(meter)])
-        sent = {k: meter.bytes.get(k, 0.0) for k in VOLUMES}
-        calls = {k: meter.calls.get(k, 0) for k in VOLUMES}
-        out.append({**logged, "stage": strategy.topology.rank("pp"), "sent": sent, "calls": calls})
+        # step 1 counted, step 2 logs: the counted step carries no logging collectives
+        counted = CollectiveSteps([1])
+        logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [counted], steps=2)
+        out.append({**logged, "stage": strategy.topology.rank("pp"), "collectives": counted.counts[1]})
     return out
 
 
 def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
     """`mula plan` of a C = 2 x P = 2 layout: each rank's parameter, gradient and optimizer bytes equal
     what it holds after one real step, activations within 10 % (the stage's 1/C of every sequence); the
-    step-time model's gradient-reduction, parameter-gather and stage-to-stage bytes and messages equal
-    those sent (tests/test_plan_volumes.py's meter)."""
+    bytes and calls of every kind of collective a stage's step issues equal the plan's
+    (`mula.plan.collective_kinds.planned_collectives`, counted by `mula bench`'s meter)."""
 
     from mula.model.config import resolve_config
     from mula.plan import Layout
+    from mula.plan.collective_kinds import planned_collectives
     from mula.plan.memory import plan_stage
-    from mula.plan.step_time import comm_volumes
 
     config = resolve_config("mula-tiny-moe", PLAN_MOE)
     measured = run_distributed(_measure, WORLD)
@@ -134,7 +128,7 @@ def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
             micro_batches=PLAN_MICROS, shard_optimizer=shard, collectives="rooted",
         )  # fmt: skip
         layout.parallel.validate(config)
-        volumes = comm_volumes(config, layout)
+        planned = planned_collectives(config, layout)
         for rank, logged in enumerate(measured):
             row = logged[index]
             assert row["stage"] == rank // 2  # CP inside the stage: ranks [0, 1] hold stage 0
@@ -144,8 +138,5 @@ def test_the_plan_of_each_stage_matches_measured_bytes() -> None:
             # not vacuous: the plan of the whole sequence per rank misses the activations
             whole = plan_stage(config, layout.replace(cp_size=1), row["stage"]).activations
             assert whole != pytest.approx(row["mem/activation_bytes"], rel=0.10), where
-            predicted = volumes[row["stage"]]
-            for kind in VOLUMES:
-                assert getattr(predicted, kind) == pytest.approx(row["sent"][kind], rel=1e-9), (where, kind)
-                assert getattr(predicted, f"{kind}_calls") == row["calls"][kind], (where, kind)
-            assert row["sent"]["pipeline"] > 0, where
+            assert_planned(row["collectives"], planned[row["stage"]], where)
+            assert row["collectives"]["sent"]["send_recv"] > 0, where

@@ -55,11 +55,12 @@ KEYS = ("mem/param_bytes", "mem/grad_bytes", "mem/activation_bytes", "optim/stat
 class _Steps:
     """One optimizer step's batch for this data-parallel rank: MICROS micro-batches, whole."""
 
-    def __init__(self, batch: torch.Tensor) -> None:
-        self.batch = batch
+    def __init__(self, batch: torch.Tensor, steps: int = 1) -> None:
+        self.batch, self.steps = batch, steps
 
     def __iter__(self):
-        yield self.batch
+        for _ in range(self.steps):
+            yield self.batch
 
 
 def _measure(rank: int, world: int) -> list[dict[str, float]]:
@@ -118,11 +119,12 @@ def test_every_rank_matches_the_plan_of_its_stage(measured, index: int) -> None:
 
 
 def measure_step(
-    world: int, strategy, preset: str, overrides: dict, batch: torch.Tensor, callbacks=()
+    world: int, strategy, preset: str, overrides: dict, batch: torch.Tensor, callbacks=(), steps: int = 1
 ) -> dict:
     """One optimizer step of `batch` (this data-parallel rank's whole step: one micro-batch, or a
     pipeline's micro-batches) under `strategy` on `world` CPU ranks, fp32: the bytes `MemoryMetrics` and
-    `MoEMetrics` log (`KEYS`)."""
+    `MoEMetrics` log (`KEYS`). With `steps` > 1 the same batch trains `steps` steps and only the last
+    logs (the others carry no logging collectives)."""
     from dist_helpers import cpu_trainer
 
     from mula.training.module import MulaLightningModule
@@ -130,10 +132,10 @@ def measure_step(
     torch.manual_seed(0)
     module = MulaLightningModule(preset, overrides=overrides, decay_steps=10)
     trainer = cpu_trainer(
-        world, strategy, max_steps=1, accumulate_grad_batches=1,
-        callbacks=[MemoryMetrics(), MoEMetrics(), *callbacks], log_every_n_steps=1,
+        world, strategy, max_steps=steps, accumulate_grad_batches=1,
+        callbacks=[MemoryMetrics(), MoEMetrics(), *callbacks], log_every_n_steps=steps,
     )  # fmt: skip
-    trainer.fit(module, _Steps(batch))
+    trainer.fit(module, _Steps(batch, steps))
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k in KEYS}
 
 

@@ -110,7 +110,7 @@ def _run(rank: int, world: int, root: str) -> dict:
             tensor_parallel_size=2, expert_parallel_size=ep, sequence_parallel=sp, shard_optimizer=shard
         )
         record, params, trainer = _fit(strategy, rank // 2, world // 2, save_dir=f"{root}/{key}")
-        meter = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter
+        meter = next(c for c in trainer.callbacks if isinstance(c, _Metered))
         out[key] = {**record, "params": params, "tp_bytes": meter.bytes}
         if shard:
             opt = strategy._sharded_optimizer()

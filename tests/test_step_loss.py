@@ -136,4 +136,6 @@ def test_train_loss_is_reduced_once_per_logged_step_only() -> None:
     trainer = _fit(0, 1, _CountingStrategy(device=torch.device("cpu")), log_every_n_steps=2)
     assert sorted(trainer.logger.losses()) == [1]  # Lightning logs step indices 1, 3, ... of 0..STEPS-1
     ours = [c for c in calls if c.is_floating_point()]  # Lightning reduces integer counters of its own
-    assert len(ours) == 1 and ours[0].shape == (len(STEP_LOSSES[:-1]) + 1,)  # the 4 sums (no MTP) and the count
+    assert len(ours) == 1 and ours[0].shape == (
+        len(STEP_LOSSES[:-1]) + 1,
+    )  # the 4 sums (no MTP) and the count

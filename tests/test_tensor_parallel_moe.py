@@ -27,7 +27,6 @@ from equality import (
     assert_same_weights,
     seeded,
 )
-from test_plan_volumes_tp import FunctionalCollectiveMeter  # DTensor's collectives' bus bytes
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel import _Batches
 from torch.distributed.device_mesh import init_device_mesh
@@ -72,10 +71,19 @@ class _Logged(L.Callback):
 
 
 class _Metered(L.Callback):
-    """DTensor's (functional) collectives counted during training batches, the optimizer step included."""
+    """DTensor's (functional) collectives counted during training batches, the optimizer step included,
+    by `mula bench`'s meter (`mula.bench.collectives.CollectiveMeter`)."""
 
     def __init__(self) -> None:
-        self.meter = FunctionalCollectiveMeter()
+        from mula.bench.collectives import CollectiveMeter
+
+        self.meter = CollectiveMeter()
+
+    @property
+    def bytes(self) -> float:
+        """The bus bytes the functional collectives sent (tensor parallelism's: `comm_volumes`'
+        `tensor_parallel`; Ulysses' all-to-alls are another kind)."""
+        return self.meter.sent["functional"]
 
     def on_train_batch_start(self, *args) -> None:
         self.meter.__enter__()
@@ -151,7 +159,7 @@ def _run(rank: int, world: int) -> dict:
         )
         losses, logged, params, trainer = _fit(strategy, rank // 2, world // 2, checkpointing)
         out[key] = _result(losses, logged, params)
-        out[key]["tp_bytes"] = next(c for c in trainer.callbacks if isinstance(c, _Metered)).meter.bytes
+        out[key]["tp_bytes"] = next(c for c in trainer.callbacks if isinstance(c, _Metered)).bytes
         if shard:
             opt = strategy._sharded_optimizer()
             module = trainer.lightning_module

@@ -93,6 +93,24 @@ def _torch_bound(tree: ast.Module) -> set[str]:
     return bound
 
 
+OUR_PACKAGES = ("mula", "strategies", "callbacks", "benchmarks", "tests")
+
+
+def _foreign_bound(tree: ast.Module) -> frozenset[str]:
+    """Names the module binds to another library than torch and Mula's own packages (`imports` of
+    `from lightning_utilities.core import imports`): their private names are that library's."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            tops = [(a.name.split(".")[0], a.asname or a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            tops = [(node.module.split(".")[0], a.asname or a.name) for a in node.names]
+        else:
+            continue
+        bound |= {name for top, name in tops if top != "torch" and top not in OUR_PACKAGES}
+    return frozenset(bound)
+
+
 def _root(node: ast.expr) -> ast.expr:
     while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
         node = node.func if isinstance(node, ast.Call) else node.value
@@ -106,12 +124,17 @@ def _is_ours(node: ast.expr) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
 
 
-def _torch_private(obj: ast.expr, name: str, bound: set[str], own: set[str] | None) -> bool:
+def _torch_private(
+    obj: ast.expr, name: str, bound: set[str], own: set[str] | None, foreign: frozenset[str] = frozenset()
+) -> bool:
     """Whether reading `name` (private) off `obj` reaches torch: `obj` comes from a name bound to torch,
-    or `name` is nobody else's. `own` None: only the first counts (a module owning another library's)."""
+    or `name` is nobody else's and `obj` is not a name bound to another library (`foreign`). `own` None:
+    only the first counts (a module owning another library's)."""
     root = _root(obj)
     if isinstance(root, ast.Name) and root.id in bound:
         return True
+    if isinstance(root, ast.Name) and root.id in foreign:  # another library's private name
+        return False
     if own is None or _is_ours(obj):
         return False
     return name not in own and name not in OTHER_LIBRARIES
@@ -127,6 +150,7 @@ def private_torch_uses(root: Path, files: list[Path]) -> list[str]:
         if rel == TORCH_COMPAT:
             continue
         bound = _torch_bound(tree)
+        foreign = _foreign_bound(tree) - bound
         owned = None if rel == LIGHTNING_COMPAT else own
         for node in ast.walk(tree):
             what = None
@@ -141,13 +165,13 @@ def private_torch_uses(root: Path, files: list[Path]) -> list[str]:
             elif (
                 isinstance(node, ast.Attribute)
                 and _private(node.attr)
-                and _torch_private(node.value, node.attr, bound, owned)
+                and _torch_private(node.value, node.attr, bound, owned, foreign)
             ):
                 what = ast.unparse(node)
             elif (
                 (looked_up := string_lookup(node)) is not None
                 and _private(looked_up)
-                and _torch_private(node.args[0], looked_up, bound, owned)
+                and _torch_private(node.args[0], looked_up, bound, owned, foreign)
             ):
                 what = f"{node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})"
             if what:
@@ -174,6 +198,7 @@ def test_the_scan_finds_a_planted_private_use(tmp_path):
         ),
         "mula/ok.py": (
             "import os\n"
+            "from lightning_utilities.core import imports\n"
             "class A:\n"
             "    _flag = False\n"
             "    def __init__(self):\n"
@@ -182,6 +207,8 @@ def test_the_scan_finds_a_planted_private_use(tmp_path):
             "        return self._y, getattr(self, '_z', None), super()._apply\n"
             "def f(a, b):\n"
             "    return a._x, a._helper(), A._flag, b.__dict__, getattr(a, '_x'), os._exit\n"
+            "def g():\n"
+            "    return imports.RequirementCache._check_requirement\n"  # another library's private name
         ),
         "mula/bad.py": (
             "import torch\n"

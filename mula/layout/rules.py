@@ -202,7 +202,7 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1) -> None:
 def check_capacity(config: Any, tp_size: int, cp_size: int) -> None:
     """Refuse an expert capacity where a micro-batch's tokens are split over ranks (T or C > 1): each
     rank would count its share, so the drops would not be one process's (`mula.model.kernels.capacity`)."""
-    if config is None or getattr(config, "capacity_factor", None) is None:
+    if config is None or config.capacity_factor is None:
         return
     split = [f"{name}={size}" for name, size in (("tensor_parallel_size", tp_size),
              ("context_parallel_size", cp_size)) if size > 1]  # fmt: skip
@@ -294,7 +294,7 @@ def validate_split(
     ValueError sentence for a split that cannot work."""
     if pp_size > 1 and config.tie_embeddings:
         raise SENTENCES.refuse("tied-embeddings-across-stages")
-    if pp_size > 1 and getattr(config, "mtp_depth", 0):
+    if pp_size > 1 and config.mtp_depth:
         raise SENTENCES.refuse("mtp-across-stages", mtp_depth=config.mtp_depth, pp_size=pp_size)
     if pp_size > 1 and config.aux_loss_scope == "global":
         # its all-reduce runs inside each MoE layer's forward over all ranks, but stages run their
