@@ -306,3 +306,23 @@ def test_error_after_training_started_is_a_crash_not_bad_input(sandbox, monkeypa
     monkeypatch.setattr(MulaLightningModule, "training_step", failing_step)
     with pytest.raises(RuntimeError, match="training failed at step 1: corrupt batch"):
         main(["fit", "-c", str(TINY_MOE), *FAST, "--trainer.max_steps=3", "--trainer.logger=false"])
+
+
+def test_a_disabled_wandb_run_saves_the_config_in_the_run_directory_only(tmp_path, monkeypatch):
+    """`WANDB_MODE=disabled` (W&B's own switch) gives a run without a files directory: the config is saved
+    beside metrics.csv and nothing is staged for W&B (it failed the run with "No such file")."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    from mula.commands.lightning_cli import MulaSaveConfig
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
+    logger = WandbLogger(save_dir=str(tmp_path))
+    assert not os.path.isdir(logger.experiment.dir)  # what W&B's disabled run says it has
+    (tmp_path / "config.yaml").write_text("model: {}\n")
+    callback = MulaSaveConfig.__new__(MulaSaveConfig)  # save_config reads only these two
+    callback._log_dir, callback.config_filename = str(tmp_path), "config.yaml"
+    callback.save_config(SimpleNamespace(loggers=[logger]), None, "fit")
+    assert not os.path.exists(logger.experiment.dir)

@@ -102,10 +102,11 @@ def _measure(rank: int, world: int) -> list[dict]:
         strategy.pipeline_microbatches = PLAN_MICROS  # what MulaDataModule sets
         gen = torch.Generator().manual_seed(0)  # one data-parallel rank: every rank reads the same
         batch = torch.randint(0, PLAN_MOE["vocab_size"], (PLAN_MICROS * PLAN_B, PLAN_SEQ + 1), generator=gen)
-        # step 1 counted, step 2 logs: the counted step carries no logging collectives
-        counted = CollectiveSteps([1])
-        logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [counted], steps=2)
-        out.append({**logged, "stage": strategy.topology.rank("pp"), "collectives": counted.counts[1]})
+        # step 2 counted (a steady step: the first sends its stages' one-time messages), step 3 logs: the
+        # counted step carries no logging collectives
+        counted = CollectiveSteps([2])
+        logged = measure_step(world, strategy, "mula-tiny-moe", PLAN_MOE, batch, [counted], steps=3)
+        out.append({**logged, "stage": strategy.topology.rank("pp"), "collectives": counted.counts[2]})
     return out
 
 

@@ -56,13 +56,16 @@ class MulaSaveConfig(SaveConfigCallback):
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Upload (or, offline, stage for `wandb sync`) the saved config.yaml with each W&B run (rank 0 only):
         a copy in the run's files directory, which W&B uploads with the run (`wandb.save` would symlink it
-        and say so on every run)."""
+        and say so on every run). A disabled W&B run (`WANDB_MODE=disabled`) has no files directory: nothing
+        to stage."""
         from lightning.pytorch.loggers import WandbLogger
 
         path = os.path.join(self._log_dir, self.config_filename)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and os.path.isfile(path):
-                shutil.copy2(path, os.path.join(logger.experiment.dir, self.config_filename))
+                files = logger.experiment.dir
+                if os.path.isdir(files):
+                    shutil.copy2(path, os.path.join(files, self.config_filename))
 
 
 class MulaCLI(LightningCLI):
