@@ -203,3 +203,20 @@ def test_the_planner_puts_the_modules_and_an_embedding_copy_on_the_last_stage():
         assert "embed.weight" in names and any(n.startswith("mtp.0.") for n in names) == (stage == 1)
         count = sum(p.numel() for p in model.parameters())
         assert plan_stage(config, layout, stage).params == count * layout.param_bytes, stage
+
+
+def test_sequences_too_short_for_the_modules_are_one_sentence():
+    """One sentence, from one check (`check_mtp_sequence`) that the module's loss and a pipeline's step
+    (strategies/pipeline/schedule.py, on every rank before any stage runs) both call."""
+    from mula.model.mtp import check_mtp_sequence
+
+    config = MulaConfig.from_name("deepseek-v3-tiny", vocab_size=256, num_layers=2, mtp_depth=2)
+    module = MulaLightningModule(config)
+    module.configure_model()
+    sentence = "mtp_depth=2 needs sequences longer than 2 tokens, got 2."
+    with pytest.raises(ValueError, match=sentence):
+        module._losses(torch.zeros(1, 3, dtype=torch.long), mtp=True)
+    with pytest.raises(ValueError, match=sentence):
+        check_mtp_sequence(2, 2)
+    check_mtp_sequence(0, 1)
+    check_mtp_sequence(2, 3)

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from mula.model.mtp import shifted_ids
+from mula.model.mtp import check_mtp_sequence, shifted_ids
 from mula.model.transformer import router_losses
 from mula.training.module import MulaLightningModule
 from strategies.pipeline.split import MulaStage
@@ -128,6 +128,8 @@ class PipelineRunner:
                 f"The step's batch of {rows} sequences per data-parallel rank does not split into "
                 f"{n_microbatches} pipeline micro-batches."
             )
+        # on every rank before any stage runs (the last stage's loss would stop alone, the others waiting)
+        check_mtp_sequence(self.mtp_depth, batch.shape[1] - 1)
         inputs, targets = self._slice(batch)
         seq_len = inputs.shape[1]
         self._check_sequence(seq_len)
