@@ -95,6 +95,9 @@ class OptimizerStep:
         self._skip_claimed = False
         # non-finite steps skipped on the device since the last report (a 0-dim float tensor)
         self._unreported_skips: Tensor | None = None
+        # multi-token prediction across pipeline stages: the embedding's copies on the first and last
+        # stage, summed after the reduction and counted once in the norm (set by the strategy's setup)
+        self.embedding_copies: Any = None
 
     def build_optimizer(self, params: Any, **adamw_kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for the module's `configure_optimizers` (MulaLightningModule asks for it): with
@@ -204,7 +207,7 @@ class OptimizerStep:
         1. Lightning's closure: the step's last micro-batch's forward and backward (with pipeline
            stages the whole schedule ran in `training_step`; this runs the hooks around backward);
         2. reduce: finish the gradient reduction backward started (dense over the stage's ranks,
-           experts over their EDP group);
+           experts over their EDP group; with MTP across stages, then the embedding's two copies summed);
         3. check: the global gradient norm and whether every gradient is finite, in one all-reduce,
            so every rank reaches the same verdict;
         4. `on_before_optimizer_step` hooks (callbacks, then the module): a callback may veto the
@@ -284,7 +287,11 @@ class OptimizerStep:
         topology = self._topology()
         assert self.grad_sync is not None and topology is not None
         self.grad_sync.finish()
-        return grad_norm(self.trainable(), topology)
+        trainable = self.trainable()
+        if self.embedding_copies is not None:  # strategies/pipeline/embedding.py
+            self.embedding_copies.sum_grads()
+            trainable = [(n, p) for n, p in trainable if self.embedding_copies.counted(p)]
+        return grad_norm(trainable, topology)
 
     def _clip_gradients(self, optimizer: Any, norm: Tensor) -> None:
         """Clip as the trainer says (`gradient_clip_val`, `gradient_clip_algorithm`), by the global norm."""

@@ -99,7 +99,9 @@ class LayoutMesh:
     def holdings(self, config: Any) -> Holdings:
         """The stages, blocks and experts this rank holds of a model `config` (`num_layers`,
         `num_experts`): `ParallelLayout.rank_holdings`."""
-        return self.layout.rank_holdings(self._rank, config.num_layers, config.num_experts)
+        return self.layout.rank_holdings(
+            self._rank, config.num_layers, config.num_experts, getattr(config, "mtp_depth", 0)
+        )
 
     def local_expert_range(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds (a contiguous run of num_experts / E)."""
@@ -176,7 +178,8 @@ def reduce_over_stages(tensor: Any, topology: LayoutMesh, op: Any = None) -> Any
 def gather_groups_over_stages(groups: list[dict[str, Any]], topology: LayoutMesh) -> list[dict[str, Any]]:
     """Optimizer param groups (hyperparameters plus "param_names") of the whole model: per group
     index, the hyperparameters of the first stage that has it and the names of every stage, in stage
-    order. What a checkpoint records, so that any stage of any layout can check itself against it
+    order, each once (the embedding's copy on the last stage under multi-token prediction is the first
+    stage's parameter: strategies/pipeline/embedding.py). What a checkpoint records, so that any stage of any layout can check itself against it
     (collective over the pipeline group; the identity with one stage)."""
     if topology.size("pp") == 1:
         return groups
@@ -187,7 +190,11 @@ def gather_groups_over_stages(groups: list[dict[str, Any]], topology: LayoutMesh
         for i, group in enumerate(stage_groups):
             if i == len(merged):
                 merged.append({**group, "param_names": []})
-            merged[i]["param_names"] = [*merged[i]["param_names"], *group["param_names"]]
+            seen = set(merged[i]["param_names"])
+            merged[i]["param_names"] = [
+                *merged[i]["param_names"],
+                *(n for n in group["param_names"] if n not in seen),
+            ]
     return merged
 
 

@@ -70,6 +70,7 @@ from strategies.eval_forward import spread_forward
 from strategies.experts.expert_parallel import apply_expert_parallel
 from strategies.model_setup import materialize, split_sequences, split_tensors, sync_replicas
 from strategies.optimizer_step import OptimizerStep, StepOptions, parse_optimizer_options
+from strategies.pipeline.embedding import EmbeddingCopies
 from strategies.pipeline.steps import PipelineSteps, microbatches_per_step, stage_model
 from strategies.sharded_state import expert_mesh
 from strategies.tensor_parallel import TensorParallelLoss
@@ -396,6 +397,9 @@ class XPUMoEStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         sync_replicas(module, self.topology)
+        if self._pipeline is not None and mula is not None and mula.config.mtp_depth:
+            if self._optimizer_step.embedding_copies is None:  # collective: every rank, once
+                self._optimizer_step.embedding_copies = EmbeddingCopies(mula.model.embed, self.topology)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -42,9 +42,9 @@ ROWS: tuple[frozenset[str], ...] = tuple(
             "dense-first-blocks",
             "recompute-attention",
         },  # fmt: skip
-        {"E", "P-GPipe", "MLA", "DeepSeek-routing", "recompute-norms"},
+        {"E", "P-GPipe", "MLA", "DeepSeek-routing", "recompute-norms", "MTP"},
         {"C", "SP", "ZeRO-2", "offload", "QK-norm-per-head", "DeepSeek-routing", "recompute-norms", "MTP"},
-        {"C", "P-interleaved", "MLA", "dense-first-blocks", "recompute-full"},
+        {"C", "P-interleaved", "MLA", "dense-first-blocks", "recompute-full", "MTP"},
         {"C", "P-GPipe", "ZeRO-1", "DeepSeek-routing", "QK-norm-per-head", "GQA", "recompute-full"},
         {"P", "SP", "MLA", "DeepSeek-routing", "recompute-moe"},
         # fp32 Muon (sharded or replicated), eager
@@ -75,7 +75,13 @@ DECLARED: dict[str, frozenset[str]] = {
     "tests/test_context_tensor_pipeline.py::test_context_tensor_pipeline_with_experts_matches_single_process": (
         frozenset({"C", "T", "SP", "P", "E", "ZeRO-1"})
     ),
+    # the MTP module on the last of two 1F1B stages (its P2xE2 case; the rows take the other schedules)
+    "tests/test_mtp_dist.py::test_mtp_with_pipeline_stages_trains_as_one_process": (
+        frozenset({"P", "E", "MTP", "MLA", "DeepSeek-routing", "dense-first-blocks"})
+    ),
 }
+# the short label of each declared test in docs/layouts.md's pair table
+DECLARED_LABELS = {test: label for test, label in zip(DECLARED, ("4D", "mtp"))}
 
 
 SHARDED = frozenset({"ZeRO-1", "ZeRO-2", "offload"})
@@ -130,8 +136,9 @@ def _row_label(row: frozenset[str]) -> str:
 
 
 def _run_label(run: str) -> str:
-    """A short label of a covering run for the table: `r<i>` for a row, `4D` for the declared test."""
-    return f"r{run.split()[1]}" if run.startswith("row ") else "4D"
+    """A short label of a covering run for the table: `r<i>` for a row, a declared test's own label
+    (`DECLARED_LABELS`: `4D`, `mtp`)."""
+    return f"r{run.split()[1]}" if run.startswith("row ") else DECLARED_LABELS[run]
 
 
 def render_markdown() -> str:
@@ -171,7 +178,8 @@ def render_markdown() -> str:
         "## Pairs",
         "",
         "`rN`: compared with one process by row N of the covering array (below); `4D`: by",
-        "`tests/test_context_tensor_pipeline.py`; `no (N)`: refused, reason N below; `-`: one setting.",
+        "`tests/test_context_tensor_pipeline.py`; `mtp`: by `tests/test_mtp_dist.py` (MTP on the last of",
+        "two pipeline stages); `no (N)`: refused, reason N below; `-`: one setting.",
         "",
         "| | " + " | ".join(f.name for f in FEATURES) + " |",
         "|---|" + "---|" * len(FEATURES),
@@ -203,5 +211,8 @@ def render_markdown() -> str:
     lines += [f"{i + 1}. {reason}" for i, reason in enumerate(reasons)]
     lines += ["", "## The runs", "", "| run | features |", "|---|---|"]
     lines += [f"| r{i} | {_row_label(row)} |" for i, row in enumerate(ROWS)]
-    lines += [f"| 4D: `{test}` | {', '.join(sorted(features))} |" for test, features in DECLARED.items()]
+    lines += [
+        f"| {DECLARED_LABELS[test]}: `{test}` | {', '.join(sorted(features))} |"
+        for test, features in DECLARED.items()
+    ]
     return "\n".join(lines) + "\n"

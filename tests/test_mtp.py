@@ -178,3 +178,45 @@ def test_train_mtp_loss_is_logged_beside_the_other_losses(tmp_path):
     total = logged["train/ce_loss"] + aux + config.mtp_loss_weight * logged["train/mtp_loss"]
     torch.testing.assert_close(logged["train/loss"], total)
     assert logged["train/mtp_loss"] > 0
+
+
+def test_the_planner_puts_the_modules_and_an_embedding_copy_on_the_last_stage():
+    """With pipeline stages the MTP block is the last stage's (after its main blocks), and `mula plan`
+    counts on each stage the parameters its split model holds: the last stage's MTP module, its block and
+    its copy of the embedding (strategies/pipeline/split.py) included."""
+    from mula import Mula
+    from mula.layout.parallel_layout import ParallelLayout
+    from mula.plan import Layout
+    from mula.plan.memory import plan_stage
+    from strategies.pipeline.split import split_model
+
+    config = MulaConfig.from_name("deepseek-v3-tiny", vocab_size=512, num_layers=4, mtp_depth=1)
+    layout = Layout(world_size=2, pp_size=2, micro_batches=2, seq_len=64)
+    par = ParallelLayout(world_size=2, pp=2)
+    held = [par.rank_holdings(s, config.num_layers, config.num_experts, config.mtp_depth) for s in (0, 1)]
+    assert [h.blocks for h in held] == [[0, 1], [2, 3, 4]] and list(held[1].mtp_blocks) == [4]
+    assert [h.main_blocks(0) for h in held] == [[0, 1], [2, 3]]
+    for stage in (0, 1):
+        model = Mula(config)
+        split_model(model, held[stage])
+        names = [n for n, _ in model.named_parameters()]
+        assert "embed.weight" in names and any(n.startswith("mtp.0.") for n in names) == (stage == 1)
+        count = sum(p.numel() for p in model.parameters())
+        assert plan_stage(config, layout, stage).params == count * layout.param_bytes, stage
+
+
+def test_sequences_too_short_for_the_modules_are_one_sentence():
+    """One sentence, from one check (`check_mtp_sequence`) that the module's loss and a pipeline's step
+    (strategies/pipeline/schedule.py, on every rank before any stage runs) both call."""
+    from mula.model.mtp import check_mtp_sequence
+
+    config = MulaConfig.from_name("deepseek-v3-tiny", vocab_size=256, num_layers=2, mtp_depth=2)
+    module = MulaLightningModule(config)
+    module.configure_model()
+    sentence = "mtp_depth=2 needs sequences longer than 2 tokens, got 2."
+    with pytest.raises(ValueError, match=sentence):
+        module._losses(torch.zeros(1, 3, dtype=torch.long), mtp=True)
+    with pytest.raises(ValueError, match=sentence):
+        check_mtp_sequence(2, 2)
+    check_mtp_sequence(0, 1)
+    check_mtp_sequence(2, 3)

@@ -52,6 +52,7 @@ from mula.layout.rules import (
     check_degrees,
     check_experts,
     check_micro_batches,
+    check_mtp_stages,
     check_tensor_parallel,
     check_world,
     check_zero_stage,
@@ -85,9 +86,12 @@ class Holdings:
     """What one rank holds of a model.
 
     stages: the pipeline stages (of P x V) it runs, looped placement (s, s + P, ...); blocks_per_stage:
-    the global block indices of each of those stages; blocks: all of them, in order; first/last: it
-    holds the embedding (stage 0) / the final norm and LM head (the last stage); experts: the global
-    indices of the experts it holds in every MoE block (a contiguous run of num_experts / E).
+    the global block indices of each of those stages (the last stage's run ends with the multi-token
+    prediction modules' blocks, `mtp_blocks`, which run after the final norm, as Megatron places them);
+    blocks: all of them, in order; first/last: it holds the embedding (stage 0) / the final norm and LM
+    head (the last stage, with the MTP modules and, under P > 1, a copy of the embedding they read);
+    experts: the global indices of the experts it holds in every MoE block (a contiguous run of
+    num_experts / E).
     """
 
     stages: tuple[int, ...]
@@ -95,11 +99,17 @@ class Holdings:
     experts: range
     first: bool
     last: bool
+    mtp_blocks: range = range(0)
 
     @property
     def blocks(self) -> list[int]:
-        """Global indices of every block this rank holds."""
+        """Global indices of every block this rank holds (the MTP blocks included)."""
         return [i for run in self.blocks_per_stage for i in run]
+
+    def main_blocks(self, stage: int) -> list[int]:
+        """The blocks of the `stage`-th of this rank's stages that run in the main model (its MTP blocks,
+        `mtp_blocks`, left out: they run after the final norm)."""
+        return [i for i in self.blocks_per_stage[stage] if i not in self.mtp_blocks]
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,7 @@ class ParallelLayout:
             check_batch_split(global_batch, self.dp_size, micro_batch)
         if zero_stage is not None:
             check_zero_stage(self.pp, zero_stage)
+            check_mtp_stages(config, self.pp, zero_stage)
         if micro_batches is not None:
             check_micro_batches(self.schedule, self.pp, micro_batches)
 
@@ -325,19 +336,31 @@ class ParallelLayout:
         ep = self.coordinates(rank).ep
         return range(ep * per_rank, (ep + 1) * per_rank)
 
-    def rank_holdings(self, rank: int, num_layers: int, num_experts: int = 0) -> Holdings:
-        """Which stages, blocks and experts global `rank` holds of a model of `num_layers` blocks and
-        `num_experts` experts per MoE block (0: dense). The one answer to that question."""
+    def rank_holdings(self, rank: int, num_layers: int, num_experts: int = 0, mtp_depth: int = 0) -> Holdings:
+        """Which stages, blocks and experts global `rank` holds of a model of `num_layers` blocks,
+        `num_experts` experts per MoE block (0: dense) and `mtp_depth` multi-token prediction modules
+        (their blocks `num_layers`, ... on the last stage). The one answer to that question."""
         c = self.coordinates(rank)
-        runs = self.stage_blocks(num_layers)
+        runs = list(self.stage_blocks(num_layers))
+        runs[-1] = range(runs[-1].start, runs[-1].stop + mtp_depth)  # the MTP blocks follow the last
         stages = tuple(c.pp + v * self.pp for v in range(self.virtual_stages))
+        last = self.num_stages - 1 in stages
         return Holdings(
             stages=stages,
             blocks_per_stage=tuple(runs[s] for s in stages),
             experts=self.experts_of(rank, num_experts),
             first=0 in stages,
-            last=self.num_stages - 1 in stages,
+            last=last,
+            mtp_blocks=range(num_layers, num_layers + mtp_depth) if last else range(0),
         )
+
+    def embedding_ranks(self, rank: int) -> list[int]:
+        """The ranks holding a copy of the embedding in global `rank`'s pipeline group under multi-token
+        prediction: its first stage's (the model's input) and its last stage's (the MTP modules' input),
+        whose gradients are summed so that both copies take the same update (Megatron's embedding group).
+        One rank without pipeline stages."""
+        ranks = self.group_ranks("pp", rank)
+        return sorted({ranks[0], ranks[-1]})
 
 
 def _unknown(dim: str) -> str:

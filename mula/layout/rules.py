@@ -93,8 +93,8 @@ SENTENCES = Sentences({
         "use pipeline_parallel_size=1 or an untied model."
     ),
     "mtp-across-stages": (
-        "mtp_depth={mtp_depth} is not available with pipeline_parallel_size={pp_size} (MTP on the last "
-        "stage needs the first stage's embedding); use pipeline_parallel_size=1."
+        "mtp_depth={mtp_depth} with pipeline_parallel_size={pp_size} needs shard_optimizer=false (only "
+        "the unsharded optimizer keeps the last stage's embedding copy in step yet)."
     ),
     "global-aux-loss-across-stages": (
         "aux_loss_scope='global' is not available with pipeline_parallel_size={pp_size}; use "
@@ -294,8 +294,6 @@ def validate_split(
     ValueError sentence for a split that cannot work."""
     if pp_size > 1 and config.tie_embeddings:
         raise SENTENCES.refuse("tied-embeddings-across-stages")
-    if pp_size > 1 and config.mtp_depth:
-        raise SENTENCES.refuse("mtp-across-stages", mtp_depth=config.mtp_depth, pp_size=pp_size)
     if pp_size > 1 and config.aux_loss_scope == "global":
         # its all-reduce runs inside each MoE layer's forward over all ranks, but stages run their
         # layers at different times: the ranks would wait on each other's different collectives
@@ -317,6 +315,15 @@ def check_micro_batches(schedule: str, pp_size: int, n_microbatches: int) -> Non
         raise SENTENCES.refuse(
             "interleaved-rounds", pp_size=pp_size, micro_batches=n_microbatches, rounds=rounds
         )
+
+
+def check_mtp_stages(config: Any, pp_size: int, zero_stage: int | None) -> None:
+    """Multi-token prediction across pipeline stages keeps the last stage's copy of the embedding in step
+    with the first stage's by summing their reduced gradients (strategies/pipeline/embedding.py), which
+    the unsharded optimizer's whole gradients allow; the sharded optimizer's (`zero_stage` not None)
+    shards of them differ between the stages."""
+    if pp_size > 1 and zero_stage is not None and config is not None and getattr(config, "mtp_depth", 0):
+        raise SENTENCES.refuse("mtp-across-stages", mtp_depth=config.mtp_depth, pp_size=pp_size)
 
 
 def check_zero_stage(pp_size: int, zero_stage: int) -> None:

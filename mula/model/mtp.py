@@ -59,6 +59,12 @@ class MTPModule(nn.Module):
         return self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
 
 
+def check_mtp_sequence(depth: int, seq_len: int) -> None:
+    """Refuse sequences too short for `depth` MTP modules (the deepest predicts `depth` + 1 tokens ahead)."""
+    if depth and seq_len <= depth:
+        raise ValueError(f"mtp_depth={depth} needs sequences longer than {depth} tokens, got {seq_len}.")
+
+
 def shifted_ids(batch: Tensor, depth: int) -> Tensor:
     """The ids `depth` ahead of each input position of `batch` [B, T + 1] (inputs `batch[:, :T]`): [B, T],
     the last `depth - 1` padded with id 0 (their targets are `IGNORE_INDEX`)."""

@@ -205,6 +205,16 @@ class MulaOutput:
     mtp_loss: Tensor | None = None  # their loss, filled in by the training module (`MulaLightningModule`)
 
 
+@dataclass
+class MTPOutput:
+    """What the MTP modules return (`Mula.forward_mtp`): each module's logits [B, T, V], the router sums
+    with their blocks' added, and their blocks' tokens per expert (global block index -> [E])."""
+
+    logits: list[Tensor]
+    router_sums: Tensor | None
+    tokens_per_expert: dict[int, Tensor]
+
+
 class Mula(nn.Module):
     """Decoder-only LM: embed -> blocks -> norm -> lm_head. Dense or MoE from `MulaConfig` (an MoE
     model's first `num_dense_layers` blocks dense). `sequence_shard` says which slice of each sequence
@@ -252,6 +262,24 @@ class Mula(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
+    def forward_mtp(
+        self, hidden: Tensor, mtp_ids: Sequence[Tensor], cos: Tensor, sin: Tensor, router_sums: Tensor | None
+    ) -> MTPOutput:
+        """The MTP modules on the main model's normed last hidden state `hidden` [B,T,H] and the ids k ahead
+        (`mtp_ids`, one [B,T] per module, or none: nothing runs), adding their blocks' router losses to
+        `router_sums`: the one definition, which `forward` and a pipeline's last stage
+        (strategies/pipeline/split.py, with its copy of the embedding) run."""
+        n = self.config.num_layers
+        sums, counts, logits = router_sums, {}, []
+        for k, (module, ids) in enumerate(zip(self.mtp, mtp_ids)):
+            # h^k = norm_k(block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1})]))), logits from the shared head
+            block = self.layers[str(n + k)] if isinstance(self.layers, nn.ModuleDict) else self.layers[n + k]
+            deeper = forward_blocks([(n + k, block)], module(hidden, self.embed(ids)), cos, sin, sums)
+            hidden, sums = module.norm(deeper.hidden), deeper.router_sums
+            counts.update(deeper.tokens_per_expert)
+            logits.append(self.lm_head(hidden))
+        return MTPOutput(logits, sums, counts)
+
     def forward(self, input_ids: Tensor, mtp_ids: Sequence[Tensor] = ()) -> MulaOutput:
         """input_ids [B,T] long (this model's slice of each sequence, `sequence_shard`) -> MulaOutput.
 
@@ -270,16 +298,8 @@ class Mula(nn.Module):
         out = forward_blocks(zip(range(n), self.layers[:n]), x, cos, sin)
         hidden = self.norm(out.hidden)
         logits = self.lm_head(hidden)
-        sums, counts = out.router_sums, out.tokens_per_expert
-        mtp_logits = []
-        for k, (module, ids) in enumerate(zip(self.mtp, mtp_ids)):
-            # h^k = norm_k(block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1})]))), logits from the shared head
-            deeper = forward_blocks(
-                [(n + k, self.layers[n + k])], module(hidden, self.embed(ids)), cos, sin, sums
-            )
-            hidden, sums = module.norm(deeper.hidden), deeper.router_sums
-            counts = {**counts, **deeper.tokens_per_expert}
-            mtp_logits.append(self.lm_head(hidden))
+        mtp = self.forward_mtp(hidden, mtp_ids, cos, sin, out.router_sums)
+        sums, counts = mtp.router_sums, {**out.tokens_per_expert, **mtp.tokens_per_expert}
         if sums is not None:
             aux, z = router_losses(self.config, sums, with_mtp=bool(mtp_ids))
             counts = torch.stack(list(counts.values()))
@@ -287,4 +307,4 @@ class Mula(nn.Module):
             # a plain tensor even when the logits are a DTensor (tensor parallelism)
             aux = z = torch.zeros((), dtype=torch.float32, device=input_ids.device)
             counts = None
-        return MulaOutput(logits, aux, z, counts, tuple(mtp_logits))
+        return MulaOutput(logits, aux, z, counts, tuple(mtp.logits))

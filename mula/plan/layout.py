@@ -155,10 +155,9 @@ class Layout:
     def stage_holdings(self, config: Any) -> list[Holdings]:
         """What a rank of each pipeline stage holds of `config` (`ParallelLayout.rank_holdings` of the
         stage's first rank; the stage's other ranks hold the same blocks and other experts). The blocks of
-        the multi-token prediction modules (`mtp_depth`, after the model's) are the one stage's: pipeline
-        stages refuse them (`mula.layout.rules`)."""
-        blocks = config.num_blocks if self.parallel.pp == 1 else config.num_layers
-        return list(_stage_holdings(self.parallel, blocks, config.num_experts))
+        the multi-token prediction modules (`mtp_depth`, after the model's) are the last stage's, which
+        also holds a copy of the embedding for them (`mula.memory.stage_params`)."""
+        return list(_stage_holdings(self.parallel, config.num_layers, config.num_experts, config.mtp_depth))
 
     def replace(self, **changes: object) -> Layout:
         """A copy with `changes` applied (validated again)."""
@@ -166,10 +165,12 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_holdings(par: ParallelLayout, num_layers: int, num_experts: int) -> tuple[Holdings, ...]:
+def _stage_holdings(
+    par: ParallelLayout, num_layers: int, num_experts: int, mtp_depth: int = 0
+) -> tuple[Holdings, ...]:
     """`Layout.stage_holdings`, cached: the planner asks it dozens of times per layout, and
     `mula plan --search` of a 128-stage pipeline over thousands of layouts."""
-    return tuple(par.rank_holdings(par.rank(pp=s), num_layers, num_experts) for s in range(par.pp))
+    return tuple(par.rank_holdings(par.rank(pp=s), num_layers, num_experts, mtp_depth) for s in range(par.pp))
 
 
 def check_runnable(config: Any, layout: Layout, global_batch: int) -> None:

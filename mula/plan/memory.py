@@ -69,13 +69,16 @@ class MemoryPlan:
 def stage_params(
     params: Sequence[ParamSpec], layers: Sequence[int], first: bool, last: bool
 ) -> list[ParamSpec]:
-    """Parameters a stage holds: its blocks, the embedding on the first, final norm and head on the last."""
+    """Parameters a stage holds: its blocks, the embedding on the first, final norm and head on the last
+    (with the multi-token prediction modules and, when the first stage is another, a copy of the embedding
+    they read: split.py)."""
+    mtp = any(".mtp." in f".{p.name}" for p in params)
     out = []
     for p in params:
         if p.layer is not None:
             keep = p.layer in layers
         else:
-            keep = first if ".embed." in f".{p.name}." else last
+            keep = (first or (last and mtp)) if ".embed." in f".{p.name}." else last
         if keep:
             out.append(p)
     return out

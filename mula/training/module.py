@@ -42,7 +42,7 @@ from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_
 from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
-from mula.model.mtp import mtp_cross_entropy, shifted_ids, shifted_targets
+from mula.model.mtp import check_mtp_sequence, mtp_cross_entropy, shifted_ids, shifted_targets
 from mula.model.transformer import Mula, parse_activation_checkpointing
 from mula.training.bits_per_byte import BitsPerByte, target_bytes, token_byte_table
 from mula.training.host_allocator import reuse_freed_host_memory
@@ -325,9 +325,7 @@ class MulaLightningModule(L.LightningModule):
     def mtp_loss(self, mtp_logits: Sequence[Tensor], batch: Tensor) -> Tensor:
         """The mean over the MTP modules of their cross-entropies (`mula.model.mtp`), unweighted."""
         seq_len = batch.shape[1] - 1
-        if seq_len <= len(mtp_logits):
-            depth = len(mtp_logits)
-            raise ValueError(f"mtp_depth={depth} needs sequences longer than {depth} tokens, got {seq_len}.")
+        check_mtp_sequence(len(mtp_logits), seq_len)
         shard = self.model.sequence_shard
         terms = [
             mtp_cross_entropy(logits, shard.take(shifted_targets(batch, k)), k, seq_len, shard.count)

@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from mula.model.mtp import check_mtp_sequence, shifted_ids
 from mula.model.transformer import router_losses
 from mula.training.module import MulaLightningModule
 from strategies.pipeline.split import MulaStage
@@ -99,9 +100,10 @@ class PipelineRunner:
         self.stage_ids = list(holdings.stages)
         last = self.num_stages - 1
         self.stages = [
-            MulaStage(model, blocks, s == 0, s == last)
-            for s, blocks in zip(holdings.stages, holdings.blocks_per_stage)
+            MulaStage(model, holdings.main_blocks(i), s == 0, s == last)
+            for i, s in enumerate(holdings.stages)
         ]
+        self.mtp_depth = model.config.mtp_depth
         for stage in self.stages:  # expert counts by global block (router bias, ExpertLoad, MoEMetrics)
             stage.count_sink = module.add_expert_counts
             stage.seq_parts = topology.size("tp") if sequence_parallel else 1
@@ -126,18 +128,22 @@ class PipelineRunner:
                 f"The step's batch of {rows} sequences per data-parallel rank does not split into "
                 f"{n_microbatches} pipeline micro-batches."
             )
+        # on every rank before any stage runs (the last stage's loss would stop alone, the others waiting)
+        check_mtp_sequence(self.mtp_depth, batch.shape[1] - 1)
         inputs, targets = self._slice(batch)
         seq_len = inputs.shape[1]
         self._check_sequence(seq_len)
         self._ensure_schedule(n_microbatches, rows // n_microbatches, seq_len)
         self._n, self._sums = n_microbatches, []
         args = (inputs,) if self.has_first else ()
-        target = targets if self.has_last else None
+        # with multi-token prediction the loss function needs every id of the micro-batch (the ids k
+        # ahead of the MTP modules): it gets the batch's rows and takes the targets from them
+        target = (batch.contiguous() if self.mtp_depth else targets) if self.has_last else None
         self._schedule.step(*args, target=target, return_outputs=False)
         sums = (
             torch.stack(self._sums).sum(0)
             if self._sums
-            else torch.zeros(4, dtype=torch.float32, device=self.device)
+            else torch.zeros(5 if self.mtp_depth else 4, dtype=torch.float32, device=self.device)
         )
         count = len(self._sums)
         self._sums = []
@@ -196,20 +202,40 @@ class PipelineRunner:
         check_sequence_split(self.module.config, seq_len, self.topology.size("tp"), self.sequence_parallel)
 
     def _keep_logits(self, output: Any, target: Tensor) -> Tensor:
-        logits = output[0] if self.module.config.is_moe else output
+        logits = output[0] if isinstance(output, tuple) else output
         self._eval_logits.append(logits.detach())
         return torch.zeros((), dtype=torch.float32, device=logits.device)
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
-        """The module's loss of one micro-batch on the last stage, scaled for the step's mean."""
-        if self.module.config.is_moe:
-            logits, router = output
-            aux, z = router_losses(self.module.config, router)
+        """The module's loss of one micro-batch on the last stage, scaled for the step's mean: as
+        `MulaLightningModule._losses` computes it in one process, the MTP modules' (`mtp_depth`) included.
+
+        With MTP, `target` is the micro-batch's token ids [B, T + 1] (whole sequences): the targets, the
+        ids k ahead and the MTP targets are this CP rank's slices of them, and the MTP blocks' router
+        sums join the main blocks' before the router losses are taken."""
+        config = self.module.config
+        outputs = list(output) if isinstance(output, tuple) else [output]
+        logits = outputs.pop(0)
+        router = outputs.pop(0) if config.is_moe else None
+        mtp_logits: list[Tensor] = []
+        batch = target
+        if self.mtp_depth:
+            shard = self.module.model.sequence_shard
+            target = shard.take(batch[:, 1:])
+            ids = [shard.take(shifted_ids(batch, k)) for k in range(1, self.mtp_depth + 1)]
+            mtp = self.stages[-1].run_mtp(outputs.pop(0), router, ids)
+            router, mtp_logits = mtp.router_sums, mtp.logits
+        if router is not None:
+            aux, z = router_losses(config, router)
         else:
-            logits = output
             aux = z = torch.zeros((), dtype=torch.float32, device=logits.device)
         loss, ce = self.module.combine_losses(logits, target, aux, z)
-        self._sums.append(torch.stack([loss, ce, aux, z]).detach().float())
+        terms = [loss, ce, aux, z]
+        if mtp_logits:
+            mtp_loss = self.module.mtp_loss(mtp_logits, batch)
+            loss = loss + config.mtp_loss_weight * mtp_loss
+            terms = [loss, ce, aux, z, mtp_loss]
+        self._sums.append(torch.stack(terms).detach().float())
         return loss / self._n
 
     def _ensure_schedule(self, n_microbatches: int, micro_batch: int, seq_len: int) -> None:
