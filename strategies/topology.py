@@ -99,9 +99,7 @@ class LayoutMesh:
     def holdings(self, config: Any) -> Holdings:
         """The stages, blocks and experts this rank holds of a model `config` (`num_layers`,
         `num_experts`): `ParallelLayout.rank_holdings`."""
-        return self.layout.rank_holdings(
-            self._rank, config.num_layers, config.num_experts, getattr(config, "mtp_depth", 0)
-        )
+        return self.layout.rank_holdings(self._rank, config.num_layers, config.num_experts, config.mtp_depth)
 
     def local_expert_range(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds (a contiguous run of num_experts / E)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import lightning.pytorch as L
 import torch
-from dist_helpers import cpu_trainer, whole_params
+from dist_helpers import cpu_trainer, lightning_env, whole_params
 from equality import (
     ADAMW_EPS,
     MUON_NS_DTYPE,
@@ -118,6 +118,11 @@ def fit_row(
     run.overrides.update(overrides or {})
     bf16 = run.precision == "bf16-true"
     reference = rank is None
+    if not reference:
+        # Lightning launches ranks of its own unless told this one was started (a forkserver child has the
+        # environment the forkserver started with, which need not hold a previous test's LOCAL_RANK: without
+        # this, its launched children failed and Lightning SIGKILLed the rank)
+        lightning_env(rank, run.world_size)
     if reference:
         sharding = {k: v for k, v in run.strategy.items() if k in ("shard_optimizer", "optimizer_options")}
         strategy = XPUMoEStrategy(**sharding) if bf16 else None

@@ -322,7 +322,7 @@ def check_mtp_stages(config: Any, pp_size: int, zero_stage: int | None) -> None:
     with the first stage's by summing their reduced gradients (strategies/pipeline/embedding.py), which
     the unsharded optimizer's whole gradients allow; the sharded optimizer's (`zero_stage` not None)
     shards of them differ between the stages."""
-    if pp_size > 1 and zero_stage is not None and config is not None and getattr(config, "mtp_depth", 0):
+    if pp_size > 1 and zero_stage is not None and config is not None and config.mtp_depth:
         raise SENTENCES.refuse("mtp-across-stages", mtp_depth=config.mtp_depth, pp_size=pp_size)
 
 
