@@ -308,7 +308,7 @@ def test_error_after_training_started_is_a_crash_not_bad_input(sandbox, monkeypa
         main(["fit", "-c", str(TINY_MOE), *FAST, "--trainer.max_steps=3", "--trainer.logger=false"])
 
 
-def test_a_disabled_wandb_run_saves_the_config_in_the_run_directory_only(tmp_path, monkeypatch):
+def test_a_disabled_wandb_run_saves_the_config_in_the_run_directory_only(tmp_path):
     """`WANDB_MODE=disabled` (W&B's own switch) gives a run without a files directory: the config is saved
     beside metrics.csv and nothing is staged for W&B (it failed the run with "No such file")."""
     from types import SimpleNamespace
@@ -317,12 +317,33 @@ def test_a_disabled_wandb_run_saves_the_config_in_the_run_directory_only(tmp_pat
 
     from mula.commands.lightning_cli import MulaSaveConfig
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
-    logger = WandbLogger(save_dir=str(tmp_path))
+    # the run's mode as an argument, not WANDB_MODE: wandb reads its environment once per process, and a
+    # later test's offline run in this worker would be disabled too
+    logger = WandbLogger(save_dir=str(tmp_path), mode="disabled")
     assert not os.path.isdir(logger.experiment.dir)  # what W&B's disabled run says it has
     (tmp_path / "config.yaml").write_text("model: {}\n")
     callback = MulaSaveConfig.__new__(MulaSaveConfig)  # save_config reads only these two
     callback._log_dir, callback.config_filename = str(tmp_path), "config.yaml"
     callback.save_config(SimpleNamespace(loggers=[logger]), None, "fit")
     assert not os.path.exists(logger.experiment.dir)
+    logger.experiment.finish()  # a run left open here was reused by a later test's logger in this worker
+
+
+def test_fit_ends_the_wandb_run_it_started_and_only_that(sandbox):
+    """Lightning's WandbLogger leaves its run open after training. `mula fit` ends the run it started, so
+    a second fit in the same process (a notebook, a sweep) logs to a run of its own, not into the first
+    one's directory; a run the caller started, which the logger reuses, is left to the caller."""
+    import wandb
+
+    one_step = ["fit", "-c", str(TINY_MOE), *FAST, "--trainer.max_steps=1", "--trainer.val_check_interval=1"]
+    main([*one_step, f"--trainer.default_root_dir={sandbox / 'first'}"])
+    assert wandb.run is None
+    assert len(list((sandbox / "first" / "wandb").glob("offline-run-*"))) == 1
+
+    callers = wandb.init(mode="offline", dir=str(sandbox), project="callers")
+    try:
+        main([*one_step, f"--trainer.default_root_dir={sandbox / 'second'}"])
+        assert wandb.run is callers  # still open: the caller's to finish
+    finally:
+        callers.finish()
+    assert not (sandbox / "second" / "wandb").exists()  # it logged into the caller's run

@@ -85,7 +85,13 @@ class MulaCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)  # the module owns AdamW + schedule
         kwargs.setdefault("parser_kwargs", {"prog": "mula"})
         kwargs.setdefault("save_config_callback", MulaSaveConfig)
-        super().__init__(MulaLightningModule, MulaDataModule, args=argv, **kwargs)
+        already_running = current_wandb_run()
+        failed = True
+        try:
+            super().__init__(MulaLightningModule, MulaDataModule, args=argv, **kwargs)
+            failed = False
+        finally:
+            finish_wandb_run(already_running, exit_code=1 if failed else 0)
 
     @staticmethod
     @override
@@ -375,6 +381,24 @@ def name_wandb_run(trainer_config: Any) -> None:
             )
         if is_wandb and init_args is not None and init_args.get("name") is None:
             init_args.name = os.path.basename(os.path.normpath(run_dir(trainer_config.default_root_dir)))
+
+
+def current_wandb_run() -> Any:
+    """The W&B run in progress in this process, or None (also when nothing has imported wandb)."""
+    wandb = sys.modules.get("wandb")
+    return getattr(wandb, "run", None)
+
+
+def finish_wandb_run(already_running: Any, exit_code: int) -> None:
+    """Finish the W&B run this command started, if it started one (`already_running` is the run in
+    progress before it: a run the caller started, which Lightning's WandbLogger reuses, is theirs to end).
+
+    Lightning's WandbLogger leaves its run open when training ends. A second `mula fit` in the same
+    process (a notebook, a sweep, the test suite) would then log into the first run and its directory.
+    """
+    run = current_wandb_run()
+    if run is not None and run is not already_running:
+        run.finish(exit_code=exit_code)
 
 
 def strategy_class_path(trainer_config: Any) -> None:
