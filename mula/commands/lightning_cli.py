@@ -386,7 +386,7 @@ def name_wandb_run(trainer_config: Any) -> None:
 def current_wandb_run() -> Any:
     """The W&B run in progress in this process, or None (also when nothing has imported wandb)."""
     wandb = sys.modules.get("wandb")
-    return getattr(wandb, "run", None)
+    return None if wandb is None else wandb.run
 
 
 def finish_wandb_run(already_running: Any, exit_code: int) -> None:
