@@ -19,6 +19,7 @@ for the router bias anyway), so this callback adds no collective. Layers are nam
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,24 +97,16 @@ class ExpertLoad(L.Callback):
             self._plot(trainer)
 
     def _append(self, step: int, counts: torch.Tensor, first: int) -> None:
-        path = self._dir / LOAD_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists() or path.stat().st_size == 0
-        with open(path, "a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(LOAD_COLUMNS)
-            for layer, row in enumerate(counts.tolist(), start=first):
-                writer.writerows((step, layer, expert, tokens) for expert, tokens in enumerate(row))
+        rows = (
+            (step, layer, expert, tokens)
+            for layer, row in enumerate(counts.tolist(), start=first)
+            for expert, tokens in enumerate(row)
+        )
+        _append_csv(self._dir / LOAD_FILE, LOAD_COLUMNS, rows)
 
     def _append_dropped(self, step: int, fractions: torch.Tensor, blocks: range) -> None:
-        path = self._dir / DROPPED_FILE
-        new = not path.exists() or path.stat().st_size == 0
-        with open(path, "a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(DROPPED_COLUMNS)
-            writer.writerows((step, layer, value) for layer, value in zip(blocks, fractions.tolist()))
+        rows = ((step, layer, value) for layer, value in zip(blocks, fractions.tolist()))
+        _append_csv(self._dir / DROPPED_FILE, DROPPED_COLUMNS, rows)
 
     def _plot(self, trainer: L.Trainer) -> None:
         load_csv = self._dir / LOAD_FILE
@@ -124,3 +117,15 @@ class ExpertLoad(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_image(key="moe/expert_load", images=[str(png)], step=trainer.global_step)
+
+
+def _append_csv(path: Path, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """Append `rows` to the CSV file `path`, writing the header `columns` first when the file is new or
+    empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(columns)
+        writer.writerows(rows)

@@ -62,7 +62,7 @@ from mula.training.lightning_compat import (
     _sync_ddp_if_available,
     sigterm_agreement_on_logging_steps,
 )
-from mula.training.module import mula_module
+from mula.training.module import MulaLightningModule, mula_module
 from strategies.calibrate import Calibration
 from strategies.checkpoint_hooks import CheckpointState, ShardedCheckpointIO
 from strategies.devices.accelerator import fix_mixed_precision_device, process_group_backend
@@ -355,6 +355,18 @@ class XPUMoEStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None and self.topology is not None
         self.accelerator.setup(trainer)
         fix_mixed_precision_device(self.precision_plugin, self.root_device.type)
+        mula = mula_module(self.lightning_module)
+        self._check_setup(trainer, mula)
+        self._lay_out_model(mula)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_setup(self, trainer: Any, mula: MulaLightningModule | None) -> None:
+        """Refuse what this run cannot train, before the model is laid out: loss scaling, clipping by value
+        with the sharded optimizer, and the run's one validation (`check_run`)."""
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
                 "precision='16-mixed' (loss scaling) is not supported by XPUMoEStrategy; use "
@@ -365,8 +377,6 @@ class XPUMoEStrategy(ParallelStrategy):
                 "gradient_clip_algorithm='value' is not supported with shard_optimizer=True; use 'norm' "
                 "(the global norm over all experts) or shard_optimizer=False."
             )
-        module = self.lightning_module
-        mula = mula_module(module)
         # the run's one validation, before the model is laid out (the optimizer is built only after that)
         # and before any split (a compiled tensor-parallel block would stop at its first step)
         check_run(
@@ -379,6 +389,13 @@ class XPUMoEStrategy(ParallelStrategy):
                 sequence_parallel=self.sequence_parallel,
             )
         )  # fmt: skip
+
+    def _lay_out_model(self, mula: MulaLightningModule | None) -> None:
+        """Lay the module's model out over this rank's layout, in order: pipeline stages, experts, the
+        device, tensor and context parallelism, precision, replicas in step (and, with multi-token
+        prediction across stages, the embedding's two copies)."""
+        module = self.lightning_module
+        assert self.topology is not None
         if self.layout.pp > 1:
             stage_model(module)  # checked first, each setup
             if self._pipeline is None:  # Lightning calls setup again for validate/test after fit
@@ -400,11 +417,6 @@ class XPUMoEStrategy(ParallelStrategy):
         if self._pipeline is not None and mula is not None and mula.config.mtp_depth:
             if self._optimizer_step.embedding_copies is None:  # collective: every rank, once
                 self._optimizer_step.embedding_copies = EmbeddingCopies(mula.model.embed, self.topology)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     def spread_forward(self) -> Any:
         """The model's forward across this layout's ranks, for downstream evaluation (`DownstreamEval`,

@@ -8,7 +8,7 @@ tests/test_plan_volumes_tp.py hold the two equal. Two doors cover every collecti
 * eager collectives (`torch.distributed.all_reduce`, `reduce`, `broadcast`, `all_to_all_single`,
   `all_gather_into_tensor`, `reduce_scatter_tensor`, `isend`/`irecv` and the pipeline's batched
   point-to-point operations, whichever module imported them by name) all end in a method of the
-  process group, wrapped once per process (`install`);
+  process group, wrapped once per process (`_install_eager`);
 * torch's functional collectives (`_c10d_functional` ops: DTensor's tensor parallelism, Ulysses'
   all-to-alls, context parallelism's router-loss totals) run in C++ and are seen by a dispatch mode on
   plain tensors, entered with the meter (it steps aside for DTensor arguments, as torch's
@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from mula.plan.collective_kinds import KINDS
+from mula.plan.collective_kinds import KINDS, planned_collectives
 from mula.torch_compat import PROCESS_GROUP_BASE_METHODS, TorchDispatchMode, resolve_process_group
 from mula.training.lightning_compat import ends_optimizer_step
 
@@ -202,7 +202,7 @@ class CollectiveMeter:
     """Counts, while entered, the bytes this process's collectives send and receive and the calls, by kind
     (`mula.plan.collective_kinds.KINDS`; the module docstring says how each is counted).
 
-    `sent`, `received`, `calls`: kind -> total since the last `clear`; entering again adds to them.
+    `sent`, `received`, `calls`: kind -> total since it was built; entering again adds to them.
     Enter it on the thread that runs the step (its dispatch mode is that thread's and autograd's).
     """
 
@@ -220,17 +220,6 @@ class CollectiveMeter:
             self.sent[kind] += sent
             self.received[kind] += received
             self.calls[kind] += 1
-
-    def clear(self) -> None:
-        """Forget what was counted."""
-        self.sent.clear()
-        self.received.clear()
-        self.calls.clear()
-
-    @property
-    def active(self) -> bool:
-        """Whether the meter is entered."""
-        return self._mode is not None
 
     def __enter__(self) -> CollectiveMeter:
         _install_eager()
@@ -320,8 +309,6 @@ def collective_result(
     counted: `steps`, the chosen ones, empty, or a compiled model); `collectives`: the counted steps,
     each rank's counts with its stage, the plan of every stage (`planned_collectives`), and why nothing
     was counted."""
-    from mula.plan.collective_kinds import planned_collectives
-
     planned = planned_collectives(inputs.config, inputs.layout)
     mine = counted.per_step()
     flat = [-1.0] * (len(WAYS) * len(KINDS)) if mine is None else [mine[w][k] for w in WAYS for k in KINDS]

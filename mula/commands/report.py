@@ -37,6 +37,11 @@ PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "tokens_per_sec.png": ("Throughput", "tokens/s", ("train/tokens_per_sec",)),
     "mfu.png": ("Model FLOPs utilisation", "MFU", ("train/mfu",)),
 }
+# metric suffix -> (title, y label) of `<suffix>.png`, which draws every `moe/...<suffix>` metric (each layer's)
+MOE_SUFFIX_PLOTS: dict[str, tuple[str, str]] = {
+    "load_imbalance": ("Load imbalance (max / mean tokens per expert)", "ratio"),
+    "dropped_fraction": ("Choices dropped by the expert capacity", "fraction"),
+}
 # file name -> (title, y label, the metrics `eval/<task>/<metric>` drawn on it, every task's)
 DOWNSTREAM_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "downstream.png": ("Downstream evaluation (in-loop)", "accuracy", ACCURACY_METRICS),
@@ -177,18 +182,11 @@ def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = 
         if drawn:
             plot_series(drawn, title, ylabel, out / name)
             written.append(out / name)
-    imbalance = {k: v for k, v in series.items() if k.startswith("moe/") and k.endswith("load_imbalance")}
-    if imbalance:
-        plot_series(
-            imbalance, "Load imbalance (max / mean tokens per expert)", "ratio", out / "load_imbalance.png"
-        )
-        written.append(out / "load_imbalance.png")
-    dropped = {k: v for k, v in series.items() if k.startswith("moe/") and k.endswith("dropped_fraction")}
-    if dropped:
-        plot_series(
-            dropped, "Choices dropped by the expert capacity", "fraction", out / "dropped_fraction.png"
-        )
-        written.append(out / "dropped_fraction.png")
+    for suffix, (title, ylabel) in MOE_SUFFIX_PLOTS.items():
+        drawn = {k: v for k, v in series.items() if k.startswith("moe/") and k.endswith(suffix)}
+        if drawn:
+            plot_series(drawn, title, ylabel, out / f"{suffix}.png")
+            written.append(out / f"{suffix}.png")
     for name, (title, ylabel, names) in DOWNSTREAM_PLOTS.items():
         drawn = {k: v for k, v in series.items() if _eval_metric(k) in names}
         if drawn:

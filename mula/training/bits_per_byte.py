@@ -20,7 +20,9 @@ validation set.
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -28,6 +30,19 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from mula.training.lightning_compat import KeepsStateDtypes
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class TokenizedData(Protocol):
+    """A data module that knows the tokenizer its data was prepared with (`MulaDataModule`): what val/bpb
+    counts bytes with."""
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer file (or named tokenizer) the data was tokenized with, None when unknown."""
+        ...
 
 
 class BitsPerByte(KeepsStateDtypes, Metric):
@@ -63,6 +78,27 @@ def token_byte_table(lengths: np.ndarray, vocab_size: int, device: torch.device 
     table = torch.zeros(max(len(lengths), vocab_size), dtype=torch.long)
     table[: len(lengths)] = torch.from_numpy(np.asarray(lengths, dtype=np.int64))
     return table.to(device)
+
+
+def tokenizer_byte_table(reference: str | None, vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """`token_byte_table` of the tokenizer `reference` (a data module's `tokenizer_path`); None (val/bpb
+    is not logged) without a tokenizer, or with one that is not byte-level or cannot be loaded (said in
+    the log)."""
+    if reference is None:
+        return None
+    from mula.data.tokenizer import load_tokenizer  # imported here: a run without data never needs it
+
+    try:
+        lengths = load_tokenizer(reference).byte_lengths()
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("val/bpb is not logged: %s", e)
+        return None
+    if lengths is None:
+        log.warning(
+            "val/bpb is not logged: the tokenizer %s is not byte-level (no bytes per token).", reference
+        )
+        return None
+    return token_byte_table(lengths, vocab_size, device)
 
 
 def target_bytes(table: Tensor, targets: Tensor, tokens: int) -> Tensor:

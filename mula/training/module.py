@@ -2,8 +2,9 @@
 
 Loss = cross-entropy + `router_aux_loss_coef` * load-balancing loss + `router_z_loss_coef` * z-loss
 (both coefficients live in `MulaConfig`, so a recipe changes them with `overrides`). AdamW with a
-linear warmup from `min_lr` to `lr`, then a cosine decay back to `min_lr`. Gradient clipping is the
-Trainer's (`gradient_clip_val` in the recipe) so that strategies can clip sharded gradients.
+linear warmup from `min_lr` to `lr`, then a cosine decay back to `min_lr` (`mula.training.lr_schedule`).
+Gradient clipping is the Trainer's (`gradient_clip_val` in the recipe) so that strategies can clip
+sharded gradients.
 
 With `optimizer="muon"` the blocks' matrices train with Muon and the rest with AdamW, in one optimizer
 under the same lr schedule (Moonlight's rule, `mula.training.muon`, docs/muon.md).
@@ -24,11 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -44,47 +44,18 @@ from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
 from mula.model.mtp import check_mtp_sequence, mtp_cross_entropy, shifted_ids, shifted_targets
 from mula.model.transformer import Mula, parse_activation_checkpointing
-from mula.training.bits_per_byte import BitsPerByte, target_bytes, token_byte_table
+from mula.training.bits_per_byte import BitsPerByte, TokenizedData, target_bytes, tokenizer_byte_table
 from mula.training.host_allocator import reuse_freed_host_memory
 from mula.training.lightning_compat import FullPrecisionMean, ends_optimizer_step, logs_train_step
+from mula.training.lr_schedule import lr_factor
+from mula.training.lr_schedule import warmup_cosine as warmup_cosine  # re-exported: tests import it here
 from mula.training.muon import MulaMuon, check_muon_options, optimizer_param_groups
 from mula.training.strategy_contract import MulaStrategy, mula_strategy
-
-log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class TokenizedData(Protocol):
-    """A data module that knows the tokenizer its data was prepared with (`MulaDataModule`): what val/bpb
-    counts bytes with."""
-
-    @property
-    def tokenizer_path(self) -> str | None:
-        """The tokenizer file (or named tokenizer) the data was tokenized with, None when unknown."""
-        ...
-
 
 OPTIMIZERS = ("adamw", "muon")
 # The per-step loss metrics, in the order of the all-reduced vector (see `_log_step_losses`); the MTP loss
 # (`mtp_loss_weight` not applied) only with multi-token prediction, as the last entry.
 STEP_LOSSES = ("train/loss", "train/ce_loss", "train/aux_loss", "train/z_loss", "train/mtp_loss")
-
-
-def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
-    """Learning rate after `step` optimizer steps.
-
-    Linear warmup from `min_lr` (step 0) to `lr` (step `warmup_steps`), then a half cosine from `lr`
-    down to `min_lr` at step `decay_steps`, and `min_lr` after that.
-    """
-    if step < warmup_steps:
-        return min_lr + (lr - min_lr) * step / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _lr_factor(step: int, **kwargs: Any) -> float:
-    """`warmup_cosine` as a multiple of the base lr (what `LambdaLR` wants)."""
-    return warmup_cosine(step, **kwargs) / kwargs["lr"]
 
 
 class MulaLightningModule(L.LightningModule):
@@ -262,22 +233,8 @@ class MulaLightningModule(L.LightningModule):
         reference = datamodule.tokenizer_path if isinstance(datamodule, TokenizedData) else None
         if reference == self._token_bytes_of:
             return
-        self._token_bytes, self._token_bytes_of = None, reference
-        if reference is None:
-            return
-        from mula.data.tokenizer import load_tokenizer  # imported here: a run without data never needs it
-
-        try:
-            lengths = load_tokenizer(reference).byte_lengths()
-        except (FileNotFoundError, ValueError) as e:
-            log.warning("val/bpb is not logged: %s", e)
-            return
-        if lengths is None:
-            log.warning(
-                "val/bpb is not logged: the tokenizer %s is not byte-level (no bytes per token).", reference
-            )
-            return
-        self._token_bytes = token_byte_table(lengths, self.config.vocab_size, self.device)
+        self._token_bytes_of = reference
+        self._token_bytes = tokenizer_byte_table(reference, self.config.vocab_size, self.device)
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -550,7 +507,7 @@ class MulaLightningModule(L.LightningModule):
         # a partial of a module-level function: LambdaLR checkpoints no state for it, so a resumed run
         # follows the schedule of its (possibly edited) recipe
         factor = functools.partial(
-            _lr_factor,
+            lr_factor,
             lr=self.lr,
             min_lr=self.min_lr,
             warmup_steps=self.warmup_steps,

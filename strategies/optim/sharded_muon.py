@@ -159,11 +159,13 @@ class EPShardedMuon(EPShardedAdamW):
     # ----------------------------------------------------------------------------------------
     # update
 
-    def _update_and_gather(self, step: Tensor) -> None:
+    def _update_and_gather(self, step: Tensor, found_inf: Tensor | None = None) -> None:
+        # (`found_inf` is always None here: `step` refuses it, `masks_update_on_device` being False with
+        # Muon's buckets; the AdamW buckets take it as `EPShardedAdamW`'s do)
         muon = [i for i, b in enumerate(self.buckets) if b.muon]
         for i, b in enumerate(self.buckets):
             if not b.muon:
-                self._update_bucket(i, self.shard_grad, step)
+                self._update_bucket(i, self.shard_grad, step, found_inf)
                 self._gather.launch(i, self.bucket_state(i)[0])
         sends: dict[int, _InFlight] = {}
         returns: list[_InFlight] = []

@@ -407,10 +407,7 @@ class EPShardedAdamW(ShardClipping, ShardReporting, torch.optim.Optimizer):
         if self._host is not None:  # validate the speculative host updates, run the rest
             self._host.finish()
         step = self.step_count.to(self.device)  # (the device buckets' step count)
-        if found_inf is None:
-            self._update_and_gather(step)
-        else:
-            self._update_and_gather(step, found_inf)
+        self._update_and_gather(step, found_inf)
         if not self.options.overlap_param_gather:
             self.wait_for_params()
         self._p.steps_done += 1
