@@ -28,6 +28,13 @@ from test_strategy import _StepLosses  # per step: the global-batch loss and the
 
 from mula.layout.features import MICRO, MICROS, PRESET, SEQ, probe
 from mula.training.module import MulaLightningModule
+
+# how a compiled row compiles: dynamo and AOTAutograd trace every block, and the traced graphs run as
+# traced ("aot_eager"). A layout changes what they trace (DTensor weights, a pipeline stage's blocks, the
+# strategy's hooks, checkpoint boundaries, the MoE layer's graph break); Inductor's code for a traced
+# graph is held against eager by tests/test_compile.py (the tiny MoE and dense models, E x P stages,
+# bf16-true, recompute). Inductor's C++ compile on every rank made a compiled row about 4x slower here.
+COMPILE_BACKEND = {"backend": "aot_eager"}
 from strategies import XPUMoEStrategy
 from strategies.optim.state import whole_state
 
@@ -150,7 +157,7 @@ def fit_row(
     module = MulaLightningModule(
         PRESET, overrides=run.overrides, lr=lr, min_lr=lr / 10, warmup_steps=1, decay_steps=10, eps=ADAMW_EPS,
         activation_checkpointing="none" if exact else run.activation_checkpointing,
-        compile=False if exact else run.compile, optimizer=run.optimizer,
+        compile=COMPILE_BACKEND if run.compile and not exact else False, optimizer=run.optimizer,
         muon_ns_dtype="bfloat16" if bf16 else MUON_NS_DTYPE,  # fp32 rows: tests/equality.py, mechanism 3
     )  # fmt: skip
     trainer.fit(module, batches)

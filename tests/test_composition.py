@@ -7,8 +7,8 @@ fp32 rows equal the plain model in one process (eager, nothing recomputed, torch
 equality rule (tests/equality.py); bf16-true rows equal one process of the same optimizer in bf16 by
 bf16's rule. Under offload, every rank's host updates start during backward (speculation). The rows train in 4-rank launches of
 `ROWS_PER_LAUNCH` rows each (a launch's bf16 references in one 1-rank launch), so the matrix costs a few
-process starts, not one per row, and no test waits for more than a few rows; the compiled rows share one
-Inductor cache. An fp32 row whose near-tied expert choice rounding flipped (every moved choice within its
+process starts, not one per row, and no test waits for more than a few rows; the compiled rows compile
+through AOTAutograd (tests/composition.py `COMPILE_BACKEND` says why). An fp32 row whose near-tied expert choice rounding flipped (every moved choice within its
 reference's near ties) trains again, it and its reference, on the next data seed (`DATA_SEEDS`); a routing
 difference near ties do not explain fails at once.
 """
