@@ -2,9 +2,12 @@
 
 In the spirit of torchtitan's `parallelize`: the plain model is built as usual, then
 `apply_tensor_parallel` hands `torch.distributed.tensor.parallel.parallelize_module` one plan per
-module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md):
+module over the job mesh's "tp" dimension (T ranks, docs/tensor-parallel.md), the embedding excepted
+(Mula's own vocabulary-parallel module):
 
-    embed        vocabulary-parallel (RowwiseParallel: rows of the table split over T)
+    embed        vocabulary-parallel (`VocabParallelEmbedding`, Megatron's: rows of the table split
+                 over T, each rank looking up its rows on local tensors, the partial embeddings summed
+                 over the group, or reduce-scattered along the sequence under SP)
     attention    q/k/v column-parallel (each rank computes num_heads / T heads, kv_heads / T KV
                  heads), o_proj row-parallel (one all-reduce, or reduce-scatter under SP)
     QK-norm      `ShardedFeatureNorm`: Mula normalises q and k over ALL heads' features (as OLMoE),
@@ -38,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -98,6 +102,86 @@ def _sum(x: Tensor, group: Any) -> Tensor:
     from torch.distributed.nn.functional import all_reduce
 
     return all_reduce(local, group=group)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An `nn.Embedding` whose [V, H] table is split along the vocabulary over the TP group (Megatron's
+    vocabulary-parallel embedding): `weight` is a DTensor Shard(0) over `tp_mesh` (as torch's
+    `RowwiseParallel` makes it: checkpoints, the gradient reduction and the tied LM head see the same
+    parameter), but the forward works on local tensors (`_VocabParallelLookup`): this rank looks up the
+    ids among its V / T rows, zero for the ids other ranks hold, and the partial embeddings are summed
+    over the group. Its output is a plain tensor: [B, S, H], or this rank's [B, S / T, H] under sequence
+    parallelism; its weight's gradient is this rank's rows only.
+
+    Why not `RowwiseParallel`: its output is a DTensor whose autograd chain (the mask partial placement
+    redistributed, then taken apart by `to_local`) fails in backward as soon as the gradient reaching it
+    is not the one eager DTensor layers hand back: a `torch.compile`d block after it (AOTAutograd,
+    torch 2.13) makes its backward stop with "Redistribution from one partial type (P(sum)) to another
+    (MaskP...) is unsupported" (or "'Tensor' object has no attribute '_local_tensor'"); so does an
+    eager `clone()` in between. Made in place by `_split_embedding` (a pipeline stage built before the
+    split holds the module), as `fully_shard` swaps a module's class.
+    """
+
+    tp_mesh: Any
+    sequence_parallel: bool
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids [B, S] (every TP rank the same) -> [B, S, H], or [B, S / T, H] under SP."""
+        local = self.weight.to_local()  # this rank's rows; the gradient comes back as a Shard(0) DTensor
+        out = Shard(1) if self.sequence_parallel else Replicate()
+        return _VocabParallelLookup.apply(ids, local, self.tp_mesh, out)
+
+
+def _held_ids(ids: Tensor, first: int, rows: int) -> tuple[Tensor, Tensor]:
+    """(the ids as rows of this rank's `rows` rows from vocabulary entry `first`, 0 where another rank
+    holds the id; where another rank holds it)."""
+    shifted = ids - first
+    elsewhere = (shifted < 0) | (shifted >= rows)
+    return shifted.masked_fill(elsewhere, 0), elsewhere
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """The vocabulary-parallel lookup of `ids` in this rank's rows `local` of the table.
+
+    Forward: the embedding of the ids this rank holds, zero for the others, summed over the TP group by
+    the collective DTensor runs from Partial to `out` (an all-reduce to Replicate, or a reduce-scatter
+    to Shard(1) under SP). Backward: the output's gradient made Replicate (as it is, or all-gathered
+    along the sequence: it is complete on every rank, and every rank's partial took part in every
+    output element), then the embedding's backward on this rank's rows (the ids other ranks hold
+    masked out). Only the ids are kept for backward, as a plain embedding keeps them. No DTensor
+    autograd: the placements only run the collectives."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, local: Tensor, tp_mesh: Any, out: Any) -> Tensor:
+        rows = local.shape[0]
+        held, elsewhere = _held_ids(ids, tp_mesh.get_local_rank() * rows, rows)
+        partial = F.embedding(held, local).masked_fill_(elsewhere.unsqueeze(-1), 0)
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.tp_mesh, ctx.out = rows, tp_mesh, out
+        summed = DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
+        return summed.redistribute(tp_mesh, [out]).to_local()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None, None]:
+        (ids,) = ctx.saved_tensors
+        whole = DTensor.from_local(grad, ctx.tp_mesh, [ctx.out], run_check=False)
+        whole = whole.redistribute(ctx.tp_mesh, [Replicate()]).to_local()
+        held, elsewhere = _held_ids(ids, ctx.tp_mesh.get_local_rank() * ctx.rows, ctx.rows)
+        mine = whole.masked_fill(elsewhere.unsqueeze(-1), 0)
+        rows_grad = torch.ops.aten.embedding_backward(mine, held, ctx.rows, -1, False, False)
+        return None, rows_grad, None, None
+
+
+def _split_embedding(embed: nn.Embedding, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Make `embed` a `VocabParallelEmbedding` in place: its table a Shard(0) DTensor over `tp_mesh`,
+    taken from the TP group's first rank (as `RowwiseParallel` distributes it)."""
+    weight = embed.weight
+    embed.weight = nn.Parameter(
+        distribute_tensor(weight.detach(), tp_mesh, [Shard(0)]), requires_grad=weight.requires_grad
+    )
+    embed.__class__ = VocabParallelEmbedding
+    assert isinstance(embed, VocabParallelEmbedding)
+    embed.tp_mesh, embed.sequence_parallel = tp_mesh, sequence_parallel
 
 
 def _split_attention(attn: Attention, tp_mesh: Any, sequence_parallel: bool) -> None:
@@ -175,17 +259,13 @@ def apply_tensor_parallel(model: Mula, tp_mesh: Any, sequence_parallel: bool = F
     """
     sp = sequence_parallel
     # under SP the residual stream between layers is this rank's 1/T of the sequence (a local tensor)
-    ends: dict[str, Any] = {}
     if model.embed is not None:
-        ends["embed"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()
-        )
+        _split_embedding(model.embed, tp_mesh, sp)
     if model.lm_head is not None:
-        ends["lm_head"] = ColwiseParallel(
+        lm_head = ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
         )
-    if ends:
-        parallelize_module(model, tp_mesh, ends)
+        parallelize_module(model, tp_mesh, {"lm_head": lm_head})
     if model.embed is not None and model.lm_head is not None:
         # tie_embeddings: both plans split the [V, H] table along the vocabulary (dim 0, Shard(0)), so
         # the LM head can take the embedding's DTensor itself: one parameter, both uses' gradients summed

@@ -378,14 +378,12 @@ class XPUMoEStrategy(ParallelStrategy):
                 "(the global norm over all experts) or shard_optimizer=False."
             )
         # the run's one validation, before the model is laid out (the optimizer is built only after that)
-        # and before any split (a compiled tensor-parallel block would stop at its first step)
         check_run(
             RunSettings(
                 self.layout, None if mula is None else mula.config, precision=str(trainer.precision),
                 fp32_masters=self.keeps_fp32_master_weights, strategy=type(self).__name__,
                 zero_stage=self.optimizer_options.get("zero_stage", 1) if self.shard_optimizer else None,
                 offload=self.offloads_optimizer, optimizer="adamw" if mula is None else mula.optimizer,
-                compile=mula is not None and mula.compile_settings is not None,
                 sequence_parallel=self.sequence_parallel,
             )
         )  # fmt: skip

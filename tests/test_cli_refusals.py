@@ -87,7 +87,6 @@ CASES: dict[str, Case] = {
                                      {"count": 4, "what": "attention heads", "tp_size": 8}),
     "capacity with T": Case(TINY_MOE, 2, [f"{S}tensor_parallel_size=2", "--model.overrides.capacity_factor=1.25"],
                             "capacity-with-split-tokens", {"by": "tensor_parallel_size=2"}),
-    "compile with T": Case(TINY_DENSE, 2, [f"{S}tensor_parallel_size=2", "--model.compile=true"], "compile-with-tp", {"tp_size": 2}),
     "heads not divisible by C": Case(TINY_MOE, 8, [f"{S}context_parallel_size=8"], "cp-split",
                                      {"count": 4, "what": "attention heads", "by": "context_parallel_size=8"}),
     "sequence not divisible by C": Case(TINY_MOE, 2, [f"{S}context_parallel_size=2", "--data.seq_len=255"], "sequence-split",

@@ -7,8 +7,11 @@ compiled run goes on for 50 more steps: after the first 3 steps, learned and une
 nothing more, counted from torch's compile callbacks) and a tiny dense one, with
 `activation_checkpointing: full` and with every part checkpointed, and on 4 gloo ranks with
 E = 2 x P = 2 (there also bf16-true with fp32 masters and the meta-device build, compiled against eager
-within bf16's rounding). Graph breaks: at most one per MoE block kind, none in a dense block
-(docs/compile.md says why). State-dict keys are those of the eager model (no `_orig_mod.`).
+within bf16's rounding), and under tensor parallelism (T = 2 on 2 gloo ranks: the MoE model with
+sequence parallelism through Inductor, the dense one through "aot_eager", and a planted bug in the
+vocabulary-parallel embedding's backward that the rule rejects). Graph breaks: at most one per MoE
+block kind, none in a dense block (docs/compile.md says why). State-dict keys are those of the eager
+model (no `_orig_mod.`).
 
 CI time: torch.compile on a small CPU is slow, so the tests share one Inductor cache (a module-scoped
 directory) -- the graphs of identical blocks compile once, the later runs and the 4 ranks find them
@@ -25,9 +28,17 @@ from dist_helpers import cpu_trainer, lightning_env, run_distributed
 from equality import ADAMW_EPS, RoutingRecord, assert_same_training, assert_same_weights, seeded
 from test_strategy import _StepLosses  # per step: the global-batch loss and the global gradient norm
 from test_tensor_parallel import MICROS_PER_STEP, _Batches  # vocabulary 256
+from torch.distributed.tensor import DTensor
 
 from callbacks import MemoryMetrics
-from mula.model.compile import CompileWatch, compile_blocks, compile_regions, parse_compile, use_cache_dir
+from mula.model.compile import (
+    CompileWatch,
+    compile_blocks,
+    compile_regions,
+    parse_compile,
+    rank_cache_dir,
+    use_cache_dir,
+)
 from mula.training.module import MulaLightningModule
 from strategies import XPUMoEStrategy
 
@@ -64,8 +75,9 @@ def _fit(
     steps=STEPS,
     checkpointing="none",
     precision="32-true",
+    world=4,
 ):
-    """Train; return (the step losses' record: what `equality.assert_same_training` compares, with the
+    """Train on `world` ranks under `strategy` (one process without it); return (the step losses' record: what `equality.assert_same_training` compares, with the
     near ties of the eager one-process reference; parameters after step 20, state-dict keys, per step:
     the compile counters and the step's expert counts)."""
     import lightning.pytorch as L
@@ -90,7 +102,7 @@ def _fit(
 
     torch._dynamo.reset()  # each run traces afresh (the graphs themselves come from the shared cache)
     trainer = cpu_trainer(
-        4 if strategy is not None else 1,
+        world if strategy is not None else 1,
         strategy,
         max_steps=steps,
         accumulate_grad_batches=1 if staged else MICROS_PER_STEP // dp_size,
@@ -111,7 +123,8 @@ def _fit(
             strategy._sharded_optimizer().wait_for_params()
         for name, p in module.named_parameters():
             first = strategy.topology.rank("ep") * p.shape[0] if ".experts." in name else 0
-            params[name] = (first, p.detach().clone())
+            whole = p.full_tensor() if isinstance(p, DTensor) else p  # a tensor-parallel split gathered
+            params[name] = (first, whole.detach().clone())
     return losses.record(), params, list(module.state_dict()), snapshots
 
 
@@ -213,6 +226,60 @@ def _expert_pipeline(rank: int, world: int, cache_dir: str):
     return fp32, bf16
 
 
+def _sum_vocab_grads_over_tp() -> None:
+    """A planted bug: the vocabulary-parallel embedding's backward also sums the output's gradient over
+    the TP group (the backward of an all-reduce, where each rank's gradient is already the whole one):
+    T times the embedding's gradient, the forward unchanged."""
+    import torch.distributed as dist
+
+    import strategies.tensor_parallel as tp
+
+    proper = tp._VocabParallelLookup.backward
+
+    def summed(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.tp_mesh.get_group())
+        return proper(ctx, grad)
+
+    tp._VocabParallelLookup.backward = staticmethod(summed)
+
+
+def _tensor_parallel(rank: int, world: int, cache_dir: str) -> dict:
+    """T = 2 on 2 ranks: the MoE model with sequence parallelism through Inductor, the dense one without
+    through AOTAutograd alone ("aot_eager"), then the dense one again with the planted bug."""
+    lightning_env(rank, world)
+    out = {}
+    for key, kind, sp, backend in (
+        ("moe sp", "moe", True, "inductor"),
+        ("dense", "dense", False, "aot_eager"),
+    ):
+        strategy = XPUMoEStrategy(tensor_parallel_size=2, sequence_parallel=sp, shard_optimizer=False)
+        out[key] = _fit(kind, {"cache_dir": cache_dir, "backend": backend}, strategy, world=2)
+    _sum_vocab_grads_over_tp()
+    strategy = XPUMoEStrategy(tensor_parallel_size=2, shard_optimizer=False)
+    out["planted"] = _fit("dense", {"cache_dir": cache_dir, "backend": "aot_eager"}, strategy, world=2)
+    return out
+
+
+def test_compiled_tensor_parallel_matches_eager(eager, cache_dir) -> None:
+    """Compiled blocks under tensor parallelism (T = 2, 2 gloo ranks) against the eager one-process runs:
+    the vocabulary-parallel embedding before the first compiled block hands back the gradient it gets
+    (`strategies.tensor_parallel.VocabParallelEmbedding`; torch's `RowwiseParallel` stopped the first
+    backward there). The planted bug (the embedding's gradient summed over the TP group) fails the rule."""
+    runs = run_distributed(_tensor_parallel, 2, cache_dir)
+    for rank, out in enumerate(runs):
+        for key, kind in (("moe sp", "moe"), ("dense", "dense")):
+            record, params, keys, snaps = out[key]
+            ref_record, ref_params, ref_keys, _ = eager[kind]
+            what = f"compiled T=2 {key}, rank {rank}"
+            assert keys == ref_keys, what
+            assert_same_training(record, ref_record, what=what)
+            assert_same_weights({n: v for n, (_, v) in params.items()}, ref_params, what=what)
+            assert snaps[-1]["compile/compiles"] >= 1 and snaps[-1]["compile/recompiles"] == 0, what
+        with pytest.raises(AssertionError, match="planted"):
+            assert_same_training(out["planted"][0], eager["dense"][0], what="planted")
+
+
 def _warm_bf16_cache(cache_dir: str) -> None:
     """Compile the bf16 block graphs once here, so the 4 ranks load them from the cache instead of each
     compiling them at the same time on a small runner."""
@@ -257,6 +324,14 @@ def test_compiled_moe_under_expert_parallel_pipeline_stages_matches_eager(eager,
         assert set(dtypes.values()) == set(compiled_dtypes.values()) == {torch.bfloat16}
         assert master == compiled_master == torch.float32
         assert snaps[-1]["compile/compiles"] >= 1
+
+
+def test_ranks_keep_caches_of_their_own_where_graphs_hold_their_groups_collectives() -> None:
+    """Under T or C a compiled graph names this rank's process groups, which Inductor's cache keys leave
+    out (docs/compile.md): each rank a directory of its own; otherwise one shared directory."""
+    assert rank_cache_dir("/c", 3, tp_size=1, cp_size=1) == "/c"
+    assert rank_cache_dir("/c", 3, tp_size=2, cp_size=1) == os.path.join("/c", "rank3")
+    assert rank_cache_dir("/c", 0, tp_size=1, cp_size=2) == os.path.join("/c", "rank0")
 
 
 def test_settings_are_checked_before_any_work() -> None:

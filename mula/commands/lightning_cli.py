@@ -280,7 +280,6 @@ class MulaCLI(LightningCLI):
                 fp32_masters=strategy is not None and strategy.keeps_fp32_master_weights,
                 strategy=type(self.trainer.strategy).__name__,
                 offload=strategy is not None and strategy.offloads_optimizer, optimizer=self.model.optimizer,
-                compile=self.model.compile_settings is not None,
             )
         )  # fmt: skip
 

@@ -251,7 +251,7 @@ def refusal(features: Iterable[str]) -> str | None:
                 run.layout, resolve_config(PRESET, run.overrides), seq_len=SEQ, global_batch=MICROS * MICRO,
                 micro_batch=run.micro_batch, micro_batches=run.micro_batches, precision=run.precision,
                 fp32_masters=sharded, zero_stage=options.get("zero_stage") if sharded else None,
-                offload=bool(options.get("offload")), optimizer=run.optimizer, compile=run.compile,
+                offload=bool(options.get("offload")), optimizer=run.optimizer,
                 sequence_parallel=bool(run.strategy.get("sequence_parallel")),
             )
         )  # fmt: skip

@@ -54,11 +54,6 @@ SENTENCES = Sentences({
         "capacity_factor is not yet available with {by}, which splits a micro-batch's tokens (the "
         "capacity counts them all); leave capacity_factor unset."
     ),
-    "compile-with-tp": (
-        "model.compile is not yet available with tensor_parallel_size={tp_size} (torch 2.13 drops a "
-        "compiled TP block's input gradient: \"no attribute '_local_tensor'\"); compile at T = 1 or "
-        "train eagerly."
-    ),
     "muon-with-tp": (
         "model.optimizer=muon is not available with tensor_parallel_size={tp_size} (Newton-Schulz needs "
         "each whole matrix, and a tensor-parallel rank holds a slice of it); use tensor_parallel_size=1."
@@ -208,19 +203,6 @@ def check_capacity(config: Any, tp_size: int, cp_size: int) -> None:
              ("context_parallel_size", cp_size)) if size > 1]  # fmt: skip
     if split:
         raise SENTENCES.refuse("capacity-with-split-tokens", by=" x ".join(split))
-
-
-def check_compile(compile_blocks: bool, tp_size: int) -> None:
-    """Refuse `model.compile` with tensor parallelism. Earlier torch releases could not trace the
-    blocks' DTensor weights (dynamo stopped building its fake copy of one: "Attempted to set the
-    storage of a tensor on device cpu to a storage on different device meta"). torch 2.13 traces them
-    (the "eager" backend trains T = 2 as eagerly), but AOTAutograd ("aot_eager", "inductor") drops the
-    gradient of a compiled region's input that its DTensor layers take in: a Mula at T = 2 stops in
-    its first backward, and torch alone shows it with an embedding under `RowwiseParallel` feeding a
-    compiled `ColwiseParallel` Linear, whose embedding gets no gradient (None) where eager gets one
-    (docs/compile.md)."""
-    if compile_blocks and tp_size > 1:
-        raise SENTENCES.refuse("compile-with-tp", tp_size=tp_size)
 
 
 def check_optimizer(optimizer: str, tp_size: int, offload: bool) -> None:

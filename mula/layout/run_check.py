@@ -3,10 +3,10 @@
 A run is refused for its layout (`ParallelLayout.validate`: sizes, schedule, stage split, experts,
 heads, batch split, ZeRO stage, micro-batches) and for what the layout meets elsewhere: sequence
 parallelism without T, a sequence C ranks cannot split, half-precision weights without fp32 masters,
-Muon where it cannot run, compiled tensor-parallel blocks. `check_run` applies every rule of
-`mula.layout.rules` in the order a run meets them, so `XPUMoEStrategy.setup`, `mula fit`'s checks before
-training, `mula plan` (`mula.plan.layout.check_runnable`) and the registry of layout features
-(`mula.layout.features.refusal`) accept and refuse the same runs with the same sentence. Torch-free.
+Muon where it cannot run. `check_run` applies every rule of `mula.layout.rules` in the order a run meets
+them, so `XPUMoEStrategy.setup`, `mula fit`'s checks before training, `mula plan`
+(`mula.plan.layout.check_runnable`) and the registry of layout features (`mula.layout.features.refusal`)
+accept and refuse the same runs with the same sentence. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from mula.layout.parallel_layout import ParallelLayout
 from mula.layout.rules import (
-    check_compile,
     check_master_weights,
     check_optimizer,
     check_sequence_parallel,
@@ -31,7 +30,7 @@ class RunSettings:
     `micro_batch` (sequences) and `micro_batches` per data-parallel rank, the trainer's `precision`,
     whether the optimizer keeps `fp32_masters` (the sharded optimizer; `strategy`: the strategy's class
     name, for the sentence), the sharded optimizer's `zero_stage` (None: not sharded) and `offload`,
-    `model.optimizer`, `model.compile` (`compile`) and `sequence_parallel`. None: not known (not checked)."""
+    `model.optimizer` and `sequence_parallel`. None: not known (not checked)."""
 
     layout: ParallelLayout
     config: Any = None
@@ -45,7 +44,6 @@ class RunSettings:
     zero_stage: int | None = None
     offload: bool = False
     optimizer: str = "adamw"
-    compile: bool = False
     sequence_parallel: bool = False
 
 
@@ -57,7 +55,6 @@ def check_run(run: RunSettings) -> None:
         check_sequence_split(run.seq_len, run.layout.cp)
     check_master_weights(run.precision, run.fp32_masters, run.strategy)
     check_optimizer(run.optimizer, tp, run.offload)
-    check_compile(run.compile, tp)
     run.layout.validate(
         run.config, zero_stage=run.zero_stage, global_batch=run.global_batch, micro_batch=run.micro_batch,
         micro_batches=run.micro_batches,

@@ -26,7 +26,14 @@ from mula import torch_compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileSettings", "CompileWatch", "compile_blocks", "parse_compile", "use_cache_dir"]
+__all__ = [
+    "CompileSettings",
+    "CompileWatch",
+    "compile_blocks",
+    "parse_compile",
+    "rank_cache_dir",
+    "use_cache_dir",
+]
 
 # the `torch.compile` arguments a recipe may set (the rest are Mula's own)
 _TORCH_KEYS = ("mode", "dynamic", "fullgraph", "backend", "options")
@@ -97,6 +104,20 @@ def use_cache_dir(path: str) -> None:
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
     torch_compat.enable_compile_caches()
+
+
+def rank_cache_dir(path: str, rank: int, tp_size: int, cp_size: int) -> str:
+    """The Inductor cache directory of global rank `rank`: `path` itself, shared by all ranks, unless the
+    compiled blocks hold collectives over the rank's own groups (tensor parallelism, T > 1; Ulysses
+    context parallelism, C > 1): then `path/rank<rank>`. A compiled graph names the process group of
+    each collective by torch's per-process counter (the TP group of ranks 0-1 is "11" where that of
+    ranks 2-3 is "12"), and Inductor's cache keys leave the name out: a rank loading a graph another
+    rank wrote stops with "Could not resolve the process group registered under the name 12" (seen
+    under torch 2.13 with T = 2 x DP = 2, the second run in the same cache). Each rank's own graphs name
+    its own groups, the same in a resumed run (the groups are made in the same order)."""
+    if tp_size > 1 or cp_size > 1:
+        return os.path.join(path, f"rank{rank}")
+    return path
 
 
 def compile_regions(block: nn.Module) -> list[tuple[nn.Module, str | None]]:

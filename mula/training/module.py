@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from mula.layout.rules import check_master_weights as rules_check_master_weights
-from mula.model.compile import CompileWatch, compile_blocks, parse_compile, use_cache_dir
+from mula.model.compile import CompileWatch, compile_blocks, parse_compile, rank_cache_dir, use_cache_dir
 from mula.model.config import MulaConfig, resolve_config
 from mula.model.moe import iter_moe_layers
 from mula.model.moe.balancing import step_counts, update_router_bias
@@ -197,11 +197,17 @@ class MulaLightningModule(L.LightningModule):
 
     def _compile_model(self) -> None:
         """Compile the blocks (once), now that the strategy has laid the model out: Inductor's cache
-        in `cache_dir` (default: the run directory's `compile_cache`), the counters started."""
+        in `cache_dir` (default: the run directory's `compile_cache`; a directory per rank in it under
+        T or C, `rank_cache_dir`), the counters started."""
         settings = self.compile_settings
         if settings is None or self._compile_watch is not None:
             return
-        use_cache_dir(settings.cache_dir or os.path.join(self.trainer.default_root_dir, "compile_cache"))
+        cache_dir = settings.cache_dir or os.path.join(self.trainer.default_root_dir, "compile_cache")
+        strategy = self._strategy()
+        if strategy is not None:  # a rank of its own cache where the graphs hold its groups' collectives
+            layout = strategy.parallel_layout(self.trainer.world_size)
+            cache_dir = rank_cache_dir(cache_dir, self.trainer.global_rank, layout.tp, layout.cp)
+        use_cache_dir(cache_dir)
         self._compile_watch = CompileWatch(settings.warmup_steps).start()
         compile_blocks(self.model.layers, settings)
 

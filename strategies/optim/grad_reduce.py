@@ -68,11 +68,11 @@ def laid_out_grad(p: Tensor, grad: Tensor) -> Tensor:
 
     A DTensor gradient can come back in another layout than its parameter: Partial (a sum over the TP
     group still to be taken: a norm weight under sequence parallelism sees 1/T of the tokens on each
-    rank) or Replicate for a split parameter (the vocabulary-parallel embedding). Redistributing it to
-    the parameter's placements takes the missing sum over the TP group (an all-reduce) or this rank's
-    slice; skipping the all-reduce would silently train such weights on 1/T of the batch
-    (tests/test_tensor_parallel.py checks it). A plain parameter marked by `mark_tp_partial` has a
-    plain gradient that is Partial all the same: it gets the same sum (a new tensor, `grad` is kept)."""
+    rank) or Replicate for a split parameter. Redistributing it to the parameter's placements takes
+    the missing sum over the TP group (an all-reduce) or this rank's slice; skipping the all-reduce
+    would silently train such weights on 1/T of the batch (tests/test_tensor_parallel.py checks it). A
+    plain parameter marked by `mark_tp_partial` has a plain gradient that is Partial all the same: it
+    gets the same sum (a new tensor, `grad` is kept)."""
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
         return grad.redistribute(p.device_mesh, p.placements)
     mesh = getattr(p, _TP_PARTIAL, None)
