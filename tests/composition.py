@@ -96,7 +96,7 @@ def skip_updates_on(victim: int, optimizer: str) -> None:
     if torch.distributed.get_rank() != victim:
         return
     if optimizer == "adamw":
-        EPShardedAdamW._update_bucket = lambda self, index, grads, step: None
+        EPShardedAdamW._update_bucket = lambda self, index, grads, step, found_inf=None: None
         return
 
     def apply(self, flight) -> None:  # EPShardedMuon._apply without the master's update
